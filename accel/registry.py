@@ -1,0 +1,298 @@
+"""Kernel registry: each public kernel op resolves to its Triton implementation or its PyTorch reference.
+
+Why: users must always know which code ran. The choice is inspectable per op (``implementation``,
+``report``), logged once per op, and ``DSV3_STRICT_KERNELS=1`` turns any fall-back to the
+reference into a ``KernelFallbackError`` naming the op and the reason.
+
+Selection (``DSV3_KERNEL_IMPL`` or the ``force`` context): ``auto`` (Triton where it can run,
+else the reference), ``triton`` (Triton or an error), ``reference`` (always the reference; an
+explicit choice, never a fall-back).
+
+Kernel modules register like this::
+
+    @registry.reference_for("deep_gemm.fp8_gemm_nt")
+    def fp8_gemm_nt_reference(...): ...
+
+    fp8_gemm_nt_op = registry.register("deep_gemm.fp8_gemm_nt", reference=fp8_gemm_nt_reference,
+                                       triton=fp8_gemm_nt_triton, verify=VerifySpec(...))
+
+and allocate outputs they return through ``registry.empty`` so the verification harness can
+poison them with NaN. References wrapped by ``reference_for`` count their calls even when called
+directly, which is how the harness proves a kernel did not quietly run the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from accel import backend as _backend
+
+IMPL_ENV = "DSV3_KERNEL_IMPL"
+STRICT_ENV = "DSV3_STRICT_KERNELS"
+IMPLS = ("auto", "triton", "reference")
+
+log = logging.getLogger("accel.kernels")
+
+
+class KernelFallbackError(RuntimeError):
+    """A kernel op would have run its reference although the Triton kernel was required."""
+
+
+class Unsupported(Exception):
+    """Raised by a Triton implementation for inputs it cannot handle (the message says why)."""
+
+
+@dataclass
+class Case:
+    """One call of an op: its arguments, and which of them are written in place (outputs).
+
+    ``outputs`` holds positions in ``args`` (int) or names in ``kwargs`` (str).
+    """
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple[int | str, ...] = ()
+
+
+@dataclass
+class VerifySpec:
+    """How the verification harness exercises an op.
+
+    make_case(shape, seed, device) -> Case with fresh random inputs for that shape.
+    shapes: small shapes the CPU interpreter can run; bench_shapes: realistic GPU shapes.
+    compare(got, want) -> {name: (error, tolerance)} over the named result tensors; the default
+    is calc_diff per tensor against ``tolerance`` with equal NaN/Inf positions.
+    flops(shape) / bytes_moved(shape): for TFLOP/s and GB/s columns.
+    """
+
+    make_case: Callable[[dict, int, torch.device], Case]
+    shapes: Sequence[dict]
+    bench_shapes: Sequence[dict] = ()
+    tolerance: float = 1e-5
+    compare: Callable[[dict, dict], dict[str, tuple[float, float]]] | None = None
+    flops: Callable[[dict], float] | None = None
+    bytes_moved: Callable[[dict], float] | None = None
+
+
+_reference_calls: Counter[str] = Counter()
+_local = threading.local()
+
+
+def reference_for(op_name: str) -> Callable[[Callable], Callable]:
+    """Decorate an op's PyTorch reference so every call of it is counted under ``op_name``."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            _reference_calls[op_name] += 1
+            return fn(*args, **kwargs)
+
+        counted.__reference_op__ = op_name
+        return counted
+
+    return wrap
+
+
+def reference_call_count(op_name: str | None = None) -> int:
+    """Calls of one op's reference so far, or of every reference when ``op_name`` is None."""
+    return _reference_calls[op_name] if op_name else sum(_reference_calls.values())
+
+
+def strict() -> bool:
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+
+
+def requested_impl() -> str:
+    mode = getattr(_local, "forced", None) or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if mode not in IMPLS:
+        raise ValueError(f"{IMPL_ENV}={mode!r} is not a kernel implementation; choose one of {', '.join(IMPLS)}")
+    return mode
+
+
+@contextlib.contextmanager
+def force(impl: str) -> Iterator[None]:
+    """Within the block (this thread), select ``impl`` ('auto', 'triton' or 'reference') for every op."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; choose one of {', '.join(IMPLS)}")
+    previous = getattr(_local, "forced", None)
+    _local.forced = impl
+    try:
+        yield
+    finally:
+        _local.forced = previous
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why a Triton kernel cannot run on tensors of ``device``, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed"
+    if device.type == "cpu" and not _backend.triton_interpreted():
+        return "inputs are on the cpu and TRITON_INTERPRET=1 is not set"
+    return None
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            dev = _first_device(item)
+            if dev is not None:
+                return dev
+    if isinstance(obj, dict):
+        return _first_device(list(obj.values()))
+    return None
+
+
+class KernelOp:
+    """A public kernel op: a counted reference, an optional Triton implementation, a verify spec."""
+
+    def __init__(self, name: str, reference: Callable, triton: Callable | None, verify: VerifySpec | None):
+        if getattr(reference, "__reference_op__", None) is None:
+            reference = reference_for(name)(reference)
+        self.name = name
+        self.reference = reference
+        self.triton = triton
+        self.verify = verify
+        self._logged: set[tuple[str, str | None]] = set()
+        self.last_impl: str | None = None
+        self.last_reason: str | None = None
+
+    def resolve(self, device: torch.device | None = None) -> tuple[str, str | None]:
+        """('triton' or 'reference', reason for a fall-back or None) for inputs on ``device``."""
+        mode = requested_impl()
+        if mode == "reference":
+            return "reference", None
+        if self.triton is None:
+            reason = "no Triton implementation"
+        else:
+            reason = triton_unavailable_reason(device or _backend.default_device())
+        if reason is None:
+            return "triton", None
+        self._fail_or_fallback(reason, mode)
+        return "reference", reason
+
+    def _fail_or_fallback(self, reason: str, mode: str) -> None:
+        if mode == "triton" or strict():
+            why = f"{IMPL_ENV}=triton" if mode == "triton" else f"{STRICT_ENV}=1"
+            raise KernelFallbackError(f"kernel {self.name}: Triton required ({why}) but {reason}")
+
+    def _note(self, impl: str, reason: str | None) -> None:
+        self.last_impl, self.last_reason = impl, reason
+        if (impl, reason) not in self._logged:
+            self._logged.add((impl, reason))
+            log.info("kernel %s -> %s%s", self.name, impl, f" ({reason})" if reason else "")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl, reason = self.resolve(_first_device(args) or _first_device(kwargs))
+        if impl == "triton":
+            try:
+                out = self.triton(*args, **kwargs)
+            except Unsupported as exc:
+                reason = f"Triton kernel does not support these inputs: {exc}"
+                self._fail_or_fallback(reason, requested_impl())
+            else:
+                self._note("triton", None)
+                return out
+        self._note("reference", reason)
+        return self.reference(*args, **kwargs)
+
+
+_OPS: dict[str, KernelOp] = {}
+
+
+def register(
+    name: str, reference: Callable, triton: Callable | None = None, verify: VerifySpec | None = None
+) -> KernelOp:
+    """Register (or replace) the op ``name`` and return the dispatching callable."""
+    op = KernelOp(name, reference, triton, verify)
+    _OPS[name] = op
+    return op
+
+
+def get(name: str) -> KernelOp:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"no kernel op named {name!r}; registered: {', '.join(sorted(_OPS)) or 'none'}") from None
+
+
+def ops() -> list[str]:
+    """Names of every registered op (import the kernel packages first to register theirs)."""
+    return sorted(_OPS)
+
+
+def load_all() -> list[str]:
+    """Import the toolkit's kernel packages so that their ops are registered; return the op names."""
+    for pkg in ("deep_gemm", "flash_mla"):
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(pkg)
+    return ops()
+
+
+def implementation(name: str, device: torch.device | None = None) -> str:
+    """Which implementation ``name`` would run for inputs on ``device``: 'triton' or 'reference'."""
+    return get(name).resolve(device)[0]
+
+
+def report(device: torch.device | None = None) -> dict[str, dict[str, str | None]]:
+    """Per op: the implementation it would run now and, for a fall-back, why."""
+    out = {}
+    for name in ops():
+        try:
+            impl, reason = get(name).resolve(device)
+        except KernelFallbackError as exc:
+            impl, reason = "error", str(exc)
+        out[name] = {"impl": impl, "reason": reason}
+    return out
+
+
+def _poison_value(dtype: torch.dtype) -> float | int:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Within the block, ``empty`` returns tensors filled with NaN (ints: their max), so unwritten
+    output elements show up."""
+    previous = getattr(_local, "poison", False)
+    _local.poison = True
+    try:
+        yield
+    finally:
+        _local.poison = previous
+
+
+def empty(*shape: int | Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; NaN-filled inside ``poisoned_outputs``."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if getattr(_local, "poison", False):
+        fill(t, _poison_value(dtype))
+    return t
+
+
+def fill(t: torch.Tensor, value: float | int) -> torch.Tensor:
+    """Fill in place; works for fp8 dtypes too (which lack a fill kernel on some builds)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t.copy_(torch.full(t.shape, value, dtype=torch.float32, device=t.device))
+    else:
+        t.fill_(value)
+    return t

@@ -1,0 +1,57 @@
+"""Peak throughput of known devices, for MFU and roofline figures.
+
+Dense (no 2:4 sparsity) tensor-core peaks. Figures are the vendors' published numbers; where a
+vendor publishes only a sparse figure it is halved. MUSA figures come from Moore Threads'
+product pages and launch material and are less certain than NVIDIA's datasheets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float  # 0.0 where the device has no FP8 tensor cores
+    memory_gbps: float
+
+
+# Order matters: the first key found in the device name wins ("H100" must not swallow "H800").
+_SPECS: tuple[tuple[str, DeviceSpec], ...] = (
+    # NVIDIA H200 datasheet (SXM): 989 bf16 / 1979 fp8 dense TFLOP/s, 4.8 TB/s HBM3e.
+    ("H200", DeviceSpec("H200", 989.0, 1979.0, 4800.0)),
+    # NVIDIA H800 (SXM): H100 compute with reduced NVLink; 3.35 TB/s HBM3 (DeepSeek-V3 report's cluster).
+    ("H800", DeviceSpec("H800", 989.0, 1979.0, 3350.0)),
+    # NVIDIA H100 datasheet (SXM5): 989 bf16 / 1979 fp8 dense TFLOP/s, 3.35 TB/s HBM3.
+    ("H100", DeviceSpec("H100", 989.0, 1979.0, 3350.0)),
+    # NVIDIA A100 datasheet (SXM 80GB): 312 bf16 dense TFLOP/s, no FP8, 2.039 TB/s HBM2e.
+    ("A100", DeviceSpec("A100", 312.0, 0.0, 2039.0)),
+    # Moore Threads MTT S5000 launch material: ~1 PFLOP/s FP8, ~500 bf16, 1.6 TB/s (press figures).
+    ("S5000", DeviceSpec("MTT S5000", 500.0, 1000.0, 1600.0)),
+    # Moore Threads MTT S4000 product page: 100 TFLOP/s bf16/fp16, no FP8, 768 GB/s GDDR6.
+    ("S4000", DeviceSpec("MTT S4000", 100.0, 0.0, 768.0)),
+)
+
+
+def lookup(device_name: str) -> DeviceSpec | None:
+    """The spec whose key occurs in ``device_name`` (case-insensitive), or None if unknown."""
+    upper = device_name.upper()
+    for key, spec in _SPECS:
+        if key in upper:
+            return spec
+    return None
+
+
+def known_devices() -> list[str]:
+    return [spec.name for _, spec in _SPECS]
+
+
+def mfu(flops_per_second: float, device_name: str, fp8: bool = False) -> float | None:
+    """Model FLOPs utilisation against the device's dense peak; None for an unknown device."""
+    spec = lookup(device_name)
+    if spec is None:
+        return None
+    peak = spec.fp8_tflops if fp8 and spec.fp8_tflops else spec.bf16_tflops
+    return flops_per_second / (peak * 1e12)
