@@ -1,0 +1,127 @@
+"""MLA attention for training: ``mla_attention`` (flash-attn layout), differentiable, with varlen batches.
+
+Training uses MLA's "naive" form: every head has its own K (q/k head dim 128 nope + 64 rope = 192)
+and V (128), so this is ordinary multi-head attention whose V head dim differs from the Q/K one.
+The Triton path is a flash-attention forward that saves only ``out`` and the log-sum-exp, and a
+backward that recomputes the probabilities block by block (no S x S matrix is ever stored).
+The reference is torch SDPA in fp32, which is also what the model trains with on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accel import registry
+from accel.registry import Case, VerifySpec
+
+OP_NAME = "flash_mla.mla_attention"
+
+
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                max_seqlen: int | None) -> None:
+    dims = 3 if cu_seqlens is not None else 4
+    layout = "[total, heads, d] (cu_seqlens given)" if dims == 3 else "[batch, seq, heads, d]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"mla_attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"mla_attention: {name} must be {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"mla_attention: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"mla_attention: {name} must match q's dtype/device ({q.dtype}, {q.device}), "
+                             f"got ({t.dtype}, {t.device})")
+    if k.shape != q.shape[:-1] + k.shape[-1:] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"mla_attention: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"mla_attention: v must have shape {tuple(q.shape[:-1]) + ('dv',)}, got {tuple(v.shape)}")
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("mla_attention: max_seqlen is only meaningful with cu_seqlens")
+        return
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"mla_attention: cu_seqlens must be int32 [n+1] with n >= 1, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"mla_attention: cu_seqlens must be on {q.device}, got {cu_seqlens.device}")
+    host = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
+    if host[0] != 0 or host[-1] != q.shape[0] or min(lengths) < 0:
+        raise ValueError(f"mla_attention: cu_seqlens must rise from 0 to total={q.shape[0]}, got {host}")
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise ValueError(f"mla_attention: max_seqlen={max_seqlen} but the longest sequence has {max(lengths)} tokens")
+
+
+def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """[b, s, h, d] -> [b, s, h, dv] through SDPA in fp32."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), is_causal=causal, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+@registry.reference_for(OP_NAME)
+def mla_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                            softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                            max_seqlen: int | None = None) -> torch.Tensor:
+    """Softmax attention in fp32 (torch SDPA), differentiable through torch autograd; out in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is None:
+        return _sdpa_fp32(q, k, v, causal, scale).to(q.dtype)
+    bounds = cu_seqlens.tolist()
+    outs = [
+        _sdpa_fp32(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), causal, scale).squeeze(0)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=0).to(q.dtype)
+
+
+def _mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    from flash_mla.kernels.attention import mla_attention_triton
+
+    return mla_attention_triton(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+
+
+def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b, s, h, dqk, dv = shape["b"], shape["s"], shape["h"], shape["dqk"], shape["dv"]
+    dtype = getattr(torch, shape.get("dtype", "bfloat16"))
+    q, k, v = (torch.randn(b, s, h, d, generator=g).to(device=device, dtype=dtype) for d in (dqk, dqk, dv))
+    return Case(args=(q, k, v), kwargs={"causal": shape.get("causal", True)})
+
+
+def _flops(shape: dict) -> float:
+    b, s, h, dqk, dv = shape["b"], shape["s"], shape["h"], shape["dqk"], shape["dv"]
+    pairs = s * s / 2 if shape.get("causal", True) else s * s
+    return 2.0 * b * h * pairs * (dqk + dv)
+
+
+mla_attention_op = registry.register(
+    OP_NAME,
+    reference=mla_attention_reference,
+    triton=_mla_attention_triton,
+    verify=VerifySpec(
+        make_case=_make_case,
+        # bf16 inputs: the kernel rounds P to bf16 before P @ V like every flash kernel; the fp32 reference
+        # does not, so cosine diff sits near 1e-6; 1e-4 still flags any masking or indexing bug (those are >1e-2).
+        shapes=[dict(b=2, s=40, h=2, dqk=48, dv=32), dict(b=1, s=33, h=2, dqk=192, dv=128, causal=False)],
+        bench_shapes=[dict(b=4, s=4096, h=16, dqk=192, dv=128), dict(b=1, s=8192, h=16, dqk=192, dv=128)],
+        tolerance=1e-4,
+        flops=_flops,
+    ),
+)
+
+
+def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                  softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                  max_seqlen: int | None = None) -> torch.Tensor:
+    """Multi-head attention with separate Q/K and V head dims, differentiable.
+
+    Layout as flash-attn: q/k ``[batch, seq, heads, dqk]``, v ``[batch, seq, heads, dv]`` -> out
+    ``[batch, seq, heads, dv]``; with ``cu_seqlens`` (int32 ``[n+1]``, as ``flash_attn_varlen_func``)
+    the tensors are ``[total, heads, d]`` and attention stays within each sequence. ``causal`` masks
+    key j > query i. ``softmax_scale`` defaults to ``dqk ** -0.5``.
+    """
+    _check_args(q, k, v, cu_seqlens, max_seqlen)
+    return mla_attention_op(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                            max_seqlen=max_seqlen)
