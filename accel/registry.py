@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from accel import backend as _backend
+from accel.backend import default_device, triton_interpreted
 
 IMPL_ENV = "DSV3_KERNEL_IMPL"
 STRICT_ENV = "DSV3_STRICT_KERNELS"
@@ -138,7 +138,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why a Triton kernel cannot run on tensors of ``device``, or None when it can."""
     if importlib.util.find_spec("triton") is None:
         return "the 'triton' package is not installed"
-    if device.type == "cpu" and not _backend.triton_interpreted():
+    if device.type == "cpu" and not triton_interpreted():
         return "inputs are on the cpu and TRITON_INTERPRET=1 is not set"
     return None
 
@@ -178,7 +178,7 @@ class KernelOp:
         if self.triton is None:
             reason = "no Triton implementation"
         else:
-            reason = triton_unavailable_reason(device or _backend.default_device())
+            reason = triton_unavailable_reason(device or default_device())
         if reason is None:
             return "triton", None
         self._fail_or_fallback(reason, mode)

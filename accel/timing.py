@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from accel import backend as _backend
+# Imported by name: the package attribute `accel.backend` is the function, not this module.
+from accel.backend import Event, backend, default_device, synchronize
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024  # larger than any current GPU's L2 (H200: 50 MB)
 
@@ -19,21 +20,21 @@ def do_bench(fn: Callable[[], object], warmup: int = 5, rep: int = 30, flush_l2:
     than L2, so no run profits from the previous one's cache. On the cpu the figure is wall time
     and, under the Triton interpreter, says nothing about a GPU.
     """
-    on_gpu = _backend.backend() != "cpu"
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=_backend.default_device()) if (
+    on_gpu = backend() != "cpu"
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=default_device()) if (
         on_gpu and flush_l2
     ) else None
     for _ in range(warmup):
         fn()
-    _backend.synchronize()
+    synchronize()
     times = []
     for _ in range(rep):
         if flush is not None:
             flush.zero_()
-        start, end = _backend.Event(), _backend.Event()
+        start, end = Event(), Event()
         start.record()
         fn()
         end.record()
-        _backend.synchronize()
+        synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
