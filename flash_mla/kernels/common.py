@@ -1,0 +1,22 @@
+"""Small helpers shared by flash_mla's Triton kernels."""
+
+from __future__ import annotations
+
+import triton
+
+import accel
+
+
+def interpreted() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (then bf16 ``tl.dot`` must be upcast to fp32)."""
+    return accel.triton_interpreted()
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+    """Cover a head dim with two power-of-two tiles (192 -> 128 + 64, 48 -> 32 + 16, 64 -> 64 + 0).
+
+    Padding 192 to 256 would waste a third of the QK^T work; the second tile is masked past ``d``.
+    """
+    first = max(16, 1 << (d.bit_length() - 1))
+    rest = d - first
+    return first, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
