@@ -229,16 +229,47 @@ def get(name: str) -> KernelOp:
         raise KeyError(f"no kernel op named {name!r}; registered: {', '.join(sorted(_OPS)) or 'none'}") from None
 
 
+def unregister(name: str) -> None:
+    """Remove the op ``name`` (tests register throw-away ops and remove them afterwards)."""
+    get(name)
+    del _OPS[name]
+
+
 def ops() -> list[str]:
     """Names of every registered op (import the kernel packages first to register theirs)."""
     return sorted(_OPS)
 
 
-def load_all() -> list[str]:
-    """Import the toolkit's kernel packages so that their ops are registered; return the op names."""
-    for pkg in ("deep_gemm", "flash_mla"):
-        with contextlib.suppress(ModuleNotFoundError):
+KERNEL_PACKAGES = ("deep_gemm", "flash_mla")
+
+
+def import_kernel_packages(packages: Sequence[str] = KERNEL_PACKAGES) -> dict[str, str | None]:
+    """Import each kernel package so that its ops register; per package, None or why it failed.
+
+    A package that is not installed at all is reported, not raised; an error inside a package
+    (a missing dependency, a syntax error) is reported with its type, never swallowed.
+    """
+    status: dict[str, str | None] = {}
+    for pkg in packages:
+        try:
             importlib.import_module(pkg)
+        except ModuleNotFoundError as exc:
+            status[pkg] = "not installed" if exc.name == pkg else f"ModuleNotFoundError: {exc}"
+        except Exception as exc:  # reported to the caller with its type
+            status[pkg] = f"{type(exc).__name__}: {exc}"
+        else:
+            status[pkg] = None
+    return status
+
+
+def load_all() -> list[str]:
+    """Import the toolkit's kernel packages so that their ops are registered; return the op names.
+
+    Raises ImportError when a package exists but fails to import (an absent package is skipped).
+    """
+    failed = {pkg: why for pkg, why in import_kernel_packages().items() if why and why != "not installed"}
+    if failed:
+        raise ImportError("kernel packages failed to import: " + "; ".join(f"{p}: {w}" for p, w in failed.items()))
     return ops()
 
 
@@ -259,12 +290,16 @@ def report(device: torch.device | None = None) -> dict[str, dict[str, str | None
     return out
 
 
-def _poison_value(dtype: torch.dtype) -> float | int:
+def poison_value(dtype: torch.dtype) -> float | int:
+    """The value unwritten outputs are filled with: NaN for floats, the maximum for integers, True for bool."""
     if dtype.is_floating_point or dtype.is_complex:
         return float("nan")
     if dtype == torch.bool:
         return True
     return torch.iinfo(dtype).max
+
+
+_poison_value = poison_value  # the earlier private name
 
 
 @contextlib.contextmanager
@@ -285,7 +320,7 @@ def empty(*shape: int | Sequence[int], dtype: torch.dtype, device: torch.device 
         shape = tuple(shape[0])
     t = torch.empty(shape, dtype=dtype, device=device)
     if getattr(_local, "poison", False):
-        fill(t, _poison_value(dtype))
+        fill(t, poison_value(dtype))
     return t
 
 

@@ -7,6 +7,7 @@ product pages and launch material and are less certain than NVIDIA's datasheets.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -18,10 +19,17 @@ class DeviceSpec:
     memory_gbps: float
 
 
-# Order matters: the first key found in the device name wins ("H100" must not swallow "H800").
+# Order matters: the first key found in the device name wins (form-factor variants before the SXM part).
+# A key matches as a whole model number: "A100" does not match "RTX A1000".
 _SPECS: tuple[tuple[str, DeviceSpec], ...] = (
+    # NVIDIA H200 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 4.8 TB/s HBM3e.
+    ("H200 NVL", DeviceSpec("H200 NVL", 835.0, 1670.0, 4800.0)),
     # NVIDIA H200 datasheet (SXM): 989 bf16 / 1979 fp8 dense TFLOP/s, 4.8 TB/s HBM3e.
     ("H200", DeviceSpec("H200", 989.0, 1979.0, 4800.0)),
+    # NVIDIA H100 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 3.9 TB/s HBM3.
+    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 3900.0)),
+    # NVIDIA H100 PCIe datasheet: 1513 bf16 / 3026 fp8 sparse TFLOP/s (halved), 2.0 TB/s HBM2e.
+    ("H100 PCIE", DeviceSpec("H100 PCIe", 756.0, 1513.0, 2000.0)),
     # NVIDIA H800 (SXM): H100 compute with reduced NVLink; 3.35 TB/s HBM3 (DeepSeek-V3 report's cluster).
     ("H800", DeviceSpec("H800", 989.0, 1979.0, 3350.0)),
     # NVIDIA H100 datasheet (SXM5): 989 bf16 / 1979 fp8 dense TFLOP/s, 3.35 TB/s HBM3.
@@ -35,11 +43,21 @@ _SPECS: tuple[tuple[str, DeviceSpec], ...] = (
 )
 
 
+def _key_pattern(key: str) -> re.Pattern[str]:
+    # Not preceded by a letter or digit, not followed by a digit: "NVIDIA H100 80GB HBM3" and
+    # "A100-SXM4-80GB" match, "RTX A1000" and "GH1000" do not. Spaces match '-' or '_' too.
+    body = r"[\s_-]+".join(re.escape(part) for part in key.split())
+    return re.compile(rf"(?<![A-Z0-9]){body}(?![0-9])")
+
+
+_PATTERNS = tuple((_key_pattern(key), spec) for key, spec in _SPECS)
+
+
 def lookup(device_name: str) -> DeviceSpec | None:
-    """The spec whose key occurs in ``device_name`` (case-insensitive), or None if unknown."""
+    """The spec whose model number occurs in ``device_name`` (case-insensitive), or None if unknown."""
     upper = device_name.upper()
-    for key, spec in _SPECS:
-        if key in upper:
+    for pattern, spec in _PATTERNS:
+        if pattern.search(upper):
             return spec
     return None
 
