@@ -1,0 +1,282 @@
+"""Schedule generators: 1F1B, ZB1P (ZB-H1), ZB-V, DualPipe and DualPipeV as ``Schedule`` IR.
+
+``build(name, num_ranks, num_microbatches)`` is the one entry point. DualPipe and DualPipeV
+follow the eight-phase structure of deepseek-ai/DualPipe (warm-up forwards, zero-bubble
+I/W pairs, the overlapped F&B main loop, zero-bubble cool-down), so the runtime executing this
+IR performs the same computation in the same order as upstream. ZB-V is produced by a greedy
+list scheduler over the V-shaped placement under the 1F1B activation-memory limit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dualpipe.ir import Action, Chain, Item, Layout, Overlap, Schedule
+
+SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+
+
+# -- layouts --------------------------------------------------------------------------------
+def linear_layout(num_ranks: int, num_microbatches: int) -> Layout:
+    """One stage per rank, stage ``r`` on rank ``r`` (1F1B, ZB1P)."""
+    return Layout(num_ranks, tuple(range(num_ranks)), (Chain(tuple(range(num_ranks)), tuple(range(num_microbatches))),))
+
+
+def v_layout(num_ranks: int, num_microbatches: int) -> Layout:
+    """Two stages per rank in a V: rank ``r`` holds stages ``r`` and ``2*PP-1-r`` (DualPipeV, ZB-V)."""
+    n = 2 * num_ranks
+    stage_rank = tuple(s if s < num_ranks else n - 1 - s for s in range(n))
+    return Layout(num_ranks, stage_rank, (Chain(tuple(range(n)), tuple(range(num_microbatches))),))
+
+
+def dualpipe_layout(num_ranks: int, num_microbatches: int) -> Layout:
+    """Two mirrored chains: stage ``s < PP`` on rank ``s`` carries micro-batches ``0..N/2-1``;
+    stage ``PP + j`` (model part ``j``) on rank ``PP-1-j`` carries ``N/2..N-1``."""
+    p, half = num_ranks, num_microbatches // 2
+    stage_rank = tuple(range(p)) + tuple(p - 1 - j for j in range(p))
+    chains = (Chain(tuple(range(p)), tuple(range(half))), Chain(tuple(range(p, 2 * p)), tuple(range(half, 2 * half))))
+    return Layout(p, stage_rank, chains)
+
+
+# -- checks ---------------------------------------------------------------------------------
+def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
+    """ValueError unless ``name`` can schedule ``num_microbatches`` over ``num_ranks``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_chunks (micro-batches) must be a positive int, got {num_microbatches!r}")
+    if name == "dualpipe":
+        if num_ranks % 2:
+            raise ValueError(f"DualPipe needs an even number of ranks, got {num_ranks}")
+        if num_microbatches % 2 or num_microbatches < 2 * num_ranks:
+            raise ValueError(f"DualPipe needs num_chunks even and >= 2 x ranks = {2 * num_ranks}, "
+                             f"got {num_microbatches}")
+    if name == "dualpipev" and num_microbatches < 2 * num_ranks:
+        raise ValueError(f"DualPipeV needs num_chunks >= 2 x ranks = {2 * num_ranks}, got {num_microbatches}")
+
+
+def build(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """The ``name`` schedule (one of ``SCHEDULES``) for ``num_ranks`` ranks and ``num_microbatches``."""
+    check_sizes(name, num_ranks, num_microbatches)
+    return _BUILDERS[name](num_ranks, num_microbatches)
+
+
+# -- 1F1B and ZB-H1 -------------------------------------------------------------------------
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Classic 1F1B: ``PP-1-r`` warm-up forwards, then alternate F and full B, then drain."""
+    actions = []
+    for r in range(num_ranks):
+        warm = min(num_ranks - 1 - r, num_microbatches)
+        items: list[Item] = [Action("F", r, m) for m in range(warm)]
+        for i in range(num_microbatches - warm):
+            items += [Action("F", r, warm + i), Action("B", r, i)]
+        items += [Action("B", r, m) for m in range(num_microbatches - warm, num_microbatches)]
+        actions.append(tuple(items))
+    return Schedule("1f1b", linear_layout(num_ranks, num_microbatches), tuple(actions))
+
+
+def zb1p(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with B split into I and W; rank ``r`` holds back ``PP-1-r`` W passes and runs
+    them in the cool-down, where 1F1B would idle waiting for gradients. Same memory as 1F1B."""
+    actions = []
+    for r in range(num_ranks):
+        warm = min(num_ranks - 1 - r, num_microbatches)
+        held = num_ranks - 1 - r
+        pending: deque[int] = deque()
+        items: list[Item] = [Action("F", r, m) for m in range(warm)]
+
+        def backward(m: int) -> None:
+            items.append(Action("I", r, m))
+            pending.append(m)
+            if len(pending) > held:
+                items.append(Action("W", r, pending.popleft()))
+
+        for i in range(num_microbatches - warm):
+            items.append(Action("F", r, warm + i))
+            backward(i)
+        for m in range(num_microbatches - warm, num_microbatches):
+            backward(m)
+            held -= 1  # each cool-down I leaves one bubble slot to fill with a held-back W
+            while len(pending) > max(held, 0):
+                items.append(Action("W", r, pending.popleft()))
+        items += [Action("W", r, m) for m in pending]
+        actions.append(tuple(items))
+    return Schedule("zb1p", linear_layout(num_ranks, num_microbatches), tuple(actions))
+
+
+# -- ZB-V (greedy over the V placement) -----------------------------------------------------
+def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-V style: V placement, split backward, greedy list scheduling with unit F/I/W costs.
+
+    Each idle rank runs, in priority order: a ready I (the critical path), a ready F while its
+    live activations stay within ``2*PP`` stage-micro-batches (1F1B's memory), else a W.
+    """
+    layout = v_layout(num_ranks, num_microbatches)
+    n_stages, mbs = layout.num_stages, num_microbatches
+    f_done: dict[tuple[int, int], int] = {}  # (stage, mb) -> finish time
+    i_done: dict[tuple[int, int], int] = {}
+    next_f = [0] * n_stages
+    next_i = [0] * n_stages
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(num_ranks)]
+    live = [0] * num_ranks
+    clock = [0] * num_ranks
+    actions: list[list[Item]] = [[] for _ in range(num_ranks)]
+    remaining = 3 * n_stages * mbs
+    limit = 2 * num_ranks
+    t = 0
+    while remaining:
+        for r in range(num_ranks):
+            if clock[r] > t:
+                continue
+            choice = None
+            for s in sorted(layout.stages_of(r), reverse=True):  # deeper stage first: shortens the path
+                m = next_i[s]
+                if m < mbs and (s, m) in f_done and f_done[(s, m)] <= t and (
+                        s == n_stages - 1 or i_done.get((s + 1, m), t + 1) <= t):
+                    choice = Action("I", s, m)
+                    break
+            if choice is None and live[r] < limit:
+                for s in sorted(layout.stages_of(r), reverse=True):
+                    m = next_f[s]
+                    if m < mbs and (s == 0 or f_done.get((s - 1, m), t + 1) <= t):
+                        choice = Action("F", s, m)
+                        break
+            if choice is None and pending_w[r]:
+                s, m = pending_w[r].popleft()
+                choice = Action("W", s, m)
+            if choice is None:
+                continue
+            clock[r] = t + 1
+            actions[r].append(choice)
+            remaining -= 1
+            key = (choice.stage, choice.mb)
+            if choice.kind == "F":
+                f_done[key] = t + 1
+                next_f[choice.stage] += 1
+                live[r] += 1
+            elif choice.kind == "I":
+                i_done[key] = t + 1
+                next_i[choice.stage] += 1
+                pending_w[r].append(key)
+            else:
+                live[r] -= 1
+        t += 1
+    return Schedule("zbv", layout, tuple(tuple(a) for a in actions))
+
+
+# -- DualPipe and DualPipeV -----------------------------------------------------------------
+class _PhaseEmitter:
+    """Emits actions for one rank's two phases, numbering micro-batches and W passes as upstream.
+
+    ``stage[p]`` and ``mbs[p]`` give phase ``p``'s stage and micro-batch order; W passes run the
+    oldest I (upstream's FIFO weight-grad queue).
+    """
+
+    def __init__(self, stages: tuple[int, int], mbs: tuple[list[int], list[int]]):
+        self.stages, self.mbs = stages, mbs
+        self.f = [0, 0]
+        self.b = [0, 0]
+        self.w_queue: deque[Action] = deque()
+        self.items: list[Item] = []
+
+    def _fwd(self, p: int) -> Action:
+        a = Action("F", self.stages[p], self.mbs[p][self.f[p]])
+        self.f[p] += 1
+        return a
+
+    def _bwd(self, p: int, zb: bool) -> Action:
+        a = Action("I" if zb else "B", self.stages[p], self.mbs[p][self.b[p]])
+        self.b[p] += 1
+        if zb:
+            self.w_queue.append(Action("W", a.stage, a.mb))
+        return a
+
+    def forward(self, p: int) -> None:
+        self.items.append(self._fwd(p))
+
+    def backward(self, p: int, zb: bool = False) -> None:
+        self.items.append(self._bwd(p, zb))
+
+    def weight(self) -> None:
+        self.items.append(self.w_queue.popleft())
+
+    def overlap(self, pf: int, pb: int) -> None:
+        f = self._fwd(pf)
+        self.items.append(Overlap(f, self._bwd(pb, False)))
+
+
+def _dual_rank_items(em: _PhaseEmitter, half_ranks: int, h: int, num_chunks: int, middle: bool) -> tuple[Item, ...]:
+    """The eight phases of upstream DualPipe(V) for a rank at (half-)position ``h``.
+
+    ``num_chunks`` is the per-phase micro-batch count; ``middle`` marks the rank where the two
+    phases meet (the last rank of DualPipeV, the two central ranks of DualPipe), whose first
+    main-loop F and B run separately.
+    """
+    for _ in range((half_ranks - h - 1) * 2):  # 1: forwards of phase 0 fill the pipe
+        em.forward(0)
+    for _ in range(h + 1):  # 2: alternate phase 0 and phase 1 forwards
+        em.forward(0)
+        em.forward(1)
+    for _ in range(half_ranks - h - 1):  # 3: zero-bubble I/W of phase 1 between forwards
+        em.backward(1, zb=True)
+        em.weight()
+        em.forward(1)
+    for i in range(num_chunks - 2 * half_ranks + h + 1):  # 4: main loop of overlapped F&B
+        if i == 0 and middle:
+            em.forward(0)
+            em.backward(1)
+        else:
+            em.overlap(0, 1)
+        em.overlap(1, 0)
+    for _ in range(half_ranks - h - 1):  # 5
+        em.backward(1)
+        em.overlap(1, 0)
+    zb = False
+    for i in range(h + 1):  # 6: drain backwards; the second half use zero bubble
+        if i == (h + 1) // 2 and h % 2 == 1:
+            zb = True
+        em.backward(1, zb)
+        if i == (h + 1) // 2 and h % 2 == 0:
+            zb = True
+        em.backward(0, zb)
+    for _ in range(half_ranks - h - 1):  # 7
+        em.weight()
+        em.backward(0, zb=True)
+    for _ in range(h + 1):  # 8
+        em.weight()
+    assert not em.w_queue
+    return tuple(em.items)
+
+
+def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: the V-shaped "cut-in-half" DualPipe; all micro-batches enter and leave at rank 0."""
+    layout = v_layout(num_ranks, num_microbatches)
+    order = list(range(num_microbatches))
+    actions = []
+    for r in range(num_ranks):
+        em = _PhaseEmitter((r, 2 * num_ranks - 1 - r), (order, order))
+        actions.append(_dual_rank_items(em, num_ranks, r, num_microbatches, middle=(r == num_ranks - 1)))
+    return Schedule("dualpipev", layout, tuple(actions))
+
+
+def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipe: two mirrored pipelines fed from both ends (micro-batches ``0..N/2-1`` enter at
+    rank 0, ``N/2..N-1`` at rank PP-1). Ranks in the second half start with the reverse direction."""
+    p, half = num_ranks, num_microbatches // 2
+    layout = dualpipe_layout(num_ranks, num_microbatches)
+    down, up = list(range(half)), list(range(half, 2 * half))
+    actions = []
+    for r in range(p):
+        h = min(r, p - 1 - r)
+        stage_down, stage_up = r, p + (p - 1 - r)
+        second_half = r >= p // 2
+        stages = (stage_up, stage_down) if second_half else (stage_down, stage_up)
+        mbs = (up, down) if second_half else (down, up)
+        em = _PhaseEmitter(stages, mbs)
+        actions.append(_dual_rank_items(em, p // 2, h, half, middle=(h == p // 2 - 1)))
+    return Schedule("dualpipe", layout, tuple(actions))
+
+
+_BUILDERS = {"1f1b": one_f_one_b, "zb1p": zb1p, "zbv": zbv, "dualpipe": dualpipe, "dualpipev": dualpipev}
