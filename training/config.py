@@ -1,0 +1,430 @@
+"""Training configuration: TOML files, ``--set key=value`` overrides, validation that names the key.
+
+A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``,
+``[data]``, ``[optim]``, ``[balance]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
+rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
+nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
+any process group exists. ``config_hash`` fingerprints everything that changes the numerics,
+so checkpoints can refuse a resume under a different model or data setup.
+
+Layout rule (as DeepSeek-V3): world = pp x dp; expert parallelism spans ``ep`` data-parallel ranks
+of the same pipeline stage, so ``ep`` divides ``dp`` and there are ``dp / ep`` replicas of each
+expert shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+# Schedules whose ranks each hold two stages (so the model is cut into 2 x pp stages).
+TWO_STAGES_PER_RANK = ("zbv", "dualpipev", "dualpipe")
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 1234
+    steps: int = 100
+    nproc: int = 1  # world size that `--nproc` defaults to (single machine)
+    dtype: str = "float32"  # master weights and (on CPU) compute: float32 | float64 | bfloat16
+    autocast_bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
+    runs_root: str = "runs"
+    sample_prompt: str = "The "  # prompt of the generated sample printed at the end ("" = none)
+    sample_tokens: int = 120
+    timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug_tiny"
+    fp8: bool = False  # route attention projections and experts through deep_gemm's FP8 layers
+    mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
+    mtp_lambda_late: float = 0.3
+    mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields to change from the preset
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    schedule: str = "none"  # none (no pipeline) | 1f1b | zb1p | zbv | dualpipe | dualpipev
+    overlap: bool = True  # use the stage's overlapped_forward_backward where the schedule pairs F and B
+    zero1: bool = True  # shard optimizer states over data-parallel ranks (ZeroRedundancyOptimizer)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * (2 if self.schedule in TWO_STAGES_PER_RANK and self.schedule != "dualpipe" else 1)
+
+
+@dataclass
+class DataConfig:
+    source: str = "bundled"  # "bundled" | a text file | a .bin/.npy shard | a folder or glob of shards
+    tokenizer: str = "byte"  # "byte" | path to a Hugging Face tokenizer.json
+    bin_dtype: str = "uint16"  # element type of raw .bin shards
+    seq_len: int = 128
+    global_batch: int = 16  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch: int = 2  # sequences per micro-batch per data-parallel rank
+    batch_ramp_start: int = 0  # 0 = no ramp; else the global batch ramps from this value ...
+    batch_ramp_steps: int = 0  # ... to global_batch over this many steps (V3 ramps over 469B tokens)
+    valid_fraction: float = 0.01  # tail of the corpus held out for the validation loss
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2.2e-4
+    min_lr: float = 2.2e-5
+    warmup_steps: int = 2000
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0  # 0 = no clipping
+
+
+@dataclass
+class BalanceConfig:
+    """Mirrors ``models.deepseek_v3.balancing.BalanceConfig`` (same names), plus when gamma stops."""
+
+    strategy: str = "aux_free"  # parts of none | aux_free | seq_aux | aux | z_loss joined by '+'
+    alpha: float = 1e-4  # seq_aux / aux coefficient (V3: 1e-4 sequence-wise)
+    z_loss_coeff: float = 1e-3
+    gamma: float = 1e-3  # aux-loss-free bias update speed (V3: 0.001)
+    gamma_stop_step: int = 0  # V3 sets gamma to 0 for the last 500B tokens (0 = never)
+    recenter: bool = False
+    num_nodes: int = 1
+    max_nodes: int | None = None  # node-limited routing (V3: 4)
+    capacity_factor: float | None = None  # None: no token dropping (V3)
+    drop_policy: str = "probs"
+
+    def model_config(self):
+        """The model package's BalanceConfig (imported here so config loading needs no model)."""
+        from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
+
+        return ModelBalanceConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelBalanceConfig)})
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"  # offline | online | disabled; WANDB_MODE wins unless --wandb is given
+    wandb_project: str = "dsv3-toolkit"
+    progress: bool = True
+    log_every: int = 1
+    eval_every: int = 0  # 0 = only at the end
+    eval_batches: int = 4
+    plot: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between saves; 0 = only the final one when `final` is true
+    async_save: bool = True
+    keep_last: int = 2
+    keep_every: int = 0  # also keep every n-th step's checkpoint (0 = none)
+    final: bool = True
+
+
+@dataclass
+class FaultConfig:
+    enabled: bool = False
+    spike_sigma: float = 6.0  # a loss this many standard deviations above the moving window is a spike
+    window: int = 50
+    stable_after: int = 20  # healthy steps after which a checkpoint is marked stable
+    max_retries: int = 3
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    # -- derived quantities --------------------------------------------------------------------
+    def global_batch_at(self, step: int) -> int:
+        """Sequences in the optimizer step ``step`` (0-based), following the batch-size ramp."""
+        d = self.data
+        if d.batch_ramp_start <= 0 or d.batch_ramp_steps <= 0 or step >= d.batch_ramp_steps:
+            return d.global_batch
+        unit = self.parallel.dp * d.micro_batch * min_microbatches(self.parallel)
+        raw = d.batch_ramp_start + (d.global_batch - d.batch_ramp_start) * step / d.batch_ramp_steps
+        return max(unit, int(raw) // unit * unit)
+
+    def microbatches_at(self, step: int) -> int:
+        """Micro-batches per data-parallel rank in optimizer step ``step`` (the pipeline's num_chunks)."""
+        return self.global_batch_at(step) // (self.parallel.dp * self.data.micro_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+# ---- loading and overrides ---------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp`` (int -> float allowed, list -> tuple), else a ValueError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ValueError:
+                continue
+        raise ValueError(f"config key '{key}': expected {tp}, got {value!r}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"config key '{key}': expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{key}': expected a table, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key '{key}': expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key '{key}': expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{key}': expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key '{key}': expected a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise ValueError(f"config key '{key}': unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            raise ValueError(f"unknown config key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key '{dotted}' must be a table [{dotted}], got {value!r}")
+            kwargs[key] = _build(tp, value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(dotted, value, tp)
+    return cls(**kwargs)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"optim.lr=3e-4"`` -> (["optim", "lr"], 3e-4); the value is read as TOML, else as a bare string."""
+    if "=" not in item:
+        raise ValueError(f"--set expects key=value (e.g. optim.lr=3e-4), got {item!r}")
+    key, raw = item.split("=", 1)
+    key, raw = key.strip(), raw.strip()
+    if not key:
+        raise ValueError(f"--set {item!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of the raw TOML ``table`` with each ``key=value`` set (``model.overrides.x=1`` nests)."""
+    table = json.loads(json.dumps(table))
+    for item in overrides:
+        path, value = parse_override(item)
+        node = table
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: '{part}' is not a table")
+        node[path[-1]] = value
+    return table
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a TOML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--config: no such file {str(path)!r}")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {str(path)!r}: not valid TOML: {exc}") from None
+    table = apply_overrides(table, list(overrides))
+    cfg = _build(TrainConfig, table, "")
+    validate(cfg)
+    return cfg
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+def min_microbatches(par: ParallelConfig) -> int:
+    """The fewest micro-batches per step the schedule accepts (DualPipe README / ZB paper rules)."""
+    if par.schedule in ("dualpipe", "dualpipev"):
+        return 2 * par.pp
+    if par.schedule == "zbv":
+        return 2 * par.pp
+    if par.schedule in ("1f1b", "zb1p"):
+        return par.pp
+    return 1
+
+
+def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None:
+    """ValueError unless ``num_chunks`` micro-batches suit the schedule (``where`` names the source)."""
+    need = min_microbatches(par)
+    if num_chunks < need:
+        raise ValueError(f"{where}: {num_chunks} micro-batches per step, but schedule '{par.schedule}' with "
+                         f"pp={par.pp} needs at least {need}; raise data.global_batch or lower data.micro_batch")
+    if par.schedule == "dualpipe" and num_chunks % 2:
+        raise ValueError(f"{where}: schedule 'dualpipe' needs an even number of micro-batches, got {num_chunks}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check that needs no model, no data and no process group; errors name the key."""
+    r, p, d, o, b = cfg.run, cfg.parallel, cfg.data, cfg.optim, cfg.balance
+    if r.steps < 1:
+        raise ValueError(f"run.steps must be >= 1, got {r.steps}")
+    if r.nproc < 1:
+        raise ValueError(f"run.nproc must be >= 1, got {r.nproc}")
+    if r.dtype not in ("float32", "float64", "bfloat16"):
+        raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
+    for key in ("pp", "dp", "ep"):
+        if getattr(p, key) < 1:
+            raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    if p.schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
+    if p.dp % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp}: expert parallelism spans "
+                         "data-parallel ranks of the same pipeline stage")
+    if p.pp > 1 and p.schedule == "none":
+        raise ValueError(f"parallel.pp={p.pp} needs a pipeline schedule: set parallel.schedule to one of "
+                         f"{', '.join(SCHEDULES[1:])}")
+    if p.schedule == "dualpipe" and p.pp % 2:
+        raise ValueError(f"parallel.schedule='dualpipe' needs an even parallel.pp, got {p.pp}")
+    if d.seq_len < 2:
+        raise ValueError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if d.micro_batch < 1:
+        raise ValueError(f"data.micro_batch must be >= 1, got {d.micro_batch}")
+    unit = p.dp * d.micro_batch
+    if d.global_batch < 1 or d.global_batch % unit:
+        raise ValueError(f"data.global_batch={d.global_batch} must be a positive multiple of parallel.dp x "
+                         f"data.micro_batch = {p.dp} x {d.micro_batch} = {unit}")
+    check_microbatches(p, d.global_batch // unit, "data.global_batch")
+    if d.batch_ramp_start:
+        if not 0 < d.batch_ramp_start <= d.global_batch or d.batch_ramp_steps < 1:
+            raise ValueError("data.batch_ramp_start must be in (0, data.global_batch] with data.batch_ramp_steps >= 1"
+                             f", got {d.batch_ramp_start} and {d.batch_ramp_steps}")
+    if not 0.0 <= d.valid_fraction < 0.5:
+        raise ValueError(f"data.valid_fraction must be in [0, 0.5), got {d.valid_fraction}")
+    if d.bin_dtype not in ("uint8", "uint16", "int32", "uint32", "int64"):
+        raise ValueError(f"data.bin_dtype must be uint8, uint16, int32, uint32 or int64, got {d.bin_dtype!r}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ValueError(f"optim.lr must be > 0 and optim.min_lr in [0, lr], got lr={o.lr}, min_lr={o.min_lr}")
+    if o.warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    if not all(0.0 <= beta < 1.0 for beta in o.betas):
+        raise ValueError(f"optim.betas must be in [0, 1), got {o.betas}")
+    if o.clip_grad < 0 or o.weight_decay < 0:
+        raise ValueError("optim.clip_grad and optim.weight_decay must be >= 0")
+    if b.gamma < 0 or b.alpha < 0:
+        raise ValueError(f"balance.gamma and balance.alpha must be >= 0, got {b.gamma}, {b.alpha}")
+    if cfg.logging.wandb not in ("offline", "online", "disabled"):
+        raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
+    if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep_last < 1:
+        raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
+    if not math.isfinite(cfg.model.mtp_lambda) or cfg.model.mtp_lambda < 0:
+        raise ValueError(f"model.mtp_lambda must be a finite number >= 0, got {cfg.model.mtp_lambda}")
+
+
+def check_world_size(p: ParallelConfig, world_size: int) -> None:
+    """ValueError unless the launch's world size is the config's pp x dp."""
+    if world_size != p.world_size:
+        raise ValueError(f"world size {world_size} != parallel.pp x parallel.dp = {p.pp} x {p.dp} = {p.world_size} "
+                         f"(parallel.ep={p.ep} spans data-parallel ranks, it does not multiply the world); "
+                         "change --nproc / torchrun --nproc-per-node or the [parallel] section")
+
+
+# ---- hashing and dumping -------------------------------------------------------------------
+
+# Keys that do not change what is computed: a resume may change them freely.
+_HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "timeout_s", "steps"},
+                  "logging": "*", "checkpoint": "*", "fault": "*"}
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """SHA-256 (16 hex digits) of the settings that change the numerics (not logging, not steps)."""
+    table = cfg.to_dict()
+    for section, keys in _HASH_EXCLUDED.items():
+        if keys == "*":
+            table.pop(section, None)
+        else:
+            for k in keys:
+                table[section].pop(k, None)
+    blob = json.dumps(table, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(table: dict[str, Any]) -> str:
+    """A two-level table (sections of scalars) as TOML text that ``tomllib`` reads back to the same dict."""
+    lines = []
+    for section, values in table.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)

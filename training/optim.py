@@ -1,0 +1,184 @@
+"""Optimizer, LR schedule, gradient reduction and clipping for PP x EP x DP training.
+
+- AdamW as DeepSeek-V3 (betas 0.9/0.95, weight decay 0.1); no decay on 1-D parameters (norm
+  scales), as is standard. Master weights and optimizer states stay fp32 (or fp64 for tests).
+- ZeRO-1: PyTorch's ``ZeroRedundancyOptimizer`` shards the states over the data-parallel ranks
+  that hold the same parameters: dense parameters over the stage's ``dp`` group, expert parameters
+  over the ``edp`` group (the replicas of the same expert shard), so two optimizers.
+- Gradients: dense ones are averaged over ``dp``; expert ones are summed over ``edp`` and divided
+  by ``dp`` (their all-to-all backward already summed the contributions of the ``ep`` ranks).
+- Clipping at 1.0 on the global norm: every parameter counted exactly once over the whole world.
+- LR: linear warm-up, then cosine to ``min_lr`` (the V3 report's shape), as a ``LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from training.config import OptimConfig
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights (sharded over EP); the model names them ``...experts.<weight>``."""
+    return ".experts." in f".{name}"
+
+
+def split_params(modules: Iterable[nn.Module]) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(dense, expert) named trainable parameters of all ``modules``, each parameter once."""
+    seen: set[int] = set()
+    dense, expert = [], []
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (expert if is_expert_param(name) else dense).append((f"{i}.{name}", p))
+    return dense, expert
+
+
+def _param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class Optimizers:
+    """The dense and expert AdamW optimizers (ZeRO-1 sharded when asked), stepped together."""
+
+    def __init__(self, modules: list[nn.Module], cfg: OptimConfig, dp_group: dist.ProcessGroup | None,
+                 edp_group: dist.ProcessGroup | None, zero1: bool):
+        dense, expert = split_params(modules)
+        self.dense_params = [p for _, p in dense]
+        self.expert_params = [p for _, p in expert]
+        kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for named, group in ((dense, dp_group), (expert, edp_group)):
+            if not named:
+                continue
+            groups = _param_groups(named, cfg.weight_decay)
+            shard = zero1 and group is not None and dist.get_world_size(group) > 1
+            if shard:
+                opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                              process_group=group, weight_decay=groups[0]["weight_decay"], **kw)
+                for g in groups[1:]:
+                    opt.add_param_group(g)
+            else:
+                opt = torch.optim.AdamW(groups, **kw)
+            self.optimizers.append(opt)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self) -> list[dict]:
+        """This rank's optimizer states (ZeRO shards are consolidated by the checkpoint code if needed)."""
+        return [opt.state_dict() if not isinstance(opt, ZeroRedundancyOptimizer) else opt.optim.state_dict()
+                for opt in self.optimizers]
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"optimizer state has {len(states)} optimizers, this run has {len(self.optimizers)}")
+        for opt, state in zip(self.optimizers, states):
+            (opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt).load_state_dict(state)
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Multiplier of ``cfg.lr`` at each step: linear warm-up from lr/warmup, then cosine to min_lr."""
+    floor = cfg.min_lr / cfg.lr
+
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        decay_steps = max(1, total_steps - cfg.warmup_steps)
+        t = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return f
+
+
+class LRScheduler:
+    """Warm-up + cosine on every optimizer (one ``LambdaLR`` each, stepped together)."""
+
+    def __init__(self, optimizers: Optimizers, cfg: OptimConfig, total_steps: int):
+        fn = lr_lambda(cfg, total_steps)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0] if self.schedulers else 0.0
+
+    def state_dict(self) -> list[dict]:
+        return [s.state_dict() for s in self.schedulers]
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        for s, st in zip(self.schedulers, states):
+            s.load_state_dict(st)
+
+
+def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    if group is not None and dist.get_world_size(group) > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    if scale != 1.0:
+        for g in grads:
+            g.mul_(scale)
+
+
+@torch.no_grad()
+def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_group: dist.ProcessGroup | None,
+                     dp_size: int) -> None:
+    """Average dense gradients over dp; sum expert gradients over edp and divide by dp."""
+    for p in opt.dense_params + opt.expert_params:
+        if p.grad is None:  # a parameter this step never reached (e.g. an expert no token chose)
+            p.grad = torch.zeros_like(p)
+    _flat_all_reduce(opt.dense_params, dp_group, 1.0 / dp_size)
+    _flat_all_reduce(opt.expert_params, edp_group, 1.0 / dp_size)
+
+
+@torch.no_grad()
+def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int) -> float:
+    """Global gradient L2 norm over every rank (each parameter counted once); clip to ``max_norm`` (0 = no clip).
+
+    After ``reduce_gradients`` dense gradients are replicated on the ``dp`` ranks of a stage and
+    expert gradients on the ``dp / ep`` replicas, so one world all-reduce of the weighted squares
+    gives the true norm.
+    """
+    dense_sq = sum((p.grad.double().square().sum() for p in opt.dense_params if p.grad is not None),
+                   torch.zeros((), dtype=torch.float64))
+    expert_sq = sum((p.grad.double().square().sum() for p in opt.expert_params if p.grad is not None),
+                    torch.zeros((), dtype=torch.float64))
+    total = dense_sq / dp_size + expert_sq / (dp_size // ep_size)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in opt.dense_params + opt.expert_params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
