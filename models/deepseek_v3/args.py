@@ -1,0 +1,309 @@
+"""ModelArgs: every knob of the DeepSeek-V3 architecture, named after DeepSeek's ``inference/model.py``.
+
+Also here: the presets (671B, a 16B-class "lite", CPU-sized debug models), conversion to and
+from Hugging Face ``config.json`` (both the released ``rope_scaling`` block and newer
+transformers' ``rope_parameters``), validation, and parameter counts (total / activated per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RECOMPUTE_KINDS = ("norm", "mla_up", "swiglu", "block")
+
+
+@dataclass
+class ModelArgs:
+    """DeepSeek-V3 architecture. Defaults are the released 671B model (``deepseek_v3_671b``)."""
+
+    vocab_size: int = 129280
+    dim: int = 7168
+    inter_dim: int = 18432  # dense FFN width (first ``n_dense_layers`` layers)
+    moe_inter_dim: int = 2048  # width of every routed and shared expert
+    n_layers: int = 61
+    n_dense_layers: int = 3
+    n_heads: int = 128
+    # MoE
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 8
+    n_expert_groups: int = 8
+    n_limited_groups: int = 4
+    score_func: str = "sigmoid"  # "sigmoid" (V3) or "softmax" (V2)
+    route_scale: float = 2.5
+    norm_topk_prob: bool = True
+    # MLA
+    q_lora_rank: int = 1536  # 0: plain q projection (V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # RoPE / YaRN (rope_factor 1.0 = plain RoPE)
+    max_seq_len: int = 163840
+    original_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    rope_factor: float = 40.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    mscale: float = 1.0  # YaRN cos/sin attention factor numerator (HF ``mscale``)
+    mscale_all_dim: float = 1.0  # softmax-scale correction (HF ``mscale_all_dim``); 0 disables it
+    # MTP
+    n_mtp_layers: int = 1
+    mtp_loss_weight: float = 0.3  # lambda; the V3 report lowers it to 0.1 late in training
+    # misc
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    init_std: float = 0.006
+    # training switches (not part of the checkpoint's config.json)
+    fp8: bool = False  # route attention projections and every expert/FFN Linear through deep_gemm FP8
+    recompute: tuple[str, ...] = ()  # subset of RECOMPUTE_KINDS
+    recompute_layers: tuple[int, ...] | None = None  # None: every layer (MTP blocks are layer n_layers + k)
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown HF config fields, kept for round trips
+
+    def __post_init__(self) -> None:
+        self.recompute = tuple(self.recompute)
+        if self.recompute_layers is not None:
+            self.recompute_layers = tuple(self.recompute_layers)
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the field for any inconsistent setting."""
+        positive = ("vocab_size", "dim", "inter_dim", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim", "max_seq_len", "original_seq_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArgs.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"ModelArgs.n_dense_layers must be in [0, n_layers={self.n_layers}], "
+                             f"got {self.n_dense_layers}")
+        if self.q_lora_rank < 0 or self.n_mtp_layers < 0 or self.n_shared_experts < 0:
+            raise ValueError("ModelArgs.q_lora_rank, n_mtp_layers and n_shared_experts must be >= 0, got "
+                             f"{self.q_lora_rank}, {self.n_mtp_layers}, {self.n_shared_experts}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"ModelArgs.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"ModelArgs.score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
+        if self.has_moe:
+            if self.n_routed_experts <= 0 or self.moe_inter_dim <= 0:
+                raise ValueError(f"ModelArgs.n_routed_experts and moe_inter_dim must be > 0 for MoE layers, got "
+                                 f"{self.n_routed_experts}, {self.moe_inter_dim}")
+            if self.n_expert_groups <= 0 or self.n_routed_experts % self.n_expert_groups:
+                raise ValueError(f"ModelArgs.n_routed_experts={self.n_routed_experts} must be divisible by "
+                                 f"n_expert_groups={self.n_expert_groups}")
+            if not 1 <= self.n_limited_groups <= self.n_expert_groups:
+                raise ValueError(f"ModelArgs.n_limited_groups (top-k groups) must be in [1, n_expert_groups="
+                                 f"{self.n_expert_groups}], got {self.n_limited_groups}")
+            reachable = self.n_limited_groups * (self.n_routed_experts // self.n_expert_groups)
+            if not 1 <= self.n_activated_experts <= reachable:
+                raise ValueError(f"ModelArgs.n_activated_experts must be in [1, {reachable}] (experts in the "
+                                 f"{self.n_limited_groups} kept groups), got {self.n_activated_experts}")
+            if self.n_expert_groups > 1 and self.score_func == "sigmoid" and self.experts_per_group < 2:
+                raise ValueError("ModelArgs: group scores sum each group's top-2 experts, so n_routed_experts / "
+                                 f"n_expert_groups must be >= 2, got {self.experts_per_group}")
+        if self.rope_factor < 1.0:
+            raise ValueError(f"ModelArgs.rope_factor must be >= 1 (1 = no YaRN), got {self.rope_factor}")
+        unknown = set(self.recompute) - set(RECOMPUTE_KINDS)
+        if unknown:
+            raise ValueError(f"ModelArgs.recompute: unknown kinds {sorted(unknown)}; expected a subset of "
+                             f"{RECOMPUTE_KINDS}")
+
+    # ---- derived ----------------------------------------------------------------------------------
+    @property
+    def has_moe(self) -> bool:
+        return self.n_layers > self.n_dense_layers or self.n_mtp_layers > 0
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.n_routed_experts // self.n_expert_groups
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def yarn(self) -> bool:
+        return self.rope_factor > 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times the YaRN mscale^2 correction when the context is extended."""
+        scale = self.qk_head_dim ** -0.5
+        if self.yarn and self.mscale_all_dim:
+            m = 0.1 * self.mscale_all_dim * math.log(self.rope_factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Layer ids run 0..n_layers-1 for the trunk and n_layers+k for MTP depth k+1 (always MoE)."""
+        return layer_id >= self.n_dense_layers
+
+    def recomputes(self, kind: str, layer_id: int) -> bool:
+        return kind in self.recompute and (self.recompute_layers is None or layer_id in self.recompute_layers)
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        return dataclasses.replace(self, **changes)
+
+    # ---- presets ----------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelArgs:
+        """A named configuration (see ``PRESETS``), with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"ModelArgs.preset: unknown name {name!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    # ---- HF config.json ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> ModelArgs:
+        """From a HF ``config.json`` (file, directory holding one, or dict)."""
+        if isinstance(path_or_dict, dict):
+            cfg = dict(path_or_dict)
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(f"from_hf_config: no config.json at {path}")
+            cfg = json.loads(path.read_text())
+        kw: dict[str, Any] = {}
+        for ours, theirs in _HF_FIELDS.items():
+            if cfg.get(theirs) is not None:
+                kw[ours] = cfg.pop(theirs)
+            else:
+                cfg.pop(theirs, None)
+        kw["q_lora_rank"] = kw.get("q_lora_rank") or 0
+        kw.setdefault("n_routed_experts", 0)  # null in a dense config
+        rope = cfg.pop("rope_scaling", None) or cfg.pop("rope_parameters", None) or {}
+        cfg.pop("rope_parameters", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        elif cfg.get("rope_theta") is not None:
+            kw["rope_theta"] = cfg.pop("rope_theta")
+        cfg.pop("rope_theta", None)
+        if rope_type in ("yarn", "deepseek_yarn"):
+            kw.update(rope_factor=float(rope["factor"]), original_seq_len=int(rope["original_max_position_embeddings"]),
+                      beta_fast=rope.get("beta_fast", 32), beta_slow=rope.get("beta_slow", 1),
+                      mscale=float(rope.get("mscale", 1.0) or 0.0),
+                      mscale_all_dim=float(rope.get("mscale_all_dim", 0.0) or 0.0))
+        elif rope_type == "default":
+            kw.update(rope_factor=1.0, original_seq_len=kw.get("max_seq_len", 4096))
+        else:
+            raise ValueError(f"from_hf_config: rope type {rope_type!r} is not supported (expected yarn or default)")
+        if cfg.pop("hidden_act", "silu") != "silu":
+            raise ValueError("from_hf_config: hidden_act must be 'silu'")
+        if cfg.pop("topk_method", "noaux_tc") not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ValueError("from_hf_config: unsupported topk_method")
+        kw["extra"] = {k: v for k, v in cfg.items() if k not in _HF_DROPPED}
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (DeepseekV3ForCausalLM; loads in transformers and DeepSeek's code)."""
+        cfg: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        for ours, theirs in _HF_FIELDS.items():
+            cfg[theirs] = getattr(self, ours)
+        cfg.update(q_lora_rank=self.q_lora_rank or None, hidden_act="silu", topk_method="noaux_tc",
+                   num_key_value_heads=self.n_heads, attention_bias=False, rope_interleave=True,
+                   n_group=self.n_expert_groups, topk_group=self.n_limited_groups,
+                   num_experts_per_tok=self.n_activated_experts, first_k_dense_replace=self.n_dense_layers)
+        if self.yarn:
+            cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": self.rope_factor,
+                                   "original_max_position_embeddings": self.original_seq_len,
+                                   "beta_fast": self.beta_fast, "beta_slow": self.beta_slow,
+                                   "mscale": self.mscale, "mscale_all_dim": self.mscale_all_dim}
+        else:
+            cfg["rope_scaling"] = None
+        cfg["rope_theta"] = self.rope_theta
+        for k, v in self.extra.items():
+            cfg.setdefault(k, v)
+        return cfg
+
+    def save_hf_config(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf_config(), indent=2) + "\n")
+
+    # ---- parameter counts -------------------------------------------------------------------------
+    def param_counts(self, include_mtp: bool = False) -> dict[str, int]:
+        """Total and activated-per-token parameter counts.
+
+        As in DeepSeek's published figures (671B / 37B for V3, 15.7B / 2.4B for V2-Lite): the MTP
+        module is excluded unless asked for (the HF checkpoint's 685B includes it with its copies of
+        embedding and head), and "activated" leaves out the input embedding, a lookup rather than a GEMM.
+        """
+        d, h = self.dim, self.n_heads
+        q = self.q_lora_rank * (d + h * self.qk_head_dim + 1) if self.q_lora_rank else d * h * self.qk_head_dim
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        attn = q + kv + h * self.v_head_dim * d + 2 * d  # + both block norms
+        dense_ffn = 3 * d * self.inter_dim
+        expert = 3 * d * self.moe_inter_dim
+        moe_common = self.n_shared_experts * expert + self.n_routed_experts * d  # shared + router (bias: buffer)
+        moe_total = moe_common + self.n_routed_experts * expert
+        moe_active = moe_common + self.n_activated_experts * expert
+        n_moe = self.n_layers - self.n_dense_layers
+        embed_head = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d  # + final norm
+        total = embed_head + self.n_layers * attn + self.n_dense_layers * dense_ffn + n_moe * moe_total
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * d
+        active = embed_head - lookup + self.n_layers * attn + self.n_dense_layers * dense_ffn + n_moe * moe_active
+        if include_mtp:
+            mtp_extra = 2 * d * d + 3 * d  # eh_proj, enorm, hnorm, shared_head.norm
+            total += self.n_mtp_layers * (attn + moe_total + mtp_extra)
+            active += self.n_mtp_layers * (attn + moe_active + mtp_extra)
+        return {"total": total, "activated": active}
+
+
+# HF config.json name for each ModelArgs field that maps 1:1.
+_HF_FIELDS = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "inter_dim": "intermediate_size",
+    "moe_inter_dim": "moe_intermediate_size", "n_layers": "num_hidden_layers",
+    "n_dense_layers": "first_k_dense_replace",
+    "n_heads": "num_attention_heads", "n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
+    "n_activated_experts": "num_experts_per_tok", "n_expert_groups": "n_group", "n_limited_groups": "topk_group",
+    "score_func": "scoring_func", "route_scale": "routed_scaling_factor", "norm_topk_prob": "norm_topk_prob",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "max_seq_len": "max_position_embeddings",
+    "n_mtp_layers": "num_nextn_predict_layers", "norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+}
+# HF fields that are implied by ours (re-written by to_hf_config) or carry no architecture.
+_HF_DROPPED = {"architectures", "model_type", "num_key_value_heads", "attention_bias", "rope_interleave",
+               "transformers_version", "auto_map", "quantization_config", "torch_dtype", "dtype", "use_cache",
+               "num_mtp_layers", "head_dim", "qk_head_dim"}
+
+
+_DEBUG = dict(
+    vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
+    n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    max_seq_len=512, original_seq_len=128, rope_factor=4.0, n_mtp_layers=1, init_std=0.02,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek_v3_671b": {},
+    # DeepSeek-V2-Lite (the released 16B-class MLA+MoE model): softmax scores, no q LoRA, no groups, no MTP.
+    "deepseek_v2_lite": dict(
+        vocab_size=102400, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=27, n_dense_layers=1,
+        n_heads=16, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, n_expert_groups=1,
+        n_limited_groups=1, score_func="softmax", route_scale=1.0, norm_topk_prob=False, q_lora_rank=0,
+        max_seq_len=163840, original_seq_len=4096, rope_factor=40.0, mscale=0.707, mscale_all_dim=0.707,
+        n_mtp_layers=0, bos_token_id=100000, eos_token_id=100001,
+    ),
+    # A byte-level model that trains on a CPU in seconds: every V3 feature (q LoRA, YaRN, groups, MTP) on.
+    "debug": _DEBUG,
+    # Smallest shapes for unit tests.
+    "debug_tiny": {**_DEBUG, "dim": 32, "inter_dim": 64, "moe_inter_dim": 16, "n_heads": 2, "q_lora_rank": 16,
+                   "kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8},
+    # CPU benchmark size: big enough that GEMMs, not Python, dominate.
+    "bench_cpu": {**_DEBUG, "dim": 256, "inter_dim": 512, "moe_inter_dim": 128, "n_layers": 4, "n_heads": 8,
+                  "n_routed_experts": 16, "n_activated_experts": 4, "n_expert_groups": 4, "n_limited_groups": 2,
+                  "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                  "v_head_dim": 32, "vocab_size": 1024},
+}
+PRESETS["lite"] = PRESETS["deepseek_v2_lite"]

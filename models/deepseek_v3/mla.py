@@ -1,0 +1,110 @@
+"""Multi-head Latent Attention (MLA), in its naive (training) and absorbed (decode) forms.
+
+Queries go through a low-rank bottleneck (``wq_a`` -> RMSNorm -> ``wq_b``; a plain ``wq`` when
+``q_lora_rank`` is 0). Keys and values are compressed into one ``kv_lora_rank`` latent plus a
+``qk_rope_head_dim`` RoPE key shared by every head (``wkv_a``), and expanded per head by ``wkv_b``.
+
+* Naive form (training, prefill without a cache): expand K/V per head and run ordinary attention
+  with q/k head dim 192 and v head dim 128 through ``flash_mla.mla_attention``.
+* Absorbed form (decode): fold ``wkv_b``'s key half into the query and its value half into the
+  output, so attention runs directly on the cached 576-wide latent ``[kv_norm(c_kv), rope(k_pe)]``
+  through ``flash_mla.flash_mla_with_kvcache`` (MQA with one KV head, dv = 512).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+import flash_mla
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import Linear, RMSNorm, maybe_recompute
+from models.deepseek_v3.rope import apply_rotary_emb
+
+
+class LatentCache(Protocol):
+    """What the absorbed path needs from a paged latent KV cache (``generate.LatentKVCache``)."""
+
+    def write(self, layer_id: int, start_pos: int, latent: torch.Tensor) -> None: ...
+    def attention_args(self, layer_id: int) -> dict: ...
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
+        super().__init__()
+        self.layer_id = layer_id
+        self.dim, self.n_heads = args.dim, args.n_heads
+        self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim = args.qk_head_dim, args.v_head_dim
+        self.softmax_scale = args.softmax_scale
+        self.recompute_up = args.recomputes("mla_up", layer_id)
+        recompute_norm = args.recomputes("norm", layer_id)
+        fp8 = args.fp8
+        if self.q_lora_rank:
+            self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps, recompute=recompute_norm)
+            self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, fp8=fp8)
+        else:
+            self.wq = Linear(self.dim, self.n_heads * self.qk_head_dim, fp8=fp8)
+        self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, fp8=fp8)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, recompute=recompute_norm)
+        self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8)
+        self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8)
+
+    # ---- shared by both forms ---------------------------------------------------------------------
+    def _q_latent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_norm(self.wq_a(x)) if self.q_lora_rank else x
+
+    def _q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
+        wq = self.wq_b if self.q_lora_rank else self.wq
+        return wq(q_latent).unflatten(-1, (self.n_heads, self.qk_head_dim))
+
+    def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_norm(c_kv) [b, s, kv_lora], rope(k_pe) [b, s, 1, rope_dim])``."""
+        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return self.kv_norm(c_kv), apply_rotary_emb(k_pe.unsqueeze(2), cos, sin)
+
+    # ---- naive form -------------------------------------------------------------------------------
+    def _up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+        kv = self.wkv_b(c_kv).unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim))
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        """x ``[b, s, dim]``; cos/sin for positions ``start_pos .. start_pos+s``. With ``cache``: absorbed form."""
+        if cache is not None:
+            return self.forward_absorbed(x, cos, sin, cache, start_pos)
+        q_latent = self._q_latent(x)
+        c_kv, k_pe = self._kv_latent(x, cos, sin)
+        q, k, v = maybe_recompute(lambda a, b, c: self._up_project(a, b, c, cos, sin), q_latent, c_kv, k_pe,
+                                  enabled=self.recompute_up)
+        out = flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+        return self.wo(out.flatten(2))
+
+    # ---- absorbed form ----------------------------------------------------------------------------
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv_b`` split per head into the key half ``[h, nope, kv_lora]`` and value half ``[h, v, kv_lora]``."""
+        w = self.wkv_b.weight.view(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def forward_absorbed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache,
+                         start_pos: int) -> torch.Tensor:
+        """Write this step's latents at ``start_pos`` and attend over the whole cached prefix (causal)."""
+        q_nope, q_pe = self._q_up(self._q_latent(x)).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self._kv_latent(x, cos, sin)
+        cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
+        w_uk, w_uv = self._absorbed_weights()
+        q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
+                           apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+        out, _ = flash_mla.flash_mla_with_kvcache(q_abs, head_dim_v=self.kv_lora_rank, softmax_scale=self.softmax_scale,
+                                                  causal=True, **cache.attention_args(self.layer_id))
+        out = torch.einsum("bshc,hdc->bshd", out, w_uv.to(out.dtype))
+        return self.wo(out.flatten(2))

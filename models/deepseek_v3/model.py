@@ -1,0 +1,168 @@
+"""The DeepSeek-V3 Transformer: embedding, ``n_layers`` Blocks (MLA + dense FFN or MoE), norm, head, MTP.
+
+Pipeline stages are built from the same pieces the full forward uses, so a stage computes exactly
+what the whole model would: ``embed_tokens`` -> ``run_layers(h, start, end)`` -> ``final`` (and
+``mtp_logits`` on the last stage). Build on the ``meta`` device and materialise only what a rank
+holds (``materialize``), then load it with ``load_hf_checkpoint`` or ``init_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import MLP, Linear, RMSNorm
+from models.deepseek_v3.mla import MLA, LatentCache
+from models.deepseek_v3.moe import Experts, Gate, MoE
+from models.deepseek_v3.rope import rope_cos_sin
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        recompute_norm = args.recomputes("norm", layer_id)
+        self.recompute_block = args.recomputes("block", layer_id)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        self.attn = MLA(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        if args.is_moe_layer(layer_id):
+            self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
+        else:
+            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id))
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
+                 start_pos: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        if self.recompute_block and torch.is_grad_enabled() and x.requires_grad:
+            return checkpoint(self._forward, x, cos, sin, cache, start_pos, use_reentrant=False)
+        return self._forward(x, cos, sin, cache, start_pos)
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V3 causal LM. ``forward(tokens)`` -> logits ``[batch, seq, vocab]``.
+
+    ``expert_ids`` (a contiguous range) builds only those routed experts in every MoE layer, for an
+    expert-parallel rank. Submodules: ``embed``, ``layers`` (index = global layer id), ``norm``,
+    ``head``, ``mtp`` (one ``MTPModule`` per depth).
+    """
+
+    def __init__(self, args: ModelArgs, expert_ids: range | None = None):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i, expert_ids) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        from models.deepseek_v3.mtp import MTPModule
+
+        self.mtp = nn.ModuleList(MTPModule(args, k, expert_ids) for k in range(args.n_mtp_layers))
+        if not self.embed.weight.is_meta:
+            self.init_weights()
+
+    # ---- pipeline pieces --------------------------------------------------------------------------
+    def rope(self, seqlen: int, start_pos: int = 0, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[seqlen, rope_dim / 2]`` for positions ``start_pos .. start_pos + seqlen``."""
+        if start_pos + seqlen > self.args.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len={self.args.max_seq_len}")
+        device = device if device is not None else self.norm.weight.device
+        return rope_cos_sin(self.args, torch.arange(start_pos, start_pos + seqlen, device=device))
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer [batch, seq] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        return self.embed(tokens)
+
+    def run_layers(self, h: torch.Tensor, start: int = 0, end: int | None = None, start_pos: int = 0,
+                   cache: LatentCache | None = None) -> torch.Tensor:
+        """Run layers ``start .. end`` (global ids) on hidden states ``h [b, s, dim]``."""
+        end = self.args.n_layers if end is None else end
+        if not 0 <= start <= end <= self.args.n_layers:
+            raise ValueError(f"run_layers: need 0 <= start <= end <= n_layers={self.args.n_layers}, got {start}, {end}")
+        cos, sin = self.rope(h.shape[1], start_pos, h.device)
+        for layer in self.layers[start:end]:
+            h = layer(h, cos, sin, cache, start_pos)
+        return h
+
+    def final(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: logits ``[b, s, vocab]``."""
+        return self.head(self.norm(h))
+
+    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """MTP logits per depth k = 1..D from the main model's last hidden state ``h`` (before ``norm``).
+
+        Depth k's logits ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``.
+        """
+        out = []
+        for k, module in enumerate(self.mtp, start=1):
+            n = tokens.shape[1] - k
+            if n <= 0:
+                break
+            cos, sin = self.rope(n, 0, h.device)
+            h = module(h[:, :n], self.embed(tokens[:, k:]), cos, sin)
+            out.append(self.head(module.norm(h)))
+        return out
+
+    # ---- whole model ------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None,
+                return_mtp: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[b, s, vocab]``; with ``return_mtp`` also the MTP logits list (see ``mtp_logits``).
+
+        With a ``cache`` (generation), the tokens sit at ``start_pos..`` and attention is absorbed.
+        """
+        h = self.run_layers(self.embed_tokens(tokens), start_pos=start_pos, cache=cache)
+        logits = self.final(h)
+        if return_mtp:
+            return logits, self.mtp_logits(h, tokens)
+        return logits
+
+    def forward_with_mtp(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.forward(tokens, return_mtp=True)
+
+    # ---- weights ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, module: nn.Module | None = None) -> None:
+        """Initialise ``module`` (default: the whole model) as the V3 report: normal(0, init_std), norms 1."""
+        std = self.args.init_std
+        for m in (module or self).modules():
+            if isinstance(m, (Linear, nn.Linear, nn.Embedding)) and not m.weight.is_meta:
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, (RMSNorm, Gate, Experts)) and not next(m.parameters()).is_meta:
+                m.reset_parameters(std) if not isinstance(m, RMSNorm) else m.reset_parameters()
+
+    def materialize(self, modules: Iterable[nn.Module], device: torch.device | str, init: bool = True) -> None:
+        """Allocate the given (meta) submodules on ``device`` and, with ``init``, initialise them."""
+        for m in modules:
+            m.to_empty(device=device)
+            if init:
+                self.init_weights(m)
+
+
+def lm_losses(args: ModelArgs, logits: torch.Tensor, mtp_logits: list[torch.Tensor], labels: torch.Tensor,
+              ignore_index: int = -100) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """Next-token cross-entropy and the MTP losses, and ``total = main + lambda / D * sum(mtp)``.
+
+    ``labels[:, i]`` is the target of position i (``tokens[:, 1:]`` for the model run on
+    ``tokens[:, :-1]``, or shifted with padding); depth k's targets are ``labels[:, k:]``. Logits longer
+    than their targets are cut to them. Computed in fp32; MTP losses are reported separately.
+    """
+    n = labels.shape[1]
+    main = F.cross_entropy(logits[:, :n].flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
+    mtp = [F.cross_entropy(lg[:, : n - k].flatten(0, 1).float(), labels[:, k:].flatten(), ignore_index=ignore_index)
+           for k, lg in enumerate(mtp_logits, start=1) if n > k]
+    total = main + args.mtp_loss_weight / len(mtp) * torch.stack(mtp).sum() if mtp else main
+    return {"loss": total, "main": main, "mtp": mtp}

@@ -1,0 +1,207 @@
+"""DeepSeekMoE: router (``Gate``), routed experts as grouped GEMMs (``Experts``), shared experts (``MoE``).
+
+``MoE.forward`` is four separately callable steps so that expert parallelism can replace the
+middle two with all-to-all dispatch/combine and a pipeline schedule can interleave them with
+another micro-batch's compute::
+
+    routing = moe.route(x)                                  # Gate: fp32 scores, top-k, weights
+    x_grouped, m_indices, state = moe.permute(x, routing)   # rows grouped by expert, padded
+    y_grouped = moe.experts(x_grouped, m_indices)           # two grouped GEMMs + SwiGLU
+    y = moe.unpermute(y_grouped, state, routing.weights)    # back to token order, weighted sum
+    y = y + moe.shared(x)
+
+The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one block padded to
+``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows, pad rows carry expert index -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deep_gemm
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
+
+
+@dataclass
+class Routing:
+    """What the router decided for ``T`` tokens (all fp32 except ``indices``)."""
+
+    weights: torch.Tensor  # [T, k] gate weights from the unbiased scores, normalised, x route_scale
+    indices: torch.Tensor  # [T, k] int64 expert ids chosen on the biased, group-limited scores
+    scores: torch.Tensor  # [T, E] unbiased sigmoid/softmax scores (balance losses use these)
+    logits: torch.Tensor  # [T, E] router logits
+
+
+@dataclass
+class PermuteState:
+    """How to undo ``permute``: where each (token, slot) assignment sits in the grouped buffer."""
+
+    rows: torch.Tensor  # [T * k] row of assignment (t, j) in x_grouped, at index t * k + j
+    num_tokens: int
+    tokens_per_expert: torch.Tensor  # [E] int64, unpadded
+
+
+class Gate(nn.Module):
+    """DeepSeek-V3 router.
+
+    Logits in fp32 -> sigmoid (or softmax) scores -> selection on scores + ``e_score_correction_bias``
+    (auxiliary-loss-free balancing; it never touches the gate weights) -> group-limited routing
+    (group score = sum of the group's top-2 biased scores, or its max without a bias; losing groups
+    masked to -inf) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid),
+    times ``route_scale``.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dim, self.topk = args.dim, args.n_activated_experts
+        self.n_experts, self.n_groups = args.n_routed_experts, args.n_expert_groups
+        self.topk_groups = args.n_limited_groups
+        self.score_func, self.route_scale, self.norm_topk_prob = args.score_func, args.route_scale, args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        if args.score_func == "sigmoid":
+            # A buffer: updated by the balancing rule (sign of load error), never by gradients. Always fp32.
+            self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x ``[T, dim]`` -> ``Routing``."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_groups > 1:
+            grouped = choice.view(-1, self.n_groups, self.n_experts // self.n_groups)
+            if self.e_score_correction_bias is None:
+                group_scores = grouped.amax(dim=-1)
+            else:
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_groups, dim=-1).indices
+            losing = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
+            choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(weights=weights * self.route_scale, indices=indices, scores=scores, logits=logits)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.e_score_correction_bias is not None:
+            nn.init.zeros_(self.e_score_correction_bias)
+
+
+class Experts(nn.Module):
+    """The routed experts ``expert_ids`` (all by default; an expert-parallel rank holds a slice).
+
+    ``w13`` ``[E, 2 * inter, dim]`` is each expert's fused gate/up projection, ``w2`` ``[E, dim, inter]``
+    its down projection: one grouped GEMM each over the contiguous grouped layout.
+    """
+
+    def __init__(self, args: ModelArgs, expert_ids: range | None = None, recompute_swiglu: bool = False):
+        super().__init__()
+        self.expert_ids = range(args.n_routed_experts) if expert_ids is None else expert_ids
+        if not (0 <= self.expert_ids.start <= self.expert_ids.stop <= args.n_routed_experts
+                and self.expert_ids.step == 1):
+            raise ValueError(f"Experts: expert_ids must be a contiguous range within [0, {args.n_routed_experts}), "
+                             f"got {self.expert_ids}")
+        n = len(self.expert_ids)
+        self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
+        self.recompute_swiglu = recompute_swiglu
+        self.w13 = nn.Parameter(torch.empty(n, 2 * args.moe_inter_dim, args.dim))
+        self.w2 = nn.Parameter(torch.empty(n, args.dim, args.moe_inter_dim))
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_ids)
+
+    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
+        """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1."""
+        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8)
+        h = maybe_recompute(swiglu, h, enabled=self.recompute_swiglu)
+        return grouped_linear(h, self.w2, m_indices, fp8=self.fp8)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.w13, std=std)
+        nn.init.normal_(self.w2, std=std)
+
+
+def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int,
+            alignment: int) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
+    """Copy each token once per chosen expert into expert-contiguous groups padded to ``alignment`` rows.
+
+    x ``[T, D]``, indices ``[T, k]`` (values in ``[0, num_experts)``) -> ``x_grouped [M, D]`` (pad rows 0),
+    ``m_indices [M]`` (expert of each row, -1 for padding) and the state ``unpermute`` needs.
+    """
+    num_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + alignment - 1) // alignment * alignment
+    group_start = padded.cumsum(0) - padded
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    rows = torch.empty_like(flat)
+    rows[order] = group_start[sorted_experts] + rank_in_expert
+    total = int(padded.sum())
+    m_indices = torch.full((total,), -1, dtype=torch.int32, device=x.device)
+    m_indices[rows] = flat.to(torch.int32)
+    token_of_assignment = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
+    x_grouped = x.new_zeros(total, x.shape[-1]).index_copy(0, rows, x[token_of_assignment])
+    return x_grouped, m_indices, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
+
+
+def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
+    """Gather each assignment's expert output and sum them per token weighted by ``weights [T, k]``."""
+    y = y_grouped[state.rows].view(state.num_tokens, -1, y_grouped.shape[-1])
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE layer: routed experts (top-k of ``n_routed_experts``) plus always-on shared experts."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0, expert_ids: range | None = None):
+        super().__init__()
+        self.layer_id, self.dim = layer_id, args.dim
+        recompute_swiglu = args.recomputes("swiglu", layer_id)
+        self.gate = Gate(args)
+        self.experts = Experts(args, expert_ids, recompute_swiglu=recompute_swiglu)
+        self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, fp8=args.fp8,
+                                   recompute_swiglu=recompute_swiglu) if args.n_shared_experts else None)
+        self.n_routed_experts = args.n_routed_experts
+        self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout() if hasattr(
+            deep_gemm, "get_m_alignment_for_contiguous_layout") else 128  # TODO(deep_gemm landing)
+
+    # ---- the steps --------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> Routing:
+        """x ``[T, dim]`` -> Routing."""
+        return self.gate(x)
+
+    def permute(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
+        """Local (single-rank) dispatch: every chosen expert must live in ``self.experts``."""
+        if self.experts.num_experts != self.n_routed_experts:
+            raise ValueError(f"MoE.permute: this layer holds experts {self.experts.expert_ids} of "
+                             f"{self.n_routed_experts}; tokens must be dispatched across expert-parallel ranks")
+        return permute(x, routing.indices, self.n_routed_experts, self.m_alignment)
+
+    def unpermute(self, y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
+        return unpermute(y_grouped, state, weights)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    # ---- all together -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        routing = self.route(x)
+        x_grouped, m_indices, state = self.permute(x, routing)
+        y = self.unpermute(self.experts(x_grouped, m_indices), state, routing.weights)
+        z = self.shared(x)
+        if z is not None:
+            y = y + z
+        return y.view(shape)

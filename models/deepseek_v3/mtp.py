@@ -1,0 +1,35 @@
+"""Multi-Token Prediction (MTP) modules: depth k predicts token t+k+1 from depth k-1's hidden state.
+
+For depth k (1-based), position i: ``h_k[i] = Block(eh_proj(cat[enorm(emb(t[i+k])), hnorm(h_{k-1}[i])]))``
+and its logits are ``head(norm(h_k[i]))`` with the embedding and output head shared with the main
+model (the concatenation order, embedding first, is the released weights'). ``h_0`` is the main
+model's last hidden state before the final norm. Each depth is one sequence shorter than the last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import Linear, RMSNorm
+
+
+class MTPModule(nn.Module):
+    """One MTP depth. ``depth`` is 0-based; its block is layer ``n_layers + depth`` (HF key index)."""
+
+    def __init__(self, args: ModelArgs, depth: int, expert_ids: range | None = None):
+        from models.deepseek_v3.model import Block  # Block imports nothing from here; avoid the cycle
+
+        super().__init__()
+        self.depth, self.layer_id = depth, args.n_layers + depth
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = Linear(2 * args.dim, args.dim, fp8=args.fp8)
+        self.block = Block(args, self.layer_id, expert_ids)
+        self.norm = RMSNorm(args.dim, args.norm_eps)  # HF: shared_head.norm
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return self.block(x, cos, sin)
