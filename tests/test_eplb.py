@@ -1,0 +1,129 @@
+"""EPLB: the published example reproduced exactly, plan invariants, the load tracker, plan application."""
+
+import pytest
+import torch
+
+from models.deepseek_v3.eplb import (
+    EplbPlan,
+    ExpertLoadEMA,
+    local_physical_experts,
+    rebalance_experts,
+    redistribute_expert_weights,
+    sync_replica_grads,
+)
+from tests.dist_utils import run_distributed
+
+# /work/shared/golden/README.md: deepseek-ai/EPLB README example
+GOLDEN_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+GOLDEN_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                  [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+
+
+def _check_plan(weight, phy2log, log2phy, logcnt, num_gpus):
+    layers, experts = weight.shape
+    for layer in range(layers):
+        counts = torch.bincount(phy2log[layer], minlength=experts)
+        assert torch.equal(counts, logcnt[layer]) and counts.min() >= 1
+        for e in range(experts):
+            slots = log2phy[layer, e]
+            real = slots[slots >= 0]
+            assert real.numel() == logcnt[layer, e]
+            assert torch.all(phy2log[layer, real] == e)
+    assert phy2log.shape[1] % num_gpus == 0
+
+
+def _gpu_max_load(weight, phy2log, logcnt, num_gpus):
+    per_copy = weight.double() / logcnt.double()
+    load = per_copy.gather(1, phy2log)
+    return load.view(weight.shape[0], num_gpus, -1).sum(-1).amax(-1)
+
+
+def test_reproduces_the_published_hierarchical_example():
+    weight = torch.tensor(GOLDEN_WEIGHT)
+    phy2log, log2phy, logcnt = rebalance_experts(weight, 16, 4, 2, 8)
+    assert phy2log.tolist() == GOLDEN_PHY2LOG
+    _check_plan(weight, phy2log, log2phy, logcnt, 8)
+
+
+def test_hierarchical_plan_keeps_each_group_on_one_node():
+    torch.manual_seed(1)
+    weight = torch.randint(1, 500, (3, 32)).float()
+    groups, nodes, gpus = 8, 4, 8
+    phy2log, log2phy, logcnt = rebalance_experts(weight, 48, groups, nodes, gpus)
+    _check_plan(weight, phy2log, log2phy, logcnt, gpus)
+    node_of_slot = torch.arange(48) // (48 // nodes)
+    for layer in range(3):
+        for g in range(groups):
+            in_group = (phy2log[layer] // (32 // groups)) == g
+            assert node_of_slot[in_group].unique().numel() == 1
+
+
+@pytest.mark.parametrize("experts,replicas,groups,nodes,gpus",
+                         [(12, 16, 3, 2, 8), (16, 24, 1, 1, 4), (10, 10, 5, 2, 2)])
+def test_global_policy_plans_are_valid_and_beat_no_redundancy(experts, replicas, groups, nodes, gpus):
+    torch.manual_seed(experts)
+    weight = (torch.rand(4, experts) ** 3 * 1000).round() + 1  # skewed loads
+    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus)
+    _check_plan(weight, phy2log, log2phy, logcnt, gpus)
+    naive = weight.view(4, gpus, -1).sum(-1).amax(-1) if experts % gpus == 0 else None
+    got = _gpu_max_load(weight, phy2log, logcnt, gpus)
+    assert torch.all(got >= weight.sum(-1) / gpus - 1e-6)  # never better than perfect balance
+    if naive is not None:
+        assert torch.all(got <= naive + 1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_replicas=8), "num_replicas=8 < 12"),
+    (dict(num_groups=5), "num_groups=5 must divide"),
+    (dict(num_gpus=6), "num_gpus=6 must divide num_replicas=16"),
+    (dict(num_nodes=3), "num_nodes=3 must divide num_gpus=8"),
+    (dict(num_gpus=0), "num_gpus must be >= 1"),
+])
+def test_arguments_that_do_not_divide_are_value_errors(kwargs, match):
+    args = dict(num_replicas=16, num_groups=4, num_nodes=2, num_gpus=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        rebalance_experts(torch.tensor(GOLDEN_WEIGHT), **args)
+
+
+def test_load_ema_tracks_and_plans():
+    ema = ExpertLoadEMA(2, 12, decay=0.5)
+    with pytest.raises(ValueError, match="no load measured"):
+        ema.plan(16, 4, 2, 8)
+    ema.update(torch.tensor(GOLDEN_WEIGHT))
+    ema.update(torch.tensor(GOLDEN_WEIGHT) * 3)
+    torch.testing.assert_close(ema.load, torch.tensor(GOLDEN_WEIGHT, dtype=torch.float64) * 2)
+    plan = ema.plan(16, 4, 2, 8)
+    assert plan.phy2log.tolist() == GOLDEN_PHY2LOG  # scaling loads by 2 does not change the plan
+    with pytest.raises(ValueError, match="counts shape"):
+        ema.update(torch.zeros(3, 12))
+    ident = EplbPlan.identity(2, 5)
+    assert ident.phy2log.tolist() == [list(range(5))] * 2 and ident.logcnt.sum() == 10
+
+
+def _redistribute_rank(rank, world_size):
+    torch.manual_seed(0)
+    logical = torch.randn(6, 3, 2)  # 6 logical experts' weights, same on every rank
+    old = torch.tensor([0, 1, 2, 3, 4, 5, 0, 5])  # 4 slots per rank
+    new = torch.tensor([5, 5, 3, 1, 0, 2, 4, 1])
+    local = logical[local_physical_experts(old, rank, world_size)]
+    moved = redistribute_expert_weights(local, old, new)
+    grads = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(rank + 10))
+    synced = sync_replica_grads(grads, new, 6)
+    return moved, grads, synced
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_plan_application_moves_weights_and_syncs_replica_grads():
+    results = run_distributed(_redistribute_rank, 2, timeout=90)
+    torch.manual_seed(0)
+    logical = torch.randn(6, 3, 2)
+    new = torch.tensor([5, 5, 3, 1, 0, 2, 4, 1])
+    for rank, (moved, _, _) in enumerate(results):
+        assert torch.equal(moved, logical[local_physical_experts(new, rank, 2)])  # exact copies
+    all_grads = torch.cat([g for _, g, _ in results])
+    want = torch.zeros(6, 3, 2).index_add_(0, new, all_grads)
+    for rank, (_, _, synced) in enumerate(results):
+        # fp32 sums of <= 2 terms in a different order: 1e-6
+        torch.testing.assert_close(synced, want[local_physical_experts(new, rank, 2)], rtol=1e-6, atol=1e-6)
