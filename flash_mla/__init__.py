@@ -6,5 +6,8 @@ forward+backward kernel that FlashMLA does not have.
 """
 
 from flash_mla.attention import mla_attention
+from flash_mla.decode import flash_mla_with_kvcache
+from flash_mla.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8
+from flash_mla.metadata import get_mla_metadata
 
-__all__ = ["mla_attention"]
+__all__ = ["dequantize_kv_fp8", "flash_mla_with_kvcache", "get_mla_metadata", "mla_attention", "quantize_kv_fp8"]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from accel import registry
-from flash_mla.kernels.common import interpreted, split_head_dim
+from flash_mla.kernels.common import cast_out, interpreted, split_head_dim
 
 LOG2E = 1.4426950408889634
 
@@ -94,7 +94,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale_log2,
         m_i = m_new
     acc = acc / l_i[:, None]
     o_ptr = O + start * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + cols_v[None, :]
-    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & v_ok[None, :])
+    tl.store(o_ptr, cast_out(acc, O.dtype.element_ty, UPCAST), mask=m_ok[:, None] & v_ok[None, :])
     # natural log: lse = (m + log2 l) * ln 2, with m in log2 units
     tl.store(LSE + h * stride_lh + start + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_ok)
 
@@ -152,13 +152,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, CU, sm_scale, qk_scale_lo
         if DB > 0:
             dk_b += tl.dot(ds_t, q_b)
     dk_base = DK + start * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt
-    tl.store(dk_base + cols_a[None, :], (dk_a * sm_scale).to(DK.dtype.element_ty),
+    tl.store(dk_base + cols_a[None, :], cast_out(dk_a * sm_scale, DK.dtype.element_ty, UPCAST),
              mask=n_ok[:, None] & (cols_a < DQK)[None, :])
     if DB > 0:
-        tl.store(dk_base + cols_b[None, :], (dk_b * sm_scale).to(DK.dtype.element_ty),
+        tl.store(dk_base + cols_b[None, :], cast_out(dk_b * sm_scale, DK.dtype.element_ty, UPCAST),
                  mask=n_ok[:, None] & (cols_b < DQK)[None, :])
     dv_ptr = DV_ + start * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + cols_v[None, :]
-    tl.store(dv_ptr, dv.to(DV_.dtype.element_ty), mask=n_ok[:, None] & v_ok[None, :])
+    tl.store(dv_ptr, cast_out(dv, DV_.dtype.element_ty, UPCAST), mask=n_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
@@ -212,10 +212,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sm_scale, qk_scale_log2,
         if DB > 0:
             dq_b += tl.dot(ds, k_b)
     dq_base = DQ + start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
-    tl.store(dq_base + cols_a[None, :], (dq_a * sm_scale).to(DQ.dtype.element_ty),
+    tl.store(dq_base + cols_a[None, :], cast_out(dq_a * sm_scale, DQ.dtype.element_ty, UPCAST),
              mask=m_ok[:, None] & (cols_a < DQK)[None, :])
     if DB > 0:
-        tl.store(dq_base + cols_b[None, :], (dq_b * sm_scale).to(DQ.dtype.element_ty),
+        tl.store(dq_base + cols_b[None, :], cast_out(dq_b * sm_scale, DQ.dtype.element_ty, UPCAST),
                  mask=m_ok[:, None] & (cols_b < DQK)[None, :])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 
 import accel
 
@@ -20,3 +21,23 @@ def split_head_dim(d: int) -> tuple[int, int]:
     first = max(16, 1 << (d.bit_length() - 1))
     rest = d - first
     return first, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+
+
+@triton.jit
+def round_to_bf16_grid(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32.
+
+    Why: the interpreter's fp32 -> bf16 cast truncates; rounding first makes the cast exact.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest for bf16 under the interpreter too."""
+    if INTERPRETED:
+        if dtype == tl.bfloat16:
+            x = round_to_bf16_grid(x)
+    return x.to(dtype)

@@ -1,0 +1,219 @@
+"""``flash_mla_with_kvcache``: MLA decoding on a paged KV cache (FlashMLA's API), reference and dispatch.
+
+Absorbed MLA decoding attends every query head to one cached 576-wide vector per token (512
+latent + 64 RoPE) per KV head; V is the first ``head_dim_v`` columns of the same cache row. The
+cache is paged in blocks of 64 tokens addressed through ``block_table``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from accel import registry
+from accel.registry import Case, VerifySpec
+from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
+from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
+
+OP_NAME = "flash_mla.flash_mla_with_kvcache"
+HEAD_DIM = D_NOPE + D_ROPE  # 576
+
+
+def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                causal, is_fp8_kvcache, indices) -> None:
+    if indices is not None:
+        raise ValueError("flash_mla_with_kvcache: indices (sparse attention) is not supported; expected None")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be [batch, s_q, h_q, head_dim], got shape {tuple(getattr(q, 'shape', ()))}")
+    b, s_q, h_q, d = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, {BLOCK_SIZE}, h_kv, head_dim], got {tuple(k_cache.shape)}")
+    if k_cache.shape[1] != BLOCK_SIZE:
+        raise ValueError(f"k_cache block size must be {BLOCK_SIZE}, got {k_cache.shape[1]}")
+    h_kv = k_cache.shape[2]
+    if is_fp8_kvcache:
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"q must be bfloat16 with an FP8 KV cache, got {q.dtype}")
+        if k_cache.dtype not in (torch.float8_e4m3fn, torch.uint8) or k_cache.shape[-1] != BYTES_PER_TOKEN:
+            raise ValueError(f"an FP8 k_cache must be float8_e4m3fn/uint8 with last dim {BYTES_PER_TOKEN}, got "
+                             f"{k_cache.dtype} {k_cache.shape[-1]}")
+        if d != HEAD_DIM or head_dim_v != D_NOPE:
+            raise ValueError(f"with an FP8 KV cache q's head dim must be {HEAD_DIM} and head_dim_v {D_NOPE}, got "
+                             f"{d} and {head_dim_v}")
+    else:
+        if k_cache.dtype != q.dtype:
+            raise ValueError(f"k_cache must have q's dtype {q.dtype}, got {k_cache.dtype} (FP8 caches need "
+                             "is_fp8_kvcache=True)")
+        if k_cache.shape[-1] != d:
+            raise ValueError(f"k_cache head dim must equal q's head dim {d}, got {k_cache.shape[-1]}")
+        if not 0 < head_dim_v <= d:
+            raise ValueError(f"head_dim_v must be in [1, {d}], got {head_dim_v}")
+    if h_q % h_kv:
+        raise ValueError(f"h_q={h_q} must be a multiple of the cache's h_kv={h_kv}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be int32 [{b}, max_blocks], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (b,):
+        raise ValueError(f"cache_seqlens must be int32 [{b}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    for name, t in (("k_cache", k_cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                    ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    check_metadata(tile_scheduler_metadata, num_splits, cache_seqlens, block_table, k_cache.shape[0])
+
+
+@registry.reference_for(OP_NAME)
+def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                     num_splits, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                                     indices=None):
+    """Per sequence in fp32: gather its pages, softmax(q k^T * scale) v; bottom-right causal mask.
+
+    Zero-length sequences and fully masked rows give out 0 and lse +inf (FlashMLA's convention).
+    An FP8 cache is dequantised to bf16 first, exactly as the kernel sees it.
+    """
+    b, s_q, h_q, d = q.shape
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    cache = dequantize_kv_fp8(k_cache) if is_fp8_kvcache else k_cache
+    h_kv = cache.shape[2]
+    out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(cache_seqlens.tolist()):
+        if n == 0:
+            continue
+        pages = block_table[i, : -(-n // BLOCK_SIZE)].long()
+        kv = cache[pages].reshape(-1, h_kv, d)[:n].float().repeat_interleave(h_q // h_kv, dim=1)  # [n, h_q, d]
+        scores = torch.einsum("shd,nhd->hsn", q[i].float(), kv) * scale
+        if causal:
+            last_visible = n - s_q + torch.arange(s_q, device=q.device)
+            allowed = torch.arange(n, device=q.device)[None, :] <= last_visible[:, None]
+            scores = scores.masked_fill(~allowed, -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)  # [h_q, s_q]
+        live = torch.isfinite(row_lse)
+        probs = torch.where(live[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
+        out[i] = torch.einsum("hsn,nhd->shd", probs, kv[..., :head_dim_v])
+        lse[i] = torch.where(live, row_lse, math.inf)
+    return out.to(q.dtype), lse
+
+
+def _flash_mla_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                      softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+    from flash_mla.kernels.decode import flash_mla_decode_triton
+
+    return flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                   num_splits, softmax_scale, causal, is_fp8_kvcache)
+
+
+def make_paged_case(b: int, s_q: int, h_q: int, h_kv: int, seqlens: list[int], fp8: bool, generator: torch.Generator,
+                    device: torch.device | str, dtype: torch.dtype = torch.bfloat16, extra_blocks: int = 1):
+    """Fresh random decode inputs in FlashMLA's test style: pages in a random order, every cache slot a
+    sequence does not own NaN-poisoned (bytes 0xFF in an FP8 cache), a spare column in the block table.
+
+    Returns (q, k_cache, block_table, cache_seqlens).
+    """
+    blocks = [-(-n // BLOCK_SIZE) for n in seqlens]
+    max_blocks = max(blocks + [1]) + extra_blocks
+    num_blocks = sum(blocks) + extra_blocks
+    q = torch.randn(b, s_q, h_q, HEAD_DIM, generator=generator).to(dtype)
+    kv = torch.randn(num_blocks, BLOCK_SIZE, h_kv, HEAD_DIM, generator=generator).to(dtype)
+    cache = quantize_kv_fp8(kv).view(torch.uint8) if fp8 else kv
+    order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    table = torch.full((b, max_blocks), num_blocks, dtype=torch.int32)  # ids past the cache: must never be read
+    owned = torch.zeros(num_blocks, BLOCK_SIZE, dtype=torch.bool)
+    used = 0
+    for i, (n, nblk) in enumerate(zip(seqlens, blocks)):
+        ids = order[used: used + nblk]
+        table[i, :nblk] = ids
+        for j, blk in enumerate(ids.tolist()):
+            owned[blk, : min(BLOCK_SIZE, n - j * BLOCK_SIZE)] = True
+        used += nblk
+    cache[~owned] = 255 if fp8 else float("nan")
+    if fp8:
+        cache = cache.view(torch.float8_e4m3fn)
+    seqlens_t = torch.tensor(seqlens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, cache, table, seqlens_t))
+
+
+def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b, s_q, h_q, h_kv, s_k = shape["b"], shape["s_q"], shape["h_q"], shape.get("h_kv", 1), shape["s_k"]
+    if shape.get("varlen", True):
+        seqlens = [max(0, int(s_k * (0.5 + torch.rand(1, generator=g).item()))) for _ in range(b)]
+        seqlens[0] = shape.get("first_len", seqlens[0])
+    else:
+        seqlens = [s_k] * b
+    q, cache, table, lens = make_paged_case(b, s_q, h_q, h_kv, seqlens, shape.get("fp8", False), g, device)
+    meta, splits = get_mla_metadata(lens, s_q * h_q // h_kv, h_kv)
+    return Case(args=(q, cache, table, lens, D_NOPE, meta, splits),
+                kwargs={"causal": shape.get("causal", s_q > 1), "is_fp8_kvcache": shape.get("fp8", False)})
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """FlashMLA's cosine diff 1 - 2 sum(xy) / sum(x^2 + y^2) in float64 (0 for two all-zero tensors)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return 0.0 if denom == 0 else float(1 - 2 * (x * y).sum() / denom)
+
+
+def compare_decode(got, want) -> dict[str, tuple[float, float]]:
+    """out: cosine diff < 1e-5 (FlashMLA's pass mark); lse: max relative error < 1e-5 over finite entries,
+    with Inf/NaN in the same places (an error of inf when they differ)."""
+    if isinstance(got, dict):
+        got, want = (got["out"], got["lse"]), (want["out"], want["lse"])
+    (out, lse), (ref_out, ref_lse) = got, want
+    out_err = math.inf if not torch.isfinite(out).all() else calc_diff(out, ref_out)
+    same_special = torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.equal(
+        torch.isinf(lse) & (lse > 0), torch.isinf(ref_lse) & (ref_lse > 0)) and torch.equal(
+        torch.isinf(lse) & (lse < 0), torch.isinf(ref_lse) & (ref_lse < 0))
+    finite = torch.isfinite(ref_lse)
+    rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp_min(1e-6)).max().item() \
+        if finite.any() else 0.0
+    return {"out": (out_err, 1e-5), "lse": (rel if same_special else math.inf, 1e-5)}
+
+
+def _decode_bytes(shape: dict) -> float:
+    per_token = BYTES_PER_TOKEN if shape.get("fp8") else 2 * HEAD_DIM
+    return shape["b"] * (shape["s_k"] * shape.get("h_kv", 1) * per_token + shape["s_q"] * shape["h_q"] * 2 * (
+        HEAD_DIM + D_NOPE))
+
+
+def _decode_flops(shape: dict) -> float:
+    return 2.0 * shape["b"] * shape["s_q"] * shape["h_q"] * shape["s_k"] * (HEAD_DIM + D_NOPE)
+
+
+flash_mla_op = registry.register(
+    OP_NAME,
+    reference=flash_mla_with_kvcache_reference,
+    triton=_flash_mla_triton,
+    verify=VerifySpec(
+        make_case=_make_case,
+        shapes=[dict(b=2, s_q=1, h_q=16, s_k=150, first_len=0), dict(b=2, s_q=2, h_q=8, s_k=100, causal=True),
+                dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True)],
+        bench_shapes=[dict(b=128, s_q=s_q, h_q=h_q, s_k=s_k, varlen=False) for s_k in (4096, 8192)
+                      for h_q in (16, 128) for s_q in (1, 2)],
+        compare=compare_decode,
+        flops=_decode_flops,
+        bytes_moved=_decode_bytes,
+    ),
+)
+
+
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
+                           num_splits: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
+                           is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode attention over a paged KV cache: ``(out [b, s_q, h_q, head_dim_v], lse fp32 [b, h_q, s_q])``.
+
+    ``q [b, s_q, h_q, 576]``; ``k_cache [num_blocks, 64, h_kv, 576]`` in q's dtype, or ``[..., 656]``
+    e4m3 bytes with ``is_fp8_kvcache``; ``block_table int32 [b, max_blocks]``; ``cache_seqlens int32
+    [b]``; the plan from ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``. ``causal`` with
+    ``s_q > 1`` masks bottom-right (query i sees the first ``seqlen - s_q + i + 1`` tokens).
+    ``softmax_scale`` defaults to ``head_dim ** -0.5``. lse is the natural log-sum-exp.
+    """
+    _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, causal,
+                is_fp8_kvcache, indices)
+    return flash_mla_op(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache)

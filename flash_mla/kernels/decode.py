@@ -1,0 +1,205 @@
+"""Triton split-KV MLA decode over a paged cache (bf16/fp16 or FlashMLA's FP8 layout), and the combine step.
+
+One program handles one work item of the plan (a range of 64-token pages of one sequence) for one
+KV head and a tile of query rows (the ``s_q x h_q / h_kv`` heads that share the KV head, so each
+page is read once per tile, not once per head). Scores use the 512 latent + 64 RoPE columns; the
+same latent tile is V. A sequence planned as one chunk writes ``out``/``lse`` directly; otherwise
+each chunk writes an fp32 partial and its lse, and ``_combine_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from accel import registry
+from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
+from flash_mla.kernels.common import cast_out, interpreted, round_to_bf16_grid
+from flash_mla.metadata import BLOCK_SIZE
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
+                   stride_qb, stride_qs, stride_qh,
+                   stride_kn_blk, stride_kn_tok, stride_kn_h, stride_kr_blk, stride_kr_tok, stride_kr_h,
+                   stride_ks_blk, stride_ks_tok, stride_ks_h, stride_bt,
+                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                   stride_pa_slot, stride_pa_h, stride_pa_row, stride_pl_slot, stride_pl_h,
+                   rows, ngroups, s_q, qk_scale_log2,
+                   CAUSAL: tl.constexpr, FP8: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr):
+    item = tl.program_id(0)
+    g = tl.program_id(1)
+    tile = tl.program_id(2)
+    b = tl.load(META + item * 6)
+    first = tl.load(META + item * 6 + 1)
+    end = tl.load(META + item * 6 + 2)
+    slot = tl.load(META + item * 6 + 3)
+    seqlen = tl.load(META + item * 6 + 4)
+    splits = tl.load(META + item * 6 + 5)
+
+    offs_r = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    r_ok = offs_r < rows
+    tok = offs_r // ngroups
+    head = g * ngroups + offs_r % ngroups
+    cols = tl.arange(0, D_NOPE)
+    cols_r = tl.arange(0, D_ROPE)
+    q_ptr = Q + b * stride_qb + tok * stride_qs + head * stride_qh
+    q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
+    q_r = tl.load(q_ptr[:, None] + D_NOPE + cols_r[None, :], mask=r_ok[:, None], other=0.0)
+    if UPCAST:
+        q_n = q_n.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+    last_visible = seqlen - s_q + tok  # bottom-right causal: query token i sees keys <= seqlen - s_q + i
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    offs_t = tl.arange(0, BLOCK_N)
+    for blk in range(first, end):
+        page = tl.load(BT + b * stride_bt + blk)
+        offs_n = blk * BLOCK_N + offs_t
+        n_ok = offs_n < seqlen
+        k_n = tl.load(KN + page * stride_kn_blk + g * stride_kn_h + offs_t[:, None] * stride_kn_tok + cols[None, :],
+                      mask=n_ok[:, None], other=0.0)
+        k_r = tl.load(KR + page * stride_kr_blk + g * stride_kr_h + offs_t[:, None] * stride_kr_tok
+                      + cols_r[None, :], mask=n_ok[:, None], other=0.0)
+        if FP8:
+            scale = tl.load(KS + page * stride_ks_blk + g * stride_ks_h + offs_t[:, None] * stride_ks_tok
+                            + (cols // 128)[None, :], mask=n_ok[:, None], other=0.0)
+            k_n = k_n.to(tl.float32) * scale
+            k_n = round_to_bf16_grid(k_n) if UPCAST else k_n.to(tl.bfloat16)  # FlashMLA feeds bf16 MMAs
+        if UPCAST:
+            k_n = k_n.to(tl.float32)
+            k_r = k_r.to(tl.float32)
+        s = tl.dot(q_n, tl.trans(k_n)) + tl.dot(q_r, tl.trans(k_r))
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= last_visible[:, None])
+        s = tl.where(keep, s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_n.dtype), k_n)
+        m_i = m_new
+
+    live = l_i > 0
+    o = tl.where(live[:, None], acc / tl.where(live, l_i, 1.0)[:, None], 0.0)
+    lse = (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453
+    if splits == 1:
+        o_ptr = OUT + b * stride_ob + tok * stride_os + head * stride_oh
+        tl.store(o_ptr[:, None] + cols[None, :], cast_out(o, OUT.dtype.element_ty, UPCAST), mask=r_ok[:, None])
+        tl.store(LSE + b * stride_lb + head * stride_lh + tok, tl.where(live, lse, float("inf")), mask=r_ok)
+    else:
+        pa = OACC + slot * stride_pa_slot + g * stride_pa_h + offs_r * stride_pa_row
+        tl.store(pa[:, None] + cols[None, :], o, mask=r_ok[:, None])
+        tl.store(LACC + slot * stride_pl_slot + g * stride_pl_h + offs_r, tl.where(live, lse, float("-inf")),
+                 mask=r_ok)
+
+
+@triton.jit
+def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
+                    stride_pa_slot, stride_pa_h, stride_pa_row, stride_pl_slot, stride_pl_h,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, rows, ngroups,
+                    D_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETED: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    tile = tl.program_id(2)
+    first = tl.load(NSPLITS + b)
+    count = tl.load(NSPLITS + b + 1) - first
+    if count == 1:  # the decode kernel already wrote this sequence
+        return
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    cols = tl.arange(0, D_NOPE)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(count):
+        part = tl.load(LACC + (first + s) * stride_pl_slot + g * stride_pl_h + offs_r, mask=r_ok,
+                       other=float("-inf"))
+        m = tl.maximum(m, part)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_NOPE], tl.float32)
+    for s in range(count):
+        part = tl.load(LACC + (first + s) * stride_pl_slot + g * stride_pl_h + offs_r, mask=r_ok,
+                       other=float("-inf"))
+        w = tl.exp(part - m_use)
+        total += w
+        pa = OACC + (first + s) * stride_pa_slot + g * stride_pa_h + offs_r * stride_pa_row
+        acc += w[:, None] * tl.load(pa[:, None] + cols[None, :], mask=r_ok[:, None] & (w > 0)[:, None], other=0.0)
+    live = total > 0
+    out = tl.where(live[:, None], acc / tl.where(live, total, 1.0)[:, None], 0.0)
+    lse = tl.where(live, m_use + tl.log(tl.where(live, total, 1.0)), float("inf"))
+    tok = offs_r // ngroups
+    head = g * ngroups + offs_r % ngroups
+    o_ptr = OUT + b * stride_ob + tok * stride_os + head * stride_oh
+    tl.store(o_ptr[:, None] + cols[None, :], cast_out(out, OUT.dtype.element_ty, INTERPRETED), mask=r_ok[:, None])
+    tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
+
+
+_DECODE_CONFIGS = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2), (64, 8, 1)]  # (BLOCK_H, warps, stages)
+_decode = None
+
+
+def _decode_kernel_tuned():
+    global _decode
+    if _decode is None:
+        configs = [(16, 1, 1)] if interpreted() else _DECODE_CONFIGS
+        _decode = triton.autotune(
+            [triton.Config({"BLOCK_H": h}, num_warps=w, num_stages=s) for h, w, s in configs],
+            key=["rows", "CAUSAL", "FP8"],
+        )(_decode_kernel)
+    return _decode
+
+
+def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
+                            causal, is_fp8_kvcache):
+    """Triton path of ``flash_mla_with_kvcache`` (arguments already validated against the plan)."""
+    b, s_q, h_q, d = q.shape
+    if d != D_NOPE + D_ROPE or head_dim_v != D_NOPE:
+        raise registry.Unsupported(f"the Triton kernel is built for head dim {D_NOPE + D_ROPE} / v {D_NOPE}, got "
+                                   f"{d} / {head_dim_v}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    h_kv = k_cache.shape[2]
+    ngroups = h_q // h_kv
+    rows = s_q * ngroups
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if is_fp8_kvcache:
+        k_nope, k_scale, k_rope = split_fp8_cache(k_cache)
+    else:
+        if k_cache.stride(-1) != 1:
+            raise registry.Unsupported("k_cache's last dim must be contiguous")
+        k_nope, k_rope, k_scale = k_cache[..., :D_NOPE], k_cache[..., D_NOPE:], k_cache
+    out = registry.empty(b, s_q, h_q, D_NOPE, dtype=q.dtype, device=q.device)
+    lse = registry.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    slots = max(1, meta.shape[0])
+    part_out = torch.empty(slots, h_kv, rows, D_NOPE, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(slots, h_kv, rows, dtype=torch.float32, device=q.device)
+    part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    if meta.shape[0]:
+        kernel = _decode_kernel_tuned()
+        kernel[lambda m: (meta.shape[0], h_kv, triton.cdiv(rows, m["BLOCK_H"]))](
+            q, k_nope, k_rope, k_scale, block_table, meta, out, lse, part_out, part_lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            *k_nope.stride()[:3], *k_rope.stride()[:3], *k_scale.stride()[:3], block_table.stride(0),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *part_strides,
+            rows, ngroups, s_q, scale * LOG2E,
+            CAUSAL=bool(causal), FP8=bool(is_fp8_kvcache), D_NOPE=D_NOPE, D_ROPE=D_ROPE, BLOCK_N=BLOCK_SIZE,
+            UPCAST=interpreted(),
+        )
+    block_r = 16 if interpreted() else 8
+    _combine_kernel[(b, h_kv, triton.cdiv(rows, block_r))](
+        num_splits, part_out, part_lse, out, lse, *part_strides,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), rows, ngroups,
+        D_NOPE=D_NOPE, BLOCK_R=block_r, INTERPRETED=interpreted(), num_warps=4,
+    )
+    return out, lse
+
+
+__all__ = ["flash_mla_decode_triton"]
