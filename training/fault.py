@@ -1,0 +1,263 @@
+"""Fault tolerance: detect a NaN/Inf or a loss spike, agree on it across ranks, roll back to a stable checkpoint.
+
+Per step the training loop calls :meth:`FaultTolerance.check` with the loss and the gradient norm
+*before* the optimizer step. Each rank judges locally (non-finite loss, non-finite gradient norm, or
+a loss more than ``spike_sigma`` standard deviations above the mean of the last ``window`` healthy
+losses); one all-reduce (MAX) makes every rank see the same verdict and rank 0's stable step, so all
+ranks roll back together to the same checkpoint. The all-reduce has a timeout whose error names the
+rank and the step: a dead or stalled rank stops the job instead of hanging it (``torchrun
+--max-restarts`` then restarts it, and the restart resumes from the latest committed checkpoint).
+
+A checkpoint becomes *stable* once ``stable_after`` healthy steps have passed since it (and it is
+committed); only stable checkpoints are rollback targets. After a rollback the loop skips the data
+window between the stable checkpoint and the faulty step (plus ``skip_extra_batches``). After
+``max_retries`` rollbacks without a new stable checkpoint in between, :class:`FaultToleranceExhausted`
+stops the run with a report. Every rollback is written to the metrics stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_NONFINITE_LOSS, _NONFINITE_GRAD, _SPIKE = 0, 1, 2
+_REASONS = ("non-finite loss", "non-finite gradient norm", "loss spike")
+
+
+class FaultToleranceError(RuntimeError):
+    """A fault the run cannot recover from (no stable checkpoint to roll back to)."""
+
+
+class FaultToleranceExhausted(FaultToleranceError):
+    """More than ``max_retries`` rollbacks without progress; ``report`` lists every fault seen."""
+
+    def __init__(self, message: str, report: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time: some rank is dead or stalled."""
+
+
+@dataclass
+class FaultPolicy:
+    """When to call a step faulty and how to recover (field names match ``[fault]`` in the training config)."""
+
+    spike_sigma: float = 6.0
+    window: int = 50
+    min_history: int = 10  # healthy losses needed before spikes are judged
+    stable_after: int = 20
+    max_retries: int = 3
+    skip_extra_batches: int = 0
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "min_history", "stable_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FaultPolicy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_history > self.window:
+            raise ValueError(f"FaultPolicy.min_history ({self.min_history}) must be <= window ({self.window})")
+        if not self.spike_sigma > 0:
+            raise ValueError(f"FaultPolicy.spike_sigma must be > 0, got {self.spike_sigma}")
+        if self.max_retries < 0 or self.skip_extra_batches < 0 or self.collective_timeout_s <= 0:
+            raise ValueError("FaultPolicy.max_retries and skip_extra_batches must be >= 0 and "
+                             f"collective_timeout_s > 0, got {self.max_retries}, {self.skip_extra_batches}, "
+                             f"{self.collective_timeout_s}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> FaultPolicy:
+        """Build from any object with (some of) these attributes, e.g. ``TrainConfig.fault``."""
+        kw = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if hasattr(cfg, f)}
+        if "min_history" not in kw and "window" in kw:
+            kw["min_history"] = min(cls.min_history, kw["window"])
+        return cls(**kw)
+
+
+class SpikeDetector:
+    """Mean and standard deviation of the last ``window`` healthy losses; a spike is > mean + sigma * std."""
+
+    def __init__(self, window: int, sigma: float, min_history: int) -> None:
+        self.sigma, self.min_history = sigma, min_history
+        self.history: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def is_spike(self, loss: float) -> bool:
+        if len(self.history) < self.min_history:
+            return False
+        values = torch.tensor([v for _, v in self.history], dtype=torch.float64)
+        mean, std = values.mean().item(), values.std(unbiased=False).item()
+        std = max(std, 1e-6 * abs(mean), 1e-12)  # a flat history would otherwise flag any rounding
+        return loss > mean + self.sigma * std
+
+    def add(self, step: int, loss: float) -> None:
+        self.history.append((step, loss))
+
+    def forget_after(self, step: int) -> None:
+        """Drop losses of steps after ``step`` (they belong to the trajectory that was rolled back)."""
+        kept = [(s, v) for s, v in self.history if s <= step]
+        self.history.clear()
+        self.history.extend(kept)
+
+
+@dataclass
+class Verdict:
+    """The agreed outcome of one step's check."""
+
+    ok: bool
+    step: int
+    reason: str = ""
+    rollback_step: int | None = None
+    skip_batches: int = 0
+    retry: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class FaultTolerance:
+    """Per-step health check, stability bookkeeping and rollback decisions for one rank.
+
+    ``manager`` is the run's :class:`training.checkpoint.CheckpointManager`; ``metrics`` receives one
+    dict per rollback (``{"event": "rollback", "step": ..., ...}``).
+    """
+
+    def __init__(self, policy: FaultPolicy, manager: Any, metrics: Callable[[dict[str, Any]], None] | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.policy, self.manager, self.metrics, self.group = policy, manager, metrics, group
+        self.spikes = SpikeDetector(policy.window, policy.spike_sigma, policy.min_history)
+        self.rank = manager.rank
+        self._candidates: list[int] = []
+        self._stable: int | None = manager.stable_step() if self.rank == 0 else None
+        self.retries = 0
+        self._agreed_stable = -1.0
+        self.report: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+    def on_checkpoint(self, step: int) -> None:
+        """Call after ``manager.save(step, ...)``: the checkpoint may become stable ``stable_after`` steps later."""
+        self.manager.pin(step)
+        self._candidates.append(step)
+
+    def on_resume(self, step: int) -> None:
+        """Call after loading checkpoint ``step`` at start-up (or a restart).
+
+        The stable pointer saved by the previous attempt stays the rollback target when it is not newer
+        than ``step``; the resumed checkpoint itself becomes a candidate like a fresh save.
+        """
+        if self.rank == 0:
+            stable = self.manager.stable_step()
+            self._stable = stable if stable is not None and stable <= step else None
+            if self._stable is not None:
+                self.manager.pin(self._stable)
+        if step not in self._candidates and step != self._stable:
+            self.on_checkpoint(step)
+
+    def stable_step(self) -> int | None:
+        return self._stable
+
+    def _promote(self, step: int) -> None:
+        """Mark candidates with ``stable_after`` healthy steps behind them stable (rank 0, once committed)."""
+        ready = [c for c in self._candidates if step - c >= self.policy.stable_after]
+        if not ready:
+            return
+        if self.rank == 0:
+            committed = set(self.manager.committed_steps())
+            ready = [c for c in ready if c in committed and c <= (self.manager.latest_step() or -1)]
+            if not ready:
+                return  # still being written: try again next step
+            newest = max(ready)
+            self.manager.mark_stable(newest)
+            old = self._stable
+            self._stable = newest
+            if old is not None and old != newest:
+                self.manager.unpin(old)
+        for c in ready:
+            self._candidates.remove(c)
+            if c != self._stable:
+                self.manager.unpin(c)
+
+    # ------------------------------------------------------------------------------------------ the check
+    def check(self, step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None) -> Verdict:
+        """Judge step ``step`` on every rank together; a bad verdict carries the rollback target."""
+        loss_f = float(loss)
+        grad_f = float(grad_norm) if grad_norm is not None else 0.0
+        flags = [0.0, 0.0, 0.0]
+        if not math.isfinite(loss_f):
+            flags[_NONFINITE_LOSS] = 1.0
+        if not math.isfinite(grad_f):
+            flags[_NONFINITE_GRAD] = 1.0
+        if math.isfinite(loss_f) and self.spikes.is_spike(loss_f):
+            flags[_SPIKE] = 1.0
+        stable = float(self._stable) if self.rank == 0 and self._stable is not None else -1.0
+        agreed = self._all_reduce_max(torch.tensor(flags + [stable], dtype=torch.float64), step)
+        bad = [i for i in range(3) if agreed[i] > 0]
+        if agreed[3] > self._agreed_stable:  # a new stable checkpoint: progress, the retry budget refills
+            self._agreed_stable = agreed[3]
+            self.retries = 0
+        if not bad:
+            self.spikes.add(step, loss_f)
+            self._promote(step)
+            return Verdict(ok=True, step=step)
+        return self._fault(step, [_REASONS[i] for i in bad], int(agreed[3]), loss_f, grad_f)
+
+    def _fault(self, step: int, reasons: list[str], stable: int, loss: float, grad_norm: float) -> Verdict:
+        reason = " + ".join(reasons)
+        self.retries += 1
+        entry = {"event": "rollback", "step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm,
+                 "rollback_to": stable if stable >= 0 else None, "retry": self.retries}
+        self.report.append(entry)
+        if stable < 0:
+            self._log(dict(entry, event="fault_unrecoverable"))
+            raise FaultToleranceError(f"rank {self.rank}: {reason} at step {step} but no stable checkpoint exists "
+                                      f"yet (a checkpoint becomes stable {self.policy.stable_after} healthy steps "
+                                      "after it is saved); save one earlier or lower fault.stable_after")
+        if self.retries > self.policy.max_retries:
+            self._log(dict(entry, event="fault_retries_exhausted"))
+            lines = "\n".join(f"  step {e['step']}: {e['reason']} (loss {e['loss']}, grad norm {e['grad_norm']}) "
+                              f"-> rollback to {e['rollback_to']}" for e in self.report)
+            raise FaultToleranceExhausted(f"rank {self.rank}: giving up after {self.policy.max_retries} rollbacks "
+                                          f"without a new stable checkpoint; faults seen:\n{lines}", self.report)
+        skip = step - stable + self.policy.skip_extra_batches
+        entry["skip_batches"] = skip
+        self._log(entry)
+        log.warning("rank %d: %s at step %d; rolling back to stable step %d and skipping %d batches (retry %d/%d)",
+                    self.rank, reason, step, stable, skip, self.retries, self.policy.max_retries)
+        return Verdict(ok=False, step=step, reason=reason, rollback_step=stable, skip_batches=skip,
+                       retry=self.retries, details=entry)
+
+    def rolled_back(self, verdict: Verdict) -> None:
+        """Call once the state of ``verdict.rollback_step`` is loaded: forget everything after it."""
+        step = verdict.rollback_step
+        self.spikes.forget_after(step)
+        for c in [c for c in self._candidates if c > step]:
+            self._candidates.remove(c)
+            self.manager.unpin(c)
+        self.manager.rollback_to(step)
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _all_reduce_max(self, t: torch.Tensor, step: int) -> list[float]:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            return t.tolist()
+        timeout = self.policy.collective_timeout_s
+        try:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise CollectiveTimeout(f"rank {self.rank}: fault-check all-reduce at step {step} failed or timed out "
+                                    f"after {timeout:.0f}s (a rank is dead or stalled): {exc}") from exc
+        if done is False:
+            raise CollectiveTimeout(f"rank {self.rank}: fault-check all-reduce at step {step} did not complete in "
+                                    f"{timeout:.0f}s: a rank is dead or stalled")
+        return t.tolist()
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics(record)
