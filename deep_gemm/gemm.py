@@ -1,0 +1,247 @@
+"""Dense GEMMs with DeepGEMM v2's names: ``fp8_gemm_{nt,nn,tn}`` and ``bf16_gemm_{nt,nn,tn}``.
+
+``D = A @ B^T`` in the ``nt`` layout (A [m, k], B [n, k], both K-major). ``nn`` takes B as [k, n]
+(the dgrad layout, ``dX = dY @ W``) and ``tn`` takes A as [k, m] and B as [k, n] (the wgrad layout,
+``dW = dY^T @ X``, reduction over the token dimension). Each layout is a strided view of the nt
+problem, so one Triton kernel serves all three with no transposing copies.
+
+FP8 scales: A per 1x128 tile along K (``[m, k/128]``; ``[k/128, m]`` for tn); B per 128x128
+block (``[ceil(n/128), k/128]``) or per 1x128 tile (``[n, k/128]``), told apart by shape.
+Output: ``d`` (bf16 or fp32, written in place); with ``c``, ``d = c + A @ B^T`` (``c`` may be ``d``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accel import registry
+from accel.registry import Case, VerifySpec
+from deep_gemm import reference
+from deep_gemm.utils import (
+    BLOCK,
+    FP8,
+    ceil_div,
+    check_k,
+    check_out,
+    check_same_device,
+    check_scale,
+    check_tensor,
+    unpack_pair,
+)
+
+_LAYOUTS = {"nt": ("mk", "nk"), "nn": ("mk", "kn"), "tn": ("km", "kn")}
+
+
+def _logical(t: torch.Tensor, letters: str, first: str) -> torch.Tensor:
+    """The [first, k] view of a tensor stored with dims ``letters``."""
+    return t if letters[0] == first else t.T
+
+
+def _dims(kind: str, a: torch.Tensor, b: torch.Tensor, names=("a", "b")) -> tuple[int, int, int]:
+    la, lb = _LAYOUTS[kind]
+    dims = dict(zip(la, a.shape))
+    b_dims = dict(zip(lb, b.shape))
+    if b_dims["k"] != dims["k"]:
+        raise ValueError(f"{names[1]} must be [{', '.join(lb)}] with k = {dims['k']} (from {names[0]}), "
+                         f"got {list(b.shape)}: A and B disagree on K")
+    return dims["m"], b_dims["n"], dims["k"]
+
+
+def _scale_shapes(letters: str, m_or_n: int, k: int, per_block_allowed: bool) -> list[tuple[int, ...]]:
+    row_counts = [m_or_n] + ([ceil_div(m_or_n, BLOCK)] if per_block_allowed else [])
+    return [tuple(r if ch != "k" else k // BLOCK for ch in letters) for r in row_counts]
+
+
+def _sfb_gran(sfb_logical: torch.Tensor, n: int) -> int:
+    return 1 if sfb_logical.shape[0] == n else BLOCK
+
+
+def check_fp8_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, ...]:
+    """Validate a dense FP8 call; return the logical nt views ``(A, sfa, B, sfb)``."""
+    a_t, sfa = unpack_pair("a", a)
+    b_t, sfb = unpack_pair("b", b)
+    la, lb = _LAYOUTS[kind]
+    check_tensor("a[0]", a_t, (FP8,), (None, None))
+    check_tensor("b[0]", b_t, (FP8,), (None, None))
+    m, n, k = _dims(kind, a_t, b_t, ("a[0]", "b[0]"))
+    check_k("a[0]", k)
+    check_scale("a[1] (scales of a)", sfa, _scale_shapes(la, m, k, per_block_allowed=False))
+    check_scale("b[1] (scales of b)", sfb, _scale_shapes(lb, n, k, per_block_allowed=True))
+    check_out(d, (m, n), c)
+    check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
+    return _logical(a_t, la, "m"), _logical(sfa, la, "m"), _logical(b_t, lb, "n"), _logical(sfb, lb, "n")
+
+
+def check_bf16_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, torch.Tensor]:
+    la, lb = _LAYOUTS[kind]
+    check_tensor("a", a, (torch.bfloat16,), (None, None))
+    check_tensor("b", b, (torch.bfloat16,), (None, None))
+    m, n, _ = _dims(kind, a, b)
+    check_out(d, (m, n), c)
+    check_same_device(a=a, b=b, d=d, c=c)
+    return _logical(a, la, "m"), _logical(b, lb, "n")
+
+
+def launch_dense(a, b, d, c, sfa=None, sfb=None) -> torch.Tensor:
+    """Triton launch on logical views (shared by the dense ops and their tests)."""
+    from deep_gemm.kernels import gemm as kernels
+
+    if c is not None and c.data_ptr() != d.data_ptr():
+        d.copy_(c)
+    if d.numel() == 0:
+        return d
+    gran = _sfb_gran(sfb, b.shape[0]) if sfb is not None else BLOCK
+    kernels.launch(kernels.DENSE, a, b, d, sfa=sfa, sfb=sfb, sfb_gran_n=gran, accumulate=c is not None)
+    return d
+
+
+def _fp8_triton(kind: str):
+    la, lb = _LAYOUTS[kind]
+
+    def run(a, b, d, c=None):
+        return launch_dense(_logical(a[0], la, "m"), _logical(b[0], lb, "n"), d, c,
+                            sfa=_logical(a[1], la, "m"), sfb=_logical(b[1], lb, "n"))
+
+    return run
+
+
+def _bf16_triton(kind: str):
+    la, lb = _LAYOUTS[kind]
+
+    def run(a, b, d, c=None):
+        return launch_dense(_logical(a, la, "m"), _logical(b, lb, "n"), d, c)
+
+    return run
+
+
+# ---------------------------------------------------------------- verification cases
+
+
+def _store(x: torch.Tensor, letters: str) -> torch.Tensor:
+    """Lay a logical [rows, k] matrix out as ``letters`` says (k-major or transposed)."""
+    return x.contiguous() if letters[1] == "k" else x.T.contiguous()
+
+
+def quantize_operand(x: torch.Tensor, letters: str, per_block: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 operand in the layout ``letters`` from a logical ``[rows, k]`` matrix, scales along k."""
+    stored = _store(x, letters)
+    if letters[1] == "k":
+        return reference.cast_tiles(stored, BLOCK if per_block else 1, BLOCK)
+    return reference.cast_tiles(stored, BLOCK, BLOCK if per_block else 1)
+
+
+def make_dense_case(kind: str, fp8: bool):
+    la, lb = _LAYOUTS[kind]
+
+    def make(shape: dict, seed: int, device: torch.device) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        m, n, k = shape["m"], shape["n"], shape["k"]
+        a = torch.randn(m, k, generator=gen, dtype=torch.float32)
+        b = torch.randn(n, k, generator=gen, dtype=torch.float32)
+        out_dtype = torch.float32 if shape.get("accumulate") else torch.bfloat16
+        d = torch.empty(m, n, dtype=out_dtype, device=device)
+        c = (torch.randn(m, n, generator=gen) * 4).to(device) if shape.get("accumulate") else None
+        if fp8:
+            a_op = tuple(t.to(device) for t in quantize_operand(a, la, per_block=False))
+            b_op = tuple(t.to(device) for t in quantize_operand(b, lb, per_block=kind != "tn"))
+        else:
+            a_op = _store(a, la).to(device=device, dtype=torch.bfloat16)
+            b_op = _store(b, lb).to(device=device, dtype=torch.bfloat16)
+        return Case(args=(a_op, b_op, d, c), outputs=(2,))
+
+    return make
+
+
+# M in {1, 64, 129, 256}, N and K multiples of 128 up to 256: what the CPU interpreter can run.
+TEST_SHAPES = [
+    {"m": 1, "n": 128, "k": 256}, {"m": 64, "n": 256, "k": 128}, {"m": 129, "n": 128, "k": 256},
+    {"m": 256, "n": 256, "k": 256, "accumulate": True},
+]
+# DeepSeek-V3's dense GEMM shapes (DeepGEMM's README table).
+NK_SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+BENCH_SHAPES = [{"m": m, "n": n, "k": k} for m in (64, 128, 4096) for n, k in NK_SHAPES]
+
+
+def dense_flops(s: dict) -> float:
+    return 2.0 * s["m"] * s["n"] * s["k"]
+
+
+def _dense_bytes(fp8: bool):
+    def count(s: dict) -> float:
+        elem = 1 if fp8 else 2
+        return float((s["m"] * s["k"] + s["n"] * s["k"]) * elem + s["m"] * s["n"] * 2)
+
+    return count
+
+
+def _spec(kind: str, fp8: bool) -> VerifySpec:
+    # 1e-5 calc_diff: kernel and reference see the same FP8 inputs and differ only in fp32
+    # summation order and the final bf16 rounding of D.
+    return VerifySpec(make_case=make_dense_case(kind, fp8), shapes=TEST_SHAPES, bench_shapes=BENCH_SHAPES,
+                      tolerance=1e-5, flops=dense_flops, bytes_moved=_dense_bytes(fp8))
+
+
+_REFS = {
+    ("nt", True): reference.fp8_gemm_nt_reference, ("nn", True): reference.fp8_gemm_nn_reference,
+    ("tn", True): reference.fp8_gemm_tn_reference, ("nt", False): reference.bf16_gemm_nt_reference,
+    ("nn", False): reference.bf16_gemm_nn_reference, ("tn", False): reference.bf16_gemm_tn_reference,
+}
+_OPS = {
+    (kind, fp8): registry.register(
+        f"deep_gemm.{'fp8' if fp8 else 'bf16'}_gemm_{kind}", reference=ref,
+        triton=_fp8_triton(kind) if fp8 else _bf16_triton(kind), verify=_spec(kind, fp8))
+    for (kind, fp8), ref in _REFS.items()
+}
+
+
+# ---------------------------------------------------------------- public API
+
+
+def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "nk",
+                disable_ue8m0_cast: bool = False) -> torch.Tensor:
+    """``d = a @ b^T (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [n, k], sf [ceil(n/128) or n, k/128])``.
+
+    ``recipe``, ``compiled_dims`` and ``disable_ue8m0_cast`` are accepted for DeepGEMM compatibility;
+    the scale granularity is read from the scale shapes. Returns ``d``.
+    """
+    check_fp8_args("nt", a, b, d, c)
+    return _OPS["nt", True]((a[0], a[1]), (b[0], b[1]), d, c)
+
+
+def fp8_gemm_nn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "nk",
+                disable_ue8m0_cast: bool = False) -> torch.Tensor:
+    """``d = a @ b (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [k, n], sf [k/128, ceil(n/128) or n])``."""
+    check_fp8_args("nn", a, b, d, c)
+    return _OPS["nn", True]((a[0], a[1]), (b[0], b[1]), d, c)
+
+
+def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
+                disable_ue8m0_cast: bool = False) -> torch.Tensor:
+    """``d = a^T @ b (+ c)`` with ``a = (fp8 [k, m], sf [k/128, m])``, ``b = (fp8 [k, n], sf [k/128, n])``."""
+    check_fp8_args("tn", a, b, d, c)
+    return _OPS["tn", True]((a[0], a[1]), (b[0], b[1]), d, c)
+
+
+def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "nk") -> torch.Tensor:
+    """``d = a @ b^T (+ c)`` in bf16 with fp32 accumulation; ``a [m, k]``, ``b [n, k]``."""
+    check_bf16_args("nt", a, b, d, c)
+    return _OPS["nt", False](a, b, d, c)
+
+
+def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "nk") -> torch.Tensor:
+    """``d = a @ b (+ c)``; ``a [m, k]``, ``b [k, n]``."""
+    check_bf16_args("nn", a, b, d, c)
+    return _OPS["nn", False](a, b, d, c)
+
+
+def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "mn") -> torch.Tensor:
+    """``d = a^T @ b (+ c)``; ``a [k, m]``, ``b [k, n]``."""
+    check_bf16_args("tn", a, b, d, c)
+    return _OPS["tn", False](a, b, d, c)
+
+
+# DeepGEMM v1 name
+gemm_fp8_fp8_bf16_nt = fp8_gemm_nt

@@ -1,0 +1,1 @@
+"""Triton kernels behind deep_gemm's public ops (imported lazily: Triton may be absent)."""

@@ -1,0 +1,75 @@
+"""Triton FP8 cast: one fp32 scale per TILE_R x TILE_C tile (1x128 tokens, 128x1 channels, 128x128 blocks).
+
+Rounding is done onto the e4m3 grid in fp32 before the final cast, so the cast itself is exact.
+Why: Triton's CPU interpreter rounds fp32 -> e4m3 wrongly when rounding carries into the exponent
+(124.3 becomes 64 instead of 128), and an explicit round-to-nearest-even makes every backend agree
+bit for bit with ``torch``'s cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from accel import registry
+from deep_gemm.kernels.rounding import round_to_e4m3_grid
+from deep_gemm.utils import FP8, ceil_div
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, q_ptr, sf_ptr, R, C, s_xb, s_xr, s_xc, s_qb, s_qr, s_qc, s_sb, s_sr, s_sc,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, UE8M0: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    x = tl.load(x_ptr + batch * s_xb + offs_r[:, None].to(tl.int64) * s_xr + offs_c[None, :] * s_xc,
+                mask=ok, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    if TILE_R == 1:  # per-row tiles: BLOCK_C == TILE_C
+        amax = tl.max(ax, axis=1)[:, None]
+    elif TILE_C == 1:  # per-column tiles: BLOCK_R == TILE_R
+        amax = tl.max(ax, axis=0)[None, :]
+    else:  # one square tile per program
+        amax = tl.max(tl.max(ax, axis=1), axis=0)
+    sf = tl.maximum(amax, AMAX_FLOOR) / 448.0
+    if UE8M0:
+        sf = tl.exp2(tl.ceil(tl.log2(sf)))
+    q = round_to_e4m3_grid(x * (1.0 / sf))
+    tl.store(q_ptr + batch * s_qb + offs_r[:, None].to(tl.int64) * s_qr + offs_c[None, :] * s_qc,
+             q.to(q_ptr.dtype.element_ty), mask=ok)
+    sf_base = sf_ptr + batch * s_sb
+    if TILE_R == 1:
+        tl.store(sf_base + offs_r[:, None] * s_sr + pid_c * s_sc, sf, mask=offs_r[:, None] < R)
+    elif TILE_C == 1:
+        tl.store(sf_base + pid_r * s_sr + offs_c[None, :] * s_sc, sf, mask=offs_c[None, :] < C)
+    else:
+        tl.store(sf_base + pid_r * s_sr + pid_c * s_sc, sf)
+
+
+def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool = False):
+    """Triton twin of ``reference.cast_tiles`` for 2-D or 3-D ``x`` (tiles over the last two dims)."""
+    if x.dim() not in (2, 3):
+        raise registry.Unsupported(f"cast kernel takes 2-D or 3-D inputs, got {x.dim()}-D")
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    batch, rows, cols = x3.shape
+    r_tiles, c_tiles = ceil_div(rows, tile_rows), ceil_div(cols, tile_cols)
+    q = registry.empty(x3.shape, dtype=FP8, device=x.device)
+    sf = registry.empty((batch, r_tiles, c_tiles), dtype=torch.float32, device=x.device)
+    block_r = 32 if tile_rows == 1 else tile_rows
+    block_c = 64 if tile_cols == 1 else tile_cols
+    grid = (ceil_div(rows, block_r), ceil_div(cols, block_c), batch)
+    _cast_kernel[grid](
+        x3, q, sf, rows, cols, *x3.stride(), *q.stride(), *sf.stride(),
+        TILE_R=tile_rows, TILE_C=tile_cols, BLOCK_R=block_r, BLOCK_C=block_c,
+        AMAX_FLOOR=1e-4, UE8M0=use_ue8m0, num_warps=4,
+    )
+    if x.dim() == 2:
+        return q[0], sf[0]
+    return q, sf

@@ -1,0 +1,167 @@
+"""One Triton GEMM kernel for every deep_gemm layout: D = A @ B^T (+ D), FP8 with block scales or bf16.
+
+Modes (a constexpr, so each compiles to its own specialised kernel):
+  DENSE      one problem; A [M, K], B [N, K] through arbitrary strides (nt, nn and tn are views).
+  CONTIGUOUS MoE rows grouped by expert: each M tile reads its group from ``m_indices`` and
+             multiplies by that group's B; rows whose index differs (-1 padding) are not stored,
+             tiles with no row of a group skip all work.
+  MASKED     grid axis 1 is the group; rows >= ``masked_m[g]`` of group g are skipped.
+  K_GROUPED  grid axis 1 is the group; group g reduces over its own K range (weight gradients).
+
+FP8 numerics are DeepGEMM's: each 128-wide K block is accumulated exactly in fp32 by ``tl.dot``,
+then multiplied by ``sfa[m, kb] * sfb[n or n // 128, kb]`` and added into the main fp32
+accumulator (per-K-block scale promotion). Programs are ordered in groups of GROUP_M tile rows so
+neighbouring programs share B tiles in L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import accel
+from deep_gemm.kernels.rounding import round_to_bf16
+
+DENSE, CONTIGUOUS, MASKED, K_GROUPED = 0, 1, 2, 3
+
+
+def _configs(fp8: bool) -> list[triton.Config]:
+    """Autotune candidates per backend. MUSA's Triton wants single-stage pipelines."""
+    if accel.triton_interpreted():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=4,
+                              num_stages=1)]
+    bk = 128 if fp8 else 64
+    shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) - Hopper-sized tiles first
+        (128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4),
+    ]
+    musa = accel.backend() == "musa"
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w,
+                      num_stages=1 if musa else s)
+        for bm, bn, w, s in shapes
+    ]
+
+
+def _kernel_body():
+    """Returns the jitted kernel; built per dtype family so each has its own autotune configs."""
+
+    @triton.jit
+    def kernel(
+        a_ptr, b_ptr, d_ptr, sfa_ptr, sfb_ptr, grp_ptr,
+        M, N, K, M_BUCKET,
+        s_ag, s_am, s_ak, s_bg, s_bn, s_bk, s_dg, s_dm, s_dn,
+        s_sag, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
+        MODE: tl.constexpr, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        g = tl.program_id(1)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        # Grouped ordering: GROUP_M consecutive tile rows sweep the tile columns together.
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_here
+        pid_n = (pid % per_group) // rows_here
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        k_lo = 0
+        k_hi = K
+        if MODE == 1:  # CONTIGUOUS: the tile's group is the largest index among its rows
+            gids = tl.load(grp_ptr + offs_m, mask=m_ok, other=-1)
+            g = tl.max(gids, axis=0)
+            m_ok = m_ok & (gids == g) & (gids >= 0)
+            k_hi = tl.where(g >= 0, K, 0)  # an all-padding tile does no work
+            g = tl.maximum(g, 0)
+        elif MODE == 2:  # MASKED
+            m_ok = m_ok & (offs_m < tl.load(grp_ptr + g))
+            k_hi = tl.where(pid_m * BLOCK_M < tl.load(grp_ptr + g), K, 0)
+        elif MODE == 3:  # K_GROUPED: grp_ptr holds the G + 1 prefix sums of the groups' K
+            k_lo = tl.load(grp_ptr + g)
+            k_hi = tl.load(grp_ptr + g + 1)
+
+        g64 = g.to(tl.int64)
+        a_base = a_ptr + g64 * s_ag + offs_m[:, None].to(tl.int64) * s_am
+        b_base = b_ptr + g64 * s_bg + offs_n[None, :].to(tl.int64) * s_bn
+        sfa_base = sfa_ptr + g64 * s_sag + offs_m * s_sam
+        sfb_base = sfb_ptr + g64 * s_sbg + (offs_n // SFB_GRAN_N) * s_sbn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + offs_k
+            if FP8:  # K is a multiple of 128 = BLOCK_K: no K mask
+                a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :], other=0.0)
+                kb = k0 // BLOCK_K
+                sa = tl.load(sfa_base + kb * s_sak, mask=m_ok, other=0.0)
+                sb = tl.load(sfb_base + kb * s_sbk, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            else:
+                k_ok = kk < k_hi
+                a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
+                    acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+                else:
+                    acc += tl.dot(a, b)
+
+        d_ptrs = d_ptr + g64 * s_dg + offs_m[:, None].to(tl.int64) * s_dm + offs_n[None, :] * s_dn
+        store_ok = m_ok[:, None] & n_ok[None, :]
+        if ACCUMULATE:  # D already holds C (copied by the launcher when C is a separate tensor)
+            acc += tl.load(d_ptrs, mask=store_ok, other=0.0).to(tl.float32)
+        if INTERPRETED and d_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates fp32 -> bf16
+            acc = round_to_bf16(acc)
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=store_ok)
+
+    return kernel
+
+
+def _autotuned(fp8: bool):
+    return triton.autotune(
+        configs=_configs(fp8),
+        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE"],
+        restore_value=["d_ptr"],  # tuning reruns the kernel; accumulation and untouched rows need D restored
+    )(_kernel_body())
+
+
+_fp8_kernel = _autotuned(True)
+_bf16_kernel = _autotuned(False)
+
+
+def _bucket(m: int) -> int:
+    """Autotune key for M: the next power of two (capped), so varying token counts share tunings."""
+    return min(triton.next_power_of_2(max(m, 1)), 8192)
+
+
+def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp=None, num_groups: int = 1,
+           accumulate: bool = False) -> None:
+    """Run the kernel on logical views ``a [G?, M, K]``, ``b [G?, N, K]``, ``d [G?, M, N]``.
+
+    2-D views get group strides of 0. ``sfa`` [G?, M, K/128] and ``sfb`` [G?, N or ceil(N/128), K/128]
+    are read through their strides, so transposed scale views (nn, tn, MN-major) need no copy.
+    """
+    fp8 = sfa is not None
+
+    def strides3(t):
+        return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
+
+    m, k = a.shape[-2:]
+    n = b.shape[-2]
+    s_a, s_b, s_d = strides3(a), strides3(b), strides3(d)
+    s_sa = strides3(sfa) if fp8 else (0, 0, 0)
+    s_sb = strides3(sfb) if fp8 else (0, 0, 0)
+    dummy = d  # any pointer for the unused arguments
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), num_groups)
+    kernel = _fp8_kernel if fp8 else _bf16_kernel
+    kernel[grid](
+        a, b, d, sfa if fp8 else dummy, sfb if fp8 else dummy, grp if grp is not None else dummy,
+        m, n, k, _bucket(m),
+        *s_a, *s_b, *s_d, *s_sa, *s_sb,
+        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate,
+        INTERPRETED=accel.triton_interpreted(),
+    )

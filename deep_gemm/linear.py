@@ -1,0 +1,300 @@
+"""FP8 training layers: ``linear`` / ``Fp8Linear`` and ``grouped_linear`` / ``GroupedLinear``.
+
+With ``fp8=True`` all three GEMMs of a linear layer run in FP8 as in the DeepSeek-V3 report:
+  forward  Y  = X @ W^T    X per 1x128 tile (per token),     W per 128x128 block   (``fp8_gemm_nt``)
+  dgrad    dX = dY @ W     dY per 1x128 tile (per token),    W's forward blocks    (``fp8_gemm_nn``)
+  wgrad    dW = dY^T @ X   dY and X per 1x128 tile along the token dimension      (``fp8_gemm_tn``)
+Master weights and weight gradients stay in the weight's dtype (fp32 or bf16). Dimensions that
+are not multiples of 128 are zero-padded internally. On a CPU the ops run their references
+(quantize, then exact fp32 arithmetic), so FP8 training can be studied without a GPU.
+
+Zero-bubble: backward computes the input gradient at once and hands the weight gradient to
+``accel.wgrad.defer`` as a closure that accumulates into ``weight.grad`` exactly as autograd
+would (runs at once when nothing collects). The weight's gradient therefore never flows through
+autograd: ``torch.autograd.grad(..., weight)`` sees None; use ``weight.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import accel.wgrad
+from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
+from deep_gemm.gemm import fp8_gemm_nn, fp8_gemm_nt, fp8_gemm_tn
+from deep_gemm.grouped import (
+    k_grouped_fp8_gemm_tn_contiguous,
+    m_grouped_fp8_gemm_nn_contiguous,
+    m_grouped_fp8_gemm_nt_contiguous,
+)
+from deep_gemm.utils import BLOCK, M_ALIGNMENT, align
+
+
+def _pad(x: torch.Tensor, *multiples: int) -> torch.Tensor:
+    """Zero-pad the last ``len(multiples)`` dims of ``x`` up to those multiples (no copy when aligned)."""
+    pads = []
+    for size, mult in zip(reversed(x.shape[-len(multiples):]), reversed(multiples)):
+        pads += [0, align(size, mult) - size]
+    return F.pad(x, pads) if any(pads) else x
+
+
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as autograd accumulates (a new tensor when there is none yet)."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad.contiguous()
+    else:
+        param.grad.add_(grad)
+
+
+def _run_or_defer(closure) -> None:
+    if not accel.wgrad.defer(closure):
+        closure()
+
+
+# ---------------------------------------------------------------- dense
+
+
+def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool):
+        m, n = x.shape[0], weight.shape[0]
+        if fp8:
+            w_q = _fp8_weight(weight)
+            d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
+            fp8_gemm_nt(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d)
+            out = d[:, :n].to(x.dtype)
+            ctx.save_for_backward(x, weight, *w_q)
+        else:
+            out = x @ weight.to(x.dtype).T
+            ctx.save_for_backward(x, weight)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.fp8, ctx.has_bias = fp8, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, *w_q = ctx.saved_tensors
+        k = x.shape[1]
+        grad_out = grad_out.contiguous()
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            if ctx.fp8:
+                d = torch.empty(x.shape[0], w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=x.device)
+                fp8_gemm_nn(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d)
+                grad_x = d[:, :k].to(x.dtype)
+            else:
+                grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            fp8 = ctx.fp8
+
+            def weight_grad() -> None:
+                if fp8:
+                    dy_q = per_channel_cast_to_fp8(_pad(grad_out, BLOCK, BLOCK))
+                    x_q = per_channel_cast_to_fp8(_pad(x, BLOCK, BLOCK))
+                    d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+                    fp8_gemm_tn(dy_q, x_q, d)
+                    g = d[: weight.shape[0], :k]
+                else:
+                    g = grad_out.T @ x.to(grad_out.dtype)
+                accumulate_grad(weight, g)
+
+            _run_or_defer(weight_grad)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.sum(0)
+        return grad_x, None, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
+    """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``.
+
+    The weight gradient is deferred through ``accel.wgrad`` (see the module docstring).
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor [..., K], got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point [N, K] tensor, got {getattr(weight, 'shape', weight)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's K (weight is {list(weight.shape)})")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+    lead = x.shape[:-1]
+    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, bool(fp8))
+    return out.reshape(*lead, weight.shape[0])
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in FP8 (``fp8=False`` gives the bf16/fp32 path)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 fp8: bool = True):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8 = fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, fp8=self.fp8)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8}"
+
+
+# ---------------------------------------------------------------- grouped (MoE experts)
+
+
+def _block_owners(m_indices: torch.Tensor) -> list[int]:
+    """Group of each 128-row block (-1 for all-padding blocks), on the host."""
+    return m_indices.view(-1, M_ALIGNMENT).amax(dim=1).tolist()
+
+
+def _segments(owners: list[int]) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) for each run of blocks with one group; padding blocks skipped."""
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(owners):
+        if g < 0:
+            continue
+        if runs and runs[-1][0] == g and runs[-1][2] == i * M_ALIGNMENT:
+            runs[-1] = (g, runs[-1][1], (i + 1) * M_ALIGNMENT)
+        else:
+            runs.append((g, i * M_ALIGNMENT, (i + 1) * M_ALIGNMENT))
+    return runs
+
+
+def _k_grouped_rows(owners: list[int], num_groups: int, device) -> tuple[torch.Tensor | None, list[int]]:
+    """Row order that puts blocks in ascending group order (None when already so), and rows per group."""
+    ks = [0] * num_groups
+    for g in owners:
+        if g >= 0:
+            ks[g] += M_ALIGNMENT
+    if all(g >= 0 for g in owners) and owners == sorted(owners):
+        return None, ks
+    blocks = sorted((g, i) for i, g in enumerate(owners) if g >= 0)
+    rows = torch.arange(M_ALIGNMENT, device=device)
+    order = torch.cat([rows + i * M_ALIGNMENT for _, i in blocks]) if blocks else rows[:0]
+    return order, ks
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool):
+        num_groups, n, k = weight.shape
+        valid = (m_indices >= 0).unsqueeze(1)
+        x = x * valid.to(x.dtype)  # padding rows contribute nothing, whatever they hold
+        owners = _block_owners(m_indices)
+        if fp8:
+            w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+            d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
+            m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d, m_indices)
+            out = d[:, :n].to(x.dtype)
+            ctx.save_for_backward(x, weight, m_indices, *w_q)
+        else:
+            out = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
+            for g, start, end in _segments(owners):
+                torch.mm(x[start:end], weight[g].to(x.dtype).T, out=out[start:end])
+            out = out * valid.to(out.dtype)
+            ctx.save_for_backward(x, weight, m_indices)
+        ctx.fp8, ctx.owners = fp8, owners
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, m_indices, *w_q = ctx.saved_tensors
+        num_groups, n, k = weight.shape
+        valid = (m_indices >= 0).unsqueeze(1)
+        grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
+        owners, fp8 = ctx.owners, ctx.fp8
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if fp8:
+                d = torch.zeros(x.shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=x.device)
+                m_grouped_fp8_gemm_nn_contiguous(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d,
+                                                 m_indices)
+                grad_x = d[:, :k].to(x.dtype)
+            else:
+                grad_x = torch.zeros_like(x)
+                for g, start, end in _segments(owners):
+                    torch.mm(grad_out[start:end], weight[g].to(grad_out.dtype), out=grad_x[start:end])
+            grad_x = grad_x * valid.to(grad_x.dtype)
+        if ctx.needs_input_grad[1]:
+
+            def weight_grad() -> None:
+                if fp8:
+                    order, ks = _k_grouped_rows(owners, num_groups, x.device)
+                    dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
+                    dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
+                    x_q = per_channel_cast_to_fp8(_pad(xs, BLOCK))
+                    d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32,
+                                    device=x.device)
+                    ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
+                    k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
+                    g_w = d[:, :n, :k]
+                else:
+                    g_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+                    for g, start, end in _segments(owners):
+                        g_w[g] += (grad_out[start:end].T @ x[start:end].to(grad_out.dtype)).float()
+                accumulate_grad(weight, g_w)
+
+            _run_or_defer(weight_grad)
+        return grad_x, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+    """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
+
+    ``x [M, K]`` in the contiguous grouped layout (each group padded to 128 rows, M a multiple of
+    128), ``weight [G, N, K]``. Backward: dgrad by the grouped nn GEMM, wgrad by the k-grouped tn
+    GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(f"weight must be [G, N, K] with K = {x.shape[1]} (x's last dim), "
+                         f"got {list(getattr(weight, 'shape', []))}")
+    if not isinstance(m_indices, torch.Tensor) or m_indices.shape != (x.shape[0],) or m_indices.is_floating_point():
+        raise ValueError(f"m_indices must be an integer tensor [{x.shape[0]}] (x's rows), "
+                         f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
+    if x.shape[0] % M_ALIGNMENT:
+        raise ValueError(f"x's rows ({x.shape[0]}) must be a multiple of {M_ALIGNMENT}: pad each group to "
+                         f"get_m_alignment_for_contiguous_layout() rows with m_indices = -1")
+    m_indices = m_indices.to(torch.int32).contiguous()
+    if x.shape[0]:
+        lo, hi = int(m_indices.min()), int(m_indices.max())
+        if lo < -1 or hi >= weight.shape[0]:
+            raise ValueError(f"m_indices must lie in [-1, {weight.shape[0]}), got [{lo}, {hi}]")
+        blocks = m_indices.view(-1, M_ALIGNMENT)
+        if bool(((blocks >= 0) & (blocks != blocks.amax(dim=1, keepdim=True))).any()):
+            raise ValueError(f"m_indices: every block of {M_ALIGNMENT} rows must belong to one group (or be padding)")
+    return _GroupedLinearFunction.apply(x, weight, m_indices, bool(fp8))
+
+
+class GroupedLinear(nn.Module):
+    """``num_groups`` experts' linear layers (no bias) over rows in the contiguous grouped layout."""
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, fp8: bool = False, device=None,
+                 dtype=None):
+        super().__init__()
+        self.num_groups, self.in_features, self.out_features, self.fp8 = num_groups, in_features, out_features, fp8
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default (kaiming_uniform with a = sqrt(5))
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, self.weight, m_indices, fp8=self.fp8)
+
+    def extra_repr(self) -> str:
+        return f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, " \
+               f"fp8={self.fp8}"
