@@ -110,6 +110,11 @@ def reference_call_count(op_name: str | None = None) -> int:
     return _reference_calls[op_name] if op_name else sum(_reference_calls.values())
 
 
+def reference_call_counts() -> dict[str, int]:
+    """A snapshot of every op's reference call count (the harness diffs two of them)."""
+    return dict(_reference_calls)
+
+
 def strict() -> bool:
     return os.environ.get(STRICT_ENV, "0") not in ("", "0")
 
@@ -186,7 +191,12 @@ class KernelOp:
 
     def _fail_or_fallback(self, reason: str, mode: str) -> None:
         if mode == "triton" or strict():
-            why = f"{IMPL_ENV}=triton" if mode == "triton" else f"{STRICT_ENV}=1"
+            if mode != "triton":
+                why = f"{STRICT_ENV}=1"
+            elif getattr(_local, "forced", None):
+                why = "registry.force('triton')"
+            else:
+                why = f"{IMPL_ENV}=triton"
             raise KernelFallbackError(f"kernel {self.name}: Triton required ({why}) but {reason}")
 
     def _note(self, impl: str, reason: str | None) -> None:
