@@ -104,7 +104,26 @@ class MLA(nn.Module):
         w_uk, w_uv = self._absorbed_weights()
         q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
                            apply_rotary_emb(q_pe, cos, sin)], dim=-1)
-        out, _ = flash_mla.flash_mla_with_kvcache(q_abs, head_dim_v=self.kv_lora_rank, softmax_scale=self.softmax_scale,
-                                                  causal=True, **cache.attention_args(self.layer_id))
+        kwargs = cache.attention_args(self.layer_id)
+        if q_abs.dtype == torch.float32:  # FlashMLA's kernels take bf16/fp16 only; fp32 (CPU) models take this path
+            out = _latent_attention_fp32(q_abs, kwargs["k_cache"], kwargs["block_table"], kwargs["cache_seqlens"],
+                                         self.kv_lora_rank, self.softmax_scale)
+        else:
+            out, _ = flash_mla.flash_mla_with_kvcache(q_abs, head_dim_v=self.kv_lora_rank,
+                                                      softmax_scale=self.softmax_scale, causal=True, **kwargs)
         out = torch.einsum("bshc,hdc->bshd", out, w_uv.to(out.dtype))
         return self.wo(out.flatten(2))
+
+
+def _latent_attention_fp32(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: float) -> torch.Tensor:
+    """Absorbed MLA attention in fp32 for a batch whose sequences all hold ``cache_seqlens[0]`` tokens:
+    q ``[b, s, h, 576]`` against the paged latents, bottom-right causal -> ``[b, s, h, head_dim_v]``."""
+    b, s = q.shape[:2]
+    n = int(cache_seqlens[0])
+    block = k_cache.shape[1]
+    kv = k_cache[block_table[:, : -(-n // block)].long()].reshape(b, -1, k_cache.shape[-1])[:, :n]  # [b, n, 576]
+    scores = torch.einsum("bshc,bnc->bhsn", q, kv) * softmax_scale
+    future = torch.arange(n, device=q.device)[None, :] > (n - s + torch.arange(s, device=q.device))[:, None]
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhsn,bnc->bshc", probs, kv[..., :head_dim_v])
