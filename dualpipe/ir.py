@@ -259,11 +259,8 @@ def comm_plan(schedule: Schedule) -> list[list[Exchange]]:
         taken = {link: 0 for link in links if link[1] == rank}
         pending_sends: list[Message] = []
         plan = []
-        seq = list(items) + [None]
-        for k, item in enumerate(seq):
+        for item in list(items) + [None]:
             needs = [m for part in (item.parts if item is not None else ()) for m in schedule.recvs_of(part)]
-            if pending_sends and not needs and k + 1 < len(seq) and seq[k + 1] is not None:
-                needs = [m for part in seq[k + 1].parts for m in schedule.recvs_of(part)]
             recvs: list[Message] = []
             for msg in needs:
                 link = (msg.src, msg.dst)

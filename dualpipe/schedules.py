@@ -78,69 +78,52 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zb1p(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B with B split into I and W; rank ``r`` holds back ``PP-1-r`` W passes and runs
-    them in the cool-down, where 1F1B would idle waiting for gradients. Same memory as 1F1B."""
-    actions = []
-    for r in range(num_ranks):
-        warm = min(num_ranks - 1 - r, num_microbatches)
-        held = num_ranks - 1 - r
-        pending: deque[int] = deque()
-        items: list[Item] = [Action("F", r, m) for m in range(warm)]
-
-        def backward(m: int) -> None:
-            items.append(Action("I", r, m))
-            pending.append(m)
-            if len(pending) > held:
-                items.append(Action("W", r, pending.popleft()))
-
-        for i in range(num_microbatches - warm):
-            items.append(Action("F", r, warm + i))
-            backward(i)
-        for m in range(num_microbatches - warm, num_microbatches):
-            backward(m)
-            held -= 1  # each cool-down I leaves one bubble slot to fill with a held-back W
-            while len(pending) > max(held, 0):
-                items.append(Action("W", r, pending.popleft()))
-        items += [Action("W", r, m) for m in pending]
-        actions.append(tuple(items))
-    return Schedule("zb1p", linear_layout(num_ranks, num_microbatches), tuple(actions))
+    """ZB-H1 style: 1F1B's placement with the backward split into I and W; W passes fill the
+    bubbles 1F1B leaves. Rank ``r`` keeps at most ``PP-r+1`` activations alive (freed at W): one
+    more than 1F1B, which lets the I passes run ahead of the held-back W passes."""
+    layout = linear_layout(num_ranks, num_microbatches)
+    return _greedy("zb1p", layout, num_microbatches, [num_ranks - r + 1 for r in range(num_ranks)])
 
 
 # -- ZB-V (greedy over the V placement) -----------------------------------------------------
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-V style: V placement, split backward, greedy list scheduling with unit F/I/W costs.
-
-    Each idle rank runs, in priority order: a ready I (the critical path), a ready F while its
-    live activations stay within ``2*PP`` stage-micro-batches (1F1B's memory), else a W.
-    """
+    """ZB-V style: V placement (two half-size stages per rank) with I/W split, under the same
+    activation memory as 1F1B (``2*PP`` half-stage activations per rank)."""
     layout = v_layout(num_ranks, num_microbatches)
-    n_stages, mbs = layout.num_stages, num_microbatches
+    return _greedy("zbv", layout, num_microbatches, [2 * num_ranks] * num_ranks)
+
+
+def _greedy(name: str, layout: Layout, mbs: int, limit: list[int]) -> Schedule:
+    """List-schedule F, I and W passes with unit costs: an idle rank runs a ready I (the critical
+    path; deeper stage first), else a ready F while fewer than ``limit[rank]`` activations are
+    alive (an activation lives from F to W), else its oldest pending W."""
+    n_stages, ranks = layout.num_stages, layout.num_ranks
     f_done: dict[tuple[int, int], int] = {}  # (stage, mb) -> finish time
     i_done: dict[tuple[int, int], int] = {}
     next_f = [0] * n_stages
     next_i = [0] * n_stages
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(num_ranks)]
-    live = [0] * num_ranks
-    clock = [0] * num_ranks
-    actions: list[list[Item]] = [[] for _ in range(num_ranks)]
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
+    live = [0] * ranks
+    actions: list[list[Item]] = [[] for _ in range(ranks)]
     remaining = 3 * n_stages * mbs
-    limit = 2 * num_ranks
     t = 0
+
+    def ready(done: dict[tuple[int, int], int], key: tuple[int, int]) -> bool:
+        return done.get(key, t + 1) <= t
+
     while remaining:
-        for r in range(num_ranks):
-            if clock[r] > t:
-                continue
+        for r in range(ranks):
+            mine = sorted(layout.stages_of(r), key=lambda s: layout.chain_of(s).stages.index(s), reverse=True)
             choice = None
-            for s in sorted(layout.stages_of(r), reverse=True):  # deeper stage first: shortens the path
-                m = next_i[s]
-                if m < mbs and (s, m) in f_done and f_done[(s, m)] <= t and (
-                        s == n_stages - 1 or i_done.get((s + 1, m), t + 1) <= t):
+            for s in mine:
+                m, nxt = next_i[s], layout.next_stage(s)
+                if m < mbs and ready(f_done, (s, m)) and (nxt is None or ready(i_done, (nxt, m))):
                     choice = Action("I", s, m)
                     break
-            if choice is None and live[r] < limit:
-                for s in sorted(layout.stages_of(r), reverse=True):
-                    m = next_f[s]
-                    if m < mbs and (s == 0 or f_done.get((s - 1, m), t + 1) <= t):
+            if choice is None and live[r] < limit[r]:
+                for s in mine:
+                    m, prv = next_f[s], layout.prev_stage(s)
+                    if m < mbs and (prv is None or ready(f_done, (prv, m))):
                         choice = Action("F", s, m)
                         break
             if choice is None and pending_w[r]:
@@ -148,7 +131,6 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
                 choice = Action("W", s, m)
             if choice is None:
                 continue
-            clock[r] = t + 1
             actions[r].append(choice)
             remaining -= 1
             key = (choice.stage, choice.mb)
@@ -163,7 +145,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
             else:
                 live[r] -= 1
         t += 1
-    return Schedule("zbv", layout, tuple(tuple(a) for a in actions))
+    return Schedule(name, layout, tuple(tuple(a) for a in actions))
 
 
 # -- DualPipe and DualPipeV -----------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""Point-to-point transfer of tensor lists between pipeline ranks, with shapes sent per message.
+
+Each message is a fixed-size int64 header (which message it is, then dtype and shape of every
+tensor, or "None") followed by one transfer per tensor. The receiver learns shapes and dtypes
+from the header, so stages may change shapes from step to step and no global
+``set_p2p_tensor_shapes`` is needed. The header also names the message, so ranks that disagree
+about the schedule fail loudly instead of mixing up tensors. Every wait has a timeout that
+names this rank, the peer and the action.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from dualpipe.ir import Message
+
+HEADER_LEN = 64
+_MAGIC = 0x5D1A
+_KIND_CODE = {"act": 1, "grad": 2}
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+          torch.uint8, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class P2PTimeoutError(TimeoutError):
+    """A peer did not deliver a message in time (dead, stalled, or running another schedule)."""
+
+
+class P2PMismatchError(ValueError):
+    """A peer sent something other than what this rank's schedule expects."""
+
+
+class P2P:
+    """Sends and receives ``Message`` payloads between pipeline ranks of ``group``.
+
+    ``peers[p]`` is the global rank of pipeline rank ``p``. Sends are asynchronous; their
+    handles are kept until ``wait_sends`` (the tensors must stay untouched until then).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, peers: Sequence[int], rank: int, device: torch.device,
+                 timeout: float = 300.0):
+        self.group, self.peers, self.rank, self.device = group, list(peers), rank, device
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self._sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+
+    # -- header ------------------------------------------------------------------------------
+    def _header(self, msg: Message, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        fields = [_MAGIC, _KIND_CODE[msg.kind], msg.stage, msg.mb, len(tensors)]
+        for t in tensors:
+            if t is None:
+                fields += [-1, 0]
+                continue
+            if t.dtype not in DTYPES:
+                raise ValueError(f"rank {self.rank}: cannot send dtype {t.dtype} for {msg}; supported: {DTYPES}")
+            fields += [DTYPES.index(t.dtype), t.dim(), *t.shape]
+        if len(fields) > HEADER_LEN:
+            raise ValueError(f"rank {self.rank}: {msg} carries too many tensors/dims for the {HEADER_LEN}-slot header")
+        header = torch.full((HEADER_LEN,), -2, dtype=torch.int64, device=self.device)
+        header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        return header
+
+    def _parse(self, msg: Message, header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]] | None]:
+        h = header.tolist()
+        expect = [_MAGIC, _KIND_CODE[msg.kind], msg.stage, msg.mb]
+        if h[:4] != expect:
+            raise P2PMismatchError(f"rank {self.rank}: expected {msg} from rank {msg.src} but received a message for "
+                                   f"kind={h[1]} stage={h[2]} mb={h[3]} (do all ranks run the same schedule?)")
+        specs: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+        i = 5
+        for _ in range(h[4]):
+            code, ndim = h[i], h[i + 1]
+            specs.append(None if code < 0 else (DTYPES[code], tuple(h[i + 2: i + 2 + ndim])))
+            i += 2 + ndim
+        return specs
+
+    # -- transfer ----------------------------------------------------------------------------
+    def send(self, msg: Message, tensors: Sequence[torch.Tensor | None]) -> None:
+        dst = self.peers[msg.dst]
+        header = self._header(msg, tensors)
+        payload = [t.detach().contiguous() for t in tensors if t is not None]
+        works = [dist.isend(t, dst, group=self.group) for t in (header, *payload)]
+        for w in works:
+            self._sends.append((w, [header, *payload]))
+
+    def recv(self, msg: Message, action: str) -> list[torch.Tensor | None]:
+        src = self.peers[msg.src]
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(header, src, group=self.group), msg, action)
+        out: list[torch.Tensor | None] = []
+        for spec in self._parse(msg, header):
+            if spec is None:
+                out.append(None)
+                continue
+            t = torch.empty(spec[1], dtype=spec[0], device=self.device)
+            self._wait(dist.irecv(t, src, group=self.group), msg, action)
+            out.append(t)
+        return out
+
+    def _wait(self, work: dist.Work, msg: Message, action: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise P2PTimeoutError(
+                f"rank {self.rank}: no {msg.kind} message for stage {msg.stage} micro-batch {msg.mb} from rank "
+                f"{msg.src} within {self.timeout.total_seconds():.0f}s (needed by action {action}); "
+                f"the peer is dead, stalled or on another schedule: {exc}") from exc
+
+    def reap_sends(self) -> None:
+        """Forget sends that have completed (cheap; frees their buffers)."""
+        self._sends = [(w, keep) for w, keep in self._sends if not w.is_completed()]
+
+    def wait_sends(self) -> None:
+        for w, _ in self._sends:
+            try:
+                w.wait(self.timeout)
+            except RuntimeError as exc:
+                raise P2PTimeoutError(f"rank {self.rank}: a send did not complete within "
+                                      f"{self.timeout.total_seconds():.0f}s: {exc}") from exc
+        self._sends = []

@@ -1,0 +1,42 @@
+"""Micro-batch splitting and joining, backward without shape re-checks, the gradient check metric."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd import Variable
+
+
+def scatter(inputs: Sequence[torch.Tensor | None] | torch.Tensor, chunks: int, dim: int) -> list[tuple]:
+    """Split each tensor of ``inputs`` into ``chunks`` micro-batches along ``dim``; one tuple per micro-batch."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    for i, x in enumerate(inputs):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise ValueError(f"inputs[{i}] must be a tensor or None, got {type(x).__name__}")
+        if x is not None and x.shape[dim] < chunks:
+            raise ValueError(f"inputs[{i}] has {x.shape[dim]} rows along batch_dim={dim}, "
+                             f"fewer than num_chunks={chunks} micro-batches")
+    split = [[None] * chunks if x is None else list(x.tensor_split(chunks, dim=dim)) for x in inputs]
+    return [tuple(s[c] for s in split) for c in range(chunks)] if split else [() for _ in range(chunks)]
+
+
+def gather(micro_outputs: Sequence[Sequence[torch.Tensor]], dim: int) -> tuple[torch.Tensor | None, ...]:
+    """Concatenate per-micro-batch output lists back into whole-batch tensors."""
+    columns = list(zip(*micro_outputs))
+    return tuple(None if col[0] is None else torch.cat(col, dim=dim) for col in columns)
+
+
+def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """Backward from ``tensors`` with ``grads``, accumulating into ``.grad`` (no shape re-check:
+    the outputs of a stage may have had their storage freed after being sent)."""
+    Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), keep_graph=False, create_graph=False,
+                                            allow_unreachable=True, accumulate_grad=True)
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``1 - 2<x,y> / (|x|^2 + |y|^2)`` in float64: 0 for identical tensors (DESIGN.md's metric)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum().item()
+    return 0.0 if denom == 0 else 1.0 - 2.0 * (x * y).sum().item() / denom
