@@ -13,6 +13,7 @@ import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
+from accel.verify import calc_diff
 from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
 
@@ -150,18 +151,11 @@ def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
                 kwargs={"causal": shape.get("causal", s_q > 1), "is_fp8_kvcache": shape.get("fp8", False)})
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """FlashMLA's cosine diff 1 - 2 sum(xy) / sum(x^2 + y^2) in float64 (0 for two all-zero tensors)."""
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    return 0.0 if denom == 0 else float(1 - 2 * (x * y).sum() / denom)
-
-
 def compare_decode(got, want) -> dict[str, tuple[float, float]]:
     """out: cosine diff < 1e-5 (FlashMLA's pass mark); lse: max relative error < 1e-5 over finite entries,
     with Inf/NaN in the same places (an error of inf when they differ)."""
-    if isinstance(got, dict):
-        got, want = (got["out"], got["lse"]), (want["out"], want["lse"])
+    if isinstance(got, dict):  # accel.verify names a returned tuple's tensors out[0], out[1]
+        got, want = (got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"])
     (out, lse), (ref_out, ref_lse) = got, want
     out_err = math.inf if not torch.isfinite(out).all() else calc_diff(out, ref_out)
     same_special = torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.equal(
