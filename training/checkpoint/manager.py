@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from training.checkpoint import format as fmt
 from training.checkpoint.rng import capture_rng_state
-from training.checkpoint.writer import CheckpointWriter, EventHook, SaveJob, SaveTensors, Snapshotter
+from training.checkpoint.writer import CheckpointWriter, EventHook, SaveJob, SaveTensors, Snapshotter, encode_sections
 
 log = logging.getLogger(__name__)
 MetricsHook = Callable[[dict[str, Any]], None]
@@ -102,7 +102,7 @@ class CheckpointManager:
         if "config" in job_meta:
             job_meta["config_hash"] = fmt.config_hash(job_meta["config"])
         job_meta = fmt.encode_tree(job_meta, None)
-        job = SaveJob(step=step, sections=self._snapshotter.snapshot(state),
+        job = SaveJob(step=step, sections=encode_sections(self._snapshotter.snapshot(state)),
                       rank_extra={"rng": capture_rng_state()}, meta=job_meta)
         use_async = self.async_save if sync is None else not sync
         if use_async:

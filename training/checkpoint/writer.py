@@ -97,12 +97,25 @@ def _deepcopy_leaf(x: Any) -> Any:
 
 @dataclass
 class SaveJob:
-    """Everything one rank writes for one step; ``sections`` already lives in private CPU memory."""
+    """Everything one rank writes for one step; the tensors already live in private CPU memory."""
 
     step: int
-    sections: dict[str, Any]
+    sections: dict[str, tuple[Any, dict[str, torch.Tensor]]]  # name -> (JSON skeleton, tensors)
     rank_extra: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_sections(state: dict[str, Any]) -> dict[str, tuple[Any, dict[str, torch.Tensor]]]:
+    """Split each section of a (snapshotted) state into its JSON skeleton and its tensors."""
+    out = {}
+    for section, tree in state.items():
+        fmt.check_section_name(section)
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            out[section] = (fmt.encode_tree(tree, tensors), tensors)
+        except ValueError as exc:
+            raise ValueError(f"section {section!r}: {exc}") from None
+    return out
 
 
 class CheckpointWriter:
@@ -191,10 +204,8 @@ class CheckpointWriter:
     def _write_rank_files(self, job: SaveJob, staging: Path) -> dict[str, Any]:
         files: dict[str, dict[str, Any]] = {}
         skeletons: dict[str, Any] = {}
-        for section, tree in job.sections.items():
-            fmt.check_section_name(section)
-            tensors: dict[str, torch.Tensor] = {}
-            skeletons[section] = fmt.encode_tree(tree, tensors)
+        for section, (skeleton, tensors) in job.sections.items():
+            skeletons[section] = skeleton
             if not tensors:
                 continue
             name = fmt.shard_filename(section, self.rank)
