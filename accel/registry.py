@@ -277,7 +277,8 @@ def load_all() -> list[str]:
 
     Raises ImportError when a package exists but fails to import (an absent package is skipped).
     """
-    failed = {pkg: why for pkg, why in import_kernel_packages().items() if why and why != "not installed"}
+    failed = {pkg: why for pkg, why in import_kernel_packages(KERNEL_PACKAGES).items()
+              if why and why != "not installed"}
     if failed:
         raise ImportError("kernel packages failed to import: " + "; ".join(f"{p}: {w}" for p, w in failed.items()))
     return ops()
