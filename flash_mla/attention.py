@@ -9,12 +9,15 @@ The reference is torch SDPA in fp32, which is also what the model trains with on
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
 
 OP_NAME = "flash_mla.mla_attention"
+BWD_OP_NAME = "flash_mla.mla_attention_backward"
 
 
 def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -102,12 +105,76 @@ mla_attention_op = registry.register(
     triton=_mla_attention_triton,
     verify=VerifySpec(
         make_case=_make_case,
-        # bf16 inputs: the kernel rounds P to bf16 before P @ V like every flash kernel; the fp32 reference
-        # does not, so cosine diff sits near 1e-6; 1e-4 still flags any masking or indexing bug (those are >1e-2).
+        # bf16 inputs: on a GPU the kernel rounds P to bf16 before P @ V like every flash kernel, the fp32
+        # reference does not (cos diff ~1e-6); 1e-4 still flags any masking or indexing bug (those are > 1e-2).
         shapes=[dict(b=2, s=40, h=2, dqk=48, dv=32), dict(b=1, s=33, h=2, dqk=192, dv=128, causal=False)],
         bench_shapes=[dict(b=4, s=4096, h=16, dqk=192, dv=128), dict(b=1, s=8192, h=16, dqk=192, dv=128)],
         tolerance=1e-4,
         flops=_flops,
+    ),
+)
+
+
+@registry.reference_for(BWD_OP_NAME)
+def mla_attention_backward_reference(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    """(dq, dk, dv) for the varlen layout ``[total, heads, d]`` by autograd through the fp32 reference
+    (``out`` and ``lse`` are what the kernel saves; the reference recomputes instead)."""
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        o = mla_attention_reference.__wrapped__(*leaves, causal, softmax_scale, cu_seqlens, max_seqlen)
+        grads = torch.autograd.grad(o, leaves, dout.float())
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+def _mla_attention_backward_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    from flash_mla.kernels.attention import attention_backward
+
+    return attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
+
+
+def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                  scale: float) -> torch.Tensor:
+    """Natural-log row sums of exp(scores), fp32 ``[heads, total]``: what the forward kernel saves."""
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        scores = torch.einsum("ihd,jhd->hij", q[a:b].float(), k[a:b].float()) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+        lse[:, a:b] = scores.logsumexp(-1)
+    return lse
+
+
+def _make_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens, h, dqk, dv, causal = shape["lens"], shape["h"], shape["dqk"], shape["dv"], shape.get("causal", True)
+    dtype = getattr(torch, shape.get("dtype", "bfloat16"))
+    total = sum(lens)
+    q, k, v, dout = (torch.randn(total, h, d, generator=g).to(device=device, dtype=dtype) for d in (dqk, dqk, dv, dv))
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    scale = dqk ** -0.5
+    out = mla_attention_reference.__wrapped__(q, k, v, causal, scale, cu, max(lens))
+    return Case(args=(dout, q, k, v, out, reference_lse(q, k, cu, causal, scale), cu, max(lens), causal, scale))
+
+
+def _backward_flops(shape: dict) -> float:
+    lens, h, dqk, dv = shape["lens"], shape["h"], shape["dqk"], shape["dv"]
+    pairs = sum(n * n / 2 if shape.get("causal", True) else n * n for n in lens)
+    return 2.0 * h * pairs * (3 * dqk + 2 * dv)  # recompute QK^T, dV, dP, dQ, dK
+
+
+mla_attention_backward_op = registry.register(
+    BWD_OP_NAME,
+    reference=mla_attention_backward_reference,
+    triton=_mla_attention_backward_triton,
+    verify=VerifySpec(
+        make_case=_make_backward_case,
+        # bf16: gradients rounded to bf16, delta = rowsum(dO * O) from the bf16 O, and on a GPU P and dS rounded
+        # to bf16 for the tensor cores (interpreter: ~3e-6); 1e-4 still flags any masking or indexing bug (> 1e-2).
+        shapes=[dict(lens=[9, 0, 20], h=2, dqk=48, dv=32), dict(lens=[24], h=1, dqk=192, dv=128, causal=False)],
+        bench_shapes=[dict(lens=[4096] * 4, h=16, dqk=192, dv=128)],
+        tolerance=1e-4,
+        flops=_backward_flops,
     ),
 )
 

@@ -288,8 +288,11 @@ class _MLAAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
+
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu, *ctx.args)
+        max_seqlen, causal, scale = ctx.args
+        dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
         return dq, dk, dv, None, None, None, None
 
 

@@ -69,8 +69,9 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
                       + cols_r[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
             scale = tl.load(KS + page * stride_ks_blk + g * stride_ks_h + offs_t[:, None] * stride_ks_tok
-                            + (cols // 128)[None, :], mask=n_ok[:, None], other=0.0)
-            k_n = k_n.to(tl.float32) * scale
+                            + tl.arange(0, D_NOPE // 128)[None, :], mask=n_ok[:, None], other=0.0)
+            k_n = tl.reshape(tl.reshape(k_n.to(tl.float32), (BLOCK_N, D_NOPE // 128, 128)) * scale[:, :, None],
+                             (BLOCK_N, D_NOPE))
             k_n = round_to_bf16_grid(k_n) if UPCAST else k_n.to(tl.bfloat16)  # FlashMLA feeds bf16 MMAs
         if UPCAST:
             k_n = k_n.to(tl.float32)
