@@ -117,24 +117,25 @@ def make_paged_case(b: int, s_q: int, h_q: int, h_kv: int, seqlens: list[int], f
     blocks = [-(-n // BLOCK_SIZE) for n in seqlens]
     max_blocks = max(blocks + [1]) + extra_blocks
     num_blocks = sum(blocks) + extra_blocks
-    q = torch.randn(b, s_q, h_q, HEAD_DIM, generator=generator).to(dtype)
-    kv = torch.randn(num_blocks, BLOCK_SIZE, h_kv, HEAD_DIM, generator=generator).to(dtype)
+    # the large tensors are drawn on the target device (a GPU builds bench-sized caches in milliseconds)
+    dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+    q = torch.randn(b, s_q, h_q, HEAD_DIM, generator=dev_gen, device=device).to(dtype)
+    kv = torch.randn(num_blocks, BLOCK_SIZE, h_kv, HEAD_DIM, generator=dev_gen, device=device).to(dtype)
     cache = quantize_kv_fp8(kv).view(torch.uint8) if fp8 else kv
     order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     table = torch.full((b, max_blocks), num_blocks, dtype=torch.int32)  # ids past the cache: must never be read
-    owned = torch.zeros(num_blocks, BLOCK_SIZE, dtype=torch.bool)
+    tokens_in_block = torch.zeros(num_blocks, dtype=torch.int64)
     used = 0
     for i, (n, nblk) in enumerate(zip(seqlens, blocks)):
         ids = order[used: used + nblk]
         table[i, :nblk] = ids
-        for j, blk in enumerate(ids.tolist()):
-            owned[blk, : min(BLOCK_SIZE, n - j * BLOCK_SIZE)] = True
+        tokens_in_block[ids.long()] = (n - BLOCK_SIZE * torch.arange(nblk)).clamp(max=BLOCK_SIZE)
         used += nblk
+    owned = (torch.arange(BLOCK_SIZE)[None, :] < tokens_in_block[:, None]).to(device)
     cache[~owned] = 255 if fp8 else float("nan")
     if fp8:
         cache = cache.view(torch.float8_e4m3fn)
-    seqlens_t = torch.tensor(seqlens, dtype=torch.int32)
-    return tuple(t.to(device) for t in (q, cache, table, seqlens_t))
+    return q, cache, table.to(device), torch.tensor(seqlens, dtype=torch.int32, device=device)
 
 
 def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
@@ -153,7 +154,11 @@ def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
 
 def compare_decode(got, want) -> dict[str, tuple[float, float]]:
     """out: cosine diff < 1e-5 (FlashMLA's pass mark); lse: max relative error < 1e-5 over finite entries,
-    with Inf/NaN in the same places (an error of inf when they differ)."""
+    with Inf/NaN in the same places (an error of inf when they differ).
+
+    Where |lse| < 1 the error is taken relative to 1: an absolute lse error is already the relative error
+    of the softmax normaliser, and a row seeing one key has lse = its score, which may be ~0.
+    """
     if isinstance(got, dict):  # accel.verify names a returned tuple's tensors out[0], out[1]
         got, want = (got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"])
     (out, lse), (ref_out, ref_lse) = got, want
@@ -162,7 +167,7 @@ def compare_decode(got, want) -> dict[str, tuple[float, float]]:
         torch.isinf(lse) & (lse > 0), torch.isinf(ref_lse) & (ref_lse > 0)) and torch.equal(
         torch.isinf(lse) & (lse < 0), torch.isinf(ref_lse) & (ref_lse < 0))
     finite = torch.isfinite(ref_lse)
-    rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp_min(1e-6)).max().item() \
+    rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp_min(1.0)).max().item() \
         if finite.any() else 0.0
     return {"out": (out_err, 1e-5), "lse": (rel if same_special else math.inf, 1e-5)}
 
@@ -185,8 +190,8 @@ flash_mla_op = registry.register(
         make_case=_make_case,
         shapes=[dict(b=2, s_q=1, h_q=16, s_k=150, first_len=0), dict(b=2, s_q=2, h_q=8, s_k=100, causal=True),
                 dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True)],
-        bench_shapes=[dict(b=128, s_q=s_q, h_q=h_q, s_k=s_k, varlen=False) for s_k in (4096, 8192)
-                      for h_q in (16, 128) for s_q in (1, 2)],
+        bench_shapes=[dict(b=128, s_q=1, h_q=128, s_k=8192, varlen=False), dict(b=128, s_q=2, h_q=64, s_k=4096),
+                      dict(b=128, s_q=1, h_q=128, s_k=8192, fp8=True)],
         compare=compare_decode,
         flops=_decode_flops,
         bytes_moved=_decode_bytes,

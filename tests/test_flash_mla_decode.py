@@ -58,7 +58,7 @@ def test_reference_matches_float64_per_row(fp8):
     assert calc_diff(out.double(), ref_out) < 1e-5
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
-    assert torch.allclose(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=0)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)  # lse of 1 key can be ~0
     assert torch.all(out[1] == 0) and torch.all(torch.isinf(lse[1]))  # empty sequence
     assert torch.all(torch.isinf(lse[2, :, 0])) and torch.all(out[2, 0] == 0)  # seqlen 1 < s_q: row 0 sees nothing
 
