@@ -29,7 +29,7 @@ from dualpipe import schedules
 from dualpipe.comm import P2P
 from dualpipe.ir import Action, Item, Overlap, Schedule, comm_plan
 from dualpipe.utils import gather, run_backward, scatter
-from dualpipe.validate import validate
+from dualpipe.validate import check_deadlock_free, validate
 from dualpipe.weight_grad import WeightGradStore
 
 DEFAULT_P2P_TIMEOUT = 300.0
@@ -90,9 +90,10 @@ class Pipeline(nn.Module):
         key = (num_chunks, forward_only)
         if key not in self._cache:
             sched = schedules.build(self.schedule_name, self.num_ranks, num_chunks)
+            validate(sched)
             if forward_only:
                 sched = _forward_only(sched)
-            validate(sched)
+                check_deadlock_free(sched)
             stages = sched.layout.stages_of(self.rank)
             if len(stages) != len(self.module):
                 raise ValueError(f"{self.schedule_name} places {len(stages)} stage(s) on each rank "

@@ -1,0 +1,279 @@
+"""Multi-rank runtime tests (gloo, CPU, float64): every schedule against a single-process run.
+
+Tolerances: per-micro-batch losses and forward-only outputs must be bitwise equal (same float64
+kernels on the same shapes in the same order); gradients sum the micro-batches in another order
+across ranks, so they match to calc_diff < 1e-13 (DESIGN.md, upstream DualPipe's own check).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dualpipe import DualPipe, DualPipeV, Pipeline
+from dualpipe.comm import P2PMismatchError, P2PTimeoutError
+from dualpipe.schedules import build
+from dualpipe.utils import calc_diff, run_backward
+from dualpipe.weight_grad import LinearWithDeferredWGrad
+from tests.dist_utils import run_distributed
+
+GRAD_TOL = 1e-13
+
+
+# -- toy model ------------------------------------------------------------------------------------
+class ToyStage(nn.Module):
+    """A deferring linear (so I/W splitting really happens), tanh, and a plain linear (no deferral)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.deferred = LinearWithDeferredWGrad(d_in, d_out, dtype=torch.float64)
+        self.plain = nn.Linear(d_out, d_out, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plain(torch.tanh(self.deferred(x)))
+
+
+class OverlapStage(ToyStage):
+    """ToyStage with upstream's ``overlapped_forward_backward`` classmethod; counts its calls."""
+
+    calls = 0
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):
+        cls.calls += 1
+        outputs0 = module0(*inputs0)
+        loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            run_backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+class ViewStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.lin(x)[:, :2]  # a view of a larger tensor
+
+
+def widths(num_parts: int) -> list[int]:
+    """Stage widths vary so consecutive messages carry different shapes (exercises the P2P header)."""
+    return [5 + (s * 3) % 4 for s in range(num_parts + 1)]
+
+
+def make_model(num_parts: int, seed: int, cls: type[nn.Module] = ToyStage) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    w = widths(num_parts)
+    return nn.ModuleList(cls(w[s], w[s + 1]) for s in range(num_parts))
+
+
+def make_batch(num_parts: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    w = widths(num_parts)
+    return (torch.randn(batch, w[0], generator=g, dtype=torch.float64),
+            torch.randn(batch, w[-1], generator=g, dtype=torch.float64))
+
+
+def criterion(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, label)
+
+
+def reference(model: nn.ModuleList, x: torch.Tensor, y: torch.Tensor, chunks: int):
+    """Single-process run over the same micro-batches: per-micro-batch losses, outputs, grads per part."""
+    ref = copy.deepcopy(model)
+    losses, outs = [], []
+    for xm, ym in zip(x.tensor_split(chunks), y.tensor_split(chunks)):
+        h = xm
+        for part in ref:
+            h = part(h)
+        loss = criterion(h, ym)
+        loss.backward()
+        losses.append(loss.detach())
+        outs.append(h.detach())
+    return torch.stack(losses), torch.cat(outs), [[p.grad.clone() for p in part.parameters()] for part in ref]
+
+
+# -- one schedule, one rank ----------------------------------------------------------------------------
+def _check_schedule(rank: int, world: int, name: str, chunks: int, seed: int, cls: type[nn.Module] = ToyStage) -> dict:
+    """Train one step and run one inference step of ``name``; return what the parent asserts on."""
+    sched = build(name, world, chunks)
+    lay = sched.layout
+    num_parts = world if name in ("1f1b", "zb1p", "dualpipe") else 2 * world
+    model = make_model(num_parts, seed, cls)
+    x, y = make_batch(num_parts, 3 * chunks, seed)
+    ref_loss, ref_out, ref_grads = reference(model, x, y, chunks)
+
+    def part_of(stage: int) -> int:
+        return stage if stage < num_parts else stage - num_parts  # DualPipe: stage PP+j is part j
+
+    parts = [part_of(s) for s in lay.stages_of(rank)]
+    mods = [copy.deepcopy(model[p]) for p in parts]
+    half = chunks // 2
+    if name == "dualpipe":
+        pipe = DualPipe(tuple(mods))
+        ins = {0: (x.tensor_split(2)[0],), world - 1: (x.tensor_split(2)[1],)}.get(rank, (None,))
+        labs = {0: (y.tensor_split(2)[1],), world - 1: (y.tensor_split(2)[0],)}.get(rank, (None,))
+        expect = {0: slice(half, chunks), world - 1: slice(0, half)}.get(rank)
+    elif name == "dualpipev":
+        pipe = DualPipeV(tuple(mods))
+        ins, labs, expect = (x,), (y,), (slice(0, chunks) if rank == 0 else None)
+    else:
+        pipe = Pipeline(mods, name)
+        first, last = lay.stage_rank[0], lay.stage_rank[lay.num_stages - 1]
+        ins = (x,) if rank == first else (None,)
+        labs = (y,) if rank == last else (None,)
+        expect = slice(0, chunks) if rank == last else None
+
+    loss, out = pipe.step(*ins, num_chunks=chunks, criterion=criterion, labels=labs)
+    res = {"stats": dict(pipe.last_step_stats), "store_left": pipe.store.pending(), "out_none": out is None}
+    res["loss_equal"] = (loss is None) if expect is None else bool(torch.equal(loss, ref_loss[expect]))
+    if name == "dualpipe":
+        pipe.sync_mirrored_grads()
+    res["grad_diff"] = max(calc_diff(p.grad, g) for mod, part in zip(mods, parts)
+                           for p, g in zip(mod.parameters(), ref_grads[part]))
+    with torch.no_grad():
+        loss2, out2 = pipe.step(*ins, num_chunks=chunks, criterion=criterion, labels=labs, return_outputs=True)
+    if expect is None:
+        res["fwd_equal"] = loss2 is None and out2 is None
+    else:
+        res["fwd_equal"] = bool(torch.equal(out2, ref_out[3 * expect.start: 3 * expect.stop])
+                                and torch.equal(loss2, ref_loss[expect]))
+    res["overlap_calls"] = getattr(cls, "calls", 0)
+    return res
+
+
+def _all_schedules(rank: int, world: int) -> dict:
+    out = {}
+    names = ["1f1b", "zb1p", "zbv", "dualpipev"] + (["dualpipe"] if world % 2 == 0 else [])
+    for i, name in enumerate(names):
+        out[name] = _check_schedule(rank, world, name, 2 * world + 2, seed=10 * world + i)
+    if world > 1:
+        out["dualpipev-overlap"] = _check_schedule(rank, world, "dualpipev", 2 * world + 2, 99, OverlapStage)
+    return out
+
+
+def _assert_results(results: list[dict], world: int) -> None:
+    for rank, per in enumerate(results):
+        for name, r in per.items():
+            where = f"{name} rank {rank}/{world}"
+            assert r["loss_equal"], f"{where}: per-micro-batch losses differ from the single-process run"
+            assert r["grad_diff"] < GRAD_TOL, f"{where}: gradient calc_diff {r['grad_diff']:.3g}"
+            assert r["fwd_equal"], f"{where}: forward-only outputs/losses differ"
+            assert r["store_left"] == 0, f"{where}: weight-grad store not empty after the step"
+            assert r["out_none"], f"{where}: outputs returned without return_outputs"
+            if name.split("-")[0] in ("zb1p", "zbv", "dualpipev", "dualpipe"):
+                # I actions deferred real closures (ToyStage's deferring linear) that W actions ran
+                assert r["stats"]["max_pending_wgrad"] > 0 and r["stats"]["wgrad_closures_run"] > 0, where
+            if name == "1f1b":
+                assert r["stats"]["wgrad_closures_run"] == 0, where
+            if name == "dualpipev-overlap":
+                assert r["overlap_calls"] > 0, f"{where}: overlapped_forward_backward was never called"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_schedule_matches_single_process(world):
+    _assert_results(run_distributed(_all_schedules, world, timeout=110), world)
+
+
+# -- two pipelines, bad input, failures -------------------------------------------------------------------
+def _two_pipelines(rank: int, world: int) -> dict:
+    a = Pipeline([make_model(world, 1)[rank]], "zb1p")
+    b = Pipeline([make_model(world, 2)[rank]], "1f1b")
+    b.store.put(lambda: None)  # B's pending closure must survive A's step untouched
+    x, y = make_batch(world, 12, 1)
+    a.step(x if rank == 0 else None, num_chunks=4, criterion=criterion, labels=(y if rank == world - 1 else None,))
+    return {"distinct": a.store is not b.store, "b_pending": b.store.pending(), "a_pending": a.store.pending()}
+
+
+def _bad_inputs(rank: int, world: int) -> dict:
+    errors = {}
+    mods = (ToyStage(5, 5), ToyStage(5, 5))
+    pipe = DualPipeV(mods)
+    x = torch.randn(12, 5, dtype=torch.float64)
+    for label, chunks in (("too_few", 2 * world - 1), ("zero", 0), ("float", 4.0)):
+        try:
+            pipe.step(x, num_chunks=chunks, criterion=criterion, labels=(x,))
+        except ValueError as exc:
+            errors[label] = str(exc)
+    try:
+        DualPipe(mods).step(x, num_chunks=2 * world + 1, criterion=criterion, labels=(x,))
+    except ValueError as exc:
+        errors["dualpipe_odd_chunks"] = str(exc)
+    try:
+        Pipeline([ToyStage(5, 5)], "dualpipev")
+        Pipeline([ToyStage(5, 5)], "dualpipev").step(x, num_chunks=4, criterion=criterion, labels=(x,))
+    except ValueError as exc:
+        errors["module_count"] = str(exc)
+    if world == 1:
+        try:
+            Pipeline([ViewStage()], "1f1b").step(torch.randn(4, 4, dtype=torch.float64), num_chunks=2,
+                                                 criterion=lambda o, t: o.sum(), labels=(None,))
+        except ValueError as exc:
+            errors["view"] = str(exc)
+    return errors
+
+
+def _odd_dualpipe(rank: int, world: int) -> str:
+    try:
+        DualPipe((ToyStage(5, 5), ToyStage(5, 5)))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_two_pipelines_share_no_state_and_bad_input_is_rejected():
+    for r in run_distributed(_two_pipelines, 2, timeout=60):
+        assert r["distinct"] and r["b_pending"] == 1 and r["a_pending"] == 0
+    errs = run_distributed(_bad_inputs, 1, timeout=60)[0]
+    assert "num_chunks >= 2 x ranks" in errs["too_few"]
+    assert "num_chunks" in errs["zero"] and "int" in errs["float"]
+    assert "even" in errs["dualpipe_odd_chunks"] or "even number of ranks" in errs["dualpipe_odd_chunks"]
+    assert "module" in errs["module_count"]
+    assert "view" in errs["view"] and "stage 0" in errs["view"]
+    assert "even number of ranks" in run_distributed(_odd_dualpipe, 3, timeout=60)[0]
+
+
+def _stalled_neighbour(rank: int, world: int) -> str:
+    pipe = Pipeline([ToyStage(5, 5)], "1f1b", p2p_timeout=3.0)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    if rank == 1:
+        time.sleep(6)  # never runs its part of the step: rank 0 must time out, not hang
+        return "stalled"
+    try:
+        pipe.step(x, num_chunks=4, criterion=criterion, labels=(None,))
+    except P2PTimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _disagreeing_neighbours(rank: int, world: int) -> str:
+    pipe = DualPipeV((ToyStage(5, 5), ToyStage(5, 5)), p2p_timeout=20.0)
+    x = torch.randn(24, 5, dtype=torch.float64)
+    try:
+        pipe.step(x, num_chunks=4 if rank == 0 else 6, criterion=criterion, labels=(x,))
+    except (P2PMismatchError, P2PTimeoutError) as exc:
+        return type(exc).__name__ + ": " + str(exc)
+    return "no error"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_stalled_or_disagreeing_neighbour_raises_instead_of_hanging():
+    msg = run_distributed(_stalled_neighbour, 2, timeout=60)[0]
+    assert "rank 0" in msg and "from rank 1" in msg and "0B0" in msg, msg
+    msgs = run_distributed(_disagreeing_neighbours, 2, timeout=60)
+    assert any("P2PMismatchError" in m for m in msgs), msgs
