@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The one script a GPU session runs, from the repo root:   bash benchmarks/gpu_check.sh [OUTDIR]
+#
+# Steps, in order, each with its own timeout, each logged, a failure never stops the next one:
+#   env      nvidia-smi, python / torch / triton versions, what accel detects (backend, device, spec)
+#   pytest   pytest -m gpu over tests/
+#   verify   python -m recipes.verify_kernels --bench-shapes --json OUTDIR/verify_kernels.json (strict)
+#   <area>   every benchmarks/gpu_check.d/<area>.sh (written per area; header line "# timeout: SECONDS")
+# then a summary (OUTDIR/summary.txt). Installs nothing: it uses the python that already has torch
+# ($PY, else .venv/bin/python, else python3) with the checkout on PYTHONPATH.
+#
+# OUTDIR defaults to $OUT when set, else ./gpu_results. Files there: summary.txt, gpu_check.log (all
+# output), verify_kernels.json, and steps/<step>.log plus steps/<area>/ (each area script gets that
+# folder as $GPU_CHECK_OUT). When OUTDIR is $OUT (the device tool brings back at most 8 files),
+# steps/ is packed into steps.tar.gz.
+#
+# Knobs: GPU_CHECK_BUDGET (total seconds, default 540: the whole run fits ~9 minutes; a step gets at
+# most what is left, and is skipped with under 20 s left), GPU_CHECK_STEPS (space-separated step
+# names to run, default all), GPU_CHECK_D (the area-script folder), GPU_CHECK_PACK (1/0).
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+OUTDIR="${1:-${OUT:-$REPO/gpu_results}}"
+mkdir -p "$OUTDIR/steps"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+ALL="$OUTDIR/gpu_check.log"
+SUMMARY="$OUTDIR/summary.txt"
+: >"$ALL"
+: >"$SUMMARY"
+BUDGET="${GPU_CHECK_BUDGET:-540}"
+AREA_DIR="${GPU_CHECK_D:-$REPO/benchmarks/gpu_check.d}"
+ONLY="${GPU_CHECK_STEPS:-}"
+START=$SECONDS
+FAILED=0
+
+if [[ -z "${PY:-}" ]]; then
+    if [[ -x "$REPO/.venv/bin/python" ]] && "$REPO/.venv/bin/python" -c "import torch" 2>/dev/null; then
+        PY="$REPO/.venv/bin/python"
+    else
+        PY=python3
+    fi
+fi
+export PY REPO OUTDIR
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# Real kernels on the GPU: tests/conftest.py defaults TRITON_INTERPRET to 1 only when it is unset.
+export TRITON_INTERPRET=0
+
+say() { echo "$*" | tee -a "$ALL"; }
+
+wanted() { [[ -z "$ONLY" || " $ONLY " == *" $1 "* ]]; }
+
+# run_step NAME TIMEOUT COMMAND...: run with the smaller of TIMEOUT and the budget left, log, record.
+run_step() {
+    local name="$1" limit="$2"
+    shift 2
+    wanted "$name" || return 0
+    local left=$((BUDGET - (SECONDS - START)))
+    if ((left < 20)); then
+        printf '%-24s %-8s %6s  %s\n' "$name" SKIPPED - "budget of ${BUDGET}s spent" >>"$SUMMARY"
+        say "== $name: skipped, budget of ${BUDGET}s spent"
+        FAILED=1
+        return 0
+    fi
+    ((limit > left)) && limit=$left
+    local log="$OUTDIR/steps/$name.log" t0=$SECONDS rc
+    export GPU_CHECK_OUT="$OUTDIR/steps/$name"
+    mkdir -p "$GPU_CHECK_OUT"
+    say "== $name (timeout ${limit}s): $*"
+    : >"$log"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$ALL" "$log"
+    rc=${PIPESTATUS[0]}
+    rmdir "$GPU_CHECK_OUT" 2>/dev/null  # keep only folders a step wrote into
+    local status=PASS
+    case $rc in
+        0) ;;
+        124 | 137) status=TIMEOUT ;;
+        5) [[ "$name" == pytest ]] && status=NO-TESTS || status=FAIL ;;
+        *) status=FAIL ;;
+    esac
+    [[ $status == PASS || $status == NO-TESTS ]] || FAILED=1
+    printf '%-24s %-8s %5ss  exit %s, log steps/%s.log\n' "$name" "$status" $((SECONDS - t0)) "$rc" "$name" \
+        >>"$SUMMARY"
+    say "== $name: $status (exit $rc, $((SECONDS - t0))s)"
+}
+
+env_report() {
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+        nvidia-smi
+    else
+        echo "nvidia-smi: not found (no NVIDIA driver here)"
+    fi
+    command -v mthreads-gmi >/dev/null && mthreads-gmi
+    "$PY" - <<'EOF'
+import platform, sys
+print("python", sys.version.split()[0], platform.platform())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cuda available", torch.cuda.is_available())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as exc:
+    print("triton: not importable:", exc)
+import accel
+spec = accel.lookup(accel.device_name())
+print("accel: backend", accel.backend(), "| device", accel.default_device(), accel.device_name(),
+      "| capability", accel.device_capability(), "| fp8 native", accel.fp8_native(), "| dist", accel.dist_backend())
+print("accel: spec", spec, "| triton", accel.triton_available(), accel.triton_unavailable_reason() or "")
+EOF
+}
+
+say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, budget ${BUDGET}s"
+
+export -f env_report  # `timeout` runs programs, not shell functions
+run_step env 60 bash -c env_report
+# --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
+run_step pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
+run_step verify 180 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
+    --json "$OUTDIR/verify_kernels.json"
+
+shopt -s nullglob
+for script in "$AREA_DIR"/*.sh; do
+    area="$(basename "$script" .sh)"
+    limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
+    run_step "$area" "${limit:-120}" bash "$script"
+done
+
+pack="${GPU_CHECK_PACK:-}"
+if [[ -z "$pack" ]]; then
+    [[ -n "${OUT:-}" && "$(cd "$OUT" 2>/dev/null && pwd)" == "$OUTDIR" ]] && pack=1 || pack=0
+fi
+if [[ "$pack" == 1 ]]; then
+    tar -C "$OUTDIR" -czf "$OUTDIR/steps.tar.gz" steps && rm -rf "$OUTDIR/steps"
+fi
+
+{
+    echo "== gpu_check summary ($((SECONDS - START))s of ${BUDGET}s budget) =="
+    cat "$SUMMARY"
+    ((FAILED)) && echo "RESULT: FAILED" || echo "RESULT: all steps passed"
+} | tee -a "$ALL"
+exit $FAILED
