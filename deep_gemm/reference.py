@@ -71,10 +71,16 @@ def dequantize(x: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     scale tensor with one row per row of ``x`` is per-row (1x128), one per 128 rows is blocked.
     """
     rows, cols = x.shape[-2:]
-    tr = 1 if sf.shape[-2] == rows else BLOCK
-    tc = 1 if sf.shape[-1] == cols else BLOCK
-    full = sf.repeat_interleave(tr, dim=-2)[..., :rows, :].repeat_interleave(tc, dim=-1)[..., :cols]
-    return x.float() * full
+    s_rows, s_cols = sf.shape[-2:]
+    tr = 1 if s_rows == rows else BLOCK
+    tc = 1 if s_cols == cols else BLOCK
+    xf = x.float()
+    pad_r, pad_c = s_rows * tr - rows, s_cols * tc - cols
+    if pad_r or pad_c:
+        xf = torch.nn.functional.pad(xf, (0, pad_c, 0, pad_r))
+    batch = xf.shape[:-2]
+    tiles = xf.reshape(*batch, s_rows, tr, s_cols, tc) * sf.reshape(*batch, s_rows, 1, s_cols, 1)
+    return tiles.reshape(*batch, s_rows * tr, s_cols * tc)[..., :rows, :cols]
 
 
 # ---------------------------------------------------------------- GEMMs (D = A @ B^T [+ C])

@@ -1,0 +1,159 @@
+"""FP8 training layers: gradients against fp32 Linear, zero-bubble weight-gradient deferral, modules.
+
+Tolerance: calc_diff < 2e-3 against an fp32 nn.Linear for output and every gradient (the issue's
+rule; e4m3 quantization of two operands per GEMM gives ~5e-4 here). The fp8=False path must match
+fp32 autograd to fp32 rounding (1e-10).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accel.wgrad
+import deep_gemm
+from accel import registry
+from deep_gemm import calc_diff
+
+FP8_TOL = 2e-3
+FP32_TOL = 1e-10
+
+
+def _fp32_linear_grads(x, w, b, grad_out):
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    b2 = None if b is None else b.detach().clone().requires_grad_()
+    y = F.linear(x2, w2, b2)
+    y.backward(grad_out)
+    return y, x2.grad, w2.grad, None if b is None else b2.grad
+
+
+@pytest.mark.parametrize("fp8,tol", [(True, FP8_TOL), (False, FP32_TOL)])
+@pytest.mark.parametrize("shape", [(3, 50, 200, 300), (1, 256, 128, 256)])  # (batch, tokens, K, N)
+def test_linear_gradients_match_fp32_linear(fp8, tol, shape):
+    batch, tokens, k, n = shape
+    x = (torch.randn(batch, tokens, k) * torch.exp(torch.randn(batch, tokens, 1))).requires_grad_()
+    w = (torch.randn(n, k) * 0.05).requires_grad_()
+    b = torch.randn(n).requires_grad_()
+    grad_out = torch.randn(batch, tokens, n)
+    y = deep_gemm.linear(x, w, b, fp8=fp8)
+    y.backward(grad_out)
+    y_ref, gx, gw, gb = _fp32_linear_grads(x, w, b, grad_out)
+    assert y.shape == y_ref.shape and y.dtype == torch.float32
+    for got, want in ((y, y_ref), (x.grad, gx), (w.grad, gw), (b.grad, gb)):
+        assert calc_diff(got, want) < tol
+    assert w.grad.dtype == w.dtype
+
+
+def test_bf16_activations_with_fp32_master_weight():
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(128, 256) * 0.05).requires_grad_()
+    y = deep_gemm.linear(x, w, fp8=True)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    _, gx, gw, _ = _fp32_linear_grads(x.float(), w, None, grad_out.float())
+    assert calc_diff(x.grad, gx) < FP8_TOL and calc_diff(w.grad, gw) < FP8_TOL
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_weight_gradient_is_deferred_then_accumulated_like_autograd(fp8):
+    x = torch.randn(40, 128, requires_grad=True)
+    w = torch.randn(96, 128, requires_grad=True)
+    grad_out = torch.randn(40, 96)
+
+    deep_gemm.linear(x, w, fp8=fp8).backward(grad_out)
+    direct = w.grad.clone()
+    w.grad = None
+
+    closures = []
+    with accel.wgrad.collect_into(closures.append):
+        deep_gemm.linear(x, w, fp8=fp8).backward(grad_out)
+    assert w.grad is None and len(closures) == 1  # the input gradient came back; W waits
+    closures[0]()
+    torch.testing.assert_close(w.grad, direct, rtol=0, atol=0)
+    closures[0]()  # a second run accumulates, as a second backward would
+    torch.testing.assert_close(w.grad, 2 * direct, rtol=0, atol=0)
+
+
+def test_fp8_linear_module_is_an_nn_linear_drop_in():
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(256, 128)
+    layer = deep_gemm.Fp8Linear(256, 128)
+    layer.load_state_dict(ref.state_dict())
+    assert isinstance(layer, torch.nn.Linear) and layer.fp8 and "fp8=True" in repr(layer)
+    x = torch.randn(2, 16, 256)
+    assert calc_diff(layer(x), ref(x)) < FP8_TOL
+    layer.fp8 = False
+    torch.testing.assert_close(layer(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_linear_runs_through_triton_kernels():
+    x = torch.randn(64, 128, requires_grad=True)
+    w = (torch.randn(128, 128) * 0.1).requires_grad_()
+    grad_out = torch.randn(64, 128)
+    with registry.force("triton"):
+        deep_gemm.linear(x, w, fp8=True).backward(grad_out)
+        impls = {name: registry.get(f"deep_gemm.{name}").last_impl for name in ("fp8_gemm_nt", "fp8_gemm_nn",
+                                                                                   "fp8_gemm_tn")}
+    assert set(impls.values()) == {"triton"}
+    _, gx, gw, _ = _fp32_linear_grads(x, w, None, grad_out)
+    assert calc_diff(x.grad, gx) < FP8_TOL and calc_diff(w.grad, gw) < FP8_TOL
+
+
+def _grouped_reference(x, w, m_indices, grad_out):
+    """fp32 autograd over explicit per-group slices: out[r] = x[r] @ w[g]^T, padding rows 0."""
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = torch.zeros(x.shape[0], w.shape[1])
+    for g in range(w.shape[0]):
+        rows = (m_indices == g).nonzero().squeeze(1)
+        out = out.index_add(0, rows, x2[rows] @ w2[g].T)
+    out.backward(grad_out)
+    return out, x2.grad, w2.grad
+
+
+@pytest.mark.parametrize("fp8,tol", [(True, FP8_TOL), (False, FP32_TOL)])
+def test_grouped_linear_gradients_and_padding(fp8, tol):
+    sizes, k, n = [100, 0, 150, 20], 200, 160  # K and N not multiples of 128; an empty group
+    m_indices = deep_gemm.grouped.contiguous_layout(sizes, "cpu")
+    # Put group 2 before group 0 so the weight-gradient path must reorder blocks.
+    blocks = m_indices.view(-1, 128)
+    m_indices = torch.cat([blocks[1:3], blocks[0:1], blocks[3:]]).flatten()
+    pad = m_indices < 0
+    x = torch.randn(m_indices.numel(), k)
+    x[pad] = 1e3  # garbage in padding rows must not leak anywhere
+    x.requires_grad_()
+    w = (torch.randn(len(sizes), n, k) * 0.05).requires_grad_()
+    grad_out = torch.randn(m_indices.numel(), n)
+    y = deep_gemm.grouped_linear(x, w, m_indices, fp8=fp8)
+    y.backward(grad_out)
+    y_ref, gx, gw = _grouped_reference(x, w, m_indices, grad_out)
+    assert torch.all(y[pad] == 0) and torch.all(x.grad[pad] == 0)
+    assert torch.all(w.grad[1] == 0)  # the empty group
+    for got, want in ((y, y_ref), (x.grad, gx), (w.grad, gw)):
+        assert calc_diff(got, want) < tol
+
+
+def test_grouped_linear_module_defers_weight_gradient():
+    layer = deep_gemm.GroupedLinear(2, 128, 64, fp8=True)
+    m_indices = deep_gemm.grouped.contiguous_layout([128, 60], "cpu")
+    x = torch.randn(m_indices.numel(), 128)
+    closures = []
+    with accel.wgrad.collect_into(closures.append):
+        layer(x, m_indices).sum().backward()
+    assert layer.weight.grad is None and len(closures) == 1
+    closures[0]()
+    assert layer.weight.grad.shape == (2, 64, 128) and torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: deep_gemm.linear(torch.randn(4, 128), torch.randn(64, 100)), "x's last dim"),
+    (lambda: deep_gemm.linear(torch.randn(4, 128), torch.randn(64, 128), torch.randn(3)), "bias must have shape"),
+    (lambda: deep_gemm.grouped_linear(torch.randn(100, 128), torch.randn(2, 64, 128),
+                                      torch.zeros(100, dtype=torch.int32)), "multiple of 128"),
+    (lambda: deep_gemm.grouped_linear(torch.randn(128, 128), torch.randn(2, 64, 128),
+                                      torch.full((128,), 2, dtype=torch.int32)), r"m_indices must lie in \[-1, 2\)"),
+    (lambda: deep_gemm.grouped_linear(torch.randn(128, 128), torch.randn(2, 64, 128),
+                                      torch.arange(128, dtype=torch.int32) % 2), "one group"),
+])
+def test_layer_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
