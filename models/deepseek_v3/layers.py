@@ -15,35 +15,19 @@ from torch.utils.checkpoint import checkpoint
 
 import deep_gemm
 
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, fp8: bool) -> torch.Tensor:
-    # TODO(deep_gemm landing): drop the fallback once deep_gemm.linear is committed.
-    if hasattr(deep_gemm, "linear"):
-        return deep_gemm.linear(x, weight, fp8=fp8)
-    if fp8:
-        raise NotImplementedError("fp8=True needs deep_gemm.linear")
-    return F.linear(x, weight)
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool = False) -> torch.Tensor:
-    """``deep_gemm.grouped_linear``: row r of x times ``weight[m_indices[r]]^T``; rows with index -1 give 0."""
-    # TODO(deep_gemm landing): drop the fallback once deep_gemm.grouped_linear is committed.
-    if hasattr(deep_gemm, "grouped_linear"):
-        return deep_gemm.grouped_linear(x, weight, m_indices, fp8=fp8)
-    if fp8:
-        raise NotImplementedError("fp8=True needs deep_gemm.grouped_linear")
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    for g in range(weight.shape[0]):
-        idx = (m_indices == g).nonzero().squeeze(1)
-        if idx.numel():
-            out = out.index_copy(0, idx, x[idx] @ weight[g].t())
-    return out
+# The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
+grouped_linear = deep_gemm.grouped_linear
 
 
 def maybe_recompute(fn, *args: torch.Tensor, enabled: bool):
-    """``fn(*args)``, storing only its inputs for backward (recomputed there) when ``enabled`` and grads flow."""
+    """``fn(*args)``, storing only its inputs for backward (recomputed there) when ``enabled`` and grads flow.
+
+    Reentrant checkpointing on purpose: deep_gemm's layers accumulate ``weight.grad`` on the weight
+    they saved for backward, and the non-reentrant variant hands backward a stand-in for it (the
+    weight gradient would be lost). The reentrant one replays a real forward inside backward.
+    """
     if enabled and torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=True)
     return fn(*args)
 
 
@@ -65,24 +49,15 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-class Linear(nn.Module):
-    """``y = x W^T`` through ``deep_gemm.linear`` (bf16/fp32, or block-scaled FP8 when ``fp8``).
+class Linear(deep_gemm.Fp8Linear):
+    """Bias-free ``deep_gemm.Fp8Linear``: bf16/fp32 GEMMs, or block-scaled FP8 ones when ``fp8``.
 
-    The weight is the plain ``[out_features, in_features]`` master weight, as in HF checkpoints.
+    The weight is the plain ``[out_features, in_features]`` master weight, as in HF checkpoints; its
+    gradient is deferred through ``accel.wgrad`` (accumulated into ``weight.grad`` directly).
     """
 
     def __init__(self, in_features: int, out_features: int, fp8: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = _linear(x.reshape(-1, self.in_features), self.weight, self.fp8)
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.fp8}"
+        super().__init__(in_features, out_features, bias=False, fp8=fp8)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.layers import MLP, Linear, RMSNorm
+from models.deepseek_v3.layers import MLP, Linear, RMSNorm, maybe_recompute
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import Experts, Gate, MoE
 from models.deepseek_v3.rope import rope_cos_sin
@@ -45,8 +44,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
-        if self.recompute_block and torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(self._forward, x, cos, sin, cache, start_pos, use_reentrant=False)
+        if self.recompute_block and cache is None:
+            return maybe_recompute(lambda h: self._forward(h, cos, sin, None, start_pos), x, enabled=True)
         return self._forward(x, cos, sin, cache, start_pos)
 
 
