@@ -107,6 +107,8 @@ def _as_float64(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
+    if t.element_size() == 1:  # fp8: go through fp32, the cast every backend implements
+        t = t.to(torch.float32)
     return t.to(torch.float64)
 
 
@@ -225,15 +227,17 @@ def _results_of(op: KernelOp, case: Case, returned: Any) -> dict[str, torch.Tens
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1).view(torch.uint8)
+    """The tensor's bytes, one row per element (any dtype, fp8 included; NaN compares equal to itself)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).view(-1, t.element_size())
 
 
 def _changed_inputs(original: list[tuple[str, torch.Tensor]], after: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of inputs whose bits differ from the original (NaN-aware: equal NaN bits are equal)."""
+    """Inputs whose bits differ from the original, with how many elements changed."""
     changed = []
     for (name, before), (_, now) in zip(original, after):
-        if not torch.equal(_bits(before), _bits(now)):
-            n_changed = int((before.detach() != now.detach()).sum()) if before.numel() else 0
+        b0, b1 = _bits(before), _bits(now)
+        if not torch.equal(b0, b1):
+            n_changed = int((b0 != b1).any(dim=1).sum())
             changed.append(f"{name} ({n_changed} of {before.numel()} elements)")
     return changed
 

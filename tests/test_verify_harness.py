@@ -144,7 +144,8 @@ def test_nan_positions_must_agree(scratch_ops):
 
     same = scratch_ops("nan_same", lambda x: x * 2, lambda x: x + x, case)
     hides_nan = scratch_ops("nan_hidden", lambda x: x * 2, lambda x: torch.nan_to_num(x) * 2, case)
-    assert verify.verify_op(same, seeds=2)[0].passed  # NaN where the reference has NaN is right
+    # NaN where the reference has NaN is right; the NaN inputs also pass the (bitwise) unchanged-input check.
+    assert verify.verify_op(same, seeds=2)[0].passed
     result = verify.verify_op(hides_nan, seeds=1)[0]
     assert not result.passed and result.max_error == math.inf
     assert "NaN/Inf where the kernel has finite values" in result.reason
@@ -253,3 +254,16 @@ def test_report_and_strict_json(toys, tmp_path):
     doc = json.loads(path.read_text(), parse_constant=no_constants)  # no NaN/Infinity literals
     assert doc["passed"] is False and len(doc["results"]) == 4 and doc["context"]["backend"] == "cpu"
     assert doc["results"][2]["max_error"] == "inf"
+
+
+def test_fp8_input_mutation_is_caught(scratch_ops):
+    def case(shape, seed, device):
+        return Case(args=(torch.randn(shape["n"], device=device).to(torch.float8_e4m3fn),))
+
+    def flips_a_bit(x):
+        x.view(torch.uint8)[3] ^= 1  # one mantissa bit of one element
+        return x.float()
+
+    name = scratch_ops("fp8_mutation", lambda x: x.float(), flips_a_bit, case, tolerance=1.0)
+    result = verify.verify_op(name, seeds=1)[0]
+    assert not result.passed and "kernel modified its inputs: x (1 of 8 elements)" in result.reason
