@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--keep-every", type=int, default=0)
     p.add_argument("--fault", action="store_true", help="enable NaN/spike rollback")
@@ -69,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class TinyMLP(nn.Module):
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, dropout: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(IN_DIM, hidden), nn.GELU(), nn.Dropout(0.1), nn.Linear(hidden, CLASSES))
+        self.net = nn.Sequential(nn.Linear(IN_DIM, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, CLASSES))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -88,8 +90,14 @@ def batch_at(seed: int, position: int, global_batch: int, rank: int, world: int,
     return x[rank::world], y[rank::world]
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def _emit(*parts: Any) -> None:
-    print(*parts, flush=True)
+    """One whole line per call, even with the writer thread printing too."""
+    with _EMIT_LOCK:
+        sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+        sys.stdout.flush()
 
 
 def _slow_writer(delay: float):
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     rank = dist.get_rank() if world > 1 else 0
 
     torch.manual_seed(args.seed)
-    model = TinyMLP(args.hidden)
+    model = TinyMLP(args.hidden, args.dropout)
     names = {id(p): n for n, p in model.named_parameters()}
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if world > 1:
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     else:
         opt = local_opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    config = {"seed": args.seed, "hidden": args.hidden, "batch": args.batch, "lr": args.lr}
+    config = {"seed": args.seed, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "dropout": args.dropout}
     data = {"position": 0}
     poison = set(args.poison_batch)
 
