@@ -273,14 +273,22 @@ class ExpertBalancer(nn.Module):
         self.config = config or BalanceConfig()
         self.config.validate_for(num_experts, top_k)
         self.num_experts, self.top_k = num_experts, top_k
-        # counts since the last bias update / since the last metrics collection / since start
-        self.register_buffer("counts_for_update", torch.zeros(num_experts), persistent=False)
-        self.register_buffer("counts_for_metrics", torch.zeros(num_experts), persistent=False)
-        self.register_buffer("counts_total", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
-        self.dropped = 0
+        # Plain tensors, not buffers: never checkpointed, and untouched by meta-device construction
+        # and ``to_empty``; they follow the routing's device on first use (``_counters_on``).
+        self.counts_for_update = torch.zeros(num_experts, device="cpu")  # since the last bias update
+        self.counts_for_metrics = torch.zeros(num_experts, device="cpu")  # since the last metrics collection
+        self.counts_total = torch.zeros(num_experts, dtype=torch.float64, device="cpu")  # since start
+        self.dropped = torch.zeros((), dtype=torch.int64, device="cpu")
         self.assignments = 0
-        self.loss_sums: dict[str, float] = {}
+        self.loss_sums: dict[str, torch.Tensor] = {}
         self.loss_calls = 0
+
+    def _counters_on(self, device: torch.device) -> None:
+        if self.counts_for_update.device != device:
+            self.counts_for_update = torch.zeros(self.num_experts, device=device)
+            self.counts_for_metrics = torch.zeros(self.num_experts, device=device)
+            self.counts_total = torch.zeros(self.num_experts, dtype=torch.float64, device=device)
+            self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
     def selection_mask(self, scores: torch.Tensor) -> torch.Tensor | None:
         """[T, E] bool of experts each token may select (node limit), or None when unrestricted."""
@@ -319,15 +327,17 @@ class ExpertBalancer(nn.Module):
 
     @torch.no_grad()
     def record(self, indices: torch.Tensor, losses: dict[str, torch.Tensor] | None = None) -> None:
-        """Count one forward's assignments (and losses, for logging)."""
-        counts = expert_counts(indices, self.num_experts).to(self.counts_for_update.device)
+        """Count one forward's assignments (and losses, for logging); no host synchronisation."""
+        self._counters_on(indices.device)
+        counts = torch.zeros(self.num_experts, device=indices.device).index_add_(
+            0, indices.reshape(-1).clamp_min(0), (indices.reshape(-1) >= 0).float())
         self.counts_for_update += counts
         self.counts_for_metrics += counts
         self.counts_total += counts.double()
-        self.dropped += int((indices < 0).sum())
+        self.dropped += (indices < 0).sum()
         self.assignments += indices.numel()
         for name, value in (losses or {}).items():
-            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + float(value.detach())
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value.detach().float()
         self.loss_calls += 1
 
     def metrics(self, reset: bool = True) -> dict[str, float | list[float]]:
@@ -339,13 +349,15 @@ class ExpertBalancer(nn.Module):
             "max_vio_global": float(max_violation(self.counts_total)),
             "entropy": float(load_entropy(counts)),
             "dropped": float(self.dropped),
-            "drop_frac": self.dropped / max(self.assignments, 1),
+            "tokens_per_expert_mean": float(counts.mean()),
+            "drop_frac": float(self.dropped) / max(self.assignments, 1),
         }
         for name, total in self.loss_sums.items():
-            out[f"loss_{name}"] = total / max(self.loss_calls, 1)
+            out[f"loss_{name}"] = float(total) / max(self.loss_calls, 1)
         if reset:
             self.counts_for_metrics.zero_()
-            self.dropped = self.assignments = self.loss_calls = 0
+            self.dropped.zero_()
+            self.assignments = self.loss_calls = 0
             self.loss_sums = {}
         return out
 
@@ -363,11 +375,10 @@ def _named_balancers(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertB
 
 
 def _expert_bias(owner: nn.Module) -> torch.Tensor | None:
-    """The aux-loss-free bias of a MoE layer: ``owner.expert_bias`` (property), else ``owner.gate.bias``."""
-    bias = getattr(owner, "expert_bias", None)
-    if bias is None:
-        bias = getattr(getattr(owner, "gate", None), "bias", None)
-    return bias
+    """The aux-loss-free bias of a MoE layer: its gate's ``e_score_correction_bias`` (HF name) or ``bias``."""
+    gate = getattr(owner, "gate", None)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    return getattr(gate, "bias", None) if bias is None else bias
 
 
 @torch.no_grad()
@@ -401,7 +412,7 @@ def update_expert_biases(model: nn.Module, gamma: float, recenter: bool = False,
             raise ValueError(f"update_expert_biases: MoE layer {name or '<root>'!r} has no aux-loss-free bias "
                              f"(strategy={balancer.config.strategy!r}); use a strategy with 'aux_free'")
         targets.append((bias, balancer))
-    counts = torch.stack([b.counts_for_update for _, b in targets])
+    counts = torch.stack([b.counts_for_update.to(bias.device) for bias, b in targets])
     if group is not None:
         dist.all_reduce(counts, group=group)
     for (bias, balancer), layer_counts in zip(targets, counts):

@@ -16,7 +16,7 @@ The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch import nn
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
 from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
 
 
@@ -69,8 +70,8 @@ class Gate(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x ``[T, dim]`` -> ``Routing``."""
+    def forward(self, x: torch.Tensor, selection_mask=None) -> Routing:
+        """x ``[T, dim]`` -> ``Routing``. ``selection_mask(choice) -> [T, E] bool`` limits selection (node limit)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -83,6 +84,9 @@ class Gate(nn.Module):
             kept = group_scores.topk(self.topk_groups, dim=-1).indices
             losing = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
             choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+        allowed = None if selection_mask is None else selection_mask(choice)
+        if allowed is not None:
+            choice = choice.masked_fill(~allowed, float("-inf"))
         indices = choice.topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
@@ -162,10 +166,26 @@ def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tenso
 
 
 class MoE(nn.Module):
-    """DeepSeekMoE layer: routed experts (top-k of ``n_routed_experts``) plus always-on shared experts."""
+    """DeepSeekMoE layer: routed experts (top-k of ``n_routed_experts``) plus always-on shared experts.
 
-    def __init__(self, args: ModelArgs, layer_id: int = 0, expert_ids: range | None = None):
+    ``balance`` (``balancing.BalanceConfig``) picks the balancing strategy; ``self.balancer`` applies
+    it in ``route`` and counts the load. ``ep_group`` shards the routed experts over an
+    expert-parallel group (this rank builds its slice) and replaces permute/unpermute with
+    ``expert_parallel.ExpertParallel``'s asynchronous dispatch/combine, overlapped with the shared experts.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0, expert_ids: range | None = None,
+                 balance: BalanceConfig | None = None, ep_group=None, fp8_dispatch: bool = False):
         super().__init__()
+        self.ep = None
+        if ep_group is not None:
+            from models.deepseek_v3.expert_parallel import ExpertParallel
+
+            self.ep = ExpertParallel(args.n_routed_experts, ep_group, fp8_dispatch=fp8_dispatch)
+            mine = range(self.ep.rank * self.ep.local, (self.ep.rank + 1) * self.ep.local)
+            if expert_ids is not None and expert_ids != mine:
+                raise ValueError(f"MoE: expert_ids={expert_ids} but expert-parallel rank {self.ep.rank} hosts {mine}")
+            expert_ids = mine
         self.layer_id, self.dim = layer_id, args.dim
         recompute_swiglu = args.recomputes("swiglu", layer_id)
         self.gate = Gate(args)
@@ -175,18 +195,31 @@ class MoE(nn.Module):
         self.n_routed_experts = args.n_routed_experts
         self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout() if hasattr(
             deep_gemm, "get_m_alignment_for_contiguous_layout") else 128  # TODO(deep_gemm landing)
+        self.balancer = ExpertBalancer(args.n_routed_experts, args.n_activated_experts, balance)
 
     # ---- the steps --------------------------------------------------------------------------------
-    def route(self, x: torch.Tensor) -> Routing:
-        """x ``[T, dim]`` -> Routing."""
-        return self.gate(x)
+    def route(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
+        """x ``[T, dim]`` -> Routing, after the balancing strategy (capacity drops leave index -1, weight 0).
+
+        seq_len: tokens per sequence (the sequence-wise balance loss); None = one sequence.
+        """
+        routing = self.gate(x, self.balancer.selection_mask)
+        indices, weights = self.balancer(routing.scores, routing.logits, routing.indices, routing.weights, seq_len)
+        return replace(routing, indices=indices, weights=weights)
 
     def permute(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
         """Local (single-rank) dispatch: every chosen expert must live in ``self.experts``."""
         if self.experts.num_experts != self.n_routed_experts:
             raise ValueError(f"MoE.permute: this layer holds experts {self.experts.expert_ids} of "
                              f"{self.n_routed_experts}; tokens must be dispatched across expert-parallel ranks")
-        return permute(x, routing.indices, self.n_routed_experts, self.m_alignment)
+        if self.balancer.config.capacity_factor is None:
+            return permute(x, routing.indices, self.n_routed_experts, self.m_alignment)
+        # dropped assignments (-1) go to a sentinel group past the real experts, whose rows compute 0
+        dropped = self.n_routed_experts
+        indices = torch.where(routing.indices >= 0, routing.indices, torch.full_like(routing.indices, dropped))
+        x_grouped, m_indices, state = permute(x, indices, self.n_routed_experts + 1, self.m_alignment)
+        m_indices = m_indices.masked_fill(m_indices == dropped, -1)
+        return x_grouped, m_indices, replace(state, tokens_per_expert=state.tokens_per_expert[:dropped])
 
     def unpermute(self, y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
         return unpermute(y_grouped, state, weights)
@@ -198,10 +231,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        routing = self.route(x)
-        x_grouped, m_indices, state = self.permute(x, routing)
-        y = self.unpermute(self.experts(x_grouped, m_indices), state, routing.weights)
-        z = self.shared(x)
+        routing = self.route(x, seq_len=shape[-2] if len(shape) == 3 else None)
+        if self.ep is None:
+            x_grouped, m_indices, state = self.permute(x, routing)
+            y = self.unpermute(self.experts(x_grouped, m_indices), state, routing.weights)
+            z = self.shared(x)
+        else:
+            handle = self.ep.dispatch(x, routing.indices)
+            z = self.shared(x)  # overlaps the token all-to-all
+            d = handle.wait()
+            y = self.ep.combine(self.experts(d.x_grouped, d.m_indices), d, routing.weights).wait()
         if z is not None:
             y = y + z
         return y.view(shape)

@@ -1,0 +1,239 @@
+"""Expert parallelism over a torch.distributed group: asynchronous all-to-all token dispatch and combine.
+
+One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` holding the block
+``[r * local, (r + 1) * local)``. A forward is::
+
+    handle = ep.dispatch(x, indices)          # counts exchanged, then tokens in flight
+    ...                                       # other compute (another micro-batch) overlaps here
+    d = handle.wait()                         # d.x_grouped / d.m_indices: deep_gemm contiguous layout
+    y_grouped = experts(d.x_grouped, d.m_indices)
+    handle = ep.combine(y_grouped, d, weights)
+    ...                                       # overlap again
+    y = handle.wait()                         # [T, dim], weighted sum over the top-k in token order
+
+- Variable splits: each rank first learns, with one small ``all_to_all_single`` of per-expert
+  counts, how many rows it will receive from every peer for every local expert; the token
+  all-to-all is then launched with ``async_op=True``.
+- Layout: the sender sorts its (token, expert) assignments by expert (``moe.permute`` with
+  alignment 1), so every peer's rows are one contiguous slice; the receiver regroups rows
+  ``[source][expert]`` into ``[expert][source]`` blocks padded to
+  ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows with pad rows indexed -1 (``moe.permute``
+  again), and ``combine`` undoes both.
+- Autograd: dispatch and combine are differentiable; the backward of each is the reverse
+  all-to-all (run synchronously inside autograd). The routing weights never travel: the weighted
+  sum happens on the token's own rank, so their gradient is local.
+- FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
+  packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
+  stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
+- Dropped assignments (index -1, capacity factor) are never sent.
+- Redundant experts (EPLB): with a ``phy2log`` plan, assignment (t, j) to logical expert ``e``
+  goes to replica ``t % logcnt[e]`` of ``e``, spreading a hot expert's tokens over its copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+import deep_gemm
+from models.deepseek_v3.moe import PermuteState, permute, unpermute
+
+T = TypeVar("T")
+
+
+class CommHandle(Generic[T]):
+    """A communication in flight. ``wait()`` blocks until it lands and returns the finished result (once)."""
+
+    def __init__(self, works: list, finish: Callable[[], T]) -> None:
+        self._works, self._finish = works, finish
+        self._result: T | None = None
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works if not isinstance(w, torch.Tensor))
+
+    def wait(self) -> T:
+        if not self._done:
+            for w in self._works:
+                if not isinstance(w, torch.Tensor):  # tensors ride along only to stay alive
+                    w.wait()
+            self._result = self._finish()
+            self._done = True
+            self._works = []
+        return self._result  # type: ignore[return-value]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` launched asynchronously; backward is the reverse exchange (blocking).
+
+    The output is handed back while the exchange may still be running: read it only after the
+    handle's ``wait()``. ``send_bytes`` (optional) is what actually travels (the FP8 path); it is
+    exchanged into ``recv_bytes`` and ``out`` is filled from it by the caller after the wait.
+    """
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes):
+        ctx.splits, ctx.group, ctx.rows_in = (out_splits, in_splits), group, x.shape[0]
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        send, recv = (x.contiguous(), out) if send_bytes is None else (send_bytes, recv_bytes)
+        works.append(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True))
+        works.append(send)  # the buffer being sent must outlive the exchange: the handle holds it
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty(ctx.rows_in, *grad_out.shape[1:])
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None, None, None, None
+
+
+def _pack_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Rows as bytes: e4m3 values then the fp32 1x128 scales (one buffer, one all-to-all)."""
+    x_fp8, scales = deep_gemm.per_token_cast_to_fp8(x.detach())
+    return torch.cat([x_fp8.view(torch.uint8), scales.float().contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack_fp8(packed: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    x_fp8 = packed[:, :dim].contiguous().view(torch.float8_e4m3fn)
+    scales = packed[:, dim:].contiguous().view(torch.float32)
+    full = scales.repeat_interleave(128, dim=1)[:, :dim]
+    return (x_fp8.float() * full).to(dtype)
+
+
+@dataclass
+class Dispatched:
+    """Tokens received by this rank, in the contiguous grouped layout, plus what ``combine`` needs."""
+
+    x_grouped: torch.Tensor  # [M, dim], local experts' blocks padded to the alignment
+    m_indices: torch.Tensor  # [M] int32: local expert of each row, -1 for pad rows
+    tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
+    recv_state: PermuteState  # received rows <-> grouped rows
+    send_state: PermuteState  # (token, slot) <-> sent rows (sorted by physical expert)
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    num_sent: int  # assignments that travelled (the rest were dropped)
+
+
+class ExpertParallel:
+    """Dispatch/combine for one MoE layer whose experts are sharded over ``group``.
+
+    num_experts: logical routed experts. phy2log: optional EPLB placement (one layer's
+    ``[num physical]`` row); without it physical expert i is logical expert i.
+    fp8_dispatch: send tokens as e4m3 + 1x128 scales. alignment: rows per grouped-GEMM block
+    (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``).
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, fp8_dispatch: bool = False,
+                 phy2log: torch.Tensor | None = None, alignment: int | None = None) -> None:
+        if not dist.is_initialized():
+            raise ValueError("ExpertParallel needs an initialized torch.distributed process group")
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts = num_experts
+        self.fp8_dispatch = fp8_dispatch
+        self.alignment = alignment or deep_gemm.get_m_alignment_for_contiguous_layout()
+        self.set_plan(phy2log)
+
+    def set_plan(self, phy2log: torch.Tensor | None) -> None:
+        """Use a new EPLB placement from the next dispatch on (the weights must have moved with it)."""
+        if phy2log is None:
+            phy2log = torch.arange(self.num_experts)
+        phy2log = torch.as_tensor(phy2log, dtype=torch.int64).cpu().reshape(-1)
+        num_physical = phy2log.numel()
+        if num_physical % self.world:
+            raise ValueError(f"ExpertParallel: {num_physical} (physical) experts are not divisible by the "
+                             f"expert-parallel size {self.world}")
+        if num_physical < self.num_experts or torch.bincount(phy2log, minlength=self.num_experts).min() < 1:
+            raise ValueError(f"ExpertParallel: phy2log must host each of the {self.num_experts} logical experts")
+        self.num_physical, self.local = num_physical, num_physical // self.world
+        self.phy2log = phy2log
+        self.local_logical = phy2log[self.rank * self.local:(self.rank + 1) * self.local]
+        self.logcnt = torch.bincount(phy2log, minlength=self.num_experts)
+        # replicas of each logical expert in physical order: first[e] + j -> physical slot
+        order = torch.sort(phy2log, stable=True).indices
+        self._replica_slots = order
+        self._first_replica = torch.cumsum(self.logcnt, 0) - self.logcnt
+
+    def to_physical(self, indices: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots; replica ``t % copies`` for token t; -1 stays -1."""
+        if self.num_physical == self.num_experts and torch.equal(self.phy2log, torch.arange(self.num_experts)):
+            return indices
+        device = indices.device
+        valid = indices >= 0
+        logical = indices.clamp_min(0).cpu()
+        token = torch.arange(indices.shape[0])[:, None].expand_as(logical)
+        replica = token % self.logcnt[logical]
+        phys = self._replica_slots[self._first_replica[logical] + replica]
+        return torch.where(valid, phys.to(device), indices)
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """[num_physical] rows for every physical expert -> [world, local] rows I receive (blocking, small)."""
+        recv = torch.empty(self.world * self.local, dtype=torch.int64)
+        dist.all_to_all_single(recv, send_counts.to(torch.int64).cpu().contiguous(), group=self.group)
+        return recv.view(self.world, self.local)
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> CommHandle[Dispatched]:
+        """Send every (token, expert) assignment to the rank hosting (a replica of) the expert.
+
+        x [T, dim]; indices [T, k] logical expert ids, -1 = dropped. Returns a handle; its
+        ``wait()`` gives ``Dispatched`` with the received rows in the contiguous grouped layout.
+        """
+        if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
+            raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
+                             f"{tuple(indices.shape)}")
+        if self.fp8_dispatch and x.shape[1] % 128:
+            raise ValueError(f"dispatch: fp8_dispatch needs dim divisible by 128 (1x128 scales), got {x.shape[1]}")
+        phys = self.to_physical(indices)
+        dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
+        phys = torch.where(phys >= 0, phys, torch.full_like(phys, dropped))
+        rows, _, send_state = permute(x, phys, self.num_physical + 1, alignment=1)
+        send_counts = send_state.tokens_per_expert[:self.num_physical]
+        num_sent = int(send_counts.sum())
+        send_splits = send_counts.view(self.world, self.local).sum(1).tolist()
+        recv_counts = self._exchange_counts(send_counts)
+        recv_splits = recv_counts.sum(1).tolist()
+        total = sum(recv_splits)
+        works: list = []
+        send_rows = rows[:num_sent]
+        if self.fp8_dispatch:
+            packed = _pack_fp8(send_rows)
+            recv_bytes = packed.new_empty(total, packed.shape[1])
+            received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes)
+        else:
+            recv_bytes = None
+            received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, None, None)
+
+        def finish() -> Dispatched:
+            if recv_bytes is not None:
+                with torch.no_grad():
+                    received.copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
+            local_expert = torch.arange(self.local, device=x.device).repeat(self.world)
+            row_expert = local_expert.repeat_interleave(recv_counts.flatten().to(x.device))
+            x_grouped, m_indices, recv_state = permute(received, row_expert[:, None], self.local, self.alignment)
+            return Dispatched(x_grouped, m_indices, recv_state.tokens_per_expert, recv_state, send_state,
+                              send_splits, recv_splits, num_sent)
+
+        return CommHandle(works, finish)
+
+    def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
+                weights: torch.Tensor) -> CommHandle[torch.Tensor]:
+        """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j weights[t, j] * y[t, j]``."""
+        recv_state = dispatched.recv_state
+        ones = torch.ones(recv_state.num_tokens, 1, dtype=y_grouped.dtype, device=y_grouped.device)
+        y_recv = unpermute(y_grouped, recv_state, ones)  # exact: a product with 1.0
+        works: list = []
+        back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
+                               None, None)
+
+        def finish() -> torch.Tensor:
+            state = dispatched.send_state
+            pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
+            rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
+            return unpermute(rows, state, weights)
+
+        return CommHandle(works, finish)

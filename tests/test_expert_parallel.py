@@ -1,0 +1,182 @@
+"""Expert parallelism: an EP run (gloo, EP = 2 and 4) matches the single-process MoE in outputs and gradients.
+
+Reference: the same MoE with every expert in one process, run once per rank's micro-batch (the
+balance losses and capacity are per micro-batch in both), gradients accumulated. Tolerances: the
+EP run multiplies the same fp32 rows by the same weights but in differently sized GEMMs (BLAS
+blocking changes the summation order), so outputs and gradients agree to ~1e-6 relative; we
+allow 1e-5.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deep_gemm
+from models.deepseek_v3.args import PRESETS, ModelArgs
+from models.deepseek_v3.balancing import BalanceConfig, collect_load_metrics, update_expert_biases
+from models.deepseek_v3.expert_parallel import ExpertParallel
+from models.deepseek_v3.moe import MoE
+from tests.dist_utils import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+TOKENS = 12  # per rank: 2 sequences of 6
+
+
+def _args(dim=32, experts=8):
+    return ModelArgs(**{**PRESETS["debug_tiny"], "dim": dim, "n_routed_experts": experts})
+
+
+def _full_moe(args, balance, seed=0):
+    torch.manual_seed(seed)
+    moe = MoE(args, balance=balance)
+    for name, p in moe.named_parameters():
+        torch.nn.init.normal_(p, std=0.5 if name.startswith("gate") else 0.1)  # decisive routing
+    return moe
+
+
+def _inputs(world, dim, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world, 2, TOKENS // 2, dim, generator=g)
+    grad = torch.randn(world, 2, TOKENS // 2, dim, generator=g)
+    return x, grad
+
+
+def _ep_moe(args, balance, full, group, fp8=False):
+    moe = MoE(args, balance=balance, ep_group=group, fp8_dispatch=fp8)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            src = dict(full.named_parameters())[name]
+            p.copy_(src[moe.experts.expert_ids.start:moe.experts.expert_ids.stop] if name.startswith("experts.")
+                    else src)
+    return moe
+
+
+def _grads(moe):
+    return {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
+
+
+def _ep_rank(rank, world, dim, balance_kwargs, fp8):
+    args, balance = _args(dim), BalanceConfig(**balance_kwargs)
+    full = _full_moe(args, balance)
+    moe = _ep_moe(args, balance, full, dist.group.WORLD, fp8)
+    x_all, g_all = _inputs(world, dim)
+    x = x_all[rank].clone().requires_grad_()
+    y = moe(x)
+    (y * g_all[rank]).sum().backward()
+    metrics = collect_load_metrics(moe, reset=False)
+    bias_before = moe.gate.e_score_correction_bias.clone()
+    if balance.uses_bias:
+        update_expert_biases(moe, gamma=0.01, group=dist.group.WORLD)
+    out = dict(y=y.detach(), x_grad=x.grad, grads=_grads(moe), experts=moe.experts.expert_ids, metrics=metrics,
+               bias=moe.gate.e_score_correction_bias - bias_before)
+    if world == 4:  # bad input: 6 experts over 4 ranks
+        try:
+            ExpertParallel(6, dist.group.WORLD)
+        except ValueError as exc:
+            out["error"] = str(exc)
+    return out
+
+
+def _reference(world, dim, balance_kwargs, fp8):
+    args, balance = _args(dim), BalanceConfig(**balance_kwargs)
+    full = _full_moe(args, balance)
+    x_all, g_all = _inputs(world, dim)
+    ys, x_grads = [], []
+    for r in range(world):
+        x = x_all[r].clone().requires_grad_()
+        if fp8:  # the routed experts see the e4m3 round trip of x; gate and shared experts see x itself
+            flat = x.view(-1, dim)
+            routing = full.route(flat, seq_len=TOKENS // 2)
+            q, s = deep_gemm.per_token_cast_to_fp8(flat.detach())
+            deq = q.float() * s.repeat_interleave(128, 1)[:, :dim]
+            x_q = flat + (deq - flat).detach()  # straight-through, as the dispatch's backward
+            xg, mi, state = full.permute(x_q, routing)
+            y = full.unpermute(full.experts(xg, mi), state, routing.weights) + full.shared(flat)
+            y = y.view_as(x)
+        else:
+            y = full(x)
+        (y * g_all[r]).sum().backward()
+        ys.append(y.detach())
+        x_grads.append(x.grad)
+    counts = full.balancer.counts_for_update.clone()
+    return ys, x_grads, _grads(full), counts
+
+
+def _check(world, dim, balance_kwargs, fp8=False):
+    results = run_distributed(_ep_rank, world, dim, balance_kwargs, fp8, timeout=150)
+    ys, x_grads, grads, counts = _reference(world, dim, balance_kwargs, fp8)
+    for r, res in enumerate(results):
+        torch.testing.assert_close(res["y"], ys[r], **TOL)
+        torch.testing.assert_close(res["x_grad"], x_grads[r], **TOL)
+        sl = slice(res["experts"].start, res["experts"].stop)
+        for name in ("experts.w13", "experts.w2"):
+            torch.testing.assert_close(res["grads"][name], grads[name][sl], **TOL)
+    for name, want in grads.items():
+        if not name.startswith("experts."):  # replicated params: ranks' grads sum to the reference
+            torch.testing.assert_close(sum(res["grads"][name] for res in results), want, **TOL)
+    if BalanceConfig(**balance_kwargs).uses_bias:  # bias update saw the global batch on every rank
+        want = 0.01 * torch.sign(counts.mean() - counts)
+        for res in results:
+            torch.testing.assert_close(res["bias"], want)
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_ep2_matches_single_process_with_balance_loss_capacity_and_node_limit():
+    kwargs = dict(strategy="aux_free+seq_aux", alpha=0.1, capacity_factor=1.0, num_nodes=4, max_nodes=2)
+    results = _check(2, 32, kwargs)
+    assert sum(res["metrics"]["moe/root/dropped"] for res in results) > 0  # capacity really dropped tokens
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_ep4_matches_single_process_and_rejects_indivisible_experts():
+    results = _check(4, 32, dict(strategy="aux_free+z_loss"))
+    assert "6 (physical) experts are not divisible by the expert-parallel size 4" in results[0]["error"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_ep2_fp8_dispatch_matches_single_process_on_quantized_tokens():
+    _check(2, 128, dict(strategy="none"), fp8=True)
+
+
+def _redundant_rank(rank, world):
+    torch.manual_seed(0)
+    experts, dim, k = 6, 16, 2
+    weight = torch.randn(experts, dim, dim)
+    phy2log = torch.tensor([0, 1, 2, 0, 5, 3, 4, 5, 0, 1])  # expert 0 three copies, 1 and 5 two
+    ep = ExpertParallel(experts, dist.group.WORLD, phy2log=phy2log)
+    w = weight.clone().requires_grad_()
+    local = w[ep.local_logical]  # this rank's physical experts, views of the logical weights
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(10, dim, generator=g, requires_grad=True)
+    indices = torch.stack([torch.zeros(10, dtype=torch.long), torch.randint(1, experts, (10,), generator=g)], 1)
+    gates = torch.rand(10, k, generator=g)
+    handle = ep.dispatch(x, indices)
+    d = handle.wait()
+    rows = d.m_indices.long()
+    y_grouped = torch.einsum("md,mod->mo", d.x_grouped, local[rows.clamp_min(0)]) * (rows >= 0)[:, None]
+    y = ep.combine(y_grouped, d, gates).wait()
+    y.square().sum().backward()
+    return dict(x=x.detach(), idx=indices, gates=gates, y=y.detach(), w_grad=w.grad, x_grad=x.grad,
+                rows_per_slot=d.tokens_per_expert, local_logical=ep.local_logical)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_redundant_experts_spread_tokens_over_replicas_and_match_reference():
+    results = run_distributed(_redundant_rank, 2, timeout=120)
+    torch.manual_seed(0)
+    weight = torch.randn(6, 16, 16).requires_grad_()
+    for res in results:
+        x = res["x"].clone().requires_grad_()
+        y = (res["gates"][..., None] * torch.einsum("td,tkod->tko", x, weight[res["idx"]])).sum(1)
+        y.square().sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), **TOL)
+        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
+    torch.testing.assert_close(results[0]["w_grad"] + results[1]["w_grad"], weight.grad, **TOL)
+    # every token picks expert 0: each of its three replicas (slots 0, 3, 8) must receive rows
+    slots0 = [res["rows_per_slot"][res["local_logical"] == 0] for res in results]
+    assert sum(int((s > 0).sum()) for s in slots0) == 3
