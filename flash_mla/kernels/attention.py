@@ -43,17 +43,21 @@ def _load_rows(ptr, rows, row_ok, stride_t, cols, col_ok, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _sequence_of_program(CU, H):
+    """(head, first token, length) of the sequence this program's axis-1 index (batch x heads) covers."""
+    bh = tl.program_id(1)
+    start = tl.load(CU + bh // H)
+    return bh % H, start, tl.load(CU + bh // H + 1) - start
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale_log2,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 stride_lh, H, DQK, DV,
                 CAUSAL: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr,
                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start = tl.load(CU + b)
-    length = tl.load(CU + b + 1) - start
+    h, start, length = _sequence_of_program(CU, H)
     if pid_m * BLOCK_M >= length:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,11 +110,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, CU, sm_scale, qk_scale_lo
                      CAUSAL: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start = tl.load(CU + b)
-    length = tl.load(CU + b + 1) - start
+    h, start, length = _sequence_of_program(CU, H)
     if pid_n * BLOCK_N >= length:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,11 +168,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sm_scale, qk_scale_log2,
                    CAUSAL: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DV: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start = tl.load(CU + b)
-    length = tl.load(CU + b + 1) - start
+    h, start, length = _sequence_of_program(CU, H)
     if pid_m * BLOCK_M >= length:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
