@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from accel.backend import backend as _current_backend
 from accel.backend import default_device, triton_interpreted
 
 IMPL_ENV = "DSV3_KERNEL_IMPL"
@@ -75,6 +76,7 @@ class VerifySpec:
     compare(got, want) -> {name: (error, tolerance)} over the named result tensors; the default
     is calc_diff per tensor against ``tolerance`` with equal NaN/Inf positions.
     flops(shape) / bytes_moved(shape): for TFLOP/s and GB/s columns.
+    fp8: the op's FLOPs run on FP8 tensor cores, so its roofline uses the device's FP8 peak.
     """
 
     make_case: Callable[[dict, int, torch.device], Case]
@@ -84,6 +86,7 @@ class VerifySpec:
     compare: Callable[[dict, dict], dict[str, tuple[float, float]]] | None = None
     flops: Callable[[dict], float] | None = None
     bytes_moved: Callable[[dict], float] | None = None
+    fp8: bool = False
 
 
 _reference_calls: Counter[str] = Counter()
@@ -203,7 +206,9 @@ class KernelOp:
         self.last_impl, self.last_reason = impl, reason
         if (impl, reason) not in self._logged:
             self._logged.add((impl, reason))
-            log.info("kernel %s -> %s%s", self.name, impl, f" ({reason})" if reason else "")
+            # A fall-back on a GPU costs real speed: warn. On the cpu it is the normal development path.
+            level = logging.WARNING if reason and _current_backend() != "cpu" else logging.INFO
+            log.log(level, "kernel %s -> %s%s", self.name, impl, f" ({reason})" if reason else "")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         impl, reason = self.resolve(_first_device(args) or _first_device(kwargs))

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from accel import registry
-from accel.backend import backend, default_device, synchronize
+from accel import registry, specs
+from accel.backend import backend, default_device, device_name, synchronize
 from accel.registry import Case, KernelOp
 from accel.report import CPU_TIMING_NOTE, context, format_table
 from accel.timing import do_bench
@@ -70,6 +70,7 @@ class Result:
     speedup: float | None = None
     tflops: float | None = None
     gbps: float | None = None
+    peak_pct: float | None = None  # the nearer roofline: max(TFLOP/s / peak, GB/s / peak) x 100
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings 'nan' / 'inf' / '-inf'."""
@@ -375,6 +376,22 @@ def _time(op: KernelOp, shape: dict, run: _Run, result: Result, bench_kwargs: di
             result.tflops = spec.flops(dict(shape)) / seconds / 1e12
         if spec.bytes_moved is not None:
             result.gbps = spec.bytes_moved(dict(shape)) / seconds / 1e9
+        result.peak_pct = peak_percent(result.tflops, result.gbps, fp8=spec.fp8)
+
+
+def peak_percent(tflops: float | None, gbps: float | None, fp8: bool = False,
+                 device: str | None = None) -> float | None:
+    """Percent of the device's nearer roofline (compute or memory), None for an unknown device (cpu)."""
+    peak = specs.lookup(device or device_name())
+    if peak is None:
+        return None
+    fractions = []
+    flops_peak = peak.fp8_tflops if fp8 and peak.fp8_tflops else peak.bf16_tflops
+    if tflops is not None:
+        fractions.append(tflops / flops_peak)
+    if gbps is not None:
+        fractions.append(gbps / peak.memory_gbps)
+    return 100 * max(fractions) if fractions else None
 
 
 def verify_op(name: str, shapes: Sequence[dict] | None = None, seeds: int | Sequence[int] = 5, *,
@@ -464,6 +481,7 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
             "tol": max(tolerances) if tolerances else None,
             "kernel_ms": timed and timed.kernel_ms, "ref_ms": timed and timed.reference_ms,
             "speedup": timed and timed.speedup, "TFLOP/s": timed and timed.tflops, "GB/s": timed and timed.gbps,
+            "%peak": timed and timed.peak_pct,
             "result": "PASS" if all(r.passed for r in rs) else "FAIL",
         })
     return rows

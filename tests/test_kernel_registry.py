@@ -66,6 +66,16 @@ def test_fallback_without_interpreter_is_logged_once(auto, caplog):
     assert registry.report(torch.device("cpu"))[OP]["impl"] == "reference"
 
 
+def test_fallback_on_a_gpu_is_a_warning(auto, caplog):
+    monkeypatch, op = auto
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(registry, "_current_backend", lambda: "cuda")  # cpu tensors on a GPU machine
+    with caplog.at_level(logging.INFO, logger="accel.kernels"):
+        op(*_inputs())
+    [record] = [r for r in caplog.records if OP in r.getMessage()]
+    assert record.levelno == logging.WARNING and "-> reference" in record.getMessage()
+
+
 def test_strict_mode_without_interpreter_errors(auto):
     monkeypatch, op = auto
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -267,3 +267,12 @@ def test_fp8_input_mutation_is_caught(scratch_ops):
     name = scratch_ops("fp8_mutation", lambda x: x.float(), flips_a_bit, case, tolerance=1.0)
     result = verify.verify_op(name, seeds=1)[0]
     assert not result.passed and "kernel modified its inputs: x (1 of 8 elements)" in result.reason
+
+
+def test_peak_percent_uses_the_nearer_roofline():
+    h100 = "NVIDIA H100 80GB HBM3"  # 989 bf16 / 1979 fp8 TFLOP/s, 3350 GB/s
+    assert verify.peak_percent(494.5, None, device=h100) == pytest.approx(50.0)
+    assert verify.peak_percent(494.75, None, fp8=True, device=h100) == pytest.approx(25.0)
+    assert verify.peak_percent(98.9, 2680.0, device=h100) == pytest.approx(80.0)  # memory-bound: 80% of HBM
+    assert verify.peak_percent(1.0, 1.0, device="cpu") is None
+    assert verify.peak_percent(None, None, device=h100) is None
