@@ -60,7 +60,8 @@ class DualPipe(Pipeline):
         mine = [_flat_grads(self.module[0]), _flat_grads(self.module[1])]
         theirs = [torch.empty_like(mine[0]), torch.empty_like(mine[1])]
         # we send our copy of part PP-1-r (module[1]) and receive the partner's copy of part r (its module[1])
-        ops = [dist.P2POp(dist.isend, mine[1], partner, self.group), dist.P2POp(dist.isend, mine[0], partner, self.group),
+        ops = [dist.P2POp(dist.isend, mine[1], partner, self.group),
+               dist.P2POp(dist.isend, mine[0], partner, self.group),
                dist.P2POp(dist.irecv, theirs[0], partner, self.group),
                dist.P2POp(dist.irecv, theirs[1], partner, self.group)]
         for w in dist.batch_isend_irecv(ops):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dualpipe.ir import Action, Item, Message, Overlap, Schedule, comm_plan
+from dualpipe.ir import Item, Message, Overlap, Schedule, comm_plan
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 progress = True
     stuck = [r for r, items in enumerate(schedule.actions) if pos[r] < len(items)]
     if stuck:
-        raise DeadlockError("simulation stuck: " + "; ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in stuck))
+        where = "; ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in stuck)
+        raise DeadlockError(f"simulation stuck: {where}")
     return result
-
-
-def per_action_costs(kind: str, costs: Costs) -> float:
-    """Duration of a single action kind (F/B/I/W) under ``costs``."""
-    return costs.of(Action(kind, 0, 0))

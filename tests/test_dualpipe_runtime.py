@@ -159,12 +159,13 @@ def _all_schedules(rank: int, world: int) -> dict:
         out[name] = _check_schedule(rank, world, name, 2 * world + 2, seed=10 * world + i)
     if world > 1:
         out["dualpipev-overlap"] = _check_schedule(rank, world, "dualpipev", 2 * world + 2, 99, OverlapStage)
-    return out
+    extras = {1: _bad_inputs, 2: _two_pipelines, 4: _odd_dualpipe}
+    return {"schedules": out, "extra": extras[world](rank, world)}
 
 
 def _assert_results(results: list[dict], world: int) -> None:
     for rank, per in enumerate(results):
-        for name, r in per.items():
+        for name, r in per["schedules"].items():
             where = f"{name} rank {rank}/{world}"
             assert r["loss_equal"], f"{where}: per-micro-batch losses differ from the single-process run"
             assert r["grad_diff"] < GRAD_TOL, f"{where}: gradient calc_diff {r['grad_diff']:.3g}"
@@ -184,7 +185,24 @@ def _assert_results(results: list[dict], world: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_every_schedule_matches_single_process(world):
-    _assert_results(run_distributed(_all_schedules, world, timeout=110), world)
+    """Also, in the same processes: bad input (1 rank), two pipelines and rank_mapping (2 ranks),
+    DualPipe on an odd-sized process group (4 ranks)."""
+    results = run_distributed(_all_schedules, world, timeout=110)
+    _assert_results(results, world)
+    extras = [r["extra"] for r in results]
+    if world == 1:
+        errs = extras[0]
+        assert "num_chunks >= 2 x ranks" in errs["too_few"]
+        assert "num_chunks" in errs["zero"] and "int" in errs["float"]
+        assert "even" in errs["dualpipe_odd_chunks"]
+        assert "module" in errs["module_count"]
+        assert "view" in errs["view"] and "stage 0" in errs["view"]
+    if world == 2:
+        for r in extras:
+            assert r["distinct"] and r["b_pending"] == 1 and r["a_pending"] == 0
+            assert r["mapped_loss_equal"] and r["mapped_grad_diff"] < GRAD_TOL
+    if world == 4:
+        assert all("even number of ranks" in e for e in extras[:3]), extras
 
 
 # -- two pipelines, bad input, failures -------------------------------------------------------------------
@@ -194,7 +212,18 @@ def _two_pipelines(rank: int, world: int) -> dict:
     b.store.put(lambda: None)  # B's pending closure must survive A's step untouched
     x, y = make_batch(world, 12, 1)
     a.step(x if rank == 0 else None, num_chunks=4, criterion=criterion, labels=(y if rank == world - 1 else None,))
-    return {"distinct": a.store is not b.store, "b_pending": b.store.pending(), "a_pending": a.store.pending()}
+    out = {"distinct": a.store is not b.store, "b_pending": b.store.pending(), "a_pending": a.store.pending()}
+    # rank_mapping reversed: group rank 0 runs pipeline rank 1 (the last stage)
+    model = make_model(world, 3)
+    ref_loss, _, ref_grads = reference(model, x, y, 4)
+    pp = world - 1 - rank
+    mod = copy.deepcopy(model[pp])
+    mapped = Pipeline([mod], "1f1b", rank_mapping=list(reversed(range(world))))
+    loss, _ = mapped.step(x if pp == 0 else None, num_chunks=4, criterion=criterion,
+                          labels=(y if pp == world - 1 else None,))
+    out["mapped_loss_equal"] = (loss is None) if pp != world - 1 else bool(torch.equal(loss, ref_loss))
+    out["mapped_grad_diff"] = max(calc_diff(p.grad, g) for p, g in zip(mod.parameters(), ref_grads[pp]))
+    return out
 
 
 def _bad_inputs(rank: int, world: int) -> dict:
@@ -226,54 +255,44 @@ def _bad_inputs(rank: int, world: int) -> dict:
 
 
 def _odd_dualpipe(rank: int, world: int) -> str:
+    group = torch.distributed.new_group([0, 1, 2])  # every rank must take part in creating it
+    if rank == 3:
+        return ""
     try:
-        DualPipe((ToyStage(5, 5), ToyStage(5, 5)))
+        DualPipe((ToyStage(5, 5), ToyStage(5, 5)), process_group=group)
     except ValueError as exc:
         return str(exc)
-    return ""
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(90)
-def test_two_pipelines_share_no_state_and_bad_input_is_rejected():
-    for r in run_distributed(_two_pipelines, 2, timeout=60):
-        assert r["distinct"] and r["b_pending"] == 1 and r["a_pending"] == 0
-    errs = run_distributed(_bad_inputs, 1, timeout=60)[0]
-    assert "num_chunks >= 2 x ranks" in errs["too_few"]
-    assert "num_chunks" in errs["zero"] and "int" in errs["float"]
-    assert "even" in errs["dualpipe_odd_chunks"] or "even number of ranks" in errs["dualpipe_odd_chunks"]
-    assert "module" in errs["module_count"]
-    assert "view" in errs["view"] and "stage 0" in errs["view"]
-    assert "even number of ranks" in run_distributed(_odd_dualpipe, 3, timeout=60)[0]
-
-
-def _stalled_neighbour(rank: int, world: int) -> str:
-    pipe = Pipeline([ToyStage(5, 5)], "1f1b", p2p_timeout=3.0)
-    x = torch.randn(8, 5, dtype=torch.float64)
-    if rank == 1:
-        time.sleep(6)  # never runs its part of the step: rank 0 must time out, not hang
-        return "stalled"
-    try:
-        pipe.step(x, num_chunks=4, criterion=criterion, labels=(None,))
-    except P2PTimeoutError as exc:
-        return str(exc)
     return "no error"
 
 
-def _disagreeing_neighbours(rank: int, world: int) -> str:
-    pipe = DualPipeV((ToyStage(5, 5), ToyStage(5, 5)), p2p_timeout=20.0)
+def _failures(rank: int, world: int) -> dict:
+    """A stalled neighbour, then neighbours that disagree on the schedule, each on its own group
+    (a timed-out group is left with pending receives)."""
+    stall_group, disagree_group = torch.distributed.new_group([0, 1]), torch.distributed.new_group([0, 1])
+    out = {}
+    pipe = Pipeline([ToyStage(5, 5)], "1f1b", process_group=stall_group, p2p_timeout=2.0)
     x = torch.randn(24, 5, dtype=torch.float64)
+    if rank == 1:
+        time.sleep(3)  # never runs its part of the step: rank 0 must time out, not hang
+    else:
+        try:
+            pipe.step(x[:8], num_chunks=4, criterion=criterion, labels=(None,))
+            out["stall"] = "no error"
+        except P2PTimeoutError as exc:
+            out["stall"] = str(exc)
+    pipe = DualPipeV((ToyStage(5, 5), ToyStage(5, 5)), process_group=disagree_group, p2p_timeout=6.0)
     try:
         pipe.step(x, num_chunks=4 if rank == 0 else 6, criterion=criterion, labels=(x,))
+        out["disagree"] = "no error"
     except (P2PMismatchError, P2PTimeoutError) as exc:
-        return type(exc).__name__ + ": " + str(exc)
-    return "no error"
+        out["disagree"] = type(exc).__name__ + ": " + str(exc)
+    return out
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(90)
 def test_stalled_or_disagreeing_neighbour_raises_instead_of_hanging():
-    msg = run_distributed(_stalled_neighbour, 2, timeout=60)[0]
+    res = run_distributed(_failures, 2, timeout=80)
+    msg = res[0]["stall"]
     assert "rank 0" in msg and "from rank 1" in msg and "0B0" in msg, msg
-    msgs = run_distributed(_disagreeing_neighbours, 2, timeout=60)
-    assert any("P2PMismatchError" in m for m in msgs), msgs
+    assert any(r["disagree"].startswith("P2PMismatchError") for r in res), res
