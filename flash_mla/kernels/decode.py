@@ -22,6 +22,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dequant_fp8(x, KS, page_tok_base, col0, n_ok, WIDTH: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """e4m3 tile [ROWS, WIDTH] starting at latent column ``col0`` -> bf16 values (fp32 under the interpreter),
+    times its per-token scale of each 128-column tile."""
+    scale = tl.load(KS + page_tok_base[:, None] + col0 // 128 + tl.arange(0, WIDTH // 128)[None, :],
+                    mask=n_ok[:, None], other=0.0)
+    x = tl.reshape(tl.reshape(x.to(tl.float32), (ROWS, WIDTH // 128, 128)) * scale[:, :, None], (ROWS, WIDTH))
+    return round_to_bf16_grid(x) if UPCAST else x.to(tl.bfloat16)  # FlashMLA feeds bf16 MMAs too
+
+
+@triton.jit
 def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
                    stride_qb, stride_qs, stride_qh,
                    stride_kn_blk, stride_kn_tok, stride_kn_h, stride_kr_blk, stride_kr_tok, stride_kr_h,
@@ -30,10 +40,15 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
                    stride_pa_slot, stride_pa_h, stride_pa_row, stride_pl_slot, stride_pl_h,
                    rows, ngroups, s_q, qk_scale_log2,
                    CAUSAL: tl.constexpr, FP8: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr):
-    item = tl.program_id(0)
-    g = tl.program_id(1)
-    tile = tl.program_id(2)
+                   PAGE: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    # axis 0: (row tile, V slice) with the V slice fastest, so the programs sharing a page run together
+    # and the second read of the page comes from L2
+    n_v: tl.constexpr = D_NOPE // BLOCK_V
+    v_part = tl.program_id(0) % n_v
+    tile = tl.program_id(0) // n_v
+    item = tl.program_id(1)
+    g = tl.program_id(2)
     b = tl.load(META + item * 6)
     first = tl.load(META + item * 6 + 1)
     end = tl.load(META + item * 6 + 2)
@@ -47,6 +62,7 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     head = g * ngroups + offs_r % ngroups
     cols = tl.arange(0, D_NOPE)
     cols_r = tl.arange(0, D_ROPE)
+    cols_v = v_part * BLOCK_V + tl.arange(0, BLOCK_V)
     q_ptr = Q + b * stride_qb + tok * stride_qs + head * stride_qh
     q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
     q_r = tl.load(q_ptr[:, None] + D_NOPE + cols_r[None, :], mask=r_ok[:, None], other=0.0)
@@ -57,22 +73,20 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
-    offs_t = tl.arange(0, BLOCK_N)
-    for blk in range(first, end):
-        page = tl.load(BT + b * stride_bt + blk)
-        offs_n = blk * BLOCK_N + offs_t
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    tiles_per_page: tl.constexpr = PAGE // BLOCK_N
+    for t in range(first * tiles_per_page, end * tiles_per_page):
+        page = tl.load(BT + b * stride_bt + t // tiles_per_page)
+        offs_t = (t % tiles_per_page) * BLOCK_N + tl.arange(0, BLOCK_N)  # token slots within the page
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # token positions within the sequence
         n_ok = offs_n < seqlen
-        k_n = tl.load(KN + page * stride_kn_blk + g * stride_kn_h + offs_t[:, None] * stride_kn_tok + cols[None, :],
-                      mask=n_ok[:, None], other=0.0)
+        kn_rows = KN + page * stride_kn_blk + g * stride_kn_h + offs_t * stride_kn_tok
+        k_n = tl.load(kn_rows[:, None] + cols[None, :], mask=n_ok[:, None], other=0.0)
         k_r = tl.load(KR + page * stride_kr_blk + g * stride_kr_h + offs_t[:, None] * stride_kr_tok
                       + cols_r[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
-            scale = tl.load(KS + page * stride_ks_blk + g * stride_ks_h + offs_t[:, None] * stride_ks_tok
-                            + tl.arange(0, D_NOPE // 128)[None, :], mask=n_ok[:, None], other=0.0)
-            k_n = tl.reshape(tl.reshape(k_n.to(tl.float32), (BLOCK_N, D_NOPE // 128, 128)) * scale[:, :, None],
-                             (BLOCK_N, D_NOPE))
-            k_n = round_to_bf16_grid(k_n) if UPCAST else k_n.to(tl.bfloat16)  # FlashMLA feeds bf16 MMAs
+            scale_rows = page * stride_ks_blk + g * stride_ks_h + offs_t * stride_ks_tok
+            k_n = _dequant_fp8(k_n, KS, scale_rows, 0, n_ok, D_NOPE, BLOCK_N, UPCAST)
         if UPCAST:
             k_n = k_n.to(tl.float32)
             k_r = k_r.to(tl.float32)
@@ -86,7 +100,15 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_n.dtype), k_n)
+        if BLOCK_V == D_NOPE:
+            v = k_n  # V is the latent part of the same cache row
+        else:  # this program's V columns, reloaded (an L1/L2 hit) rather than sliced out of registers
+            v = tl.load(kn_rows[:, None] + cols_v[None, :], mask=n_ok[:, None], other=0.0)
+            if FP8:
+                v = _dequant_fp8(v, KS, scale_rows, v_part * BLOCK_V, n_ok, BLOCK_V, BLOCK_N, UPCAST)
+            if UPCAST:
+                v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     live = l_i > 0
@@ -94,13 +116,15 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     lse = (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453
     if splits == 1:
         o_ptr = OUT + b * stride_ob + tok * stride_os + head * stride_oh
-        tl.store(o_ptr[:, None] + cols[None, :], cast_out(o, OUT.dtype.element_ty, UPCAST), mask=r_ok[:, None])
-        tl.store(LSE + b * stride_lb + head * stride_lh + tok, tl.where(live, lse, float("inf")), mask=r_ok)
+        tl.store(o_ptr[:, None] + cols_v[None, :], cast_out(o, OUT.dtype.element_ty, UPCAST), mask=r_ok[:, None])
+        if v_part == 0:
+            tl.store(LSE + b * stride_lb + head * stride_lh + tok, tl.where(live, lse, float("inf")), mask=r_ok)
     else:
         pa = OACC + slot * stride_pa_slot + g * stride_pa_h + offs_r * stride_pa_row
-        tl.store(pa[:, None] + cols[None, :], o, mask=r_ok[:, None])
-        tl.store(LACC + slot * stride_pl_slot + g * stride_pl_h + offs_r, tl.where(live, lse, float("-inf")),
-                 mask=r_ok)
+        tl.store(pa[:, None] + cols_v[None, :], o, mask=r_ok[:, None])
+        if v_part == 0:
+            tl.store(LACC + slot * stride_pl_slot + g * stride_pl_h + offs_r, tl.where(live, lse, float("-inf")),
+                     mask=r_ok)
 
 
 @triton.jit
@@ -143,16 +167,21 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-_DECODE_CONFIGS = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2), (64, 8, 1)]  # (BLOCK_H, warps, stages)
+# (BLOCK_H, BLOCK_N, BLOCK_V, warps, stages); chosen so that sm90 compiles them without register spills
+_DECODE_CONFIGS = [(16, 64, 512, 4, 2), (32, 32, 256, 4, 2), (64, 32, 256, 8, 2), (64, 64, 256, 8, 2),
+                   (32, 64, 512, 8, 2)]
+# the interpreter runs one config that still exercises sub-page tiles and V slices
+_INTERP_DECODE_CONFIG = [(16, 32, 256, 1, 1)]
 _decode = None
 
 
 def _decode_kernel_tuned():
     global _decode
     if _decode is None:
-        configs = [(16, 1, 1)] if interpreted() else _DECODE_CONFIGS
+        configs = _INTERP_DECODE_CONFIG if interpreted() else _DECODE_CONFIGS
         _decode = triton.autotune(
-            [triton.Config({"BLOCK_H": h}, num_warps=w, num_stages=s) for h, w, s in configs],
+            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v}, num_warps=w, num_stages=s)
+             for h, n, v, w, s in configs],
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
     return _decode
@@ -185,13 +214,13 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     if meta.shape[0]:
         kernel = _decode_kernel_tuned()
-        kernel[lambda m: (meta.shape[0], h_kv, triton.cdiv(rows, m["BLOCK_H"]))](
+        kernel[lambda m: (triton.cdiv(rows, m["BLOCK_H"]) * (D_NOPE // m["BLOCK_V"]), meta.shape[0], h_kv)](
             q, k_nope, k_rope, k_scale, block_table, meta, out, lse, part_out, part_lse,
             q.stride(0), q.stride(1), q.stride(2),
             *k_nope.stride()[:3], *k_rope.stride()[:3], *k_scale.stride()[:3], block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *part_strides,
             rows, ngroups, s_q, scale * LOG2E,
-            CAUSAL=bool(causal), FP8=bool(is_fp8_kvcache), D_NOPE=D_NOPE, D_ROPE=D_ROPE, BLOCK_N=BLOCK_SIZE,
+            CAUSAL=bool(causal), FP8=bool(is_fp8_kvcache), D_NOPE=D_NOPE, D_ROPE=D_ROPE, PAGE=BLOCK_SIZE,
             UPCAST=interpreted(),
         )
     block_r = 16 if interpreted() else 8
