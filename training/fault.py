@@ -170,7 +170,8 @@ class FaultTolerance:
             return
         if self.rank == 0:
             committed = set(self.manager.committed_steps())
-            ready = [c for c in ready if c in committed and c <= (self.manager.latest_step() or -1)]
+            latest = self.manager.latest_step()
+            ready = [c for c in ready if c in committed and latest is not None and c <= latest]
             if not ready:
                 return  # still being written: try again next step
             newest = max(ready)
@@ -188,11 +189,11 @@ class FaultTolerance:
     def check(self, step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None) -> Verdict:
         """Judge step ``step`` on every rank together; a bad verdict carries the rollback target."""
         loss_f = float(loss)
-        grad_f = float(grad_norm) if grad_norm is not None else 0.0
+        grad_f = float(grad_norm) if grad_norm is not None else None
         flags = [0.0, 0.0, 0.0]
         if not math.isfinite(loss_f):
             flags[_NONFINITE_LOSS] = 1.0
-        if not math.isfinite(grad_f):
+        if grad_f is not None and not math.isfinite(grad_f):
             flags[_NONFINITE_GRAD] = 1.0
         if math.isfinite(loss_f) and self.spikes.is_spike(loss_f):
             flags[_SPIKE] = 1.0
@@ -208,7 +209,7 @@ class FaultTolerance:
             return Verdict(ok=True, step=step)
         return self._fault(step, [_REASONS[i] for i in bad], int(agreed[3]), loss_f, grad_f)
 
-    def _fault(self, step: int, reasons: list[str], stable: int, loss: float, grad_norm: float) -> Verdict:
+    def _fault(self, step: int, reasons: list[str], stable: int, loss: float, grad_norm: float | None) -> Verdict:
         reason = " + ".join(reasons)
         self.retries += 1
         entry = {"event": "rollback", "step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm,
