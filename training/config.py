@@ -47,6 +47,7 @@ class RunConfig:
     runs_root: str = "runs"
     sample_prompt: str = "The "  # prompt of the generated sample printed at the end ("" = none)
     sample_tokens: int = 120
+    threads: int = 0  # torch CPU threads per process; 0 = cores / local processes (OMP_NUM_THREADS wins)
     timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
 
 
@@ -301,24 +302,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 # ---- validation ----------------------------------------------------------------------------
 
 def min_microbatches(par: ParallelConfig) -> int:
-    """The fewest micro-batches per step the schedule accepts (DualPipe README / ZB paper rules)."""
-    if par.schedule in ("dualpipe", "dualpipev"):
-        return 2 * par.pp
-    if par.schedule == "zbv":
-        return 2 * par.pp
-    if par.schedule in ("1f1b", "zb1p"):
-        return par.pp
-    return 1
+    """The fewest micro-batches per step the schedule accepts (DualPipe README rules)."""
+    return 2 * par.pp if par.schedule in ("dualpipe", "dualpipev") else 1
 
 
 def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None:
     """ValueError unless ``num_chunks`` micro-batches suit the schedule (``where`` names the source)."""
-    need = min_microbatches(par)
-    if num_chunks < need:
-        raise ValueError(f"{where}: {num_chunks} micro-batches per step, but schedule '{par.schedule}' with "
-                         f"pp={par.pp} needs at least {need}; raise data.global_batch or lower data.micro_batch")
-    if par.schedule == "dualpipe" and num_chunks % 2:
-        raise ValueError(f"{where}: schedule 'dualpipe' needs an even number of micro-batches, got {num_chunks}")
+    if par.schedule == "none":
+        return
+    from dualpipe.schedules import check_sizes
+
+    try:
+        check_sizes(par.schedule, par.pp, num_chunks)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {num_chunks} micro-batches per step (global_batch / (dp x micro_batch)) do not "
+                         f"suit parallel.schedule={par.schedule!r} with parallel.pp={par.pp}: {exc}; change "
+                         "data.global_batch or data.micro_batch") from None
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -393,8 +392,8 @@ _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample
                   "logging": "*", "checkpoint": "*", "fault": "*"}
 
 
-def config_hash(cfg: TrainConfig) -> str:
-    """SHA-256 (16 hex digits) of the settings that change the numerics (not logging, not steps)."""
+def numerics_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config without the keys a resume may change (logging, checkpointing, steps, names)."""
     table = cfg.to_dict()
     for section, keys in _HASH_EXCLUDED.items():
         if keys == "*":
@@ -402,7 +401,12 @@ def config_hash(cfg: TrainConfig) -> str:
         else:
             for k in keys:
                 table[section].pop(k, None)
-    blob = json.dumps(table, sort_keys=True, default=str).encode()
+    return table
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """SHA-256 (16 hex digits) of the settings that change the numerics (not logging, not steps)."""
+    blob = json.dumps(numerics_dict(cfg), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -425,6 +429,6 @@ def dump_toml(table: dict[str, Any]) -> str:
     lines = []
     for section, values in table.items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]  # None = default
         lines.append("")
     return "\n".join(lines)

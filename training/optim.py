@@ -77,9 +77,19 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
+    @torch.no_grad()
     def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        """Zero every gradient in place, allocating it first if needed.
+
+        Gradients always exist as ordinary tensors, so layers that accumulate deferred weight
+        gradients themselves (``accel.wgrad`` W passes run outside autograd) add into them in
+        place instead of installing a view made inside a backward pass.
+        """
+        for p in self.dense_params + self.expert_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -154,7 +164,7 @@ def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_gr
                      dp_size: int) -> None:
     """Average dense gradients over dp; sum expert gradients over edp and divide by dp."""
     for p in opt.dense_params + opt.expert_params:
-        if p.grad is None:  # a parameter this step never reached (e.g. an expert no token chose)
+        if p.grad is None:  # a parameter this step never reached
             p.grad = torch.zeros_like(p)
     _flat_all_reduce(opt.dense_params, dp_group, 1.0 / dp_size)
     _flat_all_reduce(opt.expert_params, edp_group, 1.0 / dp_size)

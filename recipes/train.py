@@ -1,0 +1,83 @@
+"""Train DeepSeek-V3 from a TOML config: ``python -m recipes.train --config FILE [options]``.
+
+    python -m recipes.train --config recipes/configs/tiny_cpu.toml            # the demo (4 CPU processes)
+    python -m recipes.train --config recipes/configs/tiny_cpu.toml --nproc 1 --set parallel.pp=1 ...
+    torchrun --nproc-per-node 8 -m recipes.train --config recipes/configs/debug_gpu.toml
+    python -m recipes.train --config recipes/configs/deepseek_v3_671b.toml --dry-run
+
+Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches through
+``torch.distributed.run`` on this machine. The config, the world size, the data files and the
+corpus size are checked before any process starts. The run folder (``--run-dir``, default
+``runs/<name>-<time>``) gets the resolved config, ``metrics.jsonl``, ``loss.png``, ``summary.json``,
+wandb files and ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from training.config import check_world_size, load_config
+from training.launch import relaunch, strip_option, under_torchrun
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
+    ap.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: run.nproc)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>)")
+    ap.add_argument("--resume", default=None, help="'auto' (newest valid checkpoint of the run folder) or a path")
+    ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
+    ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
+                    help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
+    return ap.parse_args(argv)
+
+
+def dry_run(cfg, world: int) -> None:
+    from training.memory import estimate, format_estimate
+    from training.parallel import describe
+    from training.trainer import model_args
+
+    check_world_size(cfg.parallel, world)
+    args = model_args(cfg)
+    print(describe(cfg.parallel))
+    print(f"micro-batches per step: {cfg.microbatches_at(0)} at step 0, {cfg.microbatches_at(cfg.run.steps - 1)} "
+          f"at the end (global batch {cfg.global_batch_at(0)} -> {cfg.global_batch_at(cfg.run.steps - 1)} sequences "
+          f"of {cfg.data.seq_len} tokens)")
+    print(format_estimate(cfg, args, estimate(cfg, args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
+    try:
+        cfg = load_config(ns.config, ns.overrides)
+        nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
+        if ns.dry_run:
+            dry_run(cfg, nproc)
+            return 0
+        if under_torchrun():
+            from training.run import RunOptions, run_training
+
+            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
+            return 0
+        check_world_size(cfg.parallel, nproc)
+        from training.run import RunOptions, default_run_dir, run_training
+        from training.trainer import check_static
+
+        if nproc == 1:
+            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
+            return 0
+        check_static(cfg)  # data and model errors surface here, before any process starts
+        run_dir = ns.run_dir or str(default_run_dir(cfg))
+        child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
+        return relaunch("recipes.train", nproc, child)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Expert parallelism and load balancing wired into this rank's MoE layers, and their per-step upkeep.
+
+- ``wire_moe_layers``: every MoE layer gets the run's balancing strategy (``[balance]``) and, when
+  ``parallel.ep > 1``, an ``ExpertParallel`` dispatcher over the stage's ``ep`` group (tokens in FP8
+  when the FP8 path is on, as V3 dispatches).
+- ``update_biases``: after each optimizer step, the aux-loss-free biases move by gamma x sign(load
+  error), with the loads summed over the stage's ``dp`` group (every token of the global batch).
+- ``load_metrics``: MaxVio (this step, on the global batch), balance losses, per-layer loads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.deepseek_v3.balancing import ExpertBalancer, collect_load_metrics, max_violation, update_expert_biases
+from models.deepseek_v3.moe import MoE
+from training.config import TrainConfig
+from training.parallel import ParallelState
+
+if TYPE_CHECKING:
+    from training.trainer import Trainer
+
+
+def moe_layers(modules: list[nn.Module]) -> list[MoE]:
+    seen, out = set(), []
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, MoE) and id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out
+
+
+def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState) -> None:
+    balance = cfg.balance.model_config()
+    for moe in moe_layers(stages):
+        moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
+        if cfg.parallel.ep > 1:
+            from models.deepseek_v3.expert_parallel import ExpertParallel
+
+            # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8; needs dim % 128 == 0
+            fp8_dispatch = cfg.model.fp8 and moe.dim % 128 == 0
+            moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=fp8_dispatch)
+
+
+def update_biases(trainer: Trainer, gamma: float) -> None:
+    cfg = trainer.cfg.balance
+    if "aux_free" not in cfg.model_config().parts or not moe_layers(trainer.stages):
+        return
+    update_expert_biases(nn.ModuleList(trainer.stages), gamma, cfg.recenter, group=trainer.ps.group("dp"))
+
+
+def load_metrics(trainer: Trainer) -> dict[str, Any]:
+    """``max_vio`` over the global batch (mean over this rank's layers, then over ranks holding MoE
+    layers), balance losses, and the per-layer loads of this rank (for the JSONL file).
+
+    Collective on every rank (world all-reduce), whether or not it holds MoE layers.
+    """
+    layers = moe_layers(trainer.stages)
+    out: dict[str, Any] = {}
+    vio, weight = 0.0, 0.0
+    if layers:
+        counts = torch.stack([m.balancer.counts_for_metrics.float() for m in layers])
+        group = trainer.ps.group("dp")
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)  # every rank of a dp group holds the same layers
+        vio, weight = float(torch.stack([max_violation(c) for c in counts]).mean()), 1.0
+        local = collect_load_metrics(nn.ModuleList(trainer.stages), reset=True)
+        for k in ("loss_seq_aux", "loss_aux", "loss_z_loss"):
+            if f"moe/{k}" in local:
+                out[f"balance_{k[5:]}"] = local[f"moe/{k}"]
+        out["expert_load"] = counts.tolist()
+    if trainer.ps.world_size > 1:
+        t = torch.tensor([vio * weight, weight], dtype=torch.float64)
+        dist.all_reduce(t)
+        vio, weight = float(t[0] / t[1]) if t[1] > 0 else 0.0, float(t[1])
+    if weight:
+        out["max_vio"] = vio
+    return out

@@ -1,0 +1,90 @@
+"""Forward-only passes through this rank's pipeline stages: validation loss and greedy samples.
+
+Stages run in global order; a stage's owner receives the hidden state from the previous stage's
+owner over the ``pp`` group (point-to-point, shapes known to both sides) and sends its output on.
+All data-parallel ranks run the same sequence at the same time, so the expert-parallel all-to-alls
+inside MoE layers pair up. The training schedule is not involved: this works for every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from training.stages import num_model_stages, stage_ids
+
+if TYPE_CHECKING:
+    from training.trainer import Trainer
+
+
+def stage_owner(schedule: str, pp: int) -> dict[int, int]:
+    """Global stage -> pipeline rank that runs it here (``dualpipe``: chain 0, stage s on rank s)."""
+    if schedule == "dualpipe":
+        return {s: s for s in range(pp)}
+    return {s: r for r in range(pp) for s in stage_ids(schedule, pp, r)}
+
+
+@contextlib.contextmanager
+def eval_mode(trainer: Trainer):
+    """Modules in eval mode (balancers stop counting loads) for the block, then back to train."""
+    for st in trainer.stages:
+        st.eval()
+    try:
+        yield
+    finally:
+        for st in trainer.stages:
+            st.train()
+
+
+@torch.no_grad()
+def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Last hidden state (before the final norm) for ``tokens [b, s]`` on the rank holding the last
+    stage; None elsewhere. Every rank must call it with the same shapes."""
+    par, ps = trainer.cfg.parallel, trainer.ps
+    owner = stage_owner(par.schedule, par.pp)
+    me = ps.coords.pp_rank
+    local = {st.stage_id: st for st in trainer.stages}
+    pp_ranks = ps.ranks["pp"]
+    h: torch.Tensor | None = None
+    shape = (*tokens.shape, trainer.args.dim)
+    with eval_mode(trainer):
+        for s in range(num_model_stages(par.schedule, par.pp)):
+            if owner[s] != me:
+                continue
+            if s == 0:
+                x = tokens
+            elif owner[s - 1] == me:
+                x = h
+            else:
+                x = torch.empty(shape, dtype=trainer.dtype, device=trainer.device)
+                dist.recv(x, src=pp_ranks[owner[s - 1]], group=ps.group("pp"))
+            h = local[s](x)
+            nxt = s + 1
+            if nxt < len(owner) and owner[nxt] != me:
+                dist.send(h.contiguous(), dst=pp_ranks[owner[nxt]], group=ps.group("pp"))
+    last = num_model_stages(par.schedule, par.pp) - 1
+    return h if owner[last] == me else None
+
+
+@torch.no_grad()
+def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` (the context is cut to ``data.seq_len`` tokens)."""
+    par, ps = trainer.cfg.parallel, trainer.ps
+    ids = trainer.tokenizer.encode(prompt) or [0]
+    tokens = torch.tensor([ids], dtype=torch.long, device=trainer.device)
+    holder = stage_owner(par.schedule, par.pp)[num_model_stages(par.schedule, par.pp) - 1]
+    for _ in range(max_new_tokens):
+        ctx = tokens[:, -trainer.cfg.data.seq_len:]
+        h = pipeline_hidden(trainer, ctx)
+        nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
+        if h is not None:
+            st = trainer.loss_stage
+            with eval_mode(trainer):
+                nxt[0] = st.head(st.norm(h[:, -1])).argmax(-1)[0]
+        if ps.size("pp") > 1:
+            dist.broadcast(nxt, src=ps.ranks["pp"][holder], group=ps.group("pp"))
+        tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
+    return trainer.tokenizer.decode(tokens[0, len(ids):].tolist())

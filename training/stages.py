@@ -1,0 +1,220 @@
+"""DeepSeek-V3 pipeline stages, built per rank on the meta device with only this rank's part allocated.
+
+The whole ``Transformer`` is constructed on the ``meta`` device (no memory, even at 671B); each
+rank then keeps the stages the schedule gives it and materialises only their modules, holding
+only its expert-parallel slice of the routed experts. A stage is a contiguous run of blocks; the
+first also embeds tokens, the last also applies the final norm, the output head and the MTP
+modules, so the loss is computed where the logits are. Parameter names inside a stage are the
+``Transformer``'s (``layers.3.attn.wq_a.weight``), so checkpoints of any layout line up.
+
+Which stages a pipeline rank holds (``stage_ids``): one (``1f1b``, ``zb1p``), two in a V
+(``dualpipev``, ``zbv``: stage ``r`` and ``2 pp - 1 - r``, so the embedding and the head/MTP share
+rank 0 as in V3), or two mirrored (``dualpipe``: stage ``r`` and ``pp - 1 - r``, each held twice in
+the world). MTP needs the embedding beside the head, so it is refused for ``1f1b``/``zb1p`` at pp > 1.
+
+Initialisation does not depend on the layout: every tensor is drawn from a generator seeded by
+(seed, parameter name[, global expert id]), so a 1-process and a PP x EP run start identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.moe import Experts
+from models.deepseek_v3.rope import rope_cos_sin
+
+
+def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    """The global stage numbers pipeline rank ``pp_rank`` holds, in local order."""
+    if schedule in ("dualpipev", "zbv"):
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if schedule == "dualpipe":
+        return [pp_rank, pp - 1 - pp_rank]
+    return [pp_rank]
+
+
+def num_model_stages(schedule: str, pp: int) -> int:
+    return 2 * pp if schedule in ("dualpipev", "zbv") else pp
+
+
+def split_layers(args: ModelArgs, num_stages: int) -> list[tuple[int, int]]:
+    """Trunk layers ``[start, end)`` of each stage: balanced, counting each MTP depth as one more layer
+    of the last stage (it is a full MoE block). ValueError when a middle stage would be empty."""
+    units = args.n_layers + args.n_mtp_layers
+    if num_stages > units:
+        raise ValueError(f"model has {args.n_layers} layers + {args.n_mtp_layers} MTP, too few for {num_stages} "
+                         f"pipeline stages; raise model.overrides.n_layers or lower parallel.pp")
+    base, extra = divmod(units, num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    sizes[-1] -= args.n_mtp_layers
+    if sizes[-1] < 0:
+        raise ValueError(f"{args.n_mtp_layers} MTP modules do not fit in one stage of {base + 1} layers")
+    ranges, start = [], 0
+    for s, n in enumerate(sizes):
+        if n == 0 and 0 < s < num_stages - 1:
+            raise ValueError(f"pipeline stage {s} would hold no layer; raise model.overrides.n_layers")
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def expert_range(args: ModelArgs, ep_rank: int, ep_size: int) -> range:
+    if args.n_routed_experts % ep_size:
+        raise ValueError(f"parallel.ep={ep_size} must divide the {args.n_routed_experts} routed experts")
+    per = args.n_routed_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def _seed_for(seed: int, name: str, index: int = -1) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_deterministic(model: Transformer, modules: dict[str, nn.Module], seed: int) -> None:
+    """Initialise ``modules`` (name -> module of ``model``) independently of the parallel layout.
+
+    Non-expert modules go through the model's own ``init_weights`` under an RNG seeded by their
+    name; routed experts are drawn per *global* expert id, so an EP slice equals the same rows of
+    the full tensor.
+    """
+    for prefix, root in modules.items():
+        for name, m in root.named_modules(prefix=prefix):
+            if isinstance(m, Experts):
+                for local, expert in enumerate(m.expert_ids):
+                    for pname, p in (("w13", m.w13), ("w2", m.w2)):
+                        g = torch.Generator(device="cpu").manual_seed(_seed_for(seed, f"{name}.{pname}", expert))
+                        p[local].copy_(torch.randn(p.shape[1:], generator=g, dtype=torch.float32) * model.args.init_std)
+            elif next(m.parameters(recurse=False), None) is not None or list(m.buffers(recurse=False)):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_seed_for(seed, name))
+                    model.init_weights(_Leaf(m))
+
+
+class _Leaf(nn.Module):
+    """Wraps one module so ``init_weights`` visits it but not its children (they are seeded separately)."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self._m = [m]
+
+    def modules(self):  # noqa: D401 - nn.Module API
+        return iter(self._m)
+
+
+@dataclass
+class LossLog:
+    """Detached per-micro-batch loss parts, read by the trainer after a step (the pipeline returns only totals)."""
+
+    main: list[float] = field(default_factory=list)
+    mtp: list[float] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.main.clear()
+        self.mtp.clear()
+
+
+class DeepSeekV3Stage(nn.Module):
+    """Stage ``stage_id``: [embedding] -> blocks ``[start, end)`` -> [final norm, head, MTP].
+
+    ``forward(x)`` takes tokens ``[b, s]`` on the first stage, hidden states ``[b, s, dim]`` after it,
+    and returns hidden states (the last stage returns the state before the final norm; the loss,
+    head and MTP run in ``criterion``, which DualPipe calls on the last stage).
+    """
+
+    def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int],
+                 loss_log: LossLog | None = None):
+        super().__init__()
+        self.args = model.args
+        self.stage_id, self.num_stages = stage_id, num_stages
+        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
+        self.start, self.end = layer_range
+        self.embed = model.embed if (self.is_first or (self.is_last and model.args.n_mtp_layers)) else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(self.start, self.end)})
+        if self.is_last:
+            self.norm, self.head, self.mtp = model.norm, model.head, model.mtp
+        self.loss_log = loss_log if loss_log is not None else LossLog()
+        self.loss_scale = 1.0  # 1 / micro-batches: the pipeline sums the micro-batch losses' gradients
+        self.mtp_lambda = model.args.mtp_loss_weight
+
+    def owned_modules(self) -> dict[str, nn.Module]:
+        """Name -> module for everything this stage holds (what gets materialised)."""
+        out: dict[str, nn.Module] = {f"layers.{i}": self.layers[str(i)] for i in range(self.start, self.end)}
+        if self.embed is not None:
+            out["embed"] = self.embed
+        if self.is_last:
+            out.update(norm=self.norm, head=self.head, mtp=self.mtp)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.is_first else x
+        if self.end > self.start:
+            cos, sin = rope_cos_sin(self.args, torch.arange(h.shape[1], device=h.device))
+            for i in range(self.start, self.end):
+                h = self.layers[str(i)](h, cos, sin)
+        return h
+
+    def compute_loss(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch from the last hidden state and its token windows ``[b, s + 1]``,
+        scaled by ``loss_scale``; the unscaled main and MTP losses go to ``loss_log``."""
+        tokens, labels = windows[:, :-1], windows[:, 1:]
+        logits = self.head(self.norm(h))
+        mtp_logits = _mtp_logits(self, h, tokens)
+        args = self.args if self.mtp_lambda == self.args.mtp_loss_weight else self.args.replace(
+            mtp_loss_weight=self.mtp_lambda)
+        parts = lm_losses(args, logits, mtp_logits, labels)
+        self.loss_log.main.append(float(parts["main"].detach()))
+        if parts["mtp"]:
+            self.loss_log.mtp.append(float(torch.stack(parts["mtp"]).detach().mean()))
+        return parts["loss"] * self.loss_scale
+
+
+def _mtp_logits(stage: DeepSeekV3Stage, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """``Transformer.mtp_logits`` for a last stage (same computation, the stage's own modules)."""
+    out = []
+    for k, module in enumerate(stage.mtp, start=1):
+        n = tokens.shape[1] - k
+        if n <= 0:
+            break
+        cos, sin = rope_cos_sin(stage.args, torch.arange(n, device=h.device))
+        h = module(h[:, :n], stage.embed(tokens[:, k:]), cos, sin)
+        out.append(stage.head(module.norm(h)))
+    return out
+
+
+def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,
+                 device: torch.device, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[DeepSeekV3Stage]]:
+    """This rank's stages, materialised on ``device`` in ``dtype``; the rest of the model stays on meta."""
+    num_stages = num_model_stages(schedule, pp)
+    if args.n_mtp_layers and pp > 1 and schedule in ("1f1b", "zb1p"):
+        raise ValueError(f"MTP (model n_mtp_layers={args.n_mtp_layers}) needs the embedding on the last stage's "
+                         f"rank: use parallel.schedule dualpipev, zbv or dualpipe, or set "
+                         "model.overrides.n_mtp_layers=0")
+    ranges = split_layers(args, num_stages)
+    experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
+    with torch.device("meta"):
+        model = Transformer(args, expert_ids=experts)
+    log = LossLog()
+    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], log) for s in stage_ids(schedule, pp, pp_rank)]
+    owned: dict[str, nn.Module] = {}
+    for st in stages:
+        owned.update(st.owned_modules())
+    for m in owned.values():
+        m.to_empty(device=device)
+        for t in list(m.parameters()) + list(m.buffers()):
+            if t.is_floating_point():
+                t.data.fill_(float("nan"))  # anything the init misses shows up below
+    init_deterministic(model, owned, seed)
+    for prefix, m in owned.items():
+        for name, t in list(m.named_parameters(prefix=prefix)) + list(m.named_buffers(prefix=prefix)):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise RuntimeError(f"build_stages: {name} was not initialised (the model's init_weights missed it)")
+    for m in owned.values():
+        for p in m.parameters():
+            p.data = p.data.to(dtype)
+    return model, stages

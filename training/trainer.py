@@ -1,0 +1,338 @@
+"""The training loop: one code path from a 1-process CPU run to the PP x EP x DP layout.
+
+Per optimizer step: the sampler hands this data-parallel rank its slice of the global batch; the
+micro-batches go through the pipeline schedule (``parallel.schedule``; ``none`` is plain gradient
+accumulation), the gradients are reduced (dense over dp, experts over their replicas), clipped to
+``optim.clip_grad`` on the global norm, the optimizers step (ZeRO-1 sharded), the LR scheduler
+steps, and the aux-loss-free expert biases are updated from the global batch's expert loads.
+
+Hooks, for checkpointing and fault tolerance (``training/checkpoint``, ``training/fault.py``):
+
+- ``after_backward_hooks``: ``fn(trainer, metrics) -> bool``; after gradients are reduced and the
+  norm is known, before the optimizer step. Returning False skips this step's update (every rank
+  must agree: decide from globally reduced values such as ``metrics["loss"]``/``["grad_norm"]``).
+- ``step_end_hooks``: ``fn(trainer, metrics)``; after the step, before logging. May add metrics
+  (e.g. ``checkpoint_stall_s``).
+
+``state_dict()`` / ``load_state_dict()`` cover model (with expert biases), optimizer, LR scheduler,
+sampler, step and tokens seen; RNG states are captured by the checkpoint manager.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accel
+from models.deepseek_v3 import ModelArgs
+from training.config import TrainConfig, check_microbatches, config_hash, numerics_dict
+from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
+from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
+from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
+from training.parallel import ParallelState
+from training.stages import DeepSeekV3Stage, build_stages, num_model_stages, stage_ids
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def model_args(cfg: TrainConfig) -> ModelArgs:
+    """The model's arguments: the preset, the overrides, and the config's FP8 / MTP switches."""
+    try:
+        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": cfg.model.fp8,
+                                                     "mtp_loss_weight": cfg.model.mtp_lambda})
+    except TypeError as exc:  # an unknown ModelArgs field
+        raise ValueError(f"model.overrides: {exc}") from None
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Torch intra-op threads: ``threads``, else ``OMP_NUM_THREADS``, else cores / processes on this node.
+
+    Oversubscribed cores make torch's thread pool spin: on a loaded 2-core machine two threads per
+    process ran a step 10-20x slower than one.
+    """
+    import os
+
+    if threads <= 0:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+
+
+def max_global_batch(cfg: TrainConfig) -> int:
+    return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
+
+
+def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
+    """Everything that can be checked before a process group exists: model arguments, pipeline split,
+    micro-batches of every ramp step, data files, corpus size and vocabulary. Returns (args, corpus)."""
+    from training.stages import expert_range, split_layers
+
+    args = model_args(cfg)
+    par = cfg.parallel
+    split_layers(args, num_model_stages(par.schedule, par.pp))
+    if par.ep > 1:
+        expert_range(args, 0, par.ep)
+    if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
+        raise ValueError(f"model: MTP needs the embedding on the last stage's rank; schedule {par.schedule!r} "
+                         "puts it elsewhere (use dualpipev / zbv / dualpipe or model.overrides.n_mtp_layers=0)")
+    for step in sorted({0, cfg.data.batch_ramp_steps // 2, cfg.data.batch_ramp_steps, cfg.run.steps - 1}):
+        check_microbatches(par, cfg.microbatches_at(step), f"data.global_batch at step {step}")
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    cfg.balance.model_config()  # the model package validates the strategy names
+    corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
+    check_vocab(corpus, args.vocab_size)
+    return args, corpus
+
+
+class Trainer:
+    """Builds this rank's stages, optimizer, data and logger from a validated config, and trains."""
+
+    def __init__(self, cfg: TrainConfig, ps: ParallelState, run_dir: str | Path, wandb_mode: str = "disabled",
+                 checked: tuple[ModelArgs, TokenCorpus] | None = None):
+        self.cfg, self.ps, self.run_dir = cfg, ps, Path(run_dir)
+        self.device = accel.default_device()
+        self.dtype = DTYPES[cfg.run.dtype]
+        torch.manual_seed(cfg.run.seed)
+        set_cpu_threads(cfg.run.threads)
+        self.args, self.corpus = checked if checked is not None else check_static(cfg)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        c = ps.coords
+        self.sampler = ResumableSampler(self.corpus.num_train, cfg.run.seed, c.dp_rank, cfg.parallel.dp)
+        self.model, self.stages = build_stages(self.args, cfg.parallel.schedule, cfg.parallel.pp, c.pp_rank,
+                                               c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed)
+        self.modules = nn.ModuleList(self.stages)
+        self._wire_experts()
+        self.pipeline = self._build_pipeline()
+        self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
+        self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
+        self.step, self.tokens_seen = 0, 0
+        self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
+        self.step_end_hooks: list[Callable[[Trainer, dict[str, Any]], None]] = []
+        self.wandb_mode = wandb_mode
+        self.logger: MetricsLogger | NullLogger = NullLogger()
+        self.history: list[dict[str, Any]] = []
+        self.holds_loss = self._holds_loss()
+
+    # ---- construction helpers -----------------------------------------------------------------
+    def _wire_experts(self) -> None:
+        """Expert parallelism and balancing inside every MoE layer this rank holds."""
+        from training.experts import wire_moe_layers
+
+        wire_moe_layers(self.stages, self.cfg, self.ps)
+
+    def _build_pipeline(self):
+        if self.cfg.parallel.schedule == "none":
+            return None
+        from training.pipeline import build_pipeline
+
+        return build_pipeline(self.stages, self.cfg, self.ps)
+
+    def _holds_loss(self) -> bool:
+        """Whether this rank computes the loss (holds the last stage of the first replica)."""
+        par = self.cfg.parallel
+        return (num_model_stages(par.schedule, par.pp) - 1) in stage_ids(par.schedule, par.pp, self.ps.coords.pp_rank)
+
+    @property
+    def loss_stage(self) -> DeepSeekV3Stage | None:
+        return next((s for s in self.stages if s.is_last), None)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the Transformer's names (shared tensors once)."""
+        out: dict[str, torch.Tensor] = {}
+        for st in self.stages:
+            for k, v in st.state_dict().items():
+                out.setdefault(k, v)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "config_hash": config_hash(self.cfg)},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model = state["model"]
+        for st in self.stages:
+            own = st.state_dict()
+            missing = sorted(set(own) - set(model))
+            if missing:
+                raise ValueError(f"checkpoint model state lacks {len(missing)} tensors of stage {st.stage_id}, "
+                                 f"e.g. {missing[:3]}")
+            st.load_state_dict({k: model[k] for k in own}, strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["trainer"]["step"])
+        self.tokens_seen = int(state["trainer"]["tokens_seen"])
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """Global information the checkpoint manager stores beside the shards."""
+        par = self.cfg.parallel
+        return {"tokens_seen": self.tokens_seen, "config": numerics_dict(self.cfg), "full_config": self.cfg.to_dict(),
+                "layout": {"pp": par.pp, "dp": par.dp, "ep": par.ep, "schedule": par.schedule,
+                           "world_size": self.ps.world_size}}
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def _mtp_lambda(self) -> float:
+        m = self.cfg.model
+        return m.mtp_lambda_late if m.mtp_lambda_switch_step and self.step >= m.mtp_lambda_switch_step else m.mtp_lambda
+
+    def _forward_backward(self, windows: torch.Tensor, chunks: int) -> float:
+        """Run every micro-batch's forward and backward; returns the summed scaled loss (loss ranks)."""
+        for st in self.stages:
+            st.loss_scale = 1.0 / chunks
+            st.mtp_lambda = self._mtp_lambda()
+        from models.deepseek_v3.balancing import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(1.0 / chunks)
+        if self.pipeline is not None:
+            return self.pipeline.step(windows, chunks)
+        total = 0.0
+        stage = self.stages[0]
+        for mb in windows.chunk(chunks):
+            with self._autocast():
+                h = stage(mb[:, :-1])
+                loss = stage.compute_loss(h, mb)
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def _autocast(self):
+        if accel.backend() != "cpu" and self.cfg.run.autocast_bf16 and self.dtype != torch.float64:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _global_mean(self, value: float, count: int, group: dist.ProcessGroup | None = None) -> float:
+        """Mean of ``value`` over the ranks that hold it (``count`` = 1 on holders, 0 elsewhere)."""
+        if self.ps.world_size == 1:
+            return value if count else float("nan")
+        t = torch.tensor([value * count, float(count)], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
+        global_batch = cfg.global_batch_at(step)
+        chunks = cfg.microbatches_at(step)
+        ids = self.sampler.next_batch(global_batch)
+        windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
+        log = self.stages[0].loss_log
+        log.clear()
+        self.optimizer.zero_grad()
+        loss_sum = self._forward_backward(windows, chunks)
+        reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
+        grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep)
+        holds = 1 if self.holds_loss else 0
+        loss = self._global_mean(loss_sum, holds)
+        main = self._global_mean(sum(log.main) / len(log.main) if log.main else 0.0, holds if log.main else 0)
+        mtp = self._global_mean(sum(log.mtp) / len(log.mtp) if log.mtp else 0.0, holds if log.mtp else 0)
+        metrics: dict[str, Any] = {"loss": main, "total_loss": loss, "grad_norm": grad_norm,
+                                   "lr": self.lr_scheduler.get_last_lr(), "global_batch": global_batch,
+                                   "microbatches": chunks}
+        if not math.isnan(mtp):
+            metrics["mtp_loss"] = mtp
+        apply = all(hook(self, metrics) is not False for hook in self.after_backward_hooks)
+        if apply:
+            self.optimizer.step()
+            self._update_expert_biases()
+        else:
+            metrics["skipped"] = 1
+        self.lr_scheduler.step()
+        metrics.update(self._load_metrics())
+        tokens = global_batch * cfg.data.seq_len
+        self.tokens_seen += tokens
+        self.step += 1
+        dt = time.perf_counter() - t0
+        metrics.update(tokens_seen=self.tokens_seen, step_time_s=dt, tokens_per_s=tokens / dt)
+        for hook in self.step_end_hooks:
+            hook(self, metrics)
+        return metrics
+
+    def _update_expert_biases(self) -> None:
+        from training.experts import update_biases
+
+        update_biases(self, self.cfg.balance.gamma if not (
+            self.cfg.balance.gamma_stop_step and self.step >= self.cfg.balance.gamma_stop_step) else 0.0)
+
+    def _load_metrics(self) -> dict[str, Any]:
+        from training.experts import load_metrics
+
+        return load_metrics(self)
+
+    # ---- evaluation and sampling -------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Mean validation loss (main next-token loss) over ``batches`` held-out batches."""
+        from training.inference import pipeline_hidden
+
+        if self.corpus.num_valid == 0:
+            return float("nan")
+        size = self.cfg.data.micro_batch
+        total, n = 0.0, 0
+        for b in range(batches):
+            inputs, labels = self.corpus.valid_batch(b * self.cfg.parallel.dp + self.ps.coords.dp_rank, size)
+            h = pipeline_hidden(self, inputs.to(self.device))
+            if h is not None:
+                st = self.loss_stage
+                logits = st.head(st.norm(h))
+                total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                                 labels.to(self.device).flatten()))
+                n += 1
+        return self._global_mean(total / max(n, 1), 1 if n else 0)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_tokens: int) -> str:
+        """Greedy continuation of ``prompt`` through the pipeline (every rank must call it)."""
+        from training.inference import pipeline_generate
+
+        return pipeline_generate(self, prompt, max_new_tokens)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def start_logging(self, total_steps: int) -> None:
+        if self.ps.rank != 0:
+            return
+        counts = self.args.param_counts()
+        fpt = model_flops_per_token(counts["activated"], self.args.n_layers, self.args.n_heads,
+                                    self.args.qk_head_dim, self.args.v_head_dim, self.cfg.data.seq_len)
+        self.logger = MetricsLogger(self.run_dir, total_steps, self.step, self.cfg.to_dict(), self.wandb_mode,
+                                    self.cfg.logging.wandb_project, self.cfg.run.name, self.cfg.logging.progress,
+                                    flops_per_token=fpt, fp8=self.cfg.model.fp8)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``run.steps``; returns the summary (on every rank; rank 0 also writes it)."""
+        cfg = self.cfg
+        self.start_logging(cfg.run.steps)
+        t_start, first_loss, last = time.perf_counter(), None, {}
+        start_step = self.step
+        while self.step < cfg.run.steps:
+            last = self.train_step()
+            if first_loss is None:
+                first_loss = last["loss"]
+            if cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0:
+                last["valid_loss"] = self.evaluate(cfg.logging.eval_batches)
+            if self.step % cfg.logging.log_every == 0 or self.step == cfg.run.steps:
+                self.logger.log(self.step, {k: v for k, v in last.items()})
+            self.history.append({"step": self.step, **{k: v for k, v in last.items() if isinstance(v, (int, float))}})
+        summary = {"steps": self.step, "steps_this_run": self.step - start_step,
+                   "first_loss": first_loss, "final_loss": last.get("loss"),
+                   "final_mtp_loss": last.get("mtp_loss"), "tokens_seen": self.tokens_seen,
+                   "wall_time_s": time.perf_counter() - t_start}
+        summary["valid_loss"] = self.evaluate(cfg.logging.eval_batches)
+        return summary
