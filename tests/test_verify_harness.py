@@ -276,3 +276,31 @@ def test_peak_percent_uses_the_nearer_roofline():
     assert verify.peak_percent(98.9, 2680.0, device=h100) == pytest.approx(80.0)  # memory-bound: 80% of HBM
     assert verify.peak_percent(1.0, 1.0, device="cpu") is None
     assert verify.peak_percent(None, None, device=h100) is None
+
+
+def test_a_wrong_tile_cannot_hide_in_a_large_output(scratch_ops):
+    def case(shape, seed, device):
+        return Case(args=(torch.randn(shape["n"], shape["n"], device=device),))
+
+    def one_bad_tile(x):
+        out = x * 2
+        out[64:72, 128:136] = 0.0  # one 8x8 tile left at zero: 64 of 65536 elements
+        return out
+
+    name = scratch_ops("bad_tile", lambda x: x * 2, one_bad_tile, case, shapes=[{"n": 256}], tolerance=1e-3)
+    [result] = verify.verify_op(name, seeds=[3])
+    torch.manual_seed(3)
+    x = torch.randn(256, 256)
+    assert verify.calc_diff(one_bad_tile(x), x * 2) < 1e-3  # a global calc_diff alone would let it pass
+    assert not result.passed and result.max_error > 1e-2  # the tile's block (1/64 of the tensor) exposes it
+
+
+def test_blockwise_diff_matches_calc_diff_for_uniform_errors():
+    want = torch.randn(300, 200, dtype=torch.float64)
+    got = want * (1 + 1e-4 * torch.randn_like(want))
+    assert verify.blockwise_diff(got, want) == pytest.approx(verify.calc_diff(got, want), rel=0.5)
+    near_zero = want.clone()
+    near_zero[:40] = 0.0
+    tiny_noise = near_zero.clone()
+    tiny_noise[:40] = 1e-12  # absolute noise where the reference is exactly zero: not a failure
+    assert verify.blockwise_diff(tiny_noise, near_zero) < 1e-18
