@@ -73,8 +73,10 @@ class VerifySpec:
 
     make_case(shape, seed, device) -> Case with fresh random inputs for that shape.
     shapes: small shapes the CPU interpreter can run; bench_shapes: realistic GPU shapes.
-    compare(got, want) -> {name: (error, tolerance)} over the named result tensors; the default
-    is calc_diff per tensor against ``tolerance`` with equal NaN/Inf positions.
+    compare(got, want) -> {name: (error, tolerance)} over the named result tensors (names: ``out``,
+    ``out[0]``... for returned values, the reference's parameter name for in-place outputs); the
+    default is ``accel.verify.tensor_error`` (blockwise calc_diff, equal NaN/Inf positions, integers
+    exact) against ``tolerance``.
     flops(shape) / bytes_moved(shape): for TFLOP/s and GB/s columns.
     fp8: the op's FLOPs run on FP8 tensor cores, so its roofline uses the device's FP8 peak.
     """
