@@ -4,9 +4,12 @@ Flash-decoding splits each sequence's KV blocks into chunks so that a small batc
 sequences still fills every SM; a combine step merges the partial results. The plan is computed
 once per decode step on the host and reused by every layer, as FlashMLA's is.
 
-``tile_scheduler_metadata`` is int32 ``[num_work_items, 6]``, one row per chunk:
-``(batch, first_block, end_block, partial_slot, seqlen, splits_of_batch)``. The seqlen column is the
-fingerprint that lets ``flash_mla_with_kvcache`` reject a plan made for other lengths.
+``tile_scheduler_metadata`` is int32 ``[num_parts + batch, 6]``, one row per chunk:
+``(batch, first_block, end_block, partial_slot, seqlen, splits_of_batch)``, padded with ``PAD_ROW``.
+Its size depends only on the device and the batch size (at most ``num_parts + batch`` chunks are
+ever planned), so a plan for new lengths can be copied into a buffer a device graph captured, as
+with FlashMLA's fixed-size metadata. The seqlen column is the fingerprint that lets
+``flash_mla_with_kvcache`` reject a plan made for other lengths.
 ``num_splits`` is int32 ``[batch + 1]``, the prefix sum of chunks per sequence (FlashMLA's meaning).
 """
 
@@ -23,6 +26,7 @@ META_COLS = 6
 _BLOCK_OVERHEAD = 5  # a chunk's fixed cost (launch, Q load, combine) in units of one 64-token block
 _CPU_PARTS = 8  # work parts without a GPU: enough to exercise several splits under the interpreter
 _ROWS_PER_TILE = 64  # query rows one program handles at most (heads x s_q sharing a KV head)
+PAD_ROW = (-1, 0, 0, -1, -1, 0)  # an unused work item (splits 0): the kernel returns at once
 
 
 def _num_parts(device: torch.device, num_heads_k: int, rows: int) -> int:
@@ -63,6 +67,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
         for i in range(splits):
             rows.append((batch, nblk * i // splits, nblk * (i + 1) // splits, prefix[-1] + i, n, splits))
         prefix.append(prefix[-1] + splits)
+    rows += [PAD_ROW] * (parts + len(seqlens) - len(rows))  # fixed size: a captured graph can replay new plans
     meta = torch.tensor(rows, dtype=torch.int32).reshape(-1, META_COLS).to(cache_seqlens.device)
     return meta, torch.tensor(prefix, dtype=torch.int32, device=cache_seqlens.device)
 
@@ -72,7 +77,8 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     """Raise ValueError unless the plan was made for ``cache_seqlens`` and every block it reads exists.
 
     Needs one host sync, so the verdict is remembered on the metadata tensor for as long as none of
-    the tensors involved is modified (every layer of a decode step then pays nothing).
+    the tensors involved is modified (every layer of a decode step then pays nothing). Skipped while
+    a device graph is being captured, where a sync is not allowed.
     """
     meta, batch = tile_scheduler_metadata, cache_seqlens.shape[0]
     if meta.dtype != torch.int32 or meta.dim() != 2 or meta.shape[1] != META_COLS:
@@ -81,6 +87,9 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     if num_splits.dtype != torch.int32 or tuple(num_splits.shape) != (batch + 1,):
         raise ValueError(f"num_splits must be int32 [{batch + 1}] (batch + 1), got {num_splits.dtype} "
                          f"{tuple(num_splits.shape)}")
+    mod = accel.device_module()
+    if mod is not None and getattr(mod, "is_current_stream_capturing", lambda: False)():
+        return  # no host sync inside CUDA/MUSA graph capture: validate with an eager call before capturing
     key = tuple((weakref.ref(t), t._version) for t in (cache_seqlens, block_table, num_splits))
     cached = getattr(meta, "_flash_mla_checked", None)
     if cached is not None and cached[0] == meta._version and all(
@@ -102,6 +111,8 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     covered = [0] * batch
     for row in plan:
         b, first, end, slot, n, splits = row
+        if tuple(row) == PAD_ROW:
+            continue
         if not 0 <= b < batch or n != seqlens[b] or not prefix[b] <= slot < prefix[b + 1] or splits != (
             prefix[b + 1] - prefix[b]
         ) or not 0 <= first < end:

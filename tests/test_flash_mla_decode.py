@@ -102,6 +102,9 @@ def test_split_plan_covers_each_sequence_once():
         assert sum(e - s for s, e in ranges) == -(-n // BLOCK_SIZE)
         assert all(a[1] == b_[0] for a, b_ in zip(ranges, ranges[1:]))  # contiguous, no overlap
         assert sorted(r[3] for r in rows) == list(range(splits[b], splits[b + 1]))
+    # the plan's size depends on the batch only (so a captured device graph can take a new plan in place)
+    other, _ = flash_mla.get_mla_metadata(torch.tensor([5000, 0, 1, 9], dtype=torch.int32), 16, 1)
+    assert other.shape == meta.shape
 
 
 def test_fp8_cache_layout_and_error():

@@ -49,12 +49,14 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     tile = tl.program_id(0) // n_v
     item = tl.program_id(1)
     g = tl.program_id(2)
+    splits = tl.load(META + item * 6 + 5)
+    if splits == 0:  # padding row of the plan
+        return
     b = tl.load(META + item * 6)
     first = tl.load(META + item * 6 + 1)
     end = tl.load(META + item * 6 + 2)
     slot = tl.load(META + item * 6 + 3)
     seqlen = tl.load(META + item * 6 + 4)
-    splits = tl.load(META + item * 6 + 5)
 
     offs_r = tile * BLOCK_H + tl.arange(0, BLOCK_H)
     r_ok = offs_r < rows
