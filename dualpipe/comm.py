@@ -11,6 +11,7 @@ names this rank, the peer and the action.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +46,7 @@ class P2P:
         self.group, self.peers, self.rank, self.device = group, list(peers), rank, device
         self.timeout = datetime.timedelta(seconds=timeout)
         self._sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self.blocked_s = 0.0  # time spent blocked in receives (benchmarks separate it from overhead)
 
     # -- header ------------------------------------------------------------------------------
     def _header(self, msg: Message, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -100,6 +102,7 @@ class P2P:
         return out
 
     def _wait(self, work: dist.Work, msg: Message, action: str) -> None:
+        t0 = time.perf_counter()
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
@@ -107,6 +110,8 @@ class P2P:
                 f"rank {self.rank}: no {msg.kind} message for stage {msg.stage} micro-batch {msg.mb} from rank "
                 f"{msg.src} within {self.timeout.total_seconds():.0f}s (needed by action {action}); "
                 f"the peer is dead, stalled or on another schedule: {exc}") from exc
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def reap_sends(self) -> None:
         """Forget sends that have completed (cheap; frees their buffers)."""

@@ -17,6 +17,7 @@ Messages between ranks follow ``ir.comm_plan`` (the model the validator and simu
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -126,15 +127,21 @@ class Pipeline(nn.Module):
                     self._inputs[(stage, mb)] = list(inputs[mb])
         self.store.clear()
         self.last_step_stats = {"max_pending_wgrad": 0, "wgrad_closures_run": 0}
+        # (item, start, end, receive overhead not spent waiting) of each computation, for benchmarks
+        self.last_step_timeline: list[tuple[Item, float, float, float]] = []
         try:
             for item, ex in zip(sched.actions[self.rank], plan[self.rank]):
+                exchange_start, blocked_before = time.perf_counter(), self.p2p.blocked_s
                 for msg in ex.recvs:
                     tensors = self.p2p.recv(msg, str(item))
                     if msg.kind == "act":
                         self._inputs[(msg.stage, msg.mb)] = [self._as_input(t) for t in tensors]
                     else:
                         self._out_grads[(msg.stage, msg.mb)] = tensors
+                started = time.perf_counter()
                 self._run_item(item)
+                overhead = started - exchange_start - (self.p2p.blocked_s - blocked_before)
+                self.last_step_timeline.append((item, started, time.perf_counter(), overhead))
                 stats = self.last_step_stats
                 stats["max_pending_wgrad"] = max(stats["max_pending_wgrad"], self.store.pending())
                 self.p2p.reap_sends()
@@ -224,7 +231,7 @@ class Pipeline(nn.Module):
                              f"but received {len(grads)} gradients from the next stage")
         pairs = []
         for i, (t, g) in enumerate(zip(outputs, grads)):
-            if g is None:
+            if g is None or not t.requires_grad:
                 continue
             if g.shape != t.shape or g.dtype != t.dtype:
                 raise ValueError(f"rank {self.rank}: gradient {i} for stage {a.stage} micro-batch {a.mb} has shape "
@@ -282,6 +289,8 @@ class Pipeline(nn.Module):
         """
         sched = self._checked_schedule(num_chunks)
         lay = sched.layout
+        if len(lay.chains) != 1:
+            raise ValueError(f"{self.schedule_name} feeds several chains; use its own class (DualPipe) to step it")
         chain = lay.chains[0]
         first, last = lay.stage_rank[chain.stages[0]] == self.rank, lay.stage_rank[chain.stages[-1]] == self.rank
         ins = dict(enumerate(scatter(inputs, num_chunks, self.batch_dim))) if first else {}
