@@ -352,9 +352,11 @@ def validate(cfg: TrainConfig) -> None:
                          f"data.micro_batch = {p.dp} x {d.micro_batch} = {unit}")
     check_microbatches(p, d.global_batch // unit, "data.global_batch")
     if d.batch_ramp_start:
-        if not 0 < d.batch_ramp_start <= d.global_batch or d.batch_ramp_steps < 1:
-            raise ValueError("data.batch_ramp_start must be in (0, data.global_batch] with data.batch_ramp_steps >= 1"
-                             f", got {d.batch_ramp_start} and {d.batch_ramp_steps}")
+        smallest = unit * min_microbatches(p)
+        if not smallest <= d.batch_ramp_start <= d.global_batch or d.batch_ramp_steps < 1:
+            raise ValueError(f"data.batch_ramp_start must be in [{smallest}, data.global_batch={d.global_batch}] "
+                             f"(the smallest batch schedule '{p.schedule}' can run) with data.batch_ramp_steps >= 1, "
+                             f"got {d.batch_ramp_start} and {d.batch_ramp_steps}")
     if not 0.0 <= d.valid_fraction < 0.5:
         raise ValueError(f"data.valid_fraction must be in [0, 0.5), got {d.valid_fraction}")
     if d.bin_dtype not in ("uint8", "uint16", "int32", "uint32", "int64"):
