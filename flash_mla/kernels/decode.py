@@ -169,9 +169,11 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-# (BLOCK_H, BLOCK_N, BLOCK_V, warps, stages); chosen so that sm90 compiles them without register spills
-_DECODE_CONFIGS = [(16, 64, 512, 4, 2), (32, 32, 256, 4, 2), (64, 32, 256, 8, 2), (64, 64, 256, 8, 2),
-                   (32, 64, 512, 8, 2)]
+# (BLOCK_H, BLOCK_N, BLOCK_V, warps, stages). An AOT sm90 build (ptxas, no GPU) of each: (16,16,128) has no
+# register spills; the others spill 100-250 bytes of stack but read each page for more heads at once. Which
+# wins is for the autotuner on the GPU to say (see docs/flash_mla.md).
+_DECODE_CONFIGS = [(16, 16, 128, 4, 2), (16, 32, 512, 4, 2), (32, 32, 512, 8, 2), (64, 32, 128, 8, 2),
+                   (32, 32, 256, 4, 2), (64, 32, 256, 8, 2)]
 # the interpreter runs one config that still exercises sub-page tiles and V slices
 _INTERP_DECODE_CONFIG = [(16, 32, 256, 1, 1)]
 _decode = None
