@@ -1,0 +1,210 @@
+"""Benchmark: does expert-parallel all-to-all hide behind expert compute?
+
+    python -m recipes.bench_ep_overlap                    # 2 gloo ranks on this CPU
+    python -m recipes.bench_ep_overlap --nproc 4 --tokens 4096
+    torchrun --nproc-per-node 8 -m recipes.bench_ep_overlap --tokens 8192 --dim 7168   # one GPU node
+
+Each rank routes ``--tokens`` tokens per micro-batch to top-``k`` of ``--experts`` experts
+(uniformly), over ``--microbatches`` micro-batches, through ``ExpertParallel`` and the MoE's
+``Experts`` (two grouped GEMMs + SwiGLU). The expert width is calibrated so that expert compute
+takes about as long as the communication (the regime the target is stated for). Timed, per step:
+
+- comm: dispatch + combine only (experts replaced by identity);
+- compute: the experts only, on already-dispatched tokens;
+- sequential: dispatch -> wait -> experts -> combine -> wait, micro-batch after micro-batch;
+- overlapped: micro-batch i+1's dispatch and micro-batch i-1's combine in flight while micro-batch
+  i's experts run (the pattern DualPipe's overlapped forward uses).
+
+Target: overlapped <= 1.2 x max(comm, compute), against comm + compute sequentially.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TARGET = 1.2
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_ep_overlap", description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank per micro-batch")
+    ap.add_argument("--dim", type=int, default=512, help="hidden size (multiple of 128 for --fp8)")
+    ap.add_argument("--experts", type=int, default=8, help="routed experts (divisible by the EP size)")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=6)
+    ap.add_argument("--inter", type=int, default=0, help="expert width (0 = calibrate so compute ~ comm)")
+    ap.add_argument("--threads", type=int, default=1, help="torch compute threads per rank on CPU")
+    ap.add_argument("--fp8", action="store_true", help="FP8 dispatch (e4m3 + 1x128 scales)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    return ap.parse_args(argv)
+
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs, ranks aligned by a barrier before each."""
+    import accel
+
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        accel.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        accel.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    return float(t)
+
+
+def _experts(ns: argparse.Namespace, inter: int, local: int, device: torch.device, rank: int):
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.moe import Experts
+
+    args = ModelArgs(dim=ns.dim, moe_inter_dim=inter, n_routed_experts=ns.experts, n_activated_experts=ns.topk,
+                     n_expert_groups=1, n_limited_groups=1, n_layers=1, n_dense_layers=0)
+    experts = Experts(args, range(rank * local, (rank + 1) * local)).to(device)
+    experts.reset_parameters(0.02)
+    return experts
+
+
+def _bench(rank: int, world: int, ns: argparse.Namespace) -> list[dict] | None:
+    import accel
+    from models.deepseek_v3.expert_parallel import ExpertParallel
+
+    torch.set_num_threads(ns.threads)
+    device = accel.default_device()
+    ep = ExpertParallel(ns.experts, fp8_dispatch=ns.fp8)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(ns.tokens, ns.dim, generator=g).to(device) for _ in range(ns.microbatches)]
+    idx = [torch.rand(ns.tokens, ns.experts, generator=g).topk(ns.topk, -1).indices.to(device)
+           for _ in range(ns.microbatches)]
+    wts = [torch.rand(ns.tokens, ns.topk, generator=g).to(device) for _ in range(ns.microbatches)]
+
+    def comm_only():
+        for x, i, w in zip(xs, idx, wts):
+            d = ep.dispatch(x, i).wait()
+            ep.combine(d.x_grouped, d, w).wait()
+
+    t_comm = _timed(comm_only, ns.reps)
+    dispatched = [ep.dispatch(x, i).wait() for x, i in zip(xs, idx)]
+    inter = ns.inter
+    if not inter:  # calibrate: compute time is linear in the expert width
+        probe = 256
+        ex = _experts(ns, probe, ep.local, device, rank)
+        t_probe = _timed(lambda: [ex(d.x_grouped, d.m_indices) for d in dispatched], 2)
+        inter = max(32, int(round(probe * t_comm / t_probe / 32)) * 32)
+    experts = _experts(ns, inter, ep.local, device, rank)
+
+    def compute_only():
+        for d in dispatched:
+            experts(d.x_grouped, d.m_indices)
+
+    def sequential():
+        for x, i, w in zip(xs, idx, wts):
+            d = ep.dispatch(x, i).wait()
+            ep.combine(experts(d.x_grouped, d.m_indices), d, w).wait()
+
+    def overlapped():
+        pending_dispatch = ep.dispatch(xs[0], idx[0])
+        pending_combine = None
+        for m in range(ns.microbatches):
+            d = pending_dispatch.wait()
+            if m + 1 < ns.microbatches:
+                pending_dispatch = ep.dispatch(xs[m + 1], idx[m + 1])  # in flight during this compute
+            y = experts(d.x_grouped, d.m_indices)
+            if pending_combine is not None:
+                pending_combine.wait()
+            pending_combine = ep.combine(y, d, wts[m])  # in flight during the next compute
+        pending_combine.wait()
+
+    with torch.no_grad():
+        t_compute = _timed(compute_only, ns.reps)
+        t_seq = _timed(sequential, ns.reps)
+        t_over = _timed(overlapped, ns.reps)
+    bound = max(t_comm, t_compute)
+    rows = [
+        {"mode": "comm only (dispatch+combine)", "ms": 1e3 * t_comm, "x max(comm,compute)": t_comm / bound},
+        {"mode": "compute only (experts)", "ms": 1e3 * t_compute, "x max(comm,compute)": t_compute / bound},
+        {"mode": "sequential (baseline)", "ms": 1e3 * t_seq, "x max(comm,compute)": t_seq / bound},
+        {"mode": "overlapped (ours)", "ms": 1e3 * t_over, "x max(comm,compute)": t_over / bound},
+    ]
+    if rank == 0:
+        return rows + [{"mode": f"expert width {inter}, {world} ranks, {ns.microbatches} micro-batches x "
+                                f"{ns.tokens} tokens, dim {ns.dim}, top-{ns.topk} of {ns.experts}"
+                                f"{', fp8 dispatch' if ns.fp8 else ''}"}]
+    return None
+
+
+def _report(rows: list[dict], ns: argparse.Namespace) -> None:
+    from recipes.benchutil import print_report
+
+    info = rows.pop()["mode"]
+    over = rows[3]["x max(comm,compute)"]
+    notes = [info, f"target: overlapped <= {TARGET}x max(comm, compute): {'met' if over <= TARGET else 'NOT met'} "
+             f"({over:.2f}x; sequential {rows[2]['x max(comm,compute)']:.2f}x)"]
+    print_report("expert-parallel all-to-all overlap", rows, json_path=ns.json, notes=notes)
+
+
+def _spawned(rank: int, world: int, port: int, ns: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        rows = _bench(rank, world, ns)
+        if rows is not None:
+            import json
+
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if ns.experts % max(ns.nproc, 1) and "WORLD_SIZE" not in os.environ:
+        print(f"error: --experts {ns.experts} is not divisible by --nproc {ns.nproc}", file=sys.stderr)
+        return 2
+    if ns.fp8 and ns.dim % 128:
+        print(f"error: --fp8 needs --dim divisible by 128, got {ns.dim}", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        import accel
+
+        dist.init_process_group(accel.dist_backend(), timeout=datetime.timedelta(seconds=300))
+        if accel.backend() != "cpu":
+            accel.device_module().set_device(accel.default_device())
+        rows = _bench(dist.get_rank(), dist.get_world_size(), ns)
+        dist.destroy_process_group()
+        if rows is not None:
+            _report(rows, ns)
+        return 0
+    import json
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(_spawned, args=(ns.nproc, port, ns, out), nprocs=ns.nproc, join=True)
+        rows = json.loads(Path(out).read_text())
+    _report(rows, ns)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
