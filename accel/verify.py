@@ -9,7 +9,8 @@ For each op in ``accel.registry`` and each shape of its ``VerifySpec``, on sever
    their maximum), and the kernel runs inside ``registry.poisoned_outputs()`` so the tensors it
    returns through ``registry.empty`` start as NaN too. An element the kernel never writes fails.
 3. The kernel runs through the registry with Triton forced (a fall-back or ``Unsupported`` fails);
-   ``registry.reference_call_count()`` before and after proves no reference of any op ran inside it.
+   ``registry.reference_call_count()`` before and after proves no reference of any op ran inside it,
+   and at least one Triton kernel must have been launched (``count_triton_launches``).
 4. Every input tensor is compared bit for bit (NaN-aware) with the untouched original.
 5. Outputs are compared with the reference's: ``VerifySpec.compare`` or, by default, ``calc_diff``
    per tensor, taken block by block so a wrong tile cannot hide in a large output (``blockwise_diff``),
@@ -26,13 +27,15 @@ On the cpu the kernels run in the Triton interpreter: correctness holds, the tim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import functools
 import inspect
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ class Result:
     tflops: float | None = None
     gbps: float | None = None
     peak_pct: float | None = None  # the nearer roofline: max(TFLOP/s / peak, GB/s / peak) x 100
+    launches: int | None = None  # Triton kernel launches in one call of the op
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings 'nan' / 'inf' / '-inf'."""
@@ -310,6 +314,45 @@ def _short(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- the check
 
 
+def _counting(run: Callable, counter: list[int]) -> Callable:
+    @functools.wraps(run)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("warmup", False):
+            counter[0] += 1
+        return run(self, *args, **kwargs)
+
+    return counted
+
+
+@contextlib.contextmanager
+def count_triton_launches() -> Iterator[list[int] | None]:
+    """Within the block, ``counter[0]`` counts Triton kernel launches (compiled or interpreted).
+
+    Patches ``JITFunction.run`` and ``InterpretedFunction.run`` (every ``kernel[grid](...)`` and every
+    autotuner trial goes through them) for the duration; yields None when Triton is not importable.
+    This is how the harness proves that a "Triton implementation" launched a Triton kernel at all,
+    rather than computing its result with PyTorch operations.
+    """
+    try:
+        from triton.runtime import interpreter as _interpreter
+        from triton.runtime import jit as _jit
+    except ImportError:
+        yield None
+        return
+    counter = [0]
+    patched = []
+    for cls in (_jit.JITFunction, _interpreter.InterpretedFunction):
+        run = cls.__dict__.get("run")
+        if run is not None:
+            cls.run = _counting(run, counter)
+            patched.append((cls, run))
+    try:
+        yield counter
+    finally:
+        for cls, run in patched:
+            cls.run = run
+
+
 def fresh_seeds(n: int) -> list[int]:
     """``n`` distinct random seeds from the OS (printed with each result, so a failure can be replayed)."""
     if n < 1:
@@ -356,7 +399,7 @@ def _check_seed(op: KernelOp, shape: dict, seed: int, device: torch.device) -> t
     problems = []
     calls_before = registry.reference_call_counts()
     try:
-        with registry.force("triton"), registry.poisoned_outputs():
+        with registry.force("triton"), registry.poisoned_outputs(), count_triton_launches() as launches:
             returned = op(*ker_case.args, **ker_case.kwargs)
             synchronize()
     except Exception as exc:
@@ -367,6 +410,10 @@ def _check_seed(op: KernelOp, shape: dict, seed: int, device: torch.device) -> t
               if calls_after[name] != calls_before.get(name, 0)}
     if called:
         problems.append("kernel called a reference: " + ", ".join(f"{n} x{c}" for n, c in sorted(called.items())))
+    if launches is not None:
+        result.launches = launches[0]
+        if not launches[0]:
+            problems.append("the Triton implementation launched no Triton kernel")
     if op.last_impl != "triton":
         problems.append(f"the registry ran {op.last_impl!r}, not the Triton kernel")
 
@@ -511,6 +558,7 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
         rows.append({
             "op": op, "shape": shape,
             "seeds": f"{sum(r.passed for r in rs)}/{len(rs)}",
+            "launches": max((r.launches for r in rs if r.launches is not None), default=None),
             "max_err": max(errors) if errors else None,
             "tol": max(tolerances) if tolerances else None,
             "kernel_ms": timed and timed.kernel_ms, "ref_ms": timed and timed.reference_ms,

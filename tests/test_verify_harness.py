@@ -28,12 +28,15 @@ def toys():
 
 @pytest.fixture
 def scratch_ops():
-    """Register throw-away ops under test_verify.*; all removed afterwards."""
+    """Register throw-away ops under test_verify.*; all removed afterwards. Their plain-PyTorch "Triton
+    implementations" launch one trivial Triton kernel first (unless launch=False), as the harness demands."""
     made = []
 
-    def make(name, reference, impl, make_case, **spec_kwargs):
+    def make(name, reference, impl, make_case, launch=True, **spec_kwargs):
         full = f"test_verify.{name}"
         spec_kwargs.setdefault("shapes", [{"n": 8}])
+        if impl is not None and launch:
+            impl = _with_marker_launch(impl)
         registry.register(full, reference=reference, triton=impl,
                           verify=VerifySpec(make_case=make_case, **spec_kwargs) if make_case else None)
         made.append(full)
@@ -74,7 +77,7 @@ def test_correct_in_place_kernel_passes(toys):
     ("toy.wrong_result", r"^out: error [0-9.e+-]+ > tolerance 1e-06$"),
     ("toy.unwritten_output", r"^out: 1 of \d+ elements NaN/Inf where the reference is finite \(unwritten\?\)$"),
     ("toy.unwritten_out_arg", r"^out: 1 of \d+ elements NaN/Inf where the reference is finite \(unwritten\?\)$"),
-    ("toy.calls_reference", r"^kernel called a reference: toy\.axpby x1$"),
+    ("toy.calls_reference", r"^kernel called a reference: toy\.axpby x1"),  # n=37: no launch at all, too
     ("toy.mutates_input", r"^kernel modified its inputs: x \((\d+) of \1 elements\)$"),
     ("toy.unsupported", r"^kernel raised KernelFallbackError: .*does not support these inputs: toy kernel"),
 ], ids=lambda v: v.removeprefix("toy.") if v.startswith("toy.") else "")
@@ -104,6 +107,30 @@ def test_fresh_seeds():
 
 
 # ----------------------------------------------------------------------------- checker edge cases
+
+
+def _with_marker_launch(impl):
+    def launching(*args, **kwargs):
+        toy_kernels.launch_marker()
+        return impl(*args, **kwargs)
+
+    return launching
+
+
+def test_pytorch_posing_as_triton_is_caught(scratch_ops):
+    name = scratch_ops("no_launch", lambda x: x * 2, lambda x: x + x, _case_x, launch=False)
+    [result] = verify.verify_op(name, seeds=1)
+    assert not result.passed and result.launches == 0
+    assert result.reason == "the Triton implementation launched no Triton kernel"
+
+
+def test_launches_are_counted(toys):
+    [result] = verify.verify_op("toy.axpby", shapes=[{"n": 1000}], seeds=1, bench=False)
+    assert result.passed and result.launches == 1  # one kernel[grid](...) call, however many programs
+    with verify.count_triton_launches() as launches:
+        toy_kernels.launch_marker()
+        toy_kernels.launch_marker()
+    assert launches == [2]
 
 
 def _case_x(shape, seed, device):
