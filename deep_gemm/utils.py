@@ -6,6 +6,7 @@ The checks turn what DeepGEMM would assert in C++ (or silently compute wrong) in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128  # scale granularity along K (and along N for 128x128 weight blocks)
 M_ALIGNMENT = 128  # rows per group in the contiguous grouped layout
+CHECK_SCALES_ENV = "DSV3_DEEP_GEMM_CHECK_SCALES"
 
 _num_sms: int | None = None
 
@@ -115,9 +117,20 @@ def check_scale(name: str, sf: object, shapes: Sequence[Sequence[int | None]]) -
     if not any(sf.dim() == len(s) and all(a is None or a == b for a, b in zip(s, sf.shape)) for s in shapes):
         wants = " or ".join("[" + ", ".join("*" if a is None else str(a) for a in s) + "]" for s in shapes)
         raise ValueError(f"{name} must have shape {wants}, got {list(sf.shape)}")
-    if sf.numel() and not bool(torch.isfinite(sf).all() & (sf > 0).all()):
+    if sf.numel() and scale_values_checked(sf) and not bool(torch.isfinite(sf).all() & (sf > 0).all()):
         raise ValueError(f"{name} holds NaN, Inf or non-positive scales; every scale must be finite and > 0")
     return sf
+
+
+def scale_values_checked(sf: torch.Tensor) -> bool:
+    """Whether to look at scale values (one host sync per call on a GPU).
+
+    On unless ``DSV3_DEEP_GEMM_CHECK_SCALES=0`` (for latency-critical serving), and skipped while a
+    CUDA graph is being captured, where a sync is illegal.
+    """
+    if os.environ.get(CHECK_SCALES_ENV, "1") == "0":
+        return False
+    return not (sf.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def unpack_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
