@@ -116,8 +116,8 @@ say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO"
 export -f env_report  # `timeout` runs programs, not shell functions
 run_step env 60 bash -c env_report
 # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
-run_step pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
-run_step verify 180 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
+run_step pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
+run_step verify 200 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
     --json "$OUTDIR/verify_kernels.json"
 
 shopt -s nullglob

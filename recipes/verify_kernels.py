@@ -17,6 +17,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_NOTHING = 0, 1, 2
@@ -102,14 +103,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seed or args.seeds
 
     results = []
-    for name in names:
-        print(f"verifying {name} ...", flush=True)
-        results += verify.verify_op(name, seeds=seeds, bench=not args.no_bench, bench_shapes=bench_shapes)
+    extra = {"errors": problems, "argv": list(sys.argv[1:] if argv is None else argv)}
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {name} ...", end=" ", flush=True)
+        start = time.perf_counter()
+        op_results = verify.verify_op(name, seeds=seeds, bench=not args.no_bench, bench_shapes=bench_shapes)
+        results += op_results
+        passed = sum(r.passed for r in op_results)
+        print(f"{'PASS' if passed == len(op_results) else 'FAIL'} {passed}/{len(op_results)} "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+        if args.json:  # after every op, so a run cut short by a timeout still leaves its results
+            verify.write_json(args.json, results, extra={**extra, "complete": i == len(names)})
     print(verify.format_report(results))
     for line in problems:
         print(f"ERROR {line}")
     if args.json:
-        verify.write_json(args.json, results, extra={"errors": problems, "argv": list(argv or sys.argv[1:])})
         print(f"wrote {args.json}")
     passed = all(r.passed for r in results) and not problems
     print(f"{'PASSED' if passed else 'FAILED'}: {sum(r.passed for r in results)}/{len(results)} checks "

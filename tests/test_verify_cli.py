@@ -34,7 +34,7 @@ def test_cli_passes_and_writes_json(toys, tmp_path, capsys):
     assert "toy.axpby" in out and "PASS" in out and "FAIL" not in out
     assert "PASSED: 15/15 checks over 1 ops" in out
     doc = json.loads(path.read_text())
-    assert doc["passed"] is True and doc["errors"] == []
+    assert doc["passed"] is True and doc["errors"] == [] and doc["complete"] is True
     assert [r["shape"] for r in doc["rows"]] == ["n=37", "n=256", "n=1000"]
     assert all(r["seeds"] == "5/5" and r["kernel_ms"] > 0 for r in doc["rows"])
     assert len(doc["results"]) == 15 and {r["op"] for r in doc["results"]} == {"toy.axpby"}
@@ -48,6 +48,7 @@ def test_cli_fails_on_a_broken_kernel_and_replays_seeds(toys, capsys):
     assert status == 1
     assert "FAIL toy.mutates_input [n=37] seeds=7,8: kernel modified its inputs: x" in out
     assert "FAILED: 6/12 checks over 2 ops" in out  # axpby_out's 6 pass, mutates_input's 6 fail
+    assert "[1/2] toy.axpby_out ... PASS 6/6" in out and "[2/2] toy.mutates_input ... FAIL 0/6" in out
 
 
 def test_cli_nothing_to_verify(toys, monkeypatch, capsys):
