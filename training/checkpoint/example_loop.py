@@ -11,7 +11,7 @@ so a test can compare runs bit for bit; checkpoint events print as ``EVENT <name
 
 Test-only knobs: ``--write-delay`` writes each shard in two halves with a pause between (a kill can land
 mid-file), ``--poison-batch`` makes a data batch produce NaN, ``--crash-after-step`` exits abruptly on
-the first attempt (to exercise torchrun restarts).
+the first attempt on the last rank (to exercise torchrun restarts).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from training.checkpoint.manager import CheckpointManager, read_checkpoint
 from training.checkpoint.resume import (
     gather_named_optimizer_state,
     load_named_optimizer_state,
+    local_param_names,
     named_optimizer_state,
     restart_count,
 )
@@ -57,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--keep-every", type=int, default=0)
     p.add_argument("--fault", action="store_true", help="enable NaN/spike rollback")
@@ -119,23 +121,26 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     args = parse_args(argv)
     torch.set_num_threads(1)  # bit-reproducible CPU math across runs
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    own_group = world > 1 and not dist.is_initialized()
+    if own_group:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank() if world > 1 else 0
 
     torch.manual_seed(args.seed)
-    model = TinyMLP(args.hidden, args.dropout)
+    dtype = getattr(torch, args.dtype)
+    model = TinyMLP(args.hidden, args.dropout).to(dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if world > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when sharding
 
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
-        opt, local_opt = zero, zero.optim
+        opt = zero
     else:
-        opt = local_opt = torch.optim.AdamW(model.parameters(), **kw)
+        opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    config = {"seed": args.seed, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "dropout": args.dropout}
+    config = {"seed": args.seed, "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "dropout": args.dropout,
+              "dtype": args.dtype}
     data = {"position": 0}
     poison = set(args.poison_batch)
 
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
                                         stable_after=args.stable_after, max_retries=args.max_retries), mgr, metrics)
 
     def state() -> dict[str, Any]:
-        s = {"optimizer": named_optimizer_state(local_opt, names), "scheduler": sched.state_dict(), "data": dict(data)}
+        s = {"optimizer": named_optimizer_state(opt, names), "scheduler": sched.state_dict(), "data": dict(data)}
         if rank == 0:
             s["model"] = model.state_dict()
         return s
@@ -165,10 +170,10 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         own = read_checkpoint(folder, rank, expect_config=config) if rank < _saved_world(folder) else None
         model.load_state_dict(read_checkpoint(folder, 0, sections=["model"]).state["model"])
         if own is not None and _saved_world(folder) == world:
-            load_named_optimizer_state(local_opt, names, own.state["optimizer"])
+            load_named_optimizer_state(opt, names, own.state["optimizer"])
         else:  # another data-parallel size: pick this rank's parameters from every saved shard
-            wanted = [names[id(p)] for g in local_opt.param_groups for p in g["params"]]
-            load_named_optimizer_state(local_opt, names, gather_named_optimizer_state(folder, "optimizer", wanted))
+            wanted = local_param_names(opt, names)
+            load_named_optimizer_state(opt, names, gather_named_optimizer_state(folder, "optimizer", wanted))
         ref = own or read_checkpoint(folder, 0, sections=["scheduler", "data"])
         sched.load_state_dict(ref.state["scheduler"])
         data.update(ref.state["data"])
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
             step += 1
             model.train()
             x, y = batch_at(args.seed, data["position"], args.batch, rank, world, poison)
+            x = x.to(dtype)
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -211,11 +217,16 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
             opt.step()
             sched.step()
             data["position"] += 1
+            if world > 1:  # report the global-batch loss, as a single process would see it
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= world
             losses[step] = loss.item()
-            _emit("STEP", step, loss.item().hex())
+            if rank == 0:
+                _emit("STEP", step, loss.item().hex())
             if args.interval and step % args.interval == 0:
                 save(step)
-            if step == args.crash_after_step and restart_count() == 0:
+            if step == args.crash_after_step and restart_count() == 0 and rank == world - 1:
                 mgr.wait()
                 _emit("CRASH", step)
                 os._exit(13)
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     _emit("DONE", step)
     if args.losses_out and rank == 0:
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in sorted(losses.items())}))
-    if world > 1:
+    if own_group:
         dist.destroy_process_group()
     return losses
 

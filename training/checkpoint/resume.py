@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,33 @@ from training.checkpoint.manager import read_metadata
 log = logging.getLogger(__name__)
 
 
+def split_zero(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
+    """(the optimizer holding this rank's states, the ZeroRedundancyOptimizer around it or None)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim, optimizer
+    return optimizer, None
+
+
+def local_param_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
+    """Names of the parameters whose states this rank holds (its ZeRO shard, or all)."""
+    local, _ = split_zero(optimizer)
+    return [names[id(p)] for g in local.param_groups for p in g["params"]]
+
+
 def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameters named: ``{"state": {fqn: {...}}, "param_groups": [...]}``.
 
-    ``names`` maps ``id(parameter)`` to its name. Works for a ZeRO shard's local optimizer (``zero.optim``):
-    only the parameters it owns appear.
+    ``names`` maps ``id(parameter)`` to its name. For a ``ZeroRedundancyOptimizer`` only this rank's shard
+    is saved (no gather), with the group hyper-parameters of the outer optimizer: an LR scheduler updates
+    those, and the shard's copy lags one step behind until the next ``step()``.
     """
-    sd = optimizer.state_dict()
+    local, zero = split_zero(optimizer)
+    sd = local.state_dict()
     index_to_name: dict[int, str] = {}
     groups = []
-    for group, sd_group in zip(optimizer.param_groups, sd["param_groups"]):
+    outer = zero.param_groups if zero is not None else [{}] * len(sd["param_groups"])
+    for group, sd_group, outer_group in zip(local.param_groups, sd["param_groups"], outer):
         fqns = []
         for p, idx in zip(group["params"], sd_group["params"]):
             if id(p) not in names:
@@ -42,7 +60,9 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, 
                                  "expected a name for every parameter the optimizer holds")
             index_to_name[idx] = names[id(p)]
             fqns.append(names[id(p)])
-        groups.append({**{k: v for k, v in sd_group.items() if k != "params"}, "params": fqns})
+        hyper = {k: v for k, v in sd_group.items() if k != "params"}
+        hyper.update({k: v for k, v in outer_group.items() if k != "params" and k in hyper})
+        groups.append({**hyper, "params": fqns})
     return {"state": {index_to_name[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
 
 
@@ -52,7 +72,9 @@ def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[
 
     Group hyper-parameters come from the saved group of the same index; per-parameter state by name.
     A parameter the optimizer holds but the checkpoint lacks is an error (wrong checkpoint or config).
+    A ``ZeroRedundancyOptimizer`` gets its shard's states and the hyper-parameters on both levels.
     """
+    optimizer, zero = split_zero(optimizer)
     saved_groups = named["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint optimizer has {len(saved_groups)} param groups, this optimizer has "
@@ -76,6 +98,9 @@ def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[
         raise fmt.CheckpointMismatchError(f"optimizer state missing for {len(missing)} parameters: "
                                           f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if zero is not None:
+        for outer_group, saved in zip(zero.param_groups, saved_groups):
+            outer_group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _has_state(named: dict[str, Any]) -> bool:
