@@ -38,11 +38,12 @@ _INT = (torch.int32,)
 # ---------------------------------------------------------------- argument checks
 
 
-def _check_m_indices(m_indices: object, m: int, num_groups: int) -> None:
+def check_m_indices(m_indices: object, m: int, num_groups: int, rows_of: str = "a") -> None:
+    """The contiguous layout: int32 ``[m]``, m a multiple of 128, ids in [-1, G), one group per 128-row block."""
     check_tensor("m_indices", m_indices, _INT, (m,))
     if m % M_ALIGNMENT:
-        raise ValueError(f"a: rows ({m}) must be a multiple of {M_ALIGNMENT}: pad each group to "
-                         f"get_m_alignment_for_contiguous_layout() rows")
+        raise ValueError(f"{rows_of}: rows ({m}) must be a multiple of {M_ALIGNMENT}: pad each group to "
+                         f"get_m_alignment_for_contiguous_layout() rows marked -1 in m_indices")
     if m == 0:
         return
     lo, hi = int(m_indices.min()), int(m_indices.max())
@@ -79,7 +80,7 @@ def _check_contiguous_fp8(a, b, d, m_indices, n_letters: str):
     check_scale("a[1] (scales of a)", sfa, [(m, k // BLOCK)])
     b_t, sfb, g, n = _check_grouped_b_fp8(b, None, n_letters, k)
     check_out(d, (m, n), None, dtypes=(torch.bfloat16,))
-    _check_m_indices(m_indices, m, g)
+    check_m_indices(m_indices, m, g)
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, m_indices=m_indices)
 
 
@@ -392,7 +393,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     m, k = a.shape
     check_tensor("b", b, (torch.bfloat16,), (None, None, k))
     check_out(d, (m, b.shape[1]), None, dtypes=(torch.bfloat16,))
-    _check_m_indices(m_indices, m, b.shape[0])
+    check_m_indices(m_indices, m, b.shape[0])
     check_same_device(a=a, b=b, d=d, m_indices=m_indices)
     return _contiguous_bf16(a, b, d, m_indices)
 

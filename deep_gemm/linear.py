@@ -26,6 +26,7 @@ import accel.wgrad
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
 from deep_gemm.gemm import fp8_gemm_nn, fp8_gemm_nt, fp8_gemm_tn
 from deep_gemm.grouped import (
+    check_m_indices,
     k_grouped_fp8_gemm_tn_contiguous,
     m_grouped_fp8_gemm_nn_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
@@ -264,17 +265,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     if not isinstance(m_indices, torch.Tensor) or m_indices.shape != (x.shape[0],) or m_indices.is_floating_point():
         raise ValueError(f"m_indices must be an integer tensor [{x.shape[0]}] (x's rows), "
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
-    if x.shape[0] % M_ALIGNMENT:
-        raise ValueError(f"x's rows ({x.shape[0]}) must be a multiple of {M_ALIGNMENT}: pad each group to "
-                         f"get_m_alignment_for_contiguous_layout() rows with m_indices = -1")
     m_indices = m_indices.to(torch.int32).contiguous()
-    if x.shape[0]:
-        lo, hi = int(m_indices.min()), int(m_indices.max())
-        if lo < -1 or hi >= weight.shape[0]:
-            raise ValueError(f"m_indices must lie in [-1, {weight.shape[0]}), got [{lo}, {hi}]")
-        blocks = m_indices.view(-1, M_ALIGNMENT)
-        if bool(((blocks >= 0) & (blocks != blocks.amax(dim=1, keepdim=True))).any()):
-            raise ValueError(f"m_indices: every block of {M_ALIGNMENT} rows must belong to one group (or be padding)")
+    check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
     return _GroupedLinearFunction.apply(x, weight, m_indices, bool(fp8))
 
 

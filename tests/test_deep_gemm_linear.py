@@ -150,7 +150,7 @@ def test_grouped_linear_module_defers_weight_gradient():
     (lambda: deep_gemm.grouped_linear(torch.randn(100, 128), torch.randn(2, 64, 128),
                                       torch.zeros(100, dtype=torch.int32)), "multiple of 128"),
     (lambda: deep_gemm.grouped_linear(torch.randn(128, 128), torch.randn(2, 64, 128),
-                                      torch.full((128,), 2, dtype=torch.int32)), r"m_indices must lie in \[-1, 2\)"),
+                                      torch.full((128,), 2, dtype=torch.int32)), r"group ids in \[0, 2\) or -1"),
     (lambda: deep_gemm.grouped_linear(torch.randn(128, 128), torch.randn(2, 64, 128),
                                       torch.arange(128, dtype=torch.int32) % 2), "one group"),
 ])
