@@ -45,7 +45,7 @@ class P2P:
                  timeout: float = 300.0):
         self.group, self.peers, self.rank, self.device = group, list(peers), rank, device
         self.timeout = datetime.timedelta(seconds=timeout)
-        self._sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self._sends: list[tuple[list[dist.Work], list[torch.Tensor], list[torch.Tensor]]] = []
         self.blocked_s = 0.0  # time spent blocked in receives (benchmarks separate it from overhead)
 
     # -- header ------------------------------------------------------------------------------
@@ -79,13 +79,15 @@ class P2P:
         return specs
 
     # -- transfer ----------------------------------------------------------------------------
-    def send(self, msg: Message, tensors: Sequence[torch.Tensor | None]) -> None:
+    def send(self, msg: Message, tensors: Sequence[torch.Tensor | None], free_after: bool = False) -> None:
+        """Post ``tensors`` to ``msg.dst``. With ``free_after``, their storage is released once sent
+        (upstream's memory saving for stage outputs that are only kept as autograd roots)."""
         dst = self.peers[msg.dst]
         header = self._header(msg, tensors)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
         works = [dist.isend(t, dst, group=self.group) for t in (header, *payload)]
-        for w in works:
-            self._sends.append((w, [header, *payload]))
+        to_free = [t for t in tensors if t is not None] if free_after else []
+        self._sends.append((works, [header, *payload], to_free))
 
     def recv(self, msg: Message, action: str) -> list[torch.Tensor | None]:
         src = self.peers[msg.src]
@@ -114,14 +116,27 @@ class P2P:
             self.blocked_s += time.perf_counter() - t0
 
     def reap_sends(self) -> None:
-        """Forget sends that have completed (cheap; frees their buffers)."""
-        self._sends = [(w, keep) for w, keep in self._sends if not w.is_completed()]
+        """Forget sends that have completed (cheap), releasing what was marked ``free_after``."""
+        pending = []
+        for works, keep, to_free in self._sends:
+            if all(w.is_completed() for w in works):
+                _release(to_free)
+            else:
+                pending.append((works, keep, to_free))
+        self._sends = pending
 
     def wait_sends(self) -> None:
-        for w, _ in self._sends:
-            try:
-                w.wait(self.timeout)
-            except RuntimeError as exc:
-                raise P2PTimeoutError(f"rank {self.rank}: a send did not complete within "
-                                      f"{self.timeout.total_seconds():.0f}s: {exc}") from exc
+        for works, _, to_free in self._sends:
+            for w in works:
+                try:
+                    w.wait(self.timeout)
+                except RuntimeError as exc:
+                    raise P2PTimeoutError(f"rank {self.rank}: a send did not complete within "
+                                          f"{self.timeout.total_seconds():.0f}s: {exc}") from exc
+            _release(to_free)
         self._sends = []
+
+
+def _release(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -26,10 +26,11 @@ class DualPipe(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT) -> None:
+                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT, free_sent_outputs: bool = True) -> None:
         if len(modules) != 2:
             raise ValueError(f"DualPipe needs two stage modules per rank, got {len(modules)}")
-        super().__init__(modules, "dualpipe", batch_dim, process_group, rank_mapping, p2p_timeout)
+        super().__init__(modules, "dualpipe", batch_dim, process_group, rank_mapping, p2p_timeout,
+                         free_sent_outputs)
         if self.num_ranks % 2:
             raise ValueError(f"DualPipe needs an even number of ranks, got {self.num_ranks}")
 

@@ -20,10 +20,11 @@ class DualPipeV(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT) -> None:
+                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT, free_sent_outputs: bool = True) -> None:
         if len(modules) != 2:
             raise ValueError(f"DualPipeV needs two stage modules per rank, got {len(modules)}")
-        super().__init__(modules, "dualpipev", batch_dim, process_group, rank_mapping, p2p_timeout)
+        super().__init__(modules, "dualpipev", batch_dim, process_group, rank_mapping, p2p_timeout,
+                         free_sent_outputs)
 
     def step(self, *inputs: torch.Tensor | None, num_chunks: int = 0, criterion: Callable | None = None,
              labels: Sequence[torch.Tensor | None] = (), return_outputs: bool = False

@@ -53,12 +53,16 @@ class Pipeline(nn.Module):
         process_group: group of the pipeline ranks (default: the world).
         rank_mapping: ``rank_mapping[group_rank]`` is the pipeline rank of that group member.
         p2p_timeout: seconds any wait on a neighbour may take before a P2PTimeoutError.
+        free_sent_outputs: release the storage of stage outputs once sent to the next rank, as
+            upstream does (their backward needs only the graph). Turn off for stages whose last
+            operation saves its own output for backward (e.g. ending in ``tanh`` or ``sigmoid``).
     """
 
     def __init__(self, modules: Sequence[nn.Module], schedule: str, batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT) -> None:
+                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT, free_sent_outputs: bool = True) -> None:
         super().__init__()
+        self.free_sent_outputs = free_sent_outputs
         if schedule not in schedules.SCHEDULES:
             raise ValueError(f"schedule must be one of {schedules.SCHEDULES}, got {schedule!r}")
         self.schedule_name = schedule
@@ -206,7 +210,8 @@ class Pipeline(nn.Module):
                                          for t in outputs]
         else:
             (msg,) = self._sched.sends_of(a)
-            self.p2p.send(msg, outputs)
+            # once sent, an output is needed only as an autograd root: free its storage (as upstream)
+            self.p2p.send(msg, outputs, free_after=self.free_sent_outputs and torch.is_grad_enabled())
 
     def _forward(self, a: Action) -> None:
         module, inputs, criterion, labels = self._pre_forward(a)

@@ -35,7 +35,9 @@ class ToyStage(nn.Module):
         self.plain = nn.Linear(d_out, d_out, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.plain(torch.tanh(self.deferred(x)))
+        out = self.plain(torch.tanh(self.deferred(x)))
+        self.__dict__.setdefault("produced", []).append(out)  # the test checks sent outputs get freed
+        return out
 
 
 class OverlapStage(ToyStage):
@@ -135,7 +137,11 @@ def _check_schedule(rank: int, world: int, name: str, chunks: int, seed: int, cl
         expect = slice(0, chunks) if rank == last else None
 
     loss, out = pipe.step(*ins, num_chunks=chunks, criterion=criterion, labels=labs)
-    res = {"stats": dict(pipe.last_step_stats), "store_left": pipe.store.pending(), "out_none": out is None}
+    sent = [m for s, m in zip(lay.stages_of(rank), mods)
+            if lay.next_stage(s) is not None and lay.stage_rank[lay.next_stage(s)] != rank]
+    freed = all(t.numel() == 0 for m in sent for t in m.__dict__.get("produced", []))
+    res = {"sent_outputs_freed": freed, "stats": dict(pipe.last_step_stats), "store_left": pipe.store.pending(),
+           "out_none": out is None}
     res["loss_equal"] = (loss is None) if expect is None else bool(torch.equal(loss, ref_loss[expect]))
     if name == "dualpipe":
         pipe.sync_mirrored_grads()
@@ -172,6 +178,7 @@ def _assert_results(results: list[dict], world: int) -> None:
             assert r["fwd_equal"], f"{where}: forward-only outputs/losses differ"
             assert r["store_left"] == 0, f"{where}: weight-grad store not empty after the step"
             assert r["out_none"], f"{where}: outputs returned without return_outputs"
+            assert r["sent_outputs_freed"], f"{where}: outputs sent to the next rank kept their storage"
             if name.split("-")[0] in ("zb1p", "zbv", "dualpipev", "dualpipe"):
                 # I actions deferred real closures (ToyStage's deferring linear) that W actions ran
                 assert r["stats"]["max_pending_wgrad"] > 0 and r["stats"]["wgrad_closures_run"] > 0, where
