@@ -93,7 +93,10 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _pack_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Rows as bytes: e4m3 values then the fp32 1x128 scales (one buffer, one all-to-all)."""
+    """Rows as bytes: e4m3 values then the fp32 1x128 scales (one buffer, one all-to-all).
+
+    Any width works: the last tile of a row whose width is not a multiple of 128 is a partial one.
+    """
     x_fp8, scales = deep_gemm.per_token_cast_to_fp8(x.detach())
     return torch.cat([x_fp8.view(torch.uint8), scales.float().contiguous().view(torch.uint8)], dim=1)
 
@@ -186,8 +189,6 @@ class ExpertParallel:
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
                              f"{tuple(indices.shape)}")
-        if self.fp8_dispatch and x.shape[1] % 128:
-            raise ValueError(f"dispatch: fp8_dispatch needs dim divisible by 128 (1x128 scales), got {x.shape[1]}")
         phys = self.to_physical(indices)
         dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
         phys = torch.where(phys >= 0, phys, torch.full_like(phys, dropped))
