@@ -1,13 +1,14 @@
 """Dense GEMMs with DeepGEMM v2's names: ``fp8_gemm_{nt,nn,tn}`` and ``bf16_gemm_{nt,nn,tn}``.
 
 ``D = A @ B^T`` in the ``nt`` layout (A [m, k], B [n, k], both K-major). ``nn`` takes B as [k, n]
-(the dgrad layout, ``dX = dY @ W``) and ``tn`` takes A as [k, m] and B as [k, n] (the wgrad layout,
-``dW = dY^T @ X``, reduction over the token dimension). Each layout is a strided view of the nt
-problem, so one Triton kernel serves all three with no transposing copies.
+(the dgrad layout, ``dX = dY @ W``), ``tn`` takes A as [k, m] and B as [k, n] (the wgrad layout,
+``dW = dY^T @ X``, reduction over the token dimension) and ``tt`` takes A as [k, m], B as [n, k].
+Each layout is a strided view of the nt problem, so one Triton kernel serves all four.
 
 FP8 scales: A per 1x128 tile along K (``[m, k/128]``; ``[k/128, m]`` for tn); B per 128x128
 block (``[ceil(n/128), k/128]``) or per 1x128 tile (``[n, k/128]``), told apart by shape.
-Output: ``d`` (bf16 or fp32, written in place); with ``c``, ``d = c + A @ B^T`` (``c`` may be ``d``).
+``fp8_gemm_*`` take ``(tensor, scales)`` pairs. Output: ``d`` (bf16 or fp32, written in place);
+with ``c``, ``d = c + A @ B^T`` (``c`` may be ``d``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from deep_gemm.utils import (
     unpack_pair,
 )
 
-_LAYOUTS = {"nt": ("mk", "nk"), "nn": ("mk", "kn"), "tn": ("km", "kn")}
+_LAYOUTS = {"nt": ("mk", "nk"), "nn": ("mk", "kn"), "tn": ("km", "kn"), "tt": ("km", "nk")}
 
 
 def _logical(t: torch.Tensor, letters: str, first: str) -> torch.Tensor:
@@ -86,6 +87,7 @@ def launch_dense(a, b, d, c, sfa=None, sfb=None) -> torch.Tensor:
     """Triton launch on logical views (shared by the dense ops and their tests)."""
     from deep_gemm.kernels import gemm as kernels
 
+    kernels.require_fp8_hardware(sfa is not None)  # before touching d
     if c is not None and c.data_ptr() != d.data_ptr():
         d.copy_(c)
     if d.numel() == 0:
@@ -188,8 +190,9 @@ def _spec(kind: str, fp8: bool) -> VerifySpec:
 
 _REFS = {
     ("nt", True): reference.fp8_gemm_nt_reference, ("nn", True): reference.fp8_gemm_nn_reference,
-    ("tn", True): reference.fp8_gemm_tn_reference, ("nt", False): reference.bf16_gemm_nt_reference,
-    ("nn", False): reference.bf16_gemm_nn_reference, ("tn", False): reference.bf16_gemm_tn_reference,
+    ("tn", True): reference.fp8_gemm_tn_reference, ("tt", True): reference.fp8_gemm_tt_reference,
+    ("nt", False): reference.bf16_gemm_nt_reference, ("nn", False): reference.bf16_gemm_nn_reference,
+    ("tn", False): reference.bf16_gemm_tn_reference, ("tt", False): reference.bf16_gemm_tt_reference,
 }
 _OPS = {
     (kind, fp8): registry.register(
@@ -227,6 +230,13 @@ def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=Non
     return _OPS["tn", True]((a[0], a[1]), (b[0], b[1]), d, c)
 
 
+def fp8_gemm_tt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
+                disable_ue8m0_cast: bool = False) -> torch.Tensor:
+    """``d = a^T @ b^T (+ c)``; ``a = (fp8 [k, m], sf [k/128, m])``, ``b`` as in ``fp8_gemm_nt``."""
+    check_fp8_args("tt", a, b, d, c)
+    return _OPS["tt", True]((a[0], a[1]), (b[0], b[1]), d, c)
+
+
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "nk") -> torch.Tensor:
     """``d = a @ b^T (+ c)`` in bf16 with fp32 accumulation; ``a [m, k]``, ``b [n, k]``."""
@@ -246,6 +256,13 @@ def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Ten
     """``d = a^T @ b (+ c)``; ``a [k, m]``, ``b [k, n]``."""
     check_bf16_args("tn", a, b, d, c)
     return _OPS["tn", False](a, b, d, c)
+
+
+def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "mn") -> torch.Tensor:
+    """``d = a^T @ b^T (+ c)``; ``a [k, m]``, ``b [n, k]``."""
+    check_bf16_args("tt", a, b, d, c)
+    return _OPS["tt", False](a, b, d, c)
 
 
 # DeepGEMM v1 name

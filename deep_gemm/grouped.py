@@ -185,6 +185,7 @@ def _k_offsets(ks: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def _k_grouped_launch(a, b, d, ks, c, sfa=None, sfb=None):
     k = _kernels()
+    k.require_fp8_hardware(sfa is not None)  # before touching d
     if c is not None and c.data_ptr() != d.data_ptr():
         d.copy_(c)
     if d.numel():

@@ -115,6 +115,11 @@ def fp8_gemm_tn_reference(a, b, d, c=None):
     return gemm_nt_reference((a[0].T, a[1].T), (b[0].T, b[1].T), d, c)
 
 
+@registry.reference_for("deep_gemm.fp8_gemm_tt")
+def fp8_gemm_tt_reference(a, b, d, c=None):
+    return gemm_nt_reference((a[0].T, a[1].T), tuple(b), d, c)
+
+
 @registry.reference_for("deep_gemm.bf16_gemm_nt")
 def bf16_gemm_nt_reference(a, b, d, c=None):
     return gemm_nt_reference(a, b, d, c)
@@ -128,6 +133,11 @@ def bf16_gemm_nn_reference(a, b, d, c=None):
 @registry.reference_for("deep_gemm.bf16_gemm_tn")
 def bf16_gemm_tn_reference(a, b, d, c=None):
     return gemm_nt_reference(a.T, b.T, d, c)
+
+
+@registry.reference_for("deep_gemm.bf16_gemm_tt")
+def bf16_gemm_tt_reference(a, b, d, c=None):
+    return gemm_nt_reference(a.T, b, d, c)
 
 
 # ---------------------------------------------------------------- grouped GEMMs

@@ -33,6 +33,8 @@ def _operands(kind: str, a: torch.Tensor, b: torch.Tensor, sfb_per_row: bool = F
         return deep_gemm.per_token_cast_to_fp8(a), b_op
     if kind == "nn":
         return deep_gemm.per_token_cast_to_fp8(a), deep_gemm.per_block_cast_to_fp8(b.T.contiguous())
+    if kind == "tt":
+        return deep_gemm.per_channel_cast_to_fp8(a.T.contiguous()), deep_gemm.per_block_cast_to_fp8(b)
     return deep_gemm.per_channel_cast_to_fp8(a.T.contiguous()), deep_gemm.per_channel_cast_to_fp8(b.T.contiguous())
 
 
@@ -56,12 +58,23 @@ def test_fp8_gemm_matches_fp32_product(kind, m, n, k):
     assert calc_diff(d, d_ref) < SAME_INPUT_TOL
 
 
-@pytest.mark.parametrize("kind", ["nt", "nn", "tn"])
+@pytest.mark.parametrize("m,n,k", [(129, 256, 128)])
+def test_fp8_gemm_tt(m, n, k):
+    a, b = _inputs(m, n, k)
+    a_op, b_op = _operands("tt", a, b)
+    d = _poisoned(m, n)
+    with registry.force("triton"):
+        deep_gemm.fp8_gemm_tt(a_op, b_op, d)
+    assert calc_diff(d, a @ b.T) < QUANT_TOL
+    assert calc_diff(d, deep_gemm.fp8_gemm_tt(a_op, b_op, _poisoned(m, n))) < SAME_INPUT_TOL
+
+
+@pytest.mark.parametrize("kind", ["nt", "nn", "tn", "tt"])
 @pytest.mark.parametrize("m,n,k", [(1, 128, 192), (129, 256, 128)])
 def test_bf16_gemm_matches_fp32_product(kind, m, n, k):
     a, b = _inputs(m, n, k)
-    a_op = a.bfloat16() if kind != "tn" else a.T.contiguous().bfloat16()
-    b_op = b.bfloat16() if kind == "nt" else b.T.contiguous().bfloat16()
+    a_op = a.bfloat16() if kind[0] == "n" else a.T.contiguous().bfloat16()
+    b_op = b.bfloat16() if kind[1] == "t" else b.T.contiguous().bfloat16()
     d = _poisoned(m, n)
     with registry.force("triton"):
         getattr(deep_gemm, f"bf16_gemm_{kind}")(a_op, b_op, d)

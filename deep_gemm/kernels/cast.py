@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from accel import registry
+from deep_gemm.kernels.gemm import require_fp8_hardware
 from deep_gemm.kernels.rounding import round_to_e4m3_grid
 from deep_gemm.utils import FP8, ceil_div
 
@@ -57,6 +58,7 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     """Triton twin of ``reference.cast_tiles`` for 2-D or 3-D ``x`` (tiles over the last two dims)."""
     if x.dim() not in (2, 3):
         raise registry.Unsupported(f"cast kernel takes 2-D or 3-D inputs, got {x.dim()}-D")
+    require_fp8_hardware()
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     batch, rows, cols = x3.shape
     r_tiles, c_tiles = ceil_div(rows, tile_rows), ceil_div(cols, tile_cols)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 import accel
+from accel import registry
 from deep_gemm.kernels.rounding import round_to_bf16
 
 DENSE, CONTIGUOUS, MASKED, K_GROUPED = 0, 1, 2, 3
@@ -142,6 +143,12 @@ def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 8192)
 
 
+def require_fp8_hardware(fp8: bool = True) -> None:
+    """FP8 kernels need e4m3 hardware (CUDA sm89+, MUSA 3.1+); elsewhere the registry uses the reference."""
+    if fp8 and not accel.triton_interpreted() and not accel.fp8_native():
+        raise registry.Unsupported(f"{accel.device_name()} has no FP8 (e4m3) tensor cores")
+
+
 def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp=None, num_groups: int = 1,
            accumulate: bool = False) -> None:
     """Run the kernel on logical views ``a [G?, M, K]``, ``b [G?, N, K]``, ``d [G?, M, N]``.
@@ -150,6 +157,7 @@ def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp
     are read through their strides, so transposed scale views (nn, tn, MN-major) need no copy.
     """
     fp8 = sfa is not None
+    require_fp8_hardware(fp8)
     if fp8 and not accel.triton_interpreted():
         # Hopper's FP8 tensor cores (wgmma) take K-major operands only; an MN-major tile would be
         # transposed in registers and the loads would not pipeline. One fp8 copy (memory-bound,
