@@ -70,21 +70,31 @@ def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | No
 
 
 @torch.no_grad()
-def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of ``prompt`` (the context is cut to ``data.seq_len`` tokens)."""
+def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, companions: int = 3) -> str:
+    """Greedy continuation of ``prompt`` (the context is cut to ``data.seq_len`` tokens).
+
+    The prompt is decoded in a batch with ``companions`` held-out text prefixes of the same length:
+    with expert parallelism, a lone short prompt can route no token at all to some expert rank, an
+    edge case the dispatch does not handle yet (see docs/training.md).
+    """
     par, ps = trainer.cfg.parallel, trainer.ps
     ids = trainer.tokenizer.encode(prompt) or [0]
-    tokens = torch.tensor([ids], dtype=torch.long, device=trainer.device)
+    rows = [ids]
+    corpus = trainer.corpus
+    for c in range(companions if corpus.num_valid else 0):
+        window = corpus.window(corpus.num_train + c % corpus.num_valid)
+        rows.append(window[: len(ids)].tolist())
+    tokens = torch.tensor(rows, dtype=torch.long, device=trainer.device)
     holder = stage_owner(par.schedule, par.pp)[num_model_stages(par.schedule, par.pp) - 1]
     for _ in range(max_new_tokens):
         ctx = tokens[:, -trainer.cfg.data.seq_len:]
         h = pipeline_hidden(trainer, ctx)
-        nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
+        nxt = torch.zeros(len(rows), dtype=torch.long, device=trainer.device)
         if h is not None:
             st = trainer.loss_stage
             with eval_mode(trainer):
-                nxt[0] = st.head(st.norm(h[:, -1])).argmax(-1)[0]
+                nxt.copy_(st.head(st.norm(h[:, -1])).argmax(-1))
         if ps.size("pp") > 1:
             dist.broadcast(nxt, src=ps.ranks["pp"][holder], group=ps.group("pp"))
-        tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
+        tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
     return trainer.tokenizer.decode(tokens[0, len(ids):].tolist())
