@@ -90,6 +90,25 @@ def test_triton_decode_matches_reference(seqlens, s_q, h_q, h_kv, fp8, causal):
     assert got[0].dtype == q.dtype and got[1].dtype == torch.float32
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_triton_decode_whole_q_tiling(monkeypatch, fp8):
+    """On a GPU the autotuner also picks tilings that hold the whole Q tile and reuse the K tile as V (one
+    64-token page per step); the interpreter's default config does not, so run one here."""
+    from flash_mla.kernels import decode as kernels
+
+    monkeypatch.setattr(kernels, "_INTERP_DECODE_CONFIG", [(16, 64, 512, 0, 1, 1)])
+    monkeypatch.setattr(kernels, "_decode", None)  # rebuild the autotuned kernel with that config
+    q, cache, table, lens, meta, splits = _case([100, 0, 260], s_q=2, h_q=8, fp8=fp8, seed=11)
+    with registry.force("triton"), registry.poisoned_outputs():
+        got = flash_mla.flash_mla_with_kvcache(q, cache, table, lens, 512, meta, splits, causal=True,
+                                               is_fp8_kvcache=fp8)
+    want = flash_mla_with_kvcache_reference(q, cache, table, lens, 512, meta, splits, causal=True,
+                                            is_fp8_kvcache=fp8)
+    for name, (err, tol) in compare_decode(got, want).items():  # FlashMLA's pass marks, as above
+        assert err < tol, f"{name}: {err} >= {tol}"
+
+
 def test_split_plan_covers_each_sequence_once():
     lens = torch.tensor([0, 1000, 64, 65], dtype=torch.int32)
     meta, splits = flash_mla.get_mla_metadata(lens, 16, 1)

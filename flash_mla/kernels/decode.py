@@ -41,7 +41,7 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
                    rows, ngroups, s_q, qk_scale_log2,
                    CAUSAL: tl.constexpr, FP8: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
                    PAGE: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, QK_CHUNK: tl.constexpr):
     # axis 0: (row tile, V slice) with the V slice fastest, so the programs sharing a page run together
     # and the second read of the page comes from L2
     n_v: tl.constexpr = D_NOPE // BLOCK_V
@@ -66,11 +66,13 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     cols_r = tl.arange(0, D_ROPE)
     cols_v = v_part * BLOCK_V + tl.arange(0, BLOCK_V)
     q_ptr = Q + b * stride_qb + tok * stride_qs + head * stride_qh
-    q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
     q_r = tl.load(q_ptr[:, None] + D_NOPE + cols_r[None, :], mask=r_ok[:, None], other=0.0)
     if UPCAST:
-        q_n = q_n.to(tl.float32)
         q_r = q_r.to(tl.float32)
+    if QK_CHUNK == 0:  # hold the whole latent Q tile for the loop (else reload QK_CHUNK columns at a time)
+        q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
+        if UPCAST:
+            q_n = q_n.to(tl.float32)
     last_visible = seqlen - s_q + tok  # bottom-right causal: query token i sees keys <= seqlen - s_q + i
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -83,16 +85,31 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # token positions within the sequence
         n_ok = offs_n < seqlen
         kn_rows = KN + page * stride_kn_blk + g * stride_kn_h + offs_t * stride_kn_tok
-        k_n = tl.load(kn_rows[:, None] + cols[None, :], mask=n_ok[:, None], other=0.0)
         k_r = tl.load(KR + page * stride_kr_blk + g * stride_kr_h + offs_t[:, None] * stride_kr_tok
                       + cols_r[None, :], mask=n_ok[:, None], other=0.0)
+        if UPCAST:
+            k_r = k_r.to(tl.float32)
+        s = tl.dot(q_r, tl.trans(k_r))
         if FP8:
             scale_rows = page * stride_ks_blk + g * stride_ks_h + offs_t * stride_ks_tok
-            k_n = _dequant_fp8(k_n, KS, scale_rows, 0, n_ok, D_NOPE, BLOCK_N, UPCAST)
-        if UPCAST:
-            k_n = k_n.to(tl.float32)
-            k_r = k_r.to(tl.float32)
-        s = tl.dot(q_n, tl.trans(k_n)) + tl.dot(q_r, tl.trans(k_r))
+        if QK_CHUNK == 0:
+            k_n = tl.load(kn_rows[:, None] + cols[None, :], mask=n_ok[:, None], other=0.0)
+            if FP8:
+                k_n = _dequant_fp8(k_n, KS, scale_rows, 0, n_ok, D_NOPE, BLOCK_N, UPCAST)
+            if UPCAST:
+                k_n = k_n.to(tl.float32)
+            s += tl.dot(q_n, tl.trans(k_n))
+        else:  # fewer live registers: Q comes back from L1 chunk by chunk
+            for c in tl.static_range(D_NOPE // QK_CHUNK):
+                cc = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
+                q_c = tl.load(q_ptr[:, None] + cc[None, :], mask=r_ok[:, None], other=0.0)
+                k_c = tl.load(kn_rows[:, None] + cc[None, :], mask=n_ok[:, None], other=0.0)
+                if FP8:
+                    k_c = _dequant_fp8(k_c, KS, scale_rows, c * QK_CHUNK, n_ok, QK_CHUNK, BLOCK_N, UPCAST)
+                if UPCAST:
+                    q_c = q_c.to(tl.float32)
+                    k_c = k_c.to(tl.float32)
+                s += tl.dot(q_c, tl.trans(k_c))
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= last_visible[:, None])
@@ -102,7 +119,7 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if BLOCK_V == D_NOPE:
+        if BLOCK_V == D_NOPE and QK_CHUNK == 0:
             v = k_n  # V is the latent part of the same cache row
         else:  # this program's V columns, reloaded (an L1/L2 hit) rather than sliced out of registers
             v = tl.load(kn_rows[:, None] + cols_v[None, :], mask=n_ok[:, None], other=0.0)
@@ -169,13 +186,13 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-# (BLOCK_H, BLOCK_N, BLOCK_V, warps, stages). An AOT sm90 build (ptxas, no GPU) of each: (16,16,128) has no
-# register spills; the others spill 100-250 bytes of stack but read each page for more heads at once. Which
-# wins is for the autotuner on the GPU to say (see docs/flash_mla.md).
-_DECODE_CONFIGS = [(16, 16, 128, 4, 2), (16, 32, 512, 4, 2), (32, 32, 512, 8, 2), (64, 32, 128, 8, 2),
-                   (32, 32, 256, 4, 2), (64, 32, 256, 8, 2)]
-# the interpreter runs one config that still exercises sub-page tiles and V slices
-_INTERP_DECODE_CONFIG = [(16, 32, 256, 1, 1)]
+# (BLOCK_H, BLOCK_N, BLOCK_V, QK_CHUNK, warps, stages). From an AOT sm90 build (ptxas, no GPU): (16,16,128,0)
+# has no register spills; holding a wide Q tile spills (64 rows: ~250-1000 bytes of stack), which reloading Q
+# in 128-column chunks cuts to ~100. Which is fastest is for the autotuner on the GPU to say.
+_DECODE_CONFIGS = [(16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
+                   (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2), (32, 32, 256, 128, 4, 2)]
+# the interpreter runs one config (tests swap in others); it exercises sub-page tiles, V slices and Q chunks
+_INTERP_DECODE_CONFIG = [(16, 32, 256, 128, 1, 1)]
 _decode = None
 
 
@@ -184,8 +201,8 @@ def _decode_kernel_tuned():
     if _decode is None:
         configs = _INTERP_DECODE_CONFIG if interpreted() else _DECODE_CONFIGS
         _decode = triton.autotune(
-            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v}, num_warps=w, num_stages=s)
-             for h, n, v, w, s in configs],
+            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v, "QK_CHUNK": c}, num_warps=w, num_stages=st)
+             for h, n, v, c, w, st in configs],
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
     return _decode
