@@ -1,0 +1,219 @@
+"""Checkpointing and fault tolerance for ``training.trainer.Trainer``, through its hooks.
+
+``attach(trainer, cfg, run_dir, resume)`` is all ``training.run`` calls. It
+
+- resumes (``"auto"``: the newest valid checkpoint, with fallback; or a folder), also under a different
+  data-parallel size: optimizer states are saved by parameter name (ZeRO-1 shards as they are, expert
+  parameters qualified by their expert range) and each rank picks its names from every saved shard;
+- saves every ``checkpoint.interval`` steps (async by default) and reports the loop's stall as
+  ``checkpoint_stall_s``; a failed background write raises at the next step;
+- with ``[fault] enabled``, checks every step's loss and gradient norm before the optimizer step,
+  skips the update of a faulty step, rolls every rank back to the last stable checkpoint, skips the
+  offending data window, and logs ``rollback`` / ``resume`` / ``restart`` events to the metrics stream.
+
+Only the data-parallel size may change on resume: pipeline and expert-parallel sizes must match
+(the model's stage and expert slices are taken from a saved rank with the same coordinates).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint import format as fmt
+from training.checkpoint.manager import CheckpointManager, read_checkpoint, read_metadata
+from training.checkpoint.resume import (
+    gather_named_optimizer_state,
+    load_named_optimizer_state,
+    local_param_names,
+    named_optimizer_state,
+    restart_count,
+)
+from training.checkpoint.rng import restore_rng_state
+from training.fault import FaultPolicy, FaultTolerance, Verdict
+
+
+def param_names(trainer) -> dict[int, str]:
+    """``id(param) -> name`` that is the same on every rank holding the same tensor, whatever the DP size.
+
+    Model-level names (``layers.3.attn.wq_a.weight``); routed-expert tensors hold one expert range per
+    EP rank, so their names carry it (``...experts.w1@0-4``).
+    """
+    from training.optim import is_expert_param
+
+    names: dict[int, str] = {}
+    for st in trainer.stages:
+        for name, p in st.named_parameters():
+            if id(p) in names:
+                continue
+            if is_expert_param(name):
+                ids = _expert_ids(st, name)
+                name = f"{name}@{ids.start}-{ids.stop}" if ids is not None else name
+            names[id(p)] = name
+    return names
+
+
+def _expert_ids(stage, param_name: str) -> range | None:
+    module = stage
+    for part in param_name.split(".")[:-1]:
+        module = getattr(module, part)
+        if hasattr(module, "expert_ids"):
+            return module.expert_ids
+    return None
+
+
+def checkpoint_state(trainer) -> dict[str, Any]:
+    """``trainer.state_dict()`` with the optimizer states keyed by parameter name (re-partitionable)."""
+    state = trainer.state_dict()
+    names = param_names(trainer)
+    state["optimizer"] = [named_optimizer_state(opt, names) for opt in trainer.optimizer.optimizers]
+    return state
+
+
+def load_checkpoint(trainer, folder: Path) -> int:
+    """Load ``folder`` into ``trainer`` (same layout, or another DP size); returns the step."""
+    from training.config import ParallelConfig
+    from training.parallel import coords
+
+    metadata = read_metadata(folder)
+    rank = trainer.ps.rank
+    saved_par = ParallelConfig(**fmt.decode_tree(metadata["full_config"], {})["parallel"]) \
+        if "full_config" in metadata else trainer.cfg.parallel
+    par = trainer.cfg.parallel
+    if (saved_par.pp, saved_par.ep, saved_par.schedule) != (par.pp, par.ep, par.schedule):
+        raise fmt.CheckpointMismatchError(
+            f"checkpoint {folder} was written with pp={saved_par.pp} ep={saved_par.ep} schedule={saved_par.schedule}, "
+            f"this run has pp={par.pp} ep={par.ep} schedule={par.schedule}; only parallel.dp may change on resume")
+    same_layout = saved_par.dp == par.dp
+    mine = coords(rank, par)
+    if same_layout:
+        source = rank
+    else:  # a saved rank holding the same pipeline stage and expert slice
+        source = next(r for r in range(saved_par.world_size)
+                      if (coords(r, saved_par).pp_rank, coords(r, saved_par).ep_rank) == (mine.pp_rank, mine.ep_rank))
+    loaded = read_checkpoint(folder, source, expect_config=trainer.checkpoint_meta()["config"])
+    state = loaded.state
+    names = param_names(trainer)
+    optimizers = trainer.optimizer.optimizers
+    if same_layout:
+        named = state["optimizer"]
+    else:
+        wanted = [n for opt in optimizers for n in local_param_names(opt, names)]
+        named = gather_named_optimizer_state(folder, "optimizer", wanted)
+    if len(named) != len(optimizers):
+        raise fmt.CheckpointMismatchError(f"checkpoint {folder} holds {len(named)} optimizers, this run has "
+                                          f"{len(optimizers)}")
+    # model, LR scheduler, sampler, step; the optimizers get their own (unchanged here) states, then the named ones
+    trainer.load_state_dict({**state, "optimizer": trainer.optimizer.state_dict()})
+    for opt, saved in zip(optimizers, named):
+        load_named_optimizer_state(opt, names, saved)
+    if same_layout and loaded.rng is not None:
+        restore_rng_state(loaded.rng)
+    return loaded.step
+
+
+class CheckpointHooks:
+    """The manager, the fault guard and the two trainer hooks of one run."""
+
+    def __init__(self, trainer, root: str | Path, resume: str | None = None) -> None:
+        cfg = trainer.cfg
+        ck = cfg.checkpoint
+        self.trainer, self.cfg = trainer, cfg
+        self.manager = CheckpointManager(root, async_save=ck.async_save, keep_last=ck.keep_last,
+                                         keep_every=ck.keep_every, commit_timeout_s=cfg.run.timeout_s,
+                                         metrics=self._log_event)
+        self.fault = None
+        if getattr(cfg, "fault", None) is not None and cfg.fault.enabled:
+            policy = FaultPolicy.from_config(cfg.fault)
+            policy.collective_timeout_s = cfg.run.timeout_s
+            self.fault = FaultTolerance(policy, self.manager, self._log_event)
+        self._pending: Verdict | None = None
+        self._early_events: list[dict[str, Any]] = []
+        self.resumed_from: Path | None = None
+        if resume:
+            self._resume(resume)
+        if self.fault is not None and self.resumed_from is None:
+            self.save(sync=True)  # step 0: a rollback target before the first interval save
+        trainer.after_backward_hooks.append(self._after_backward)
+        trainer.step_end_hooks.append(self._step_end)
+
+    # ------------------------------------------------------------------------------------------ resume
+    def _resume(self, resume: str) -> None:
+        folder = self.manager.resolve(resume)
+        if folder is None:
+            return
+        step = load_checkpoint(self.trainer, folder)
+        self.resumed_from = folder
+        event = "restart" if restart_count() else "resume"
+        self._log_event({"event": event, "step": step, "checkpoint": str(folder), "restart_count": restart_count()})
+        if self.trainer.ps.rank == 0:
+            print(f"{event}: from {folder} at step {step}", flush=True)
+        if self.fault is not None:
+            self.fault.on_resume(step)
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def _after_backward(self, trainer, metrics: dict[str, Any]) -> bool:
+        if self.fault is None:
+            return True
+        verdict = self.fault.check(trainer.step + 1, metrics["loss"], metrics.get("grad_norm"))
+        if verdict.ok:
+            return True
+        self._pending = verdict
+        return False  # no optimizer update from a faulty step
+
+    def _step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        self.manager.poll()
+        while self._early_events and self._logger() is not None:
+            self._log_event(self._early_events.pop(0))
+        if self._pending is not None:
+            verdict, self._pending = self._pending, None
+            self._rollback(verdict)
+            metrics.update(rollback_to=verdict.rollback_step, skipped_batches=verdict.skip_batches)
+            return
+        ck = self.cfg.checkpoint
+        if ck.interval and trainer.step % ck.interval == 0 and trainer.step < self.cfg.run.steps:
+            metrics["checkpoint_stall_s"] = self.save()
+
+    def _rollback(self, verdict: Verdict) -> None:
+        trainer = self.trainer
+        step = load_checkpoint(trainer, self.manager.root / fmt.step_dirname(verdict.rollback_step))
+        for i in range(verdict.skip_batches):  # the offending data window: read and dropped
+            trainer.sampler.next_batch(self.cfg.global_batch_at(step + i))
+        self.fault.rolled_back(verdict)
+
+    # ------------------------------------------------------------------------------------------ public
+    def save(self, sync: bool | None = None) -> float:
+        """Save the trainer's state at its current step; returns the loop's stall in seconds."""
+        trainer = self.trainer
+        stall = self.manager.save(trainer.step, checkpoint_state(trainer), trainer.checkpoint_meta(), sync=sync)
+        if self.fault is not None:
+            self.fault.on_checkpoint(trainer.step)
+        return stall
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def _logger(self):
+        """The trainer's metrics logger once ``fit`` started it (rank 0), else None."""
+        from training.metrics import NullLogger
+
+        logger = getattr(self.trainer, "logger", None)
+        return None if logger is None or isinstance(logger, NullLogger) else logger
+
+    def _log_event(self, record: dict[str, Any]) -> None:
+        if self.trainer.ps.rank != 0:
+            return
+        logger = self._logger()
+        if logger is None:  # before fit() starts the logger (resume events): keep for the first step
+            self._early_events.append(record)
+        else:
+            logger.log(int(record.get("step", self.trainer.step)), record)
+
+
+def attach(trainer, cfg, run_dir: str | Path, resume: str | None = None) -> CheckpointHooks | None:
+    """Checkpointing (and fault tolerance) for ``trainer`` under ``run_dir/checkpoints``; None when off."""
+    ck = cfg.checkpoint
+    fault_on = getattr(cfg, "fault", None) is not None and cfg.fault.enabled
+    if not (ck.interval or ck.final or resume or fault_on):
+        return None
+    return CheckpointHooks(trainer, Path(run_dir) / "checkpoints", resume)
