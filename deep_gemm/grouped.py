@@ -130,6 +130,25 @@ def _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c):
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
 
 
+def _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c):
+    a_t, sfa = unpack_pair("a", a)
+    b_t, sfb = unpack_pair("b", b)
+    check_tensor("d", d, (torch.float32,), (None, None, None))
+    _, m, n = d.shape
+    for name, t in (("a[0]", a_t), ("b[0]", b_t)):
+        if not isinstance(t, torch.Tensor) or t.dtype != FP8 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float8_e4m3fn tensor (groups' K-major blocks packed)")
+    sum_k = a_t.numel() // max(m, 1)
+    ks = _check_ks(ks, ks_tensor, sum_k, BLOCK)
+    if a_t.numel() != sum_k * m or b_t.numel() != sum_k * n:
+        raise ValueError(f"a[0] must hold sum(ks) * m = {sum_k * m} and b[0] sum(ks) * n = {sum_k * n} values, "
+                         f"got {a_t.numel()} and {b_t.numel()}")
+    check_scale("a[1] (scales of a)", sfa, [(m, sum_k // BLOCK)])
+    check_scale("b[1] (scales of b)", sfb, [(n, sum_k // BLOCK)])
+    check_out(d, (len(ks), m, n), c, dtypes=(torch.float32,))
+    check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
+
+
 # ---------------------------------------------------------------- Triton implementations
 
 
@@ -196,6 +215,19 @@ def _k_grouped_launch(a, b, d, ks, c, sfa=None, sfb=None):
 
 def _k_grouped_triton(a, b, d, ks, ks_tensor=None, c=None):
     return _k_grouped_launch(a[0], b[0], d, ks, c, sfa=a[1], sfb=b[1])
+
+
+def _k_grouped_nt_triton(a, b, d, ks, ks_tensor=None, c=None):
+    k = _kernels()
+    k.require_fp8_hardware()
+    if c is not None and c.data_ptr() != d.data_ptr():
+        d.copy_(c)
+    if d.numel():
+        _, m, n = d.shape
+        sum_k = sum(ks)
+        k.launch(k.K_GROUPED, a[0].view(m, sum_k), b[0].view(n, sum_k), d, sfa=a[1], sfb=b[1], sfb_gran_n=1,
+                 grp=_k_offsets(ks, d.device), num_groups=len(ks), accumulate=c is not None, flat_k_major=True)
+    return d
 
 
 def _k_grouped_bf16_triton(a, b, d, ks, ks_tensor=None, c=None):
@@ -278,6 +310,24 @@ def _make_k_grouped_case(fp8: bool):
     return make
 
 
+def _make_k_grouped_nt_case(shape: dict, seed: int, device: torch.device) -> Case:
+    """DeepGEMM's SM90 layout: each group's per-channel-quantized rows, transposed to K-major and packed."""
+    tn = _make_k_grouped_case(True)(shape, seed, torch.device("cpu")).args
+    (a, sfa), (b, sfb), d, ks, ks_tensor, c = tn
+    a_flat = torch.cat([a[s:e].T.reshape(-1) for s, e in _bounds(ks)]) if ks else a.reshape(-1)
+    b_flat = torch.cat([b[s:e].T.reshape(-1) for s, e in _bounds(ks)]) if ks else b.reshape(-1)
+    return Case(args=((a_flat.to(device), sfa.T.to(device)), (b_flat.to(device), sfb.T.to(device)), d.to(device),
+                      ks, ks_tensor.to(device), c.to(device)), outputs=(2,))
+
+
+def _bounds(ks: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for k in ks:
+        out.append((start, start + k))
+        start += k
+    return out
+
+
 _CONTIGUOUS_SHAPES = [{"groups": 2, "m_per_group": 100, "n": 128, "k": 256},
                       {"groups": 3, "m_per_group": 40, "n": 256, "k": 128}]
 _MASKED_SHAPES = [{"groups": 2, "m_max": 64, "expected_m": 40, "n": 128, "k": 256},
@@ -352,6 +402,10 @@ _k_grouped = registry.register(
     triton=_k_grouped_triton,
     verify=_spec(_make_k_grouped_case(True), _K_GROUPED_SHAPES, _K_GROUPED_BENCH, _flops_k_grouped,
                  _bytes_k_grouped))
+_k_grouped_nt = registry.register(
+    "deep_gemm.k_grouped_fp8_gemm_nt_contiguous", reference=reference.k_grouped_fp8_gemm_nt_contiguous_reference,
+    triton=_k_grouped_nt_triton,
+    verify=_spec(_make_k_grouped_nt_case, _K_GROUPED_SHAPES, _K_GROUPED_BENCH, _flops_k_grouped, _bytes_k_grouped))
 _k_grouped_bf16 = registry.register(
     "deep_gemm.k_grouped_bf16_gemm_tn_contiguous",
     reference=reference.k_grouped_bf16_gemm_tn_contiguous_reference, triton=_k_grouped_bf16_triton,
@@ -428,6 +482,20 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     _no_psum(use_psum_layout)
     _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c)
     return _k_grouped((a[0], a[1]), (b[0], b[1]), d, list(ks), ks_tensor, c)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,
+                                     c: torch.Tensor | None = None, recipe=(1, 1, 128), compiled_dims: str = "mn",
+                                     use_psum_layout: bool = False) -> torch.Tensor:
+    """DeepGEMM's SM90 weight-gradient layout: ``d[g] = c[g] + A_g @ B_g^T`` with K-major blocks packed flat.
+
+    ``a[0]`` holds, for each group in turn, ``A_g`` as a row-major ``[m, ks[g]]`` block (so ``sum(ks) * m``
+    values); ``a[1]`` is ``[m, sum(ks)/128]`` (1x128 along K); ``b`` likewise with n. Same result as
+    ``k_grouped_fp8_gemm_tn_contiguous`` on the untransposed data.
+    """
+    _no_psum(use_psum_layout)
+    _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c)
+    return _k_grouped_nt((a[0], a[1]), (b[0], b[1]), d, list(ks), ks_tensor, c)
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: Sequence[int],

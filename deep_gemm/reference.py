@@ -219,3 +219,20 @@ def k_grouped_fp8_gemm_tn_contiguous_reference(a, b, d, ks, ks_tensor=None, c=No
 @registry.reference_for("deep_gemm.k_grouped_bf16_gemm_tn_contiguous")
 def k_grouped_bf16_gemm_tn_contiguous_reference(a, b, d, ks, ks_tensor=None, c=None):
     return k_grouped_tn_reference(a, b, d, ks, c)
+
+
+@registry.reference_for("deep_gemm.k_grouped_fp8_gemm_nt_contiguous")
+def k_grouped_fp8_gemm_nt_contiguous_reference(a, b, d, ks, ks_tensor=None, c=None):
+    """Group g's A is the K-major ``[m, ks[g]]`` block at offset ``sum(ks[:g]) * m`` of the flat ``a[0]``."""
+    m, n = d.shape[1:]
+    start = 0
+    for g, k in enumerate(ks):
+        kb = slice(start // BLOCK, (start + k) // BLOCK)
+        a_g = (a[0].reshape(-1)[start * m:(start + k) * m].view(m, k), a[1][:, kb])
+        b_g = (b[0].reshape(-1)[start * n:(start + k) * n].view(n, k), b[1][:, kb])
+        if k == 0:
+            _write(d[g], torch.zeros(m, n, device=d.device), None if c is None else c[g])
+        else:
+            gemm_nt_reference(a_g, b_g, d[g], None if c is None else c[g])
+        start += k
+    return d

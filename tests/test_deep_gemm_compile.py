@@ -29,14 +29,14 @@ except ImportError:  # pragma: no cover - older or newer Triton layouts
 POINTERS = ("a_ptr", "b_ptr", "d_ptr", "sfa_ptr", "sfb_ptr", "grp_ptr")
 
 
-def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, num_stages: int):
+def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, num_stages: int, flat: bool = False):
     jit = (kernels._fp8_kernel if fp8 else kernels._bf16_kernel).fn
     names = jit.arg_names
     elem = "*fp8e4nv" if fp8 else "*bf16"
     ptr_types = {"a_ptr": elem, "b_ptr": elem, "d_ptr": "*fp32" if mode == kernels.K_GROUPED else "*bf16",
                  "sfa_ptr": "*fp32", "sfb_ptr": "*fp32", "grp_ptr": "*i32"}
     consts = {"MODE": mode, "FP8": fp8, "SFB_GRAN_N": 1 if mode == kernels.K_GROUPED else 128,
-              "ACCUMULATE": mode == kernels.K_GROUPED, "INTERPRETED": False, "BLOCK_M": block_m,
+              "ACCUMULATE": mode == kernels.K_GROUPED, "FLAT_K_MAJOR": flat, "INTERPRETED": False, "BLOCK_M": block_m,
               "BLOCK_N": block_n, "BLOCK_K": 128 if fp8 else 64, "GROUP_M": 8}
     # What launch() passes on a GPU: FP8 operands K-major (copied if needed); bf16 k-grouped stays MN-major.
     mn_major = mode == kernels.K_GROUPED and not fp8
@@ -50,17 +50,18 @@ def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, n
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-CASES = [(kernels.DENSE, True), (kernels.CONTIGUOUS, True), (kernels.MASKED, True), (kernels.K_GROUPED, True),
-         (kernels.DENSE, False), (kernels.K_GROUPED, False)]
+CASES = [(kernels.DENSE, True, False), (kernels.CONTIGUOUS, True, False), (kernels.MASKED, True, False),
+         (kernels.K_GROUPED, True, False), (kernels.K_GROUPED, True, True), (kernels.DENSE, False, False),
+         (kernels.K_GROUPED, False, False)]
 
 
 def compile_all() -> dict:
     """Compile every case with the largest tiles; return what the test checks (runs without the interpreter)."""
     out = {}
-    for mode, fp8 in CASES:
-        compiled = _compile(mode, fp8, block_m=128, block_n=256, num_warps=8, num_stages=3)
+    for mode, fp8, flat in CASES:
+        compiled = _compile(mode, fp8, block_m=128, block_n=256, num_warps=8, num_stages=3, flat=flat)
         ttgir = compiled.asm["ttgir"]
-        out[f"mode={mode},fp8={fp8}"] = {"wgmma": "warp_group_dot" in ttgir,
+        out[f"mode={mode},fp8={fp8},flat={flat}"] = {"wgmma": "warp_group_dot" in ttgir,
                                          "pipelined": bool(re.search(r"async_copy_global_to_local", ttgir)),
                                          "shared": compiled.metadata.shared}
     return out

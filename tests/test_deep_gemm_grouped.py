@@ -132,3 +132,18 @@ def test_k_grouped_bf16_unaligned_groups():
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks)
     assert calc_diff(d[0], a[:100].float().T @ b[:100].float()) < SAME_INPUT_TOL
     assert calc_diff(d[1], a[100:].float().T @ b[100:].float()) < SAME_INPUT_TOL
+
+
+def test_k_grouped_nt_flat_layout_matches_tn():
+    # DeepGEMM's SM90 wgrad layout: same numbers as the tn op on the untransposed data.
+    op = registry.get("deep_gemm.k_grouped_fp8_gemm_nt_contiguous")
+    shape = {"ks": [256, 0, 128], "m": 128, "n": 256}
+    (a, sfa), (b, sfb), d, ks, ks_tensor, c = op.verify.make_case(shape, 3, torch.device("cpu")).args
+    assert sfa.shape == (128, 3) and a.numel() == 384 * 128
+    with registry.force("triton"):
+        got = deep_gemm.k_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), _nan(3, 128, 256, dtype=torch.float32),
+                                                         ks, ks_tensor, c)
+    tn = registry.get("deep_gemm.k_grouped_fp8_gemm_tn_contiguous").verify.make_case(shape, 3, torch.device("cpu"))
+    want = deep_gemm.k_grouped_fp8_gemm_tn_contiguous(*tn.args)  # the suite's default: the reference
+    assert calc_diff(got, want) < SAME_INPUT_TOL
+    torch.testing.assert_close(got[1], c[1], rtol=0, atol=0)

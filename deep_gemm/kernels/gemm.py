@@ -6,7 +6,9 @@ Modes (a constexpr, so each compiles to its own specialised kernel):
              multiplies by that group's B; rows whose index differs (-1 padding) are not stored,
              tiles with no row of a group skip all work.
   MASKED     grid axis 1 is the group; rows >= ``masked_m[g]`` of group g are skipped.
-  K_GROUPED  grid axis 1 is the group; group g reduces over its own K range (weight gradients).
+  K_GROUPED  grid axis 1 is the group; group g reduces over its own K range (weight gradients);
+             with FLAT_K_MAJOR, group g's operands are K-major [M, K_g] blocks packed one after another
+             (DeepGEMM's SM90 ``k_grouped_fp8_gemm_nt_contiguous`` layout).
 
 FP8 numerics are DeepGEMM's: each 128-wide K block is accumulated exactly in fp32 by ``tl.dot``,
 then multiplied by ``sfa[m, kb] * sfb[n or n // 128, kb]`` and added into the main fp32
@@ -53,6 +55,7 @@ def _kernel_body():
         s_ag, s_am, s_ak, s_bg, s_bn, s_bk, s_dg, s_dm, s_dn,
         s_sag, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
         MODE: tl.constexpr, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+        FLAT_K_MAJOR: tl.constexpr,
         INTERPRETED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
@@ -90,15 +93,21 @@ def _kernel_body():
                 k_lo = tl.multiple_of(k_lo, 128)
 
         g64 = g.to(tl.int64)
-        a_base = a_ptr + g64 * s_ag + offs_m[:, None].to(tl.int64) * s_am
-        b_base = b_ptr + g64 * s_bg + offs_n[None, :].to(tl.int64) * s_bn
+        if FLAT_K_MAJOR:  # K_GROUPED, DeepGEMM's SM90 layout: group g's A is a K-major [M, K_g] block at k_lo * M
+            k_len = tl.multiple_of(k_hi - k_lo, 128)
+            a_base = a_ptr + k_lo.to(tl.int64) * M + offs_m[:, None].to(tl.int64) * k_len
+            b_base = b_ptr + k_lo.to(tl.int64) * N + offs_n[None, :].to(tl.int64) * k_len
+            k_shift = 0  # addresses count K from the group's start
+        else:
+            a_base = a_ptr + g64 * s_ag + offs_m[:, None].to(tl.int64) * s_am
+            b_base = b_ptr + g64 * s_bg + offs_n[None, :].to(tl.int64) * s_bn
+            k_shift = k_lo
         sfa_base = sfa_ptr + g64 * s_sag + offs_m * s_sam
         sfb_base = sfb_ptr + g64 * s_sbg + (offs_n // SFB_GRAN_N) * s_sbn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # Count iterations from 0 (a canonical loop the software pipeliner accepts for any k_lo).
         for it in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-            k0 = k_lo + it * BLOCK_K
-            kk = k0 + offs_k
+            kk = k_shift + it * BLOCK_K + offs_k
             if FP8:  # K is a multiple of 128 = BLOCK_K: no K mask
                 a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None], other=0.0)
                 b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :], other=0.0)
@@ -107,7 +116,7 @@ def _kernel_body():
                 sb = tl.load(sfb_base + kb * s_sbk, mask=n_ok, other=0.0)
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             else:
-                k_ok = kk < k_hi
+                k_ok = it * BLOCK_K + offs_k < k_hi - k_lo
                 a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
@@ -129,7 +138,7 @@ def _kernel_body():
 def _autotuned(fp8: bool):
     return triton.autotune(
         configs=_configs(fp8),
-        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE"],
+        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE", "FLAT_K_MAJOR"],
         restore_value=["d_ptr"],  # tuning reruns the kernel; accumulation and untouched rows need D restored
     )(_kernel_body())
 
@@ -150,7 +159,7 @@ def require_fp8_hardware(fp8: bool = True) -> None:
 
 
 def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp=None, num_groups: int = 1,
-           accumulate: bool = False) -> None:
+           accumulate: bool = False, flat_k_major: bool = False) -> None:
     """Run the kernel on logical views ``a [G?, M, K]``, ``b [G?, N, K]``, ``d [G?, M, N]``.
 
     2-D views get group strides of 0. ``sfa`` [G?, M, K/128] and ``sfb`` [G?, N or ceil(N/128), K/128]
@@ -180,6 +189,6 @@ def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp
         a, b, d, sfa if fp8 else dummy, sfb if fp8 else dummy, grp if grp is not None else dummy,
         m, n, k, _bucket(m),
         *s_a, *s_b, *s_d, *s_sa, *s_sb,
-        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate,
+        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate, FLAT_K_MAJOR=flat_k_major,
         INTERPRETED=accel.triton_interpreted(),
     )
