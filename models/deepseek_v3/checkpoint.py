@@ -27,12 +27,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import Transformer
 
 INDEX_NAME = "model.safetensors.index.json"
 FP8_BLOCK = 128
-FP8_MAX = 448.0
 
 _ATTN_KEYS = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
@@ -236,17 +236,6 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
 
 
 # ---------------------------------------------------------------------------------------------------- save
-def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` -> (e4m3 weight, fp32 ``scale_inv`` per 128x128 block), scale = amax / 448."""
-    n, k = weight.shape
-    rb, cb = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
-    padded = torch.nn.functional.pad(weight.float(), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
-    tiles = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-4 / FP8_MAX)
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k].contiguous(), scale
-
-
 def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
                        dtype: torch.dtype | None = None, fp8: bool = False) -> None:
     """Write ``model`` as an HF DeepSeek-V3 checkpoint (config.json, shards, index) into directory ``path``.
@@ -269,7 +258,7 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
             if dtype is not None and value.is_floating_point() and not p.key.endswith("e_score_correction_bias"):
                 value = value.to(dtype)
             if fp8 and p.quantizable and value.dim() == 2:
-                value, scale = quantize_fp8_blocks(value)
+                value, scale = deep_gemm.per_block_cast_to_fp8(value.float())  # amax / 448 per 128x128 block
                 out[f"{p.key}_scale_inv"] = scale
             out[p.key] = value.contiguous().cpu().clone()
     for k in range(model.args.n_mtp_layers):
