@@ -78,11 +78,25 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zb1p(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 style: 1F1B's placement with the backward split into I and W; W passes fill the
-    bubbles 1F1B leaves. Rank ``r`` keeps at most ``PP-r+1`` activations alive (freed at W): one
-    more than 1F1B, which lets the I passes run ahead of the held-back W passes."""
-    layout = linear_layout(num_ranks, num_microbatches)
-    return _greedy("zb1p", layout, num_microbatches, [num_ranks - r + 1 for r in range(num_ranks)])
+    """ZB-H1: 1F1B with the backward split into I and W. Rank ``r`` runs 1F1B's ``PP-1-r`` warm-up
+    forwards, then F, I and the W of ``r`` micro-batches earlier; the ``r`` held-back W passes fill
+    the cool-down, where 1F1B idles. Every rank keeps at most ``PP`` activations alive (1F1B's peak)
+    and the bubble is ``(PP-1)(F+B-2W)``."""
+    actions = []
+    for r in range(num_ranks):
+        warm = min(num_ranks - 1 - r, num_microbatches)
+        items: list[Item] = [Action("F", r, m) for m in range(warm)]
+        held: deque[int] = deque()
+        for m in range(num_microbatches):
+            if m + warm < num_microbatches:
+                items.append(Action("F", r, m + warm))
+            items.append(Action("I", r, m))
+            held.append(m)
+            if len(held) > r:
+                items.append(Action("W", r, held.popleft()))
+        items += [Action("W", r, m) for m in held]
+        actions.append(tuple(items))
+    return Schedule("zb1p", linear_layout(num_ranks, num_microbatches), tuple(actions))
 
 
 # -- ZB-V (greedy over the V placement) -----------------------------------------------------

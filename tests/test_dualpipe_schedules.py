@@ -95,14 +95,17 @@ def test_send_order_follows_sender():
     assert received == sched.link_order()
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb1p"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("costs", [Costs(), Costs(F=1.3, B=2.1, W=0.7, FB=2.9), Costs(F=2, B=3, W=0.5)])
-def test_simulator_matches_closed_form_for_1f1b(ranks, costs):
-    res = simulate(build("1f1b", ranks, 3 * ranks + 1), costs)
-    cf = closed_form("1f1b", ranks, costs)
-    for r in range(ranks):  # every rank idles (PP-1)(F+B): exact in floating point up to summation order
+def test_simulator_matches_closed_form_for_1f1b_and_zb1p(name, ranks, costs):
+    res = simulate(build(name, ranks, 3 * ranks + 1), costs)
+    cf = closed_form(name, ranks, costs)
+    # every rank idles (PP-1)(F+B) resp. (PP-1)(F+B-2W): exact up to floating-point summation order
+    for r in range(ranks):
         assert res.bubble(r) == pytest.approx(cf.bubble, abs=1e-9)
-    assert res.peak_activations(0) == cf.activations and res.parameters(0) == cf.parameters
+    assert max(res.peak_activations(r) for r in range(ranks)) == cf.activations
+    assert res.parameters(0) == cf.parameters
 
 
 @pytest.mark.parametrize("name,ranks", [("dualpipe", 2), ("dualpipe", 4), ("dualpipe", 6), ("dualpipe", 8),
@@ -119,12 +122,11 @@ def test_simulator_matches_closed_form_for_dualpipe(name, ranks, f, w, fb):
     assert res.parameters(0) == cf.parameters
 
 
-def test_zero_bubble_and_dualpipe_beat_1f1b():
+def test_dualpipe_beats_zero_bubble_beats_1f1b():
     costs = Costs(F=1, B=2, W=1, FB=2.5)
     bubbles = {n: max(simulate(build(n, 8, 24), costs).bubble(r) for r in range(8)) for n in ("1f1b", "zb1p")}
     bubbles["dualpipe"] = max(simulate(build("dualpipe", 8, 24), costs).bubble(r) for r in range(8))
-    zb_cf = closed_form("zb1p", 8, costs).bubble
-    assert bubbles["dualpipe"] < zb_cf <= bubbles["zb1p"] < bubbles["1f1b"], bubbles
+    assert bubbles["dualpipe"] < bubbles["zb1p"] < bubbles["1f1b"], bubbles
 
 
 def test_bad_sizes_are_rejected():
