@@ -73,8 +73,9 @@ def test_triton_forward_backward_matches_reference(layout, size, heads, dqk, dv,
     assert registry.get("flash_mla.mla_attention").last_impl == "triton"
     want = _grads(mla_attention_reference, q, k, v, dout, causal=causal, **kw)
     # fp32: same math, other summation order -> 1e-10. bf16: outputs/grads rounded to bf16 (cos diff ~1e-6),
-    # and the backward's delta = rowsum(dO * O) uses the bf16 O as every flash kernel does -> 1e-5.
-    tol = 1e-10 if dtype == torch.float32 else 1e-5
+    # and the backward's delta = rowsum(dO * O) uses the bf16 O as every flash kernel does (short sequences:
+    # up to ~1e-5 seen over seeds) -> 5e-5; masking or indexing bugs give > 1e-2.
+    tol = 1e-10 if dtype == torch.float32 else 5e-5
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype and torch.isfinite(g).all(), name
         assert calc_diff(g, w) < tol, f"{name}: {calc_diff(g, w)}"
