@@ -111,6 +111,13 @@ def test_per_row_b_scales_and_mn_major_scale_views():
     assert calc_diff(d, deep_gemm.fp8_gemm_nt((a_q, sfa), (b_q, sfb), _poisoned(m, n))) < SAME_INPUT_TOL
 
 
+def test_mn_major_tma_aligned_tensor_3d():
+    sf = torch.randn(3, 130, 4)
+    out = deep_gemm.get_mn_major_tma_aligned_tensor(sf)
+    assert torch.equal(out, sf) and out.stride()[1:] == (1, 132)  # MN-major, MN padded to 16 bytes
+    assert deep_gemm.get_mn_major_tma_aligned_tensor(out) is out  # already aligned: returned as is
+
+
 def test_zero_k_gives_zero_or_c():
     a_op = (torch.empty(8, 0, dtype=torch.float8_e4m3fn), torch.empty(8, 0))
     b_op = (torch.empty(128, 0, dtype=torch.float8_e4m3fn), torch.empty(1, 0))
