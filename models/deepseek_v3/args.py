@@ -197,6 +197,8 @@ class ModelArgs:
             kw.update(rope_factor=1.0, original_seq_len=kw.get("max_seq_len", 4096))
         else:
             raise ValueError(f"from_hf_config: rope type {rope_type!r} is not supported (expected yarn or default)")
+        if cfg.pop("moe_layer_freq", 1) != 1:
+            raise ValueError("from_hf_config: moe_layer_freq must be 1 (every layer after the dense ones is MoE)")
         if cfg.pop("hidden_act", "silu") != "silu":
             raise ValueError("from_hf_config: hidden_act must be 'silu'")
         if cfg.pop("topk_method", "noaux_tc") not in ("noaux_tc", "greedy", "group_limited_greedy"):
