@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from models.deepseek_v3 import Transformer
 from models.deepseek_v3.checkpoint import save_hf_checkpoint
 from training.checkpoint import CheckpointManager, CheckpointMismatchError
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
+from training.checkpoint.resume import LazyShard
 
 
 def train_config_of(metadata: dict[str, Any]):
@@ -65,30 +65,14 @@ def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Tran
             continue
         name = fmt.shard_filename("model", record["rank"])
         experts = expert_range(args, coords(record["rank"], par).ep_rank, par.ep) if par.ep > 1 else None
-        with safe_open(str(folder / name), framework="pt") as shard:
-            tensors = fmt.decode_tree(skeleton, _Shard(shard))
-            for key, value in tensors.items():
-                _place(full, covered, key, value, experts, record["rank"])
+        tensors = fmt.decode_tree(skeleton, LazyShard(folder / name))
+        for key, value in tensors.items():
+            _place(full, covered, key, value, experts, record["rank"])
     missing = [k for k, c in covered.items() if not bool(c.all())]
     if missing:
         raise CheckpointMismatchError(f"checkpoint {folder} does not cover {len(missing)} model tensors, e.g. "
                                       f"{missing[:4]}; expected every pipeline stage and expert slice to be saved")
     return model
-
-
-class _Shard(dict):
-    """Read a safetensors key on first use (decode_tree asks only for the keys of the skeleton)."""
-
-    def __init__(self, handle) -> None:
-        super().__init__()
-        self._h = handle
-        self._keys = set(handle.keys())
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._h.get_tensor(key)
 
 
 def _place(full: dict[str, torch.Tensor], covered: dict[str, torch.Tensor], key: str, value: torch.Tensor,

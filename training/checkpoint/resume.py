@@ -108,7 +108,7 @@ def _has_state(named: dict[str, Any]) -> bool:
     return bool(named["state"])
 
 
-class _LazyShard(Mapping):
+class LazyShard(Mapping):
     """A safetensors file as a read-on-demand mapping (only the tensors asked for are read)."""
 
     def __init__(self, path: Path | None) -> None:
@@ -143,7 +143,7 @@ def gather_named_optimizer_state(folder: str | Path, section: str, wanted: Itera
         if skeleton is None:
             continue
         name = fmt.shard_filename(section, record["rank"])
-        shard = _LazyShard(folder / name if name in record["files"] else None)
+        shard = LazyShard(folder / name if name in record["files"] else None)
         is_list = isinstance(skeleton, list)
         parts = skeleton if is_list else [skeleton]
         if merged is None:
