@@ -20,6 +20,8 @@ def do_bench(fn: Callable[[], object], warmup: int = 5, rep: int = 30, flush_l2:
     than L2, so no run profits from the previous one's cache. On the cpu the figure is wall time
     and, under the Triton interpreter, says nothing about a GPU.
     """
+    if warmup < 0 or rep < 1:
+        raise ValueError(f"do_bench: expected warmup >= 0 and rep >= 1, got warmup={warmup}, rep={rep}")
     on_gpu = backend() != "cpu"
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=default_device()) if (
         on_gpu and flush_l2

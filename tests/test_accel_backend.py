@@ -165,6 +165,8 @@ def test_cpu_event_and_do_bench(clean_backend):
     calls = []
     ms = accel.do_bench(lambda: calls.append(1), warmup=2, rep=5)
     assert len(calls) == 7 and ms >= 0  # warm-up runs plus timed runs, median in ms
+    with pytest.raises(ValueError, match="rep >= 1"):
+        accel.do_bench(lambda: None, rep=0)
     accel.synchronize()  # no-op on cpu, must not raise
     accel.empty_cache()
     accel.reset_peak_memory_stats()
