@@ -216,6 +216,23 @@ def test_balancer_counts_nothing_in_eval_mode():
     assert moe.balancer.counts_total.sum() == 0
 
 
+def test_recomputed_forward_is_not_counted_twice():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    moe = _FakeMoE(experts=4, top_k=1, strategy="aux_free+seq_aux")
+    logits = torch.randn(8, 4, requires_grad=True)
+
+    def routed(lg):
+        scores = lg.sigmoid()
+        idx = scores.topk(1, -1).indices
+        return moe.balancer(scores, lg, idx, scores.gather(1, idx), seq_len=4)[1] * 2
+
+    with set_checkpoint_early_stop(False):  # the whole forward re-runs in backward, the balancer included
+        checkpoint(routed, logits, use_reentrant=False).sum().backward()
+    assert moe.balancer.counts_total.sum() == 8
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
 def test_update_expert_biases_sign_rule_and_recenter():
     moe = _FakeMoE(experts=4, top_k=1)
     moe.balancer.record(torch.tensor([[0], [0], [0], [1], [2], [2]]))  # counts 3,1,2,0 mean 1.5

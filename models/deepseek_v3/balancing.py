@@ -258,6 +258,12 @@ def load_entropy(counts: torch.Tensor) -> torch.Tensor:
     return ent / math.log(counts.shape[-1]) if counts.shape[-1] > 1 else torch.zeros_like(ent)
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward (activation recomputation): its routing was counted once."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class ExpertBalancer(nn.Module):
     """Per-MoE-layer balancing state: applies the strategy to one routing and records the load.
 
@@ -321,7 +327,7 @@ class ExpertBalancer(nn.Module):
             weights = weights * keep.to(weights.dtype)
         if losses:
             weights = attach_aux_loss(weights, sum(losses.values()))
-        if self.training:
+        if self.training and not _recomputing():
             self.record(indices, losses)
         return indices, weights
 

@@ -167,17 +167,23 @@ class ExpertParallel:
         if self.num_physical == self.num_experts and torch.equal(self.phy2log, torch.arange(self.num_experts)):
             return indices
         device = indices.device
-        valid = indices >= 0
-        logical = indices.clamp_min(0).cpu()
-        token = torch.arange(indices.shape[0])[:, None].expand_as(logical)
+        if self._replica_slots.device != device:
+            self.logcnt, self._replica_slots, self._first_replica = (
+                t.to(device) for t in (self.logcnt, self._replica_slots, self._first_replica))
+        logical = indices.clamp_min(0)
+        token = torch.arange(indices.shape[0], device=device)[:, None].expand_as(logical)
         replica = token % self.logcnt[logical]
         phys = self._replica_slots[self._first_replica[logical] + replica]
-        return torch.where(valid, phys.to(device), indices)
+        return torch.where(indices >= 0, phys, indices)
 
     def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """[num_physical] rows for every physical expert -> [world, local] rows I receive (blocking, small)."""
-        recv = torch.empty(self.world * self.local, dtype=torch.int64)
-        dist.all_to_all_single(recv, send_counts.to(torch.int64).cpu().contiguous(), group=self.group)
+        """[num_physical] rows for every physical expert -> [world, local] rows I receive (blocking, small).
+
+        Exchanged on the tokens' device (NCCL/MCCL take device tensors only), then read on the host.
+        """
+        send = send_counts.to(torch.int64).contiguous()
+        recv = torch.empty(self.world * self.local, dtype=torch.int64, device=send.device)
+        dist.all_to_all_single(recv, send, group=self.group)
         return recv.view(self.world, self.local)
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> CommHandle[Dispatched]:
