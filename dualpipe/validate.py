@@ -3,7 +3,7 @@
 Deadlock freedom is checked with the exchange model of ``ir.comm_plan`` that the runtime follows.
 By default sends are buffered (the runtime posts them asynchronously and only receives block);
 ``check_deadlock_free(s, rendezvous=True)`` also demands that every send be matched while its
-sender waits, the strictest semantics a backend may have (of our schedules only 1F1B passes it).
+sender waits, the strictest semantics a backend may have (of our schedules 1F1B and ZB1P pass it).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_every_generated_schedule_validates_and_round_trips(name, ranks, mbs):
     validate(sched)
     back = from_csv(sched.to_csv())
     assert back.actions == sched.actions and back.layout == sched.layout
-    if name == "1f1b":  # 1F1B also survives send-blocks-until-received semantics
+    if name in ("1f1b", "zb1p"):  # these also survive send-blocks-until-received semantics
         check_deadlock_free(sched, rendezvous=True)
 
 
