@@ -49,6 +49,7 @@ def build(impl: str, ckpt: str, dtype: str, device: torch.device):
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
         # "transformers": its default experts kernel (grouped_mm; on a CPU a per-expert mm loop over sorted rows);
         # "transformers_eager": its per-expert Python loop with token gathers (the reference implementation)
         experts = "eager" if impl == "transformers_eager" else None
