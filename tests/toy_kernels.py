@@ -29,37 +29,33 @@ TOLERANCE = 1e-6
 
 
 @triton.jit
-def _axpby_kernel(x_ptr, y_ptr, out_ptr, n, alpha, beta, BLOCK: tl.constexpr):
+def _load_block(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
-    y = tl.load(y_ptr + offs, mask=mask)
+    return offs, mask, tl.load(x_ptr + offs, mask=mask), tl.load(y_ptr + offs, mask=mask)
+
+
+@triton.jit
+def _axpby_kernel(x_ptr, y_ptr, out_ptr, n, alpha, beta, BLOCK: tl.constexpr):
+    offs, mask, x, y = _load_block(x_ptr, y_ptr, n, BLOCK)
     tl.store(out_ptr + offs, alpha * x + beta * y, mask=mask)
 
 
 @triton.jit
 def _axpby_wrong_operand_kernel(x_ptr, y_ptr, out_ptr, n, alpha, beta, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
+    offs, mask, x, y = _load_block(x_ptr, y_ptr, n, BLOCK)
     tl.store(out_ptr + offs, alpha * x + beta * x, mask=mask)  # bug: reads x where y belongs
 
 
 @triton.jit
 def _axpby_partial_store_kernel(x_ptr, y_ptr, out_ptr, n, alpha, beta, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
-    y = tl.load(y_ptr + offs, mask=mask)
+    offs, mask, x, y = _load_block(x_ptr, y_ptr, n, BLOCK)
     tl.store(out_ptr + offs, alpha * x + beta * y, mask=offs < n - 1)  # bug: never writes the last element
 
 
 @triton.jit
 def _axpby_mutating_kernel(x_ptr, y_ptr, out_ptr, n, alpha, beta, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
-    y = tl.load(y_ptr + offs, mask=mask)
+    offs, mask, x, y = _load_block(x_ptr, y_ptr, n, BLOCK)
     out = alpha * x + beta * y
     tl.store(out_ptr + offs, out, mask=mask)
     tl.store(x_ptr + offs, out, mask=mask)  # bug: uses its input as scratch space
