@@ -176,7 +176,46 @@ def _cpu(args) -> int:
                         "pass: diff_vs_fp32 < 1e-3 (DeepGEMM's rule), diff_vs_reference < 1e-5"])
     ok = all(r["diff_vs_fp32"] < 1e-3 and r["diff_vs_reference"] < 1e-5 for r in rows)
     print("PASS" if ok else "FAIL")
+    _cpu_training_layer_timing(args)
     return 0 if ok else 1
+
+
+def _cpu_training_layer_timing(args) -> None:
+    """What FP8 training costs on a CPU (reference path: quantize, then fp32 GEMMs) next to nn.Linear."""
+    import time
+
+    import deep_gemm
+    from accel import registry
+    from deep_gemm.grouped import contiguous_layout
+    from recipes.benchutil import print_report
+
+    def step_ms(fn, reps=3) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    rows = []
+    for tokens, k, n in ((256, 256, 512), (1024, 512, 1024)):
+        x = torch.randn(tokens, k, requires_grad=True)
+        w = torch.randn(n, k, requires_grad=True)
+        with registry.force("reference"):
+            fp8 = step_ms(lambda x=x, w=w: deep_gemm.linear(x, w, fp8=True).sum().backward())
+        fp32 = step_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w).sum().backward())
+        rows.append({"layer": "linear", "shape": f"tokens={tokens} {k}->{n}", "fp8_ref_ms": fp8, "fp32_torch_ms": fp32,
+                     "ratio": fp8 / fp32})
+    m_indices = contiguous_layout([200, 100, 250, 60], "cpu")
+    x = torch.randn(m_indices.numel(), 256, requires_grad=True)
+    w = torch.randn(4, 512, 256, requires_grad=True)
+    with registry.force("reference"):
+        fp8 = step_ms(lambda: deep_gemm.grouped_linear(x, w, m_indices, fp8=True).sum().backward())
+        fp32 = step_ms(lambda: deep_gemm.grouped_linear(x, w, m_indices, fp8=False).sum().backward())
+    rows.append({"layer": "grouped_linear", "shape": "4 groups, 768 rows, 256->512", "fp8_ref_ms": fp8,
+                 "fp32_torch_ms": fp32, "ratio": fp8 / fp32})
+    print_report("deep_gemm: FP8 training layer on the CPU (reference path), forward+backward wall time", rows,
+                 json_path=f"{args.json}.cpu_layers" if args.json else None,
+                 notes=["what a CPU FP8-training study costs per layer; fp32_torch = the same layer without FP8"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
