@@ -114,3 +114,17 @@ def test_bench_kernels_dispatches(monkeypatch, capsys):
     assert seen[-1] == ["--quick"]
     with pytest.raises(SystemExit):
         bench_kernels.main(["cutlass"])
+
+
+def test_cli_reports_a_broken_kernel_package(toys, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "import_kernel_packages",
+                        lambda pkgs: {p: "ImportError: cannot import name 'x'" for p in pkgs})
+    assert verify_kernels.main(["--ops", "deep_gemm.*"]) == 1  # nothing verifiable, and the cause is shown
+    err = capsys.readouterr().err
+    assert "ERROR kernel package deep_gemm failed to import: ImportError: cannot import name 'x'" in err
+    assert "flash_mla" not in err  # not selected by the glob, so not imported
+
+
+def test_cli_skips_bench_shapes_on_cpu(toys, capsys):
+    assert verify_kernels.main(["--ops", "toy.axpby", "--bench-shapes", "--no-bench", "--seeds", "1"]) == 0
+    assert "--bench-shapes skipped on cpu" in capsys.readouterr().out
