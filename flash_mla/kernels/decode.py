@@ -190,7 +190,7 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
 # has no register spills; holding a wide Q tile spills (64 rows: ~250-1000 bytes of stack), which reloading Q
 # in 128-column chunks cuts to ~100. Which is fastest is for the autotuner on the GPU to say.
 _DECODE_CONFIGS = [(16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
-                   (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2), (32, 32, 256, 128, 4, 2)]
+                   (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2)]
 # the interpreter runs one config (tests swap in others); it exercises sub-page tiles, V slices and Q chunks
 _INTERP_DECODE_CONFIG = [(16, 32, 256, 128, 1, 1)]
 _decode = None
