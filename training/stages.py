@@ -19,13 +19,14 @@ Initialisation does not depend on the layout: every tensor is drawn from a gener
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
-from models.deepseek_v3.moe import Experts
+from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
 
 
@@ -152,12 +153,95 @@ class DeepSeekV3Stage(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.is_first else x
+        return _drain(self._forward_steps(x))
+
+    def _forward_steps(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """The forward as a generator that yields while an expert all-to-all is in flight, so the
+        overlapped schedule can run another micro-batch's backward there. Returns the output with
+        its segment boundaries attached (``_SEGMENTS``), for a segment-by-segment backward later."""
+        segments: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        if self.is_first:
+            # A segment's backward also runs the node that produced its input boundary (harmless for
+            # the residual adds, which save nothing); the clone keeps the embedding's own backward,
+            # which saves the token ids, for the embedding segment itself.
+            h = self.embed(x).clone()
+            segments.append((h, [self.embed.weight]))
+        else:
+            h = x
         if self.end > self.start:
             cos, sin = rope_cos_sin(self.args, torch.arange(h.shape[1], device=h.device))
             for i in range(self.start, self.end):
-                h = self.layers[str(i)](h, cos, sin)
+                block = self.layers[str(i)]
+                if block.recompute_block:  # checkpointed as a whole: one segment, no yield inside
+                    h = block(h, cos, sin)
+                    segments.append((h, _params(block)))
+                    continue
+                h = h + block.attn(block.attn_norm(h), cos, sin)
+                segments.append((h, _params(block.attn_norm, block.attn)))
+                h = yield from _ffn_steps(block, h)
+                segments.append((h, _params(block.ffn_norm, block.ffn)))
+        if not self.is_first and self.end == self.start:
+            h = h.clone()  # a stage never returns its input (a view / alias of a pipeline buffer)
+            segments.append((h, []))
+        setattr(h, _SEGMENTS, (x if not self.is_first else None, segments))
         return h
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0: DeepSeekV3Stage, inputs0: list, criterion0, labels0: list,
+                                    module1: DeepSeekV3Stage, loss1: torch.Tensor | None, outputs1: list,
+                                    output_grads1: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward of one micro-batch on ``module0`` interleaved with the backward of another on
+        ``module1`` (dualpipe's contract, as upstream DualPipe): while micro-batch 0's tokens are in
+        an expert all-to-all (dispatch, then combine), micro-batch 1's backward runs its next
+        segment (a block's MoE part or attention part). Gradients equal a plain F then B."""
+        forward = module0._forward_steps(*inputs0)
+        backward = module1._backward_steps(loss1, outputs1, output_grads1)
+        outputs0 = None
+        while outputs0 is None:
+            try:
+                next(forward)
+            except StopIteration as stop:
+                outputs0 = stop.value
+                break
+            next(backward, None)  # one backward segment while the all-to-all is in flight
+        for _ in backward:
+            pass
+        loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
+        return outputs0, loss0
+
+    def _backward_steps(self, loss: torch.Tensor | None, outputs: list, grads: list) -> Iterator[None]:
+        """Backward of one micro-batch, one segment at a time (yielding between segments).
+
+        Each segment's backward is restricted (``inputs=``) to its own parameters and its input
+        boundary, so autograd stops there and the next segment picks up the boundary's gradient.
+        """
+        if loss is not None:
+            hidden = getattr(loss, _HIDDEN)
+            torch.autograd.backward(loss, inputs=[hidden, *_params(*self.loss_modules())])
+            loss.detach_()
+            root, grad = hidden, hidden.grad
+            hidden.grad = None
+        elif outputs:
+            root, grad = outputs[0], grads[0]
+        else:
+            return
+        stage_input, segments = getattr(root, _SEGMENTS)
+        for k in range(len(segments) - 1, -1, -1):
+            out, params = segments[k]
+            prev = segments[k - 1][0] if k > 0 else stage_input
+            wanted = [p for p in params if p.requires_grad]
+            if prev is not None and prev.requires_grad:
+                wanted.append(prev)
+            if wanted:
+                torch.autograd.backward(out, grad, inputs=wanted)
+            if k > 0:
+                grad, prev.grad = prev.grad, None  # an intermediate: hand its gradient on, keep no copy
+            yield
+
+    def loss_modules(self) -> list[nn.Module]:
+        """Modules the criterion uses (the last stage): final norm, head, MTP and its embedding."""
+        mods = [self.norm, self.head, self.mtp]
+        return mods + [self.embed] if self.embed is not None and self.args.n_mtp_layers else mods
 
     def compute_loss(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch from the last hidden state and its token windows ``[b, s + 1]``,
@@ -171,7 +255,47 @@ class DeepSeekV3Stage(nn.Module):
         self.loss_log.main.append(float(parts["main"].detach()))
         if parts["mtp"]:
             self.loss_log.mtp.append(float(torch.stack(parts["mtp"]).detach().mean()))
-        return parts["loss"] * self.loss_scale
+        loss = parts["loss"] * self.loss_scale
+        setattr(loss, _HIDDEN, h)  # where the segment-by-segment backward starts
+        return loss
+
+
+_SEGMENTS = "_dsv3_segments"  # tensor attribute: (stage input, [(boundary, params that produced it)])
+_HIDDEN = "_dsv3_hidden"  # loss attribute: the last hidden state the criterion started from
+
+
+def _params(*modules: nn.Module) -> list[nn.Parameter]:
+    return [p for m in modules for p in m.parameters()]
+
+
+def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+    """``h + ffn(ffn_norm(h))``; an expert-parallel MoE is run step by step (``MoE.forward``'s EP
+    branch), yielding while the dispatch and then the combine all-to-all are in flight."""
+    ffn = block.ffn
+    x = block.ffn_norm(h)
+    if not isinstance(ffn, MoE) or ffn.ep is None:
+        return h + ffn(x)
+    shape = x.shape
+    flat = x.reshape(-1, ffn.dim)
+    routing = ffn.route(flat, seq_len=shape[-2])
+    handle = ffn.ep.dispatch(flat, routing.indices)
+    z = ffn.shared(flat)
+    yield
+    d = handle.wait()
+    handle = ffn.ep.combine(ffn.experts(d.x_grouped, d.m_indices), d, routing.weights)
+    yield
+    y = handle.wait()
+    if z is not None:
+        y = y + z
+    return h + y.view(shape)
 
 
 def _mtp_logits(stage: DeepSeekV3Stage, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
