@@ -3,8 +3,8 @@
 The CPU interpreter proves the arithmetic but not that the kernel compiles, nor that it is fast:
 here Triton's own compiler and the bundled ptxas build every mode with the largest autotune tiles
 and the argument specialisation the JIT would see (unit strides as constants, 16-divisible sizes),
-and the TTGIR must contain warp-group MMAs (wgmma) and asynchronous global->shared copies
-(software pipelining). Skipped when this Triton build cannot target CUDA offline.
+and the TTGIR must contain warp-group MMAs (wgmma) and asynchronous global->shared copies; the three
+cast kernels must compile too. Skipped when this Triton build cannot target CUDA offline.
 """
 
 import json
@@ -55,9 +55,24 @@ CASES = [(kernels.DENSE, True, False), (kernels.CONTIGUOUS, True, False), (kerne
          (kernels.K_GROUPED, False, False)]
 
 
+def _compile_cast(tile_r: int, tile_c: int):
+    from deep_gemm.kernels import cast
+
+    jit = cast._cast_kernel
+    names = jit.arg_names
+    consts = {"TILE_R": tile_r, "TILE_C": tile_c, "BLOCK_R": 32 if tile_r == 1 else tile_r,
+              "BLOCK_C": 64 if tile_c == 1 else tile_c, "AMAX_FLOOR": 1e-4, "UE8M0": False, "s_xc": 1, "s_qc": 1}
+    ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "sf_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn=jit, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def compile_all() -> dict:
     """Compile every case with the largest tiles; return what the test checks (runs without the interpreter)."""
     out = {}
+    for tile in ((1, 128), (128, 1), (128, 128)):  # the three casts: they must compile too
+        _compile_cast(*tile)
     for mode, fp8, flat in CASES:
         compiled = _compile(mode, fp8, block_m=128, block_n=256, num_warps=8, num_stages=3, flat=flat)
         ttgir = compiled.asm["ttgir"]
