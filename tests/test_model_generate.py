@@ -3,8 +3,6 @@ forward's logits; generation equals re-running the whole prefix; the CLI runs on
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -101,11 +99,13 @@ def test_bad_generation_input():
 
 
 @pytest.mark.timeout(120)
-def test_generate_cli(tmp_path: Path):
+def test_generate_cli(tmp_path: Path, capsys):
+    from recipes.generate import main
+
     model = Transformer(ARGS)
     save_hf_checkpoint(model, tmp_path)
-    run = subprocess.run([sys.executable, "-m", "recipes.generate", "--checkpoint", str(tmp_path), "--prompt",
-                          "def f(x):", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=110,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("def f(x):") and "5 tokens" in run.stderr
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def f(x):") and "5 tokens" in out.err
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0"])
