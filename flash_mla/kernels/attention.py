@@ -15,13 +15,14 @@ import triton
 import triton.language as tl
 
 from accel import registry
-from flash_mla.kernels.common import cast_out, interpreted, split_head_dim
+from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
 
 
 def _configs(blocks: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in blocks]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=pipeline_stages(s))
+            for m, n, w, s in blocks]
 
 
 # (BLOCK_M, BLOCK_N, warps, stages); the interpreter gets one small config (autotuning would run them all).

@@ -13,6 +13,11 @@ def interpreted() -> bool:
     return accel.triton_interpreted()
 
 
+def pipeline_stages(stages: int) -> int:
+    """Software-pipelining depth for a config: Moore Threads' Triton builds want ``num_stages=1``."""
+    return 1 if accel.backend() == "musa" else stages
+
+
 def split_head_dim(d: int) -> tuple[int, int]:
     """Cover a head dim with two power-of-two tiles (192 -> 128 + 64, 48 -> 32 + 16, 64 -> 64 + 0).
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from accel import registry
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
-from flash_mla.kernels.common import cast_out, interpreted, round_to_bf16_grid
+from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, round_to_bf16_grid
 from flash_mla.metadata import BLOCK_SIZE
 
 LOG2E = 1.4426950408889634
@@ -201,7 +201,8 @@ def _decode_kernel_tuned():
     if _decode is None:
         configs = _INTERP_DECODE_CONFIG if interpreted() else _DECODE_CONFIGS
         _decode = triton.autotune(
-            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v, "QK_CHUNK": c}, num_warps=w, num_stages=st)
+            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v, "QK_CHUNK": c}, num_warps=w,
+                           num_stages=pipeline_stages(st))
              for h, n, v, c, w, st in configs],
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
