@@ -1,11 +1,13 @@
 """Benchmark: the real runtime over gloo against the simulator, and bubbles side by side.
 
-    python -m dualpipe.bench [--ranks 8] [--microbatches 24] [--F 0.02 --B 0.04 --W 0.02]
+    python -m dualpipe.bench [--ranks 8] [--microbatches 24] [--F 0.05 --B 0.1 --W 0.05] [--FB 0.12]
                              [--schedules dualpipe,1f1b,zb1p] [--json out.json]
 
 Each rank's stages compute nothing: a forward sleeps F seconds, a backward sleeps I = B - W and
 defers a W-second sleep through ``accel.wgrad.defer`` (so zero-bubble I/W splitting is real, and
-a full B sleeps I + W). Sleeping ranks need no CPU, so 8 ranks fit on 2 cores. The simulator is
+a full B sleeps I + W). With ``--FB`` the stages define ``overlapped_forward_backward`` and an
+overlapped F&B sleeps FB (< F + B models DualPipe's compute/communication overlap). Sleeping ranks
+need no CPU, so 8 ranks fit on 2 cores. The simulator is
 fed the measured duration of each action kind (sleep plus the runtime's own overhead, without time
 blocked on neighbours; median over ranks) and the P2P latency of a ping-pong, and its makespan is
 compared with the measured step time.
@@ -73,6 +75,28 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x, self.scale, self.costs)
 
 
+class OverlappedSleepStage(SleepStage):
+    """SleepStage whose overlapped F&B (DualPipe's main loop) costs ``fb`` seconds instead of F + B,
+    standing in for stages that hide one micro-batch's communication behind another's compute."""
+
+    def __init__(self, f: float, b: float, w: float, fb: float):
+        super().__init__(f, b, w)
+        self.fb = fb
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):
+        _, b, w = module1.costs
+        outputs0 = _Sleep.apply(inputs0[0], module0.scale, (max(module0.fb - b, 0.0), b, w))
+        loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            torch.autograd.backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
@@ -112,7 +136,8 @@ def _worker(args: argparse.Namespace) -> dict:
         out: dict = {"latency": latency.item(), "sleep": measured, "runs": {}}
         for name in args.schedules:
             n_stages = 2 if name in ("zbv", "dualpipe", "dualpipev") else 1
-            mods = [SleepStage(args.F, args.B, args.W) for _ in range(n_stages)]
+            mods = [SleepStage(args.F, args.B, args.W) if args.FB is None else
+                    OverlappedSleepStage(args.F, args.B, args.W, args.FB) for _ in range(n_stages)]
             cls = {"dualpipe": DualPipe, "dualpipev": DualPipeV}.get(name)
             pipe = cls(tuple(mods)) if cls else Pipeline(mods, name)
             lay = pipe.schedule(args.microbatches).layout
@@ -162,9 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dualpipe.bench", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=24)
-    p.add_argument("--F", type=float, default=0.02, help="forward seconds per stage and micro-batch")
-    p.add_argument("--B", type=float, default=0.04, help="full backward seconds")
-    p.add_argument("--W", type=float, default=0.02, help="weight-gradient part of B, seconds")
+    p.add_argument("--F", type=float, default=0.05, help="forward seconds per stage and micro-batch")
+    p.add_argument("--B", type=float, default=0.1, help="full backward seconds")
+    p.add_argument("--W", type=float, default=0.05, help="weight-gradient part of B, seconds")
+    p.add_argument("--FB", type=float, default=None,
+                   help="seconds of an overlapped F&B (stages get overlapped_forward_backward); default: F then B")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--schedules", default="dualpipe,1f1b,zb1p")
     p.add_argument("--json", help="write the rows as JSON")

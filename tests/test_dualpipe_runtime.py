@@ -207,6 +207,7 @@ def test_every_schedule_matches_single_process(world):
     if world == 2:
         for r in extras:
             assert r["distinct"] and r["b_pending"] == 1 and r["a_pending"] == 0
+            assert r["reshaped_loss_equal"], "a step with new micro-batch shapes gave other losses"
             assert r["mapped_loss_equal"] and r["mapped_grad_diff"] < GRAD_TOL
     if world == 4:
         assert all("even number of ranks" in e for e in extras[:3]), extras
@@ -220,6 +221,12 @@ def _two_pipelines(rank: int, world: int) -> dict:
     x, y = make_batch(world, 12, 1)
     a.step(x if rank == 0 else None, num_chunks=4, criterion=criterion, labels=(y if rank == world - 1 else None,))
     out = {"distinct": a.store is not b.store, "b_pending": b.store.pending(), "a_pending": a.store.pending()}
+    # the same pipeline, next step with other micro-batch shapes: no static P2P shapes to re-declare
+    x2, y2 = make_batch(world, 8, 7)
+    loss2, _ = a.step(x2 if rank == 0 else None, num_chunks=4, criterion=criterion,
+                      labels=(y2 if rank == world - 1 else None,))
+    ref2 = reference(make_model(world, 1), x2, y2, 4)[0]
+    out["reshaped_loss_equal"] = (loss2 is None) if rank != world - 1 else bool(torch.equal(loss2, ref2))
     # rank_mapping reversed: group rank 0 runs pipeline rank 1 (the last stage)
     model = make_model(world, 3)
     ref_loss, _, ref_grads = reference(model, x, y, 4)
