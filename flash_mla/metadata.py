@@ -77,8 +77,9 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     """Raise ValueError unless the plan was made for ``cache_seqlens`` and every block it reads exists.
 
     Needs one host sync, so the verdict is remembered on the metadata tensor for as long as none of
-    the tensors involved is modified (every layer of a decode step then pays nothing). Skipped while
-    a device graph is being captured, where a sync is not allowed.
+    the tensors involved is modified (every layer of a decode step then pays nothing); under
+    ``torch.inference_mode`` (no version counters) it runs on every call. Skipped while a device
+    graph is being captured, where a sync is not allowed.
     """
     meta, batch = tile_scheduler_metadata, cache_seqlens.shape[0]
     if meta.dtype != torch.int32 or meta.dim() != 2 or meta.shape[1] != META_COLS:
@@ -90,12 +91,16 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     mod = accel.device_module()
     if mod is not None and getattr(mod, "is_current_stream_capturing", lambda: False)():
         return  # no host sync inside CUDA/MUSA graph capture: validate with an eager call before capturing
-    key = tuple((weakref.ref(t), t._version) for t in (cache_seqlens, block_table, num_splits))
-    cached = getattr(meta, "_flash_mla_checked", None)
-    if cached is not None and cached[0] == meta._version and all(
-        a[0]() is b[0]() and a[1] == b[1] for a, b in zip(cached[1], key)
-    ):
-        return
+    tensors = (meta, cache_seqlens, block_table, num_splits)
+    # inference tensors (torch.inference_mode) have no version counter: check them on every call
+    remember = not any(t.is_inference() for t in tensors)
+    if remember:
+        key = tuple((weakref.ref(t), t._version) for t in tensors[1:])
+        cached = getattr(meta, "_flash_mla_checked", None)
+        if cached is not None and cached[0] == meta._version and all(
+            a[0]() is b[0]() and a[1] == b[1] for a, b in zip(cached[1], key)
+        ):
+            return
     seqlens, table = cache_seqlens.tolist(), block_table.tolist()
     plan, prefix = meta.tolist(), num_splits.tolist()
     max_blocks = block_table.shape[1]
@@ -123,4 +128,5 @@ def check_metadata(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tens
     if covered != expected or prefix[0] != 0:
         raise ValueError(f"tile_scheduler_metadata covers {covered} blocks per sequence but cache_seqlens={seqlens} "
                          f"needs {expected}; expected the metadata get_mla_metadata returns for these seqlens")
-    meta._flash_mla_checked = (meta._version, key)
+    if remember:
+        meta._flash_mla_checked = (meta._version, key)

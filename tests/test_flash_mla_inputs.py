@@ -118,3 +118,14 @@ def test_bad_attention_input(name):
     q, k, v, kwargs = build(q, k, v)
     with pytest.raises(ValueError, match=message):
         flash_mla.mla_attention(q, k, v, **kwargs)
+
+
+def test_inference_mode_checks_every_call():
+    """Inference tensors have no version counter, so nothing is remembered and edits are still caught."""
+    with torch.inference_mode():
+        args = _inputs()
+        out, _ = flash_mla.flash_mla_with_kvcache(**args)
+        assert out.shape == (2, 1, 4, 512)
+        args["cache_seqlens"][1] = 2000
+        with pytest.raises(ValueError, match="cache_seqlens\\[1\\]=2000"):
+            flash_mla.flash_mla_with_kvcache(**args)
