@@ -492,11 +492,13 @@ def verify_op(name: str, shapes: Sequence[dict] | None = None, seeds: int | Sequ
         return [Result(op=name, shape={}, seed=None, passed=False, reason="no Triton implementation registered")]
     if shapes is None:
         shapes = list(op.verify.shapes) + (list(op.verify.bench_shapes) if bench_shapes else [])
+    elif isinstance(shapes, dict) or not all(isinstance(s, dict) for s in shapes):
+        raise ValueError(f"shapes: expected a list of dicts (one per shape), got {shapes!r}")
     if not shapes:
         return [Result(op=name, shape={}, seed=None, passed=False, reason="VerifySpec has no shapes")]
     seed_list = fresh_seeds(seeds) if isinstance(seeds, int) else list(seeds)
-    if not seed_list:
-        raise ValueError("seeds: expected a positive count or a non-empty list of seeds")
+    if not seed_list or not all(isinstance(s, int) for s in seed_list):
+        raise ValueError(f"seeds: expected a positive count or a non-empty list of int seeds, got {seeds!r}")
     device = device or default_device()
     bench_kwargs = CPU_BENCH if backend() == "cpu" else GPU_BENCH
 
@@ -520,16 +522,16 @@ def verify_op(name: str, shapes: Sequence[dict] | None = None, seeds: int | Sequ
     return results
 
 
-def select_ops(patterns: Iterable[str] | None = None) -> list[str]:
-    """Registered op names matching any of the glob ``patterns`` (all ops when None)."""
+def select_ops(patterns: str | Iterable[str] | None = None) -> list[str]:
+    """Registered op names matching any of the glob ``patterns`` (one glob or several; all ops when None)."""
     names = registry.ops()
     if patterns is None:
         return names
-    patterns = list(patterns)
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-def verify_ops(patterns: Iterable[str] | None = None, seeds: int | Sequence[int] = 5, *, bench: bool = True,
+def verify_ops(patterns: str | Iterable[str] | None = None, seeds: int | Sequence[int] = 5, *, bench: bool = True,
                bench_shapes: bool = False, on_result: Callable[[Result], None] | None = None) -> list[Result]:
     """Verify every registered op matching ``patterns`` (import the kernel packages first)."""
     results = []

@@ -331,3 +331,16 @@ def test_blockwise_diff_matches_calc_diff_for_uniform_errors():
     tiny_noise = near_zero.clone()
     tiny_noise[:40] = 1e-12  # absolute noise where the reference is exactly zero: not a failure
     assert verify.blockwise_diff(tiny_noise, near_zero) < 1e-18
+
+
+def test_bad_arguments_name_themselves(toys):
+    with pytest.raises(ValueError, match="shapes: expected a list of dicts"):
+        verify.verify_op("toy.axpby", shapes={"n": 4})
+    with pytest.raises(ValueError, match="seeds"):
+        verify.verify_op("toy.axpby", seeds=[])
+    with pytest.raises(ValueError, match="seeds"):
+        verify.verify_op("toy.axpby", seeds=0)
+    with pytest.raises(KeyError, match="no kernel op named 'toy.nope'"):
+        verify.verify_op("toy.nope")
+    assert verify.select_ops("toy.axpby*") == ["toy.axpby", "toy.axpby_out"]  # one glob as a plain string
+    assert verify.select_ops(["toy.wrong_*", "toy.unsupported"]) == ["toy.unsupported", "toy.wrong_result"]
