@@ -3,7 +3,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
-export TRITON_INTERPRET ?= 1
 
 .PHONY: venv test test-fast lint demo clean
 
