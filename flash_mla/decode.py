@@ -28,8 +28,8 @@ def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedul
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [batch, s_q, h_q, head_dim], got shape {tuple(getattr(q, 'shape', ()))}")
     b, s_q, h_q, d = q.shape
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # fp32: beyond FlashMLA, for fp32 models
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, {BLOCK_SIZE}, h_kv, head_dim], got {tuple(k_cache.shape)}")
     if k_cache.shape[1] != BLOCK_SIZE:
@@ -206,7 +206,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention over a paged KV cache: ``(out [b, s_q, h_q, head_dim_v], lse fp32 [b, h_q, s_q])``.
 
-    ``q [b, s_q, h_q, 576]``; ``k_cache [num_blocks, 64, h_kv, 576]`` in q's dtype, or ``[..., 656]``
+    ``q [b, s_q, h_q, 576]`` (bf16/fp16; fp32 too, beyond FlashMLA); ``k_cache [num_blocks, 64, h_kv, 576]``
+    in q's dtype, or ``[..., 656]``
     e4m3 bytes with ``is_fp8_kvcache``; ``block_table int32 [b, max_blocks]``; ``cache_seqlens int32
     [b]``; the plan from ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``. ``causal`` with
     ``s_q > 1`` masks bottom-right (query i sees the first ``seqlen - s_q + i + 1`` tokens).

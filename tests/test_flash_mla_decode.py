@@ -63,10 +63,11 @@ def test_reference_matches_float64_per_row(fp8):
     assert torch.all(torch.isinf(lse[2, :, 0])) and torch.all(out[2, 0] == 0)  # seqlen 1 < s_q: row 0 sees nothing
 
 
-# (seqlens, s_q, h_q, h_kv, fp8, causal): zero-length and multi-split sequences, MTP (s_q=2) causal,
-# grouped KV heads, FP8 cache, a sequence shorter than s_q.
+# (seqlens, s_q, h_q, h_kv, fp8 (True / False / "fp32": an fp32 q and cache), causal): zero-length and
+# multi-split sequences, MTP (s_q=2) causal, grouped KV heads, FP8 cache, a sequence shorter than s_q.
 CASES = [
     ([0, 300, 45], 1, 16, 1, False, False),
+    ([70, 3], 2, 4, 1, "fp32", True),  # fp32 models (beyond FlashMLA, which takes bf16/fp16 only)
     ([129, 77], 2, 8, 1, False, True),
     ([1, 190], 2, 4, 2, False, True),
     ([200, 64, 0], 1, 16, 1, True, False),
@@ -77,7 +78,9 @@ CASES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seqlens,s_q,h_q,h_kv,fp8,causal", CASES)
 def test_triton_decode_matches_reference(seqlens, s_q, h_q, h_kv, fp8, causal):
-    q, cache, table, lens, meta, splits = _case(seqlens, s_q, h_q, h_kv, fp8, seed=len(seqlens) + s_q)
+    dtype = torch.float32 if fp8 == "fp32" else torch.bfloat16
+    fp8 = fp8 is True
+    q, cache, table, lens, meta, splits = _case(seqlens, s_q, h_q, h_kv, fp8, seed=len(seqlens) + s_q, dtype=dtype)
     with registry.force("triton"), registry.poisoned_outputs():
         got = flash_mla.flash_mla_with_kvcache(q, cache, table, lens, 512, meta, splits, causal=causal,
                                                is_fp8_kvcache=fp8)

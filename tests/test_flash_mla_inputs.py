@@ -46,7 +46,8 @@ def _edit(**changes):
 BAD = {
     "head dim 512": (_edit(q=lambda q: q[..., :512].contiguous()), "head dim"),
     "block size 32": (_edit(k_cache=lambda c: c.reshape(-1, 32, 1, 576)), "block size must be 64"),
-    "q float32": (_edit(q=lambda q: q.float()), "bfloat16 or float16"),
+    "q float64": (_edit(q=lambda q: q.double()), "bfloat16, float16 or float32"),
+    "q float32, cache bf16": (_edit(q=lambda q: q.float()), "k_cache must have q's dtype"),
     "cache dtype": (_edit(k_cache=lambda c: c.half()), "k_cache must have q's dtype"),
     "block_table int64": (_edit(block_table=lambda t: t.long()), "block_table must be int32"),
     "seqlens int64": (_edit(cache_seqlens=lambda s: s.long()), "cache_seqlens must be int32"),
