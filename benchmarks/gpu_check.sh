@@ -16,7 +16,8 @@
 #
 # Knobs: GPU_CHECK_BUDGET (total seconds, default 540: the whole run fits ~9 minutes; a step gets at
 # most what is left, and is skipped with under 20 s left), GPU_CHECK_STEPS (space-separated step
-# names to run, default all), GPU_CHECK_D (the area-script folder), GPU_CHECK_PACK (1/0).
+# names, run in that order: "verify flash_mla env"; default all), GPU_CHECK_D (the area-script
+# folder), GPU_CHECK_PACK (1/0).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,13 +50,10 @@ export TRITON_INTERPRET=0
 
 say() { echo "$*" | tee -a "$ALL"; }
 
-wanted() { [[ -z "$ONLY" || " $ONLY " == *" $1 "* ]]; }
-
 # run_step NAME TIMEOUT COMMAND...: run with the smaller of TIMEOUT and the budget left, log, record.
 run_step() {
     local name="$1" limit="$2"
     shift 2
-    wanted "$name" || return 0
     local left=$((BUDGET - (SECONDS - START)))
     if ((left < 20)); then
         printf '%-24s %-8s %6s  %s\n' "$name" SKIPPED - "budget of ${BUDGET}s spent" >>"$SUMMARY"
@@ -114,17 +112,42 @@ EOF
 say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, budget ${BUDGET}s"
 
 export -f env_report  # `timeout` runs programs, not shell functions
-run_step env 60 bash -c env_report
-# --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
-run_step pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
-run_step verify 200 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
-    --json "$OUTDIR/verify_kernels.json"
 
-shopt -s nullglob
-for script in "$AREA_DIR"/*.sh; do
-    area="$(basename "$script" .sh)"
-    limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
-    run_step "$area" "${limit:-120}" bash "$script"
+# run_named NAME: one step by name (core steps, else benchmarks/gpu_check.d/NAME.sh).
+run_named() {
+    local name="$1" script limit
+    case "$name" in
+        env) run_step env 60 bash -c env_report ;;
+        # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
+        pytest) run_step pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests ;;
+        verify) run_step verify 200 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
+            --json "$OUTDIR/verify_kernels.json" ;;
+        *)
+            script="$AREA_DIR/$name.sh"
+            if [[ ! -f "$script" ]]; then
+                printf '%-24s %-8s %6s  %s\n' "$name" UNKNOWN - "no such step (env, pytest, verify, or $AREA_DIR/*.sh)" \
+                    >>"$SUMMARY"
+                say "== $name: unknown step"
+                FAILED=1
+                return 0
+            fi
+            limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
+            run_step "$name" "${limit:-120}" bash "$script"
+            ;;
+    esac
+}
+
+# Default order: env, pytest, verify, then the areas alphabetically; GPU_CHECK_STEPS picks and orders.
+if [[ -n "$ONLY" ]]; then
+    read -r -a ORDER <<<"$ONLY"
+else
+    ORDER=(env pytest verify)
+    for script in "$AREA_DIR"/*.sh; do
+        [[ -f "$script" ]] && ORDER+=("$(basename "$script" .sh)")
+    done
+fi
+for name in "${ORDER[@]}"; do
+    run_named "$name"
 done
 
 pack="${GPU_CHECK_PACK:-}"

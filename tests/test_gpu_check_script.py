@@ -64,3 +64,12 @@ def test_budget_skips_what_does_not_fit(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 1
     assert "c_hang" in summary and "d_after                  SKIPPED" in summary
+
+
+@pytest.mark.timeout(60)
+def test_steps_run_in_the_order_asked_and_typos_are_reported(tmp_path):
+    proc, out = _run(tmp_path, "d_after a_ok no_such_area")
+    assert proc.returncode == 1
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [["d_after", "PASS"], ["a_ok", "PASS"],
+                                                     ["no_such_area", "UNKNOWN"]]
