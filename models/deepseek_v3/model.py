@@ -15,38 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.layers import MLP, Linear, RMSNorm, maybe_recompute
-from models.deepseek_v3.mla import MLA, LatentCache
-from models.deepseek_v3.moe import Experts, Gate, MoE
+from models.deepseek_v3.block import Block
+from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.mla import LatentCache
+from models.deepseek_v3.moe import Experts, Gate
+from models.deepseek_v3.mtp import MTPModule, mtp_logits
 from models.deepseek_v3.rope import rope_cos_sin
 
-
-class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``."""
-
-    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
-        super().__init__()
-        self.layer_id = layer_id
-        recompute_norm = args.recomputes("norm", layer_id)
-        self.recompute_block = args.recomputes("block", layer_id)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
-        self.attn = MLA(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
-        if args.is_moe_layer(layer_id):
-            self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
-        else:
-            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id))
-
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
-                 start_pos: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
-        return x + self.ffn(self.ffn_norm(x))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
-        if self.recompute_block and cache is None:
-            return maybe_recompute(lambda h: self._forward(h, cos, sin, None, start_pos), x, enabled=True)
-        return self._forward(x, cos, sin, cache, start_pos)
+__all__ = ["Block", "Transformer", "lm_losses"]
 
 
 class Transformer(nn.Module):
@@ -66,8 +42,6 @@ class Transformer(nn.Module):
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.head.weight = self.embed.weight
-        from models.deepseek_v3.mtp import MTPModule
-
         self.mtp = nn.ModuleList(MTPModule(args, k, expert_ids) for k in range(args.n_mtp_layers))
         if not self.embed.weight.is_meta:
             self.init_weights()
@@ -106,15 +80,7 @@ class Transformer(nn.Module):
 
         Depth k's logits ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``.
         """
-        out = []
-        for k, module in enumerate(self.mtp, start=1):
-            n = tokens.shape[1] - k
-            if n <= 0:
-                break
-            cos, sin = self.rope(n, 0, h.device)
-            h = module(h[:, :n], self.embed(tokens[:, k:]), cos, sin)
-            out.append(self.head(module.norm(h)))
-        return out
+        return mtp_logits(self.args, self.mtp, self.embed, self.head, h, tokens)
 
     # ---- whole model ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None,

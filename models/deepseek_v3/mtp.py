@@ -8,19 +8,21 @@ model's last hidden state before the final norm. Each depth is one sequence shor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.rope import rope_cos_sin
 
 
 class MTPModule(nn.Module):
     """One MTP depth. ``depth`` is 0-based; its block is layer ``n_layers + depth`` (HF key index)."""
 
     def __init__(self, args: ModelArgs, depth: int, expert_ids: range | None = None):
-        from models.deepseek_v3.model import Block  # Block imports nothing from here; avoid the cycle
-
         super().__init__()
         self.depth, self.layer_id = depth, args.n_layers + depth
         self.enorm = RMSNorm(args.dim, args.norm_eps)
@@ -33,3 +35,21 @@ class MTPModule(nn.Module):
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         return self.block(x, cos, sin)
+
+
+def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,
+               tokens: torch.Tensor) -> list[torch.Tensor]:
+    """MTP logits per depth k = 1..D from the main model's last hidden state ``h`` (before the final norm).
+
+    Depth k's logits ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``. Takes the modules
+    explicitly so that a pipeline's last stage runs exactly this with the modules it holds.
+    """
+    out = []
+    for k, module in enumerate(modules, start=1):
+        n = tokens.shape[1] - k
+        if n <= 0:
+            break
+        cos, sin = rope_cos_sin(args, torch.arange(n, device=h.device))
+        h = module(h[:, :n], embed(tokens[:, k:]), cos, sin)
+        out.append(head(module.norm(h)))
+    return out

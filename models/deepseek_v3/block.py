@@ -1,0 +1,39 @@
+"""One DeepSeek-V3 layer: pre-norm MLA attention, then a dense SwiGLU FFN (first layers) or DeepSeekMoE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import MLP, RMSNorm, maybe_recompute
+from models.deepseek_v3.mla import MLA, LatentCache
+from models.deepseek_v3.moe import MoE
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        recompute_norm = args.recomputes("norm", layer_id)
+        self.recompute_block = args.recomputes("block", layer_id)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        self.attn = MLA(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        if args.is_moe_layer(layer_id):
+            self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
+        else:
+            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id))
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
+                 start_pos: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        if self.recompute_block and cache is None:
+            return maybe_recompute(lambda h: self._forward(h, cos, sin, None, start_pos), x, enabled=True)
+        return self._forward(x, cos, sin, cache, start_pos)
