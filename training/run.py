@@ -41,33 +41,11 @@ def _agree_run_dir(cfg: TrainConfig, opts: RunOptions, ps: ParallelState) -> Pat
 
 
 def _attach_checkpointing(trainer, cfg: TrainConfig, run_dir: Path, opts: RunOptions):
-    """CheckpointManager under ``run_dir/checkpoints``: resume, periodic async saves, stall metric."""
-    ck = cfg.checkpoint
-    if not (ck.interval or ck.final or opts.resume):
-        return None
-    from training.checkpoint import CheckpointManager, restore_rng_state
+    """Checkpoints under ``run_dir/checkpoints`` (``training.checkpoint.trainer_hooks``): resume (also with
+    another DP size), periodic async saves with the stall metric, and rollback on faults when enabled."""
+    from training.checkpoint.trainer_hooks import attach
 
-    manager = CheckpointManager(run_dir / "checkpoints", async_save=ck.async_save, keep_last=ck.keep_last,
-                                keep_every=ck.keep_every, commit_timeout_s=cfg.run.timeout_s)
-    if opts.resume:
-        loaded = manager.load(opts.resume, expect_config=trainer.checkpoint_meta()["config"])
-        if loaded is None:
-            if opts.resume != "auto":
-                raise ValueError(f"--resume {opts.resume}: no checkpoint there")
-        else:
-            trainer.load_state_dict(loaded.state)
-            if loaded.rng is not None:
-                restore_rng_state(loaded.rng)
-            if trainer.ps.rank == 0:
-                print(f"resumed from {loaded.path} at step {trainer.step}", flush=True)
-
-    def save_hook(tr, metrics: dict[str, Any]) -> None:
-        manager.poll()
-        if ck.interval and tr.step % ck.interval == 0 and tr.step < cfg.run.steps:
-            metrics["checkpoint_stall_s"] = manager.save(tr.step, tr.state_dict(), tr.checkpoint_meta())
-
-    trainer.step_end_hooks.append(save_hook)
-    return manager
+    return attach(trainer, cfg, run_dir, opts.resume)
 
 
 def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
@@ -84,15 +62,16 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
         (run_dir / "config.toml").write_text(cfg.to_toml())
         print(f"run folder: {run_dir}\n{_layout_line(cfg, world)}", flush=True)
     trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked)
-    manager = _attach_checkpointing(trainer, cfg, run_dir, opts)
+    hooks = _attach_checkpointing(trainer, cfg, run_dir, opts)
     summary = trainer.fit()
-    if manager is not None:
+    manager = None
+    if hooks is not None:
         if cfg.checkpoint.final:
             t0 = time.perf_counter()
-            manager.save(trainer.step, trainer.state_dict(), trainer.checkpoint_meta())
+            hooks.save()
             summary["final_checkpoint_stall_s"] = time.perf_counter() - t0
-        manager.wait()
-        manager.close()
+        hooks.close()  # waits for the write in flight
+        manager = hooks.manager
     sample = None
     if opts.sample and cfg.run.sample_prompt and cfg.run.sample_tokens > 0:
         sample = trainer.generate(cfg.run.sample_prompt, cfg.run.sample_tokens)

@@ -91,7 +91,10 @@ def load_checkpoint(trainer, folder: Path) -> int:
     else:  # a saved rank holding the same pipeline stage and expert slice
         source = next(r for r in range(saved_par.world_size)
                       if (coords(r, saved_par).pp_rank, coords(r, saved_par).ep_rank) == (mine.pp_rank, mine.ep_rank))
-    loaded = read_checkpoint(folder, source, expect_config=trainer.checkpoint_meta()["config"])
+    expect = trainer.checkpoint_meta()["config"]
+    if not same_layout and isinstance(expect, dict) and isinstance(expect.get("parallel"), dict):
+        expect = {**expect, "parallel": {**expect["parallel"], "dp": saved_par.dp}}  # the one allowed change
+    loaded = read_checkpoint(folder, source, expect_config=expect)
     state = loaded.state
     names = param_names(trainer)
     optimizers = trainer.optimizer.optimizers
