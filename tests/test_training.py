@@ -121,3 +121,19 @@ def test_corpus_too_small_fails_before_launch(tmp_path, capsys, monkeypatch):
     small.write_text("too short " * 100)
     assert train_main(["--config", DEMO, "--set", f"data.source={small}"]) == 2
     assert "fewer than one global batch" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_dualpipe_mirrored_run_matches_one_process(tmp_path):
+    """DualPipe over 2 pipeline ranks (each stage held twice, micro-batches fed from both ends, mirrored
+    gradients and expert loads summed) equals one process. No MTP (refused with DualPipe for now).
+    Same float32 summation-order tolerance as above (measured ~1e-6)."""
+    common = ["run.steps=3", "model.fp8=false", "checkpoint.final=false", "checkpoint.interval=0",
+              "optim.warmup_steps=2", "data.global_batch=8", "model.overrides.n_mtp_layers=0",
+              "parallel.dp=1", "parallel.ep=1"]
+    one, _ = _train(tmp_path, "one", 1, common + SINGLE)
+    two, _ = _train(tmp_path, "dualpipe", 2, common + ["parallel.schedule=dualpipe"])
+    assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], abs=1e-5)
+    assert [r["grad_norm"] for r in one] == pytest.approx([r["grad_norm"] for r in two], rel=1e-5)

@@ -49,9 +49,31 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
 
 def update_biases(trainer: Trainer, gamma: float) -> None:
     cfg = trainer.cfg.balance
-    if "aux_free" not in cfg.model_config().parts or not moe_layers(trainer.stages):
+    if "aux_free" not in cfg.model_config().parts:
+        return
+    if trainer.cfg.parallel.schedule == "dualpipe":
+        _sum_mirrored_counts(trainer)
+    if not moe_layers(trainer.stages):
         return
     update_expert_biases(nn.ModuleList(trainer.stages), gamma, cfg.recenter, group=trainer.ps.group("dp"))
+
+
+@torch.no_grad()
+def _sum_mirrored_counts(trainer: Trainer) -> None:
+    """DualPipe holds each stage on two pipeline ranks, each seeing half of the micro-batches: sum
+    the expert loads of the two copies (over the pp group, a zero row where a rank lacks the stage)
+    so both copies apply the same bias update as one process would."""
+    par, args = trainer.cfg.parallel, trainer.args
+    n_moe = args.n_layers + args.n_mtp_layers
+    table = torch.zeros(par.pp, n_moe, args.n_routed_experts, device=trainer.device)
+    slots = []
+    for st in trainer.stages:
+        for m in moe_layers([st]):
+            slots.append((st.stage_id, m.layer_id, m.balancer))
+            table[st.stage_id, m.layer_id] = m.balancer.counts_for_update.to(table.device)
+    dist.all_reduce(table, group=trainer.ps.group("pp"))
+    for stage_id, layer_id, balancer in slots:
+        balancer.counts_for_update.copy_(table[stage_id, layer_id].to(balancer.counts_for_update.device))
 
 
 def load_metrics(trainer: Trainer) -> dict[str, Any]:

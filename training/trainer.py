@@ -81,6 +81,10 @@ def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
     split_layers(args, num_model_stages(par.schedule, par.pp))
     if par.ep > 1:
         expert_range(args, 0, par.ep)
+    if args.n_mtp_layers and par.schedule == "dualpipe":
+        raise ValueError("model: MTP with parallel.schedule='dualpipe' is not supported yet (the embedding it shares "
+                         "with stage 0 would be summed twice across the mirrored copies); use dualpipev or set "
+                         "model.overrides.n_mtp_layers=0")
     if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
         raise ValueError(f"model: MTP needs the embedding on the last stage's rank; schedule {par.schedule!r} "
                          "puts it elsewhere (use dualpipev / zbv / dualpipe or model.overrides.n_mtp_layers=0)")
