@@ -83,8 +83,8 @@ def check_bf16_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, torch.Tensor]:
     return _logical(a, la, "m"), _logical(b, lb, "n")
 
 
-def launch_dense(a, b, d, c, sfa=None, sfb=None) -> torch.Tensor:
-    """Triton launch on logical views (shared by the dense ops and their tests)."""
+def launch_dense(a, b, d, c, sfa=None, sfb=None, split_k: int | None = None) -> torch.Tensor:
+    """Triton launch on logical views (shared by the dense ops and their tests); ``split_k`` None = heuristic."""
     from deep_gemm.kernels import gemm as kernels
 
     kernels.require_fp8_hardware(sfa is not None)  # before touching d
@@ -93,7 +93,16 @@ def launch_dense(a, b, d, c, sfa=None, sfb=None) -> torch.Tensor:
     if d.numel() == 0:
         return d
     gran = _sfb_gran(sfb, b.shape[0]) if sfb is not None else BLOCK
-    kernels.launch(kernels.DENSE, a, b, d, sfa=sfa, sfb=sfb, sfb_gran_n=gran, accumulate=c is not None)
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    split = kernels.split_k_for(m, n, k) if split_k is None else split_k
+    if split <= 1:
+        kernels.launch(kernels.DENSE, a, b, d, sfa=sfa, sfb=sfb, sfb_gran_n=gran, accumulate=c is not None)
+        return d
+    partial = torch.zeros(m, n, dtype=torch.float32, device=d.device)
+    kernels.launch(kernels.DENSE, a, b, partial, sfa=sfa, sfb=sfb, sfb_gran_n=gran, split_k=split)
+    if c is not None:
+        partial += d.float()  # d holds c
+    d.copy_(partial)
     return d
 
 

@@ -29,14 +29,17 @@ except ImportError:  # pragma: no cover - older or newer Triton layouts
 POINTERS = ("a_ptr", "b_ptr", "d_ptr", "sfa_ptr", "sfb_ptr", "grp_ptr")
 
 
-def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, num_stages: int, flat: bool = False):
+def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, num_stages: int, flat: bool = False,
+             split_k: int = 1):
     jit = (kernels._fp8_kernel if fp8 else kernels._bf16_kernel).fn
     names = jit.arg_names
     elem = "*fp8e4nv" if fp8 else "*bf16"
-    ptr_types = {"a_ptr": elem, "b_ptr": elem, "d_ptr": "*fp32" if mode == kernels.K_GROUPED else "*bf16",
+    fp32_out = mode == kernels.K_GROUPED or split_k > 1
+    ptr_types = {"a_ptr": elem, "b_ptr": elem, "d_ptr": "*fp32" if fp32_out else "*bf16",
                  "sfa_ptr": "*fp32", "sfb_ptr": "*fp32", "grp_ptr": "*i32"}
     consts = {"MODE": mode, "FP8": fp8, "SFB_GRAN_N": 1 if mode == kernels.K_GROUPED else 128,
-              "ACCUMULATE": mode == kernels.K_GROUPED, "FLAT_K_MAJOR": flat, "INTERPRETED": False, "BLOCK_M": block_m,
+              "ACCUMULATE": mode == kernels.K_GROUPED, "FLAT_K_MAJOR": flat, "SPLIT_K": split_k,
+              "INTERPRETED": False, "BLOCK_M": block_m,
               "BLOCK_N": block_n, "BLOCK_K": 128 if fp8 else 64, "GROUP_M": 8}
     # What launch() passes on a GPU: FP8 operands K-major (copied if needed); bf16 k-grouped stays MN-major.
     mn_major = mode == kernels.K_GROUPED and not fp8
@@ -50,9 +53,9 @@ def _compile(mode: int, fp8: bool, block_m: int, block_n: int, num_warps: int, n
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-CASES = [(kernels.DENSE, True, False), (kernels.CONTIGUOUS, True, False), (kernels.MASKED, True, False),
-         (kernels.K_GROUPED, True, False), (kernels.K_GROUPED, True, True), (kernels.DENSE, False, False),
-         (kernels.K_GROUPED, False, False)]
+CASES = [(kernels.DENSE, True, False, 1), (kernels.DENSE, True, False, 4), (kernels.CONTIGUOUS, True, False, 1),
+         (kernels.MASKED, True, False, 1), (kernels.K_GROUPED, True, False, 1), (kernels.K_GROUPED, True, True, 1),
+         (kernels.DENSE, False, False, 1), (kernels.K_GROUPED, False, False, 1)]  # (mode, fp8, flat, split_k)
 
 
 def _compile_cast(tile_r: int, tile_c: int):
@@ -73,10 +76,10 @@ def compile_all() -> dict:
     out = {}
     for tile in ((1, 128), (128, 1), (128, 128)):  # the three casts: they must compile too
         _compile_cast(*tile)
-    for mode, fp8, flat in CASES:
-        compiled = _compile(mode, fp8, block_m=128, block_n=256, num_warps=8, num_stages=3, flat=flat)
+    for mode, fp8, flat, split_k in CASES:
+        compiled = _compile(mode, fp8, block_m=128, block_n=256, num_warps=8, num_stages=3, flat=flat, split_k=split_k)
         ttgir = compiled.asm["ttgir"]
-        out[f"mode={mode},fp8={fp8},flat={flat}"] = {"wgmma": "warp_group_dot" in ttgir,
+        out[f"mode={mode},fp8={fp8},flat={flat},split_k={split_k}"] = {"wgmma": "warp_group_dot" in ttgir,
                                          "pipelined": bool(re.search(r"async_copy_global_to_local", ttgir)),
                                          "shared": compiled.metadata.shared}
     return out

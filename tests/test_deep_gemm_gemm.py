@@ -111,6 +111,26 @@ def test_per_row_b_scales_and_mn_major_scale_views():
     assert calc_diff(d, deep_gemm.fp8_gemm_nt((a_q, sfa), (b_q, sfb), _poisoned(m, n))) < SAME_INPUT_TOL
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_split_k_partial_sums(fp8):
+    # Small-M problems split K across programs that add fp32 partials atomically (forced here: the
+    # heuristic only splits on a GPU with idle SMs). With an accumulator c, and a ragged last slice.
+    from deep_gemm.gemm import launch_dense
+
+    m, n, k = 64, 128, 640  # 5 K blocks over 3 slices: 2 + 2 + 1
+    a, b = _inputs(m, n, k)
+    c = torch.randn(m, n)
+    d = _poisoned(m, n, dtype=torch.float32)
+    if fp8:
+        (a_q, sfa), (b_q, sfb) = _operands("nt", a, b)
+        launch_dense(a_q, b_q, d, c, sfa=sfa, sfb=sfb, split_k=3)
+        want = deep_gemm.fp8_gemm_nt((a_q, sfa), (b_q, sfb), _poisoned(m, n, dtype=torch.float32), c=c)
+    else:
+        launch_dense(a.bfloat16(), b.bfloat16(), d, c, split_k=3)
+        want = a @ b.T + c
+    assert calc_diff(d, want) < SAME_INPUT_TOL
+
+
 def test_mn_major_tma_aligned_tensor_3d():
     sf = torch.randn(3, 130, 4)
     out = deep_gemm.get_mn_major_tma_aligned_tensor(sf)

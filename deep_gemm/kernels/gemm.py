@@ -6,6 +6,8 @@ Modes (a constexpr, so each compiles to its own specialised kernel):
              multiplies by that group's B; rows whose index differs (-1 padding) are not stored,
              tiles with no row of a group skip all work.
   MASKED     grid axis 1 is the group; rows >= ``masked_m[g]`` of group g are skipped.
+  (DENSE with SPLIT_K > 1: grid axis 1 slices K and programs add fp32 partials atomically into a
+  zeroed workspace: small-M problems would otherwise leave most SMs idle.)
   K_GROUPED  grid axis 1 is the group; group g reduces over its own K range (weight gradients);
              with FLAT_K_MAJOR, group g's operands are K-major [M, K_g] blocks packed one after another
              (DeepGEMM's SM90 ``k_grouped_fp8_gemm_nt_contiguous`` layout).
@@ -55,7 +57,7 @@ def _kernel_body():
         s_ag, s_am, s_ak, s_bg, s_bn, s_bk, s_dg, s_dm, s_dn,
         s_sag, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
         MODE: tl.constexpr, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-        FLAT_K_MAJOR: tl.constexpr,
+        FLAT_K_MAJOR: tl.constexpr, SPLIT_K: tl.constexpr,
         INTERPRETED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
@@ -77,7 +79,12 @@ def _kernel_body():
         n_ok = offs_n < N
         k_lo = 0
         k_hi = K
-        if MODE == 1:  # CONTIGUOUS: the tile's group is the largest index among its rows
+        if MODE == 0 and SPLIT_K > 1:  # split-K: grid axis 1 is a slice of K; partial sums are added atomically
+            k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            k_lo = g * k_per
+            k_hi = tl.minimum(K, k_lo + k_per)
+            g = g * 0
+        elif MODE == 1:  # CONTIGUOUS: the tile's group is the largest index among its rows
             gids = tl.load(grp_ptr + offs_m, mask=m_ok, other=-1)
             g = tl.max(gids, axis=0)
             m_ok = m_ok & (gids == g) & (gids >= 0)
@@ -128,9 +135,12 @@ def _kernel_body():
         store_ok = m_ok[:, None] & n_ok[None, :]
         if ACCUMULATE:  # D already holds C (copied by the launcher when C is a separate tensor)
             acc += tl.load(d_ptrs, mask=store_ok, other=0.0).to(tl.float32)
-        if INTERPRETED and d_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates fp32 -> bf16
-            acc = round_to_bf16(acc)
-        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=store_ok)
+        if SPLIT_K > 1:  # D is a zeroed fp32 workspace
+            tl.atomic_add(d_ptrs, acc, mask=store_ok)
+        else:
+            if INTERPRETED and d_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates fp32 -> bf16
+                acc = round_to_bf16(acc)
+            tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=store_ok)
 
     return kernel
 
@@ -138,7 +148,7 @@ def _kernel_body():
 def _autotuned(fp8: bool):
     return triton.autotune(
         configs=_configs(fp8),
-        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE", "FLAT_K_MAJOR"],
+        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE", "FLAT_K_MAJOR", "SPLIT_K"],
         restore_value=["d_ptr"],  # tuning reruns the kernel; accumulation and untouched rows need D restored
     )(_kernel_body())
 
@@ -152,6 +162,22 @@ def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 8192)
 
 
+def split_k_for(m: int, n: int, k: int) -> int:
+    """K slices for a dense problem with too few 128x128 output tiles to fill the GPU (small M, e.g. decode).
+
+    Uses ``get_num_sms()`` (so ``set_num_sms`` also bounds it); 1 (no split) in the interpreter.
+    """
+    from deep_gemm.utils import get_num_sms
+
+    if accel.triton_interpreted():
+        return 1
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    sms = get_num_sms()
+    if 2 * tiles > sms:
+        return 1
+    return max(1, min(sms // tiles, k // 512, 16))  # keep >= 4 K blocks of 128 per slice
+
+
 def require_fp8_hardware(fp8: bool = True) -> None:
     """FP8 kernels need e4m3 hardware (CUDA sm89+, MUSA 3.1+); elsewhere the registry uses the reference."""
     if fp8 and not accel.triton_interpreted() and not accel.fp8_native():
@@ -159,7 +185,7 @@ def require_fp8_hardware(fp8: bool = True) -> None:
 
 
 def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp=None, num_groups: int = 1,
-           accumulate: bool = False, flat_k_major: bool = False) -> None:
+           accumulate: bool = False, flat_k_major: bool = False, split_k: int = 1) -> None:
     """Run the kernel on logical views ``a [G?, M, K]``, ``b [G?, N, K]``, ``d [G?, M, N]``.
 
     2-D views get group strides of 0. ``sfa`` [G?, M, K/128] and ``sfb`` [G?, N or ceil(N/128), K/128]
@@ -183,12 +209,12 @@ def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp
     s_sa = strides3(sfa) if fp8 else (0, 0, 0)
     s_sb = strides3(sfb) if fp8 else (0, 0, 0)
     dummy = d  # any pointer for the unused arguments
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), num_groups)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), max(num_groups, split_k))
     kernel = _fp8_kernel if fp8 else _bf16_kernel
     kernel[grid](
         a, b, d, sfa if fp8 else dummy, sfb if fp8 else dummy, grp if grp is not None else dummy,
         m, n, k, _bucket(m),
         *s_a, *s_b, *s_d, *s_sa, *s_sb,
-        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate, FLAT_K_MAJOR=flat_k_major,
+        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate, FLAT_K_MAJOR=flat_k_major, SPLIT_K=split_k,
         INTERPRETED=accel.triton_interpreted(),
     )
