@@ -72,7 +72,7 @@ def test_pp_ep_dp_run_matches_one_process(tmp_path):
     missing gradient reduction or a wrong expert shard, each of which shifts step 2 by > 1e-2.
     """
     common = ["run.steps=4", "model.fp8=false", "checkpoint.final=false", "checkpoint.interval=0",
-              "optim.warmup_steps=2", "data.global_batch=16"]
+              "optim.warmup_steps=2", "data.global_batch=16", "data.micro_batch=2"]
     one, _ = _train(tmp_path, "one", 1, common + SINGLE)
     four, _ = _train(tmp_path, "four", 4, common)
     a, b = [r["loss"] for r in one], [r["loss"] for r in four]
@@ -131,7 +131,7 @@ def test_dualpipe_mirrored_run_matches_one_process(tmp_path):
     gradients and expert loads summed) equals one process. No MTP (refused with DualPipe for now).
     Same float32 summation-order tolerance as above (measured ~1e-6)."""
     common = ["run.steps=3", "model.fp8=false", "checkpoint.final=false", "checkpoint.interval=0",
-              "optim.warmup_steps=2", "data.global_batch=8", "model.overrides.n_mtp_layers=0",
+              "optim.warmup_steps=2", "data.global_batch=8", "data.micro_batch=2", "model.overrides.n_mtp_layers=0",
               "parallel.dp=1", "parallel.ep=1"]
     one, _ = _train(tmp_path, "one", 1, common + SINGLE)
     two, _ = _train(tmp_path, "dualpipe", 2, common + ["parallel.schedule=dualpipe"])
