@@ -76,10 +76,13 @@ class _LinearFunction(torch.autograd.Function):
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
             fp8_gemm_nt(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d)
             out = d[:, :n].to(x.dtype)
-            ctx.save_for_backward(x, weight, *w_q)
+            ctx.save_for_backward(x, *w_q)
         else:
             out = x @ weight.to(x.dtype).T
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x)
+        # The weight itself, not a saved-tensor copy: its .grad is what the wgrad closure accumulates
+        # into, which must be the real parameter even under non-reentrant checkpointing or offload hooks.
+        ctx.weight = weight
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.fp8, ctx.has_bias = fp8, bias is not None
@@ -87,7 +90,8 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, *w_q = ctx.saved_tensors
+        x, *w_q = ctx.saved_tensors
+        weight = ctx.weight
         k = x.shape[1]
         grad_out = grad_out.contiguous()
         grad_x = grad_bias = None
@@ -198,19 +202,20 @@ class _GroupedLinearFunction(torch.autograd.Function):
             d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
             m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d, m_indices)
             out = d[:, :n].to(x.dtype)
-            ctx.save_for_backward(x, weight, m_indices, *w_q)
+            ctx.save_for_backward(x, m_indices, *w_q)
         else:
             out = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
             for g, start, end in _segments(owners):
                 torch.mm(x[start:end], weight[g].to(x.dtype).T, out=out[start:end])
             out = out * valid.to(out.dtype)
-            ctx.save_for_backward(x, weight, m_indices)
-        ctx.fp8, ctx.owners = fp8, owners
+            ctx.save_for_backward(x, m_indices)
+        ctx.fp8, ctx.owners, ctx.weight = fp8, owners, weight  # the parameter itself: see _LinearFunction
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, m_indices, *w_q = ctx.saved_tensors
+        x, m_indices, *w_q = ctx.saved_tensors
+        weight = ctx.weight
         num_groups, n, k = weight.shape
         valid = (m_indices >= 0).unsqueeze(1)
         grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
