@@ -197,6 +197,10 @@ def test_released_v3_config_is_the_671b_preset():
     assert args.replace(extra={}) == ModelArgs.preset("deepseek_v3_671b")
     with pytest.raises(ValueError, match="moe_layer_freq"):
         ModelArgs.from_hf_config({**RELEASED_V3_CONFIG, "moe_layer_freq": 2})
+    with pytest.raises(ValueError, match="num_key_value_heads=16 must equal num_attention_heads=128"):
+        ModelArgs.from_hf_config({**RELEASED_V3_CONFIG, "num_key_value_heads": 16})
+    with pytest.raises(ValueError, match="n_limited_groups"):
+        ModelArgs.from_hf_config({**RELEASED_V3_CONFIG, "topk_group": 9})
 
 
 def test_hf_config_round_trip_and_both_rope_spellings():

@@ -197,6 +197,10 @@ class ModelArgs:
             kw.update(rope_factor=1.0, original_seq_len=kw.get("max_seq_len", 4096))
         else:
             raise ValueError(f"from_hf_config: rope type {rope_type!r} is not supported (expected yarn or default)")
+        kv_heads = cfg.pop("num_key_value_heads", None)
+        if kv_heads is not None and kv_heads != kw.get("n_heads", cls.n_heads):
+            raise ValueError(f"from_hf_config: num_key_value_heads={kv_heads} must equal num_attention_heads="
+                             f"{kw.get('n_heads', cls.n_heads)} (MLA expands its shared latent to every head)")
         if cfg.pop("moe_layer_freq", 1) != 1:
             raise ValueError("from_hf_config: moe_layer_freq must be 1 (every layer after the dense ones is MoE)")
         if cfg.pop("hidden_act", "silu") != "silu":
