@@ -120,6 +120,8 @@ def _gpu(args) -> int:
     os.environ.setdefault("DSV3_DEEP_GEMM_CHECK_SCALES", "0")  # time the kernels, not a host sync per call
     dense = [_dense_row(m, n, k, not args.no_baseline) for m in dense_m for n, k in dense_nk]
     spec = accel.lookup(accel.device_name())
+    for row in dense if spec and spec.fp8_tflops else ():
+        row["ours_pct_fp8_peak"] = 100.0 * row["ours_TFLOPs"] / spec.fp8_tflops
     notes = ["ours = deep_gemm.fp8_gemm_nt (Triton, 1x128 x 128x128 scales, bf16 out); bf16 = torch a @ b.T; "
              "scaled_mm = torch._scaled_mm with row-wise scales; diff = calc_diff vs fp32 of the unquantized "
              "inputs (DeepGEMM passes at < 1e-3)",
