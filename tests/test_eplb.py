@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from models.deepseek_v3.eplb import (
     EplbPlan,
@@ -11,7 +12,10 @@ from models.deepseek_v3.eplb import (
     redistribute_expert_weights,
     sync_replica_grads,
 )
+from models.deepseek_v3.expert_parallel import ExpertParallel
 from tests.dist_utils import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 GEMMs of different sizes (BLAS summation order): ~1e-6 relative
 
 # /work/shared/golden/README.md: deepseek-ai/EPLB README example
 GOLDEN_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -101,6 +105,28 @@ def test_load_ema_tracks_and_plans():
     assert ident.phy2log.tolist() == [list(range(5))] * 2 and ident.logcnt.sum() == 10
 
 
+def _redundant_dispatch(rank):
+    torch.manual_seed(0)
+    experts, dim, k = 6, 16, 2
+    weight = torch.randn(experts, dim, dim)
+    phy2log = torch.tensor([0, 1, 2, 0, 5, 3, 4, 5, 0, 1])  # expert 0 three copies, 1 and 5 two
+    ep = ExpertParallel(experts, dist.group.WORLD, phy2log=phy2log)
+    w = weight.clone().requires_grad_()
+    local = w[ep.local_logical]  # this rank's physical experts, views of the logical weights
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(10, dim, generator=g, requires_grad=True)
+    indices = torch.stack([torch.zeros(10, dtype=torch.long), torch.randint(1, experts, (10,), generator=g)], 1)
+    gates = torch.rand(10, k, generator=g)
+    handle = ep.dispatch(x, indices)
+    d = handle.wait()
+    rows = d.m_indices.long()
+    y_grouped = torch.einsum("md,mod->mo", d.x_grouped, local[rows.clamp_min(0)]) * (rows >= 0)[:, None]
+    y = ep.combine(y_grouped, d, gates).wait()
+    y.square().sum().backward()
+    return dict(x=x.detach(), idx=indices, gates=gates, y=y.detach(), w_grad=w.grad, x_grad=x.grad,
+                rows_per_slot=d.tokens_per_expert, local_logical=ep.local_logical)
+
+
 def _redistribute_rank(rank, world_size):
     torch.manual_seed(0)
     logical = torch.randn(6, 3, 2)  # 6 logical experts' weights, same on every rank
@@ -110,20 +136,37 @@ def _redistribute_rank(rank, world_size):
     moved = redistribute_expert_weights(local, old, new)
     grads = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(rank + 10))
     synced = sync_replica_grads(grads, new, 6)
-    return moved, grads, synced
+    return moved, grads, synced, _redundant_dispatch(rank)
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_plan_application_moves_weights_and_syncs_replica_grads():
-    results = run_distributed(_redistribute_rank, 2, timeout=90)
+@pytest.mark.timeout(150)
+def test_plan_application_and_redundant_experts_in_the_ep_runtime():
+    """One 2-rank run: moving weights to a new plan, syncing replica grads, dispatching to replicas."""
+    results = run_distributed(_redistribute_rank, 2, timeout=120)
+    _check_redundant_dispatch([res[3] for res in results])
     torch.manual_seed(0)
     logical = torch.randn(6, 3, 2)
     new = torch.tensor([5, 5, 3, 1, 0, 2, 4, 1])
-    for rank, (moved, _, _) in enumerate(results):
+    for rank, (moved, _, _, _) in enumerate(results):
         assert torch.equal(moved, logical[local_physical_experts(new, rank, 2)])  # exact copies
-    all_grads = torch.cat([g for _, g, _ in results])
+    all_grads = torch.cat([g for _, g, _, _ in results])
     want = torch.zeros(6, 3, 2).index_add_(0, new, all_grads)
-    for rank, (_, _, synced) in enumerate(results):
+    for rank, (_, _, synced, _) in enumerate(results):
         # fp32 sums of <= 2 terms in a different order: 1e-6
         torch.testing.assert_close(synced, want[local_physical_experts(new, rank, 2)], rtol=1e-6, atol=1e-6)
+
+
+def _check_redundant_dispatch(results):
+    torch.manual_seed(0)
+    weight = torch.randn(6, 16, 16).requires_grad_()
+    for res in results:
+        x = res["x"].clone().requires_grad_()
+        y = (res["gates"][..., None] * torch.einsum("td,tkod->tko", x, weight[res["idx"]])).sum(1)
+        y.square().sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), **TOL)
+        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
+    torch.testing.assert_close(results[0]["w_grad"] + results[1]["w_grad"], weight.grad, **TOL)
+    # every token picks expert 0: each of its three replicas (slots 0, 3, 8) must receive rows
+    slots0 = [res["rows_per_slot"][res["local_logical"] == 0] for res in results]
+    assert sum(int((s > 0).sum()) for s in slots0) == 3
