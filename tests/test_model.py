@@ -30,6 +30,9 @@ HF_CASES = {
     # q LoRA, YaRN (factor 4 > 1: mscale and ramp active), 4 groups / top-2, sigmoid + bias, MTP present
     "v3_tiny": dict(),
     # plain q projection, plain RoPE, no groups, 2 shared experts, 3 of 6 experts, un-normalised weights
+    # negative correction biases: transformers 5.24 masks losing groups with -inf as we do (older releases
+    # used 0.0, which picks a losing group's expert once every kept biased score is negative)
+    "v3_negative_bias": dict(bias_low=-0.6),
     "plain_q": dict(q_lora_rank=0, rope_factor=1.0, n_expert_groups=1, n_limited_groups=1, n_shared_experts=2,
                     n_routed_experts=6, n_activated_experts=3, norm_topk_prob=False, route_scale=1.5,
                     n_dense_layers=0, n_mtp_layers=0),
@@ -43,8 +46,10 @@ def test_logits_match_transformers(case: str, tmp_path: Path):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    args = ModelArgs.preset("debug_tiny", **HF_CASES[case])
-    model = randomize(Transformer(args)).eval()
+    overrides = dict(HF_CASES[case])
+    bias_low = overrides.pop("bias_low", 0.0)
+    args = ModelArgs.preset("debug_tiny", **overrides)
+    model = randomize(Transformer(args), bias_low=bias_low).eval()
     save_hf_checkpoint(model, tmp_path)
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for batch, seq in ((2, 19), (1, 64)):
