@@ -42,9 +42,8 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
         if cfg.parallel.ep > 1:
             from models.deepseek_v3.expert_parallel import ExpertParallel
 
-            # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8; needs dim % 128 == 0
-            fp8_dispatch = cfg.model.fp8 and moe.dim % 128 == 0
-            moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=fp8_dispatch)
+            # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8
+            moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8)
 
 
 def update_biases(trainer: Trainer, gamma: float) -> None:

@@ -290,7 +290,11 @@ def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch
     z = ffn.shared(flat)
     yield
     d = handle.wait()
-    handle = ffn.ep.combine(ffn.experts(d.x_grouped, d.m_indices), d, routing.weights)
+    if d.x_grouped.shape[0]:
+        y_grouped = ffn.experts(d.x_grouped, d.m_indices)
+    else:  # no token chose this rank's experts: stay in the graph so the backward all-to-alls still pair up
+        y_grouped = d.x_grouped * 0
+    handle = ffn.ep.combine(y_grouped, d, routing.weights)
     yield
     y = handle.wait()
     if z is not None:

@@ -161,7 +161,7 @@ def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int,
 
 def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
     """Gather each assignment's expert output and sum them per token weighted by ``weights [T, k]``."""
-    y = y_grouped[state.rows].view(state.num_tokens, -1, y_grouped.shape[-1])
+    y = y_grouped[state.rows].view(state.num_tokens, weights.shape[-1], y_grouped.shape[-1])  # k explicit: T may be 0
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # 2x faster than a [T] batch of 1xk bmm on CPU
 
 
