@@ -73,9 +73,9 @@ def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | No
 def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, companions: int = 3) -> str:
     """Greedy continuation of ``prompt`` (the context is cut to ``data.seq_len`` tokens).
 
-    The prompt is decoded in a batch with ``companions`` held-out text prefixes of the same length:
-    with expert parallelism, a lone short prompt can route no token at all to some expert rank, an
-    edge case the dispatch does not handle yet (see docs/training.md).
+    The prompt is decoded in a batch with ``companions`` held-out text prefixes of the same length,
+    so a short prompt still spreads tokens over the expert-parallel ranks (a rank that receives
+    none is handled, but wastes its turn in the all-to-all).
     """
     par, ps = trainer.cfg.parallel, trainer.ps
     ids = trainer.tokenizer.encode(prompt) or [0]
