@@ -86,6 +86,7 @@ def compile_all() -> dict:
 
 
 @pytest.mark.skipif(GPUTarget is None, reason="this Triton has no offline compile API")
+@pytest.mark.slow  # ~20 s of CPU: eleven full Triton -> PTX -> cubin compiles
 @pytest.mark.timeout(300)
 def test_kernel_compiles_for_sm90_with_wgmma_and_pipelined_loads():
     # @triton.jit decided interpreter-or-compiler at import, so compile in a process without TRITON_INTERPRET.
