@@ -33,6 +33,7 @@ from deep_gemm.grouped import (
 )
 from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear
 from deep_gemm.utils import (
+    align,
     calc_diff,
     ceil_div,
     get_m_alignment_for_contiguous_layout,
@@ -50,6 +51,7 @@ __all__ = [
     "bf16_gemm_tn",
     "bf16_gemm_tt",
     "bf16_m_grouped_gemm_nt_masked",
+    "align",
     "calc_diff",
     "ceil_div",
     "fp8_gemm_nn",
