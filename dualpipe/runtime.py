@@ -298,6 +298,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"{self.schedule_name} feeds several chains; use its own class (DualPipe) to step it")
         chain = lay.chains[0]
         first, last = lay.stage_rank[chain.stages[0]] == self.rank, lay.stage_rank[chain.stages[-1]] == self.rank
+        if last and torch.is_grad_enabled() and criterion is None:
+            raise ValueError(f"a training step needs a criterion on rank {self.rank}, which holds the last stage")
         ins = dict(enumerate(scatter(inputs, num_chunks, self.batch_dim))) if first else {}
         labs = dict(enumerate(scatter(tuple(labels), num_chunks, self.batch_dim))) if last else {}
         losses, outs = self.run(num_chunks, ins, labs, criterion if last else None, return_outputs)

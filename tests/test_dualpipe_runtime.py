@@ -204,6 +204,7 @@ def test_every_schedule_matches_single_process(world):
         assert "even" in errs["dualpipe_odd_chunks"]
         assert "module" in errs["module_count"]
         assert "view" in errs["view"] and "stage 0" in errs["view"]
+        assert "criterion" in errs["no_criterion"]
     if world == 2:
         for r in extras:
             assert r["distinct"] and r["b_pending"] == 1 and r["a_pending"] == 0
@@ -260,6 +261,10 @@ def _bad_inputs(rank: int, world: int) -> dict:
     except ValueError as exc:
         errors["module_count"] = str(exc)
     if world == 1:
+        try:
+            Pipeline([ToyStage(5, 5)], "zb1p").step(x, num_chunks=2, criterion=None, labels=(x,))
+        except ValueError as exc:
+            errors["no_criterion"] = str(exc)
         try:
             Pipeline([ViewStage()], "1f1b").step(torch.randn(4, 4, dtype=torch.float64), num_chunks=2,
                                                  criterion=lambda o, t: o.sum(), labels=(None,))
