@@ -120,7 +120,7 @@ run_named() {
         env) run_step env 60 bash -c env_report ;;
         # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
         pytest) run_step pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests ;;
-        verify) run_step verify 200 env DSV3_STRICT_KERNELS=1 "$PY" -m recipes.verify_kernels --bench-shapes \
+        verify) run_step verify 200 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
             --json "$OUTDIR/verify_kernels.json" ;;
         *)
             script="$AREA_DIR/$name.sh"
