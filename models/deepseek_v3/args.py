@@ -311,11 +311,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "n_routed_experts": 16, "n_activated_experts": 4, "n_expert_groups": 4, "n_limited_groups": 2,
                   "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
                   "v_head_dim": 32, "vocab_size": 1024},
-    # One-GPU benchmark size: V3's per-layer head/latent dims, 64 experts top-6, 4 layers.
-    "bench_gpu": {**_DEBUG, "dim": 2048, "inter_dim": 5632, "moe_inter_dim": 768, "n_layers": 4, "n_heads": 16,
+    # One-GPU benchmark size: V3's per-layer head/latent dims, 64 experts top-6, 3 layers (~0.5B params).
+    "bench_gpu": {**_DEBUG, "dim": 2048, "inter_dim": 4096, "moe_inter_dim": 512, "n_layers": 3, "n_heads": 16,
                   "n_routed_experts": 64, "n_activated_experts": 6, "n_expert_groups": 8, "n_limited_groups": 4,
                   "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                  "v_head_dim": 128, "vocab_size": 32768, "max_seq_len": 8192, "original_seq_len": 4096,
+                  "v_head_dim": 128, "vocab_size": 16384, "max_seq_len": 8192, "original_seq_len": 4096,
                   "rope_factor": 40.0, "init_std": 0.006},
 }
 PRESETS["lite"] = PRESETS["deepseek_v2_lite"]
