@@ -233,6 +233,17 @@ def test_recomputed_forward_is_not_counted_twice():
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
 
 
+def test_moe_rejects_aux_free_on_a_gate_without_bias_before_training():
+    from models.deepseek_v3.args import PRESETS, ModelArgs
+    from models.deepseek_v3.moe import MoE
+
+    softmax = ModelArgs(**{**PRESETS["debug_tiny"], "score_func": "softmax"})
+    assert MoE(softmax).balancer.config.strategy == "none"  # default follows the gate
+    with pytest.raises(ValueError, match="needs the gate's aux-loss-free bias"):
+        MoE(softmax, balance=BalanceConfig(strategy="aux_free+seq_aux"))
+    assert MoE(ModelArgs(**PRESETS["debug_tiny"])).balancer.config.uses_bias
+
+
 def test_update_expert_biases_sign_rule_and_recenter():
     moe = _FakeMoE(experts=4, top_k=1)
     moe.balancer.record(torch.tensor([[0], [0], [0], [1], [2], [2]]))  # counts 3,1,2,0 mean 1.5
@@ -248,7 +259,7 @@ def test_update_expert_biases_sign_rule_and_recenter():
 def test_update_expert_biases_bad_input():
     with pytest.raises(ValueError, match="has no aux-loss-free bias"):
         update_expert_biases(_FakeMoE(strategy="seq_aux"), gamma=0.001)
-    with pytest.raises(ValueError, match="has no aux-loss-free bias"):
+    with pytest.raises(ValueError, match="needs the gate's aux-loss-free bias, but the gate has none"):
         update_expert_biases(_FakeMoE(with_bias=False), gamma=0.001)
     with pytest.raises(ValueError, match="no MoE layer"):
         update_expert_biases(nn.Linear(2, 2), gamma=0.001)

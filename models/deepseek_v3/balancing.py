@@ -396,6 +396,23 @@ def aux_free_bias_update_(bias: torch.Tensor, counts: torch.Tensor, gamma: float
         bias -= bias.mean(-1, keepdim=True)
 
 
+def check_expert_biases(model: nn.Module) -> list[tuple[torch.Tensor, ExpertBalancer]]:
+    """ValueError, before training, for a MoE layer whose strategy needs a bias its gate lacks.
+
+    Returns (bias, balancer) of every layer that uses the aux-loss-free bias.
+    """
+    out = []
+    for name, owner, balancer in _named_balancers(model):
+        if not balancer.config.uses_bias:
+            continue
+        bias = _expert_bias(owner)
+        if bias is None:
+            raise ValueError(f"MoE layer {name or '<root>'!r}: strategy {balancer.config.strategy!r} needs the gate's "
+                             "aux-loss-free bias, but the gate has none (softmax scoring); drop 'aux_free'")
+        out.append((bias, balancer))
+    return out
+
+
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, gamma: float, recenter: bool = False,
                          group: dist.ProcessGroup | None = None) -> int:
@@ -411,13 +428,11 @@ def update_expert_biases(model: nn.Module, gamma: float, recenter: bool = False,
     layers = list(_named_balancers(model))
     if not layers:
         raise ValueError("update_expert_biases: the model has no MoE layer (no ExpertBalancer found)")
-    targets = []
-    for name, owner, balancer in layers:
-        bias = _expert_bias(owner)
-        if not balancer.config.uses_bias or bias is None:
-            raise ValueError(f"update_expert_biases: MoE layer {name or '<root>'!r} has no aux-loss-free bias "
-                             f"(strategy={balancer.config.strategy!r}); use a strategy with 'aux_free'")
-        targets.append((bias, balancer))
+    targets = check_expert_biases(model)
+    if len(targets) != len(layers):
+        name, _, balancer = next((n, o, b) for n, o, b in layers if not b.config.uses_bias)
+        raise ValueError(f"update_expert_biases: MoE layer {name or '<root>'!r} has no aux-loss-free bias "
+                         f"(strategy={balancer.config.strategy!r}); use a strategy with 'aux_free'")
     counts = torch.stack([b.counts_for_update.to(bias.device) for bias, b in targets])
     if group is not None:
         dist.all_reduce(counts, group=group)

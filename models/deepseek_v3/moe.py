@@ -24,7 +24,7 @@ from torch import nn
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
 from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
 
 
@@ -125,6 +125,8 @@ class Experts(nn.Module):
 
     def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
         """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1."""
+        if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
+            return x_grouped * 0
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8)
         h = maybe_recompute(swiglu, h, enabled=self.recompute_swiglu)
         return grouped_linear(h, self.w2, m_indices, fp8=self.fp8)
@@ -194,7 +196,10 @@ class MoE(nn.Module):
                                    recompute_swiglu=recompute_swiglu) if args.n_shared_experts else None)
         self.n_routed_experts = args.n_routed_experts
         self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout()
+        if balance is None:  # aux-loss-free where the gate has its bias (V3), else measure only
+            balance = BalanceConfig(strategy="aux_free" if self.gate.e_score_correction_bias is not None else "none")
         self.balancer = ExpertBalancer(args.n_routed_experts, args.n_activated_experts, balance)
+        check_expert_biases(self)
 
     # ---- the steps --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
