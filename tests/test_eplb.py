@@ -127,6 +127,29 @@ def _redundant_dispatch(rank):
                 rows_per_slot=d.tokens_per_expert, local_logical=ep.local_logical)
 
 
+def _empty_rank_dispatch(rank):
+    """All tokens choose rank 0's experts: rank 1 receives nothing yet joins every exchange, forward and back."""
+    from models.deepseek_v3.args import PRESETS, ModelArgs
+    from models.deepseek_v3.moe import Experts
+
+    args = ModelArgs(**{**PRESETS["debug_tiny"], "n_routed_experts": 4, "n_expert_groups": 2, "n_limited_groups": 1})
+    torch.manual_seed(0)
+    full = Experts(args)
+    full.reset_parameters(0.1)
+    experts = Experts(args, range(2 * rank, 2 * rank + 2))
+    with torch.no_grad():
+        experts.w13.copy_(full.w13[2 * rank:2 * rank + 2])
+        experts.w2.copy_(full.w2[2 * rank:2 * rank + 2])
+    ep = ExpertParallel(4, dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, args.dim, generator=g, requires_grad=True)
+    indices = torch.tensor([[0, 1]] * 6)
+    d = ep.dispatch(x, indices).wait()
+    y = ep.combine(experts(d.x_grouped, d.m_indices), d, torch.full((6, 2), 0.5)).wait()
+    y.square().sum().backward()
+    return dict(x=x.detach(), y=y.detach(), x_grad=x.grad, received=d.x_grouped.shape[0])
+
+
 def _redistribute_rank(rank, world_size):
     torch.manual_seed(0)
     logical = torch.randn(6, 3, 2)  # 6 logical experts' weights, same on every rank
@@ -136,7 +159,7 @@ def _redistribute_rank(rank, world_size):
     moved = redistribute_expert_weights(local, old, new)
     grads = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(rank + 10))
     synced = sync_replica_grads(grads, new, 6)
-    return moved, grads, synced, _redundant_dispatch(rank)
+    return moved, grads, synced, _redundant_dispatch(rank), _empty_rank_dispatch(rank)
 
 
 @pytest.mark.dist
@@ -145,14 +168,15 @@ def test_plan_application_and_redundant_experts_in_the_ep_runtime():
     """One 2-rank run: moving weights to a new plan, syncing replica grads, dispatching to replicas."""
     results = run_distributed(_redistribute_rank, 2, timeout=120)
     _check_redundant_dispatch([res[3] for res in results])
+    _check_empty_rank([res[4] for res in results])
     torch.manual_seed(0)
     logical = torch.randn(6, 3, 2)
     new = torch.tensor([5, 5, 3, 1, 0, 2, 4, 1])
-    for rank, (moved, _, _, _) in enumerate(results):
+    for rank, (moved, _, _, _, _) in enumerate(results):
         assert torch.equal(moved, logical[local_physical_experts(new, rank, 2)])  # exact copies
-    all_grads = torch.cat([g for _, g, _, _ in results])
+    all_grads = torch.cat([g for _, g, _, _, _ in results])
     want = torch.zeros(6, 3, 2).index_add_(0, new, all_grads)
-    for rank, (_, _, synced, _) in enumerate(results):
+    for rank, (_, _, synced, _, _) in enumerate(results):
         # fp32 sums of <= 2 terms in a different order: 1e-6
         torch.testing.assert_close(synced, want[local_physical_experts(new, rank, 2)], rtol=1e-6, atol=1e-6)
 
@@ -170,3 +194,25 @@ def _check_redundant_dispatch(results):
     # every token picks expert 0: each of its three replicas (slots 0, 3, 8) must receive rows
     slots0 = [res["rows_per_slot"][res["local_logical"] == 0] for res in results]
     assert sum(int((s > 0).sum()) for s in slots0) == 3
+
+
+def _check_empty_rank(results):
+    from models.deepseek_v3.args import PRESETS, ModelArgs
+    from models.deepseek_v3.moe import Experts
+
+    assert results[1]["received"] == 0 and results[0]["received"] > 0
+    args = ModelArgs(**{**PRESETS["debug_tiny"], "n_routed_experts": 4, "n_expert_groups": 2, "n_limited_groups": 1})
+    torch.manual_seed(0)
+    full = Experts(args)
+    full.reset_parameters(0.1)
+    for res in results:
+        x = res["x"].clone().requires_grad_()
+        rows = torch.cat([x, x])  # each token once per chosen expert (0 then 1), as one group each
+        m = torch.tensor([0] * 6 + [1] * 6, dtype=torch.int32)
+        pad = torch.full((128 - 6,), -1, dtype=torch.int32)
+        zeros = x.new_zeros(128 - 6, x.shape[1])
+        out = full(torch.cat([rows[:6], zeros, rows[6:], zeros]), torch.cat([m[:6], pad, m[6:], pad]))
+        y = 0.5 * (out[:6] + out[128:134])
+        y.square().sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), **TOL)
+        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
