@@ -47,6 +47,7 @@ class RunConfig:
     runs_root: str = "runs"
     sample_prompt: str = "The "  # prompt of the generated sample printed at the end ("" = none)
     sample_tokens: int = 120
+    sample_temperature: float = 0.8  # 0 = greedy (a small byte model's greedy output loops on spaces)
     threads: int = 0  # torch CPU threads per process; 0 = cores / local processes (OMP_NUM_THREADS wins)
     timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
 
@@ -390,7 +391,8 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 # ---- hashing and dumping -------------------------------------------------------------------
 
 # Keys that do not change what is computed: a resume may change them freely.
-_HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "timeout_s", "steps"},
+_HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
+                          "timeout_s", "steps", "threads"},
                   "logging": "*", "checkpoint": "*", "fault": "*"}
 
 

@@ -70,8 +70,11 @@ def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | No
 
 
 @torch.no_grad()
-def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, companions: int = 3) -> str:
-    """Greedy continuation of ``prompt`` (the context is cut to ``data.seq_len`` tokens).
+def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, companions: int = 3,
+                      temperature: float = 0.0, seed: int = 0) -> str:
+    """Continuation of ``prompt``: greedy, or sampled at ``temperature`` from a generator seeded by
+    ``seed`` on the rank holding the head (the token is then broadcast). The context is cut to
+    ``data.seq_len`` tokens.
 
     The prompt is decoded in a batch with ``companions`` held-out text prefixes of the same length,
     so a short prompt still spreads tokens over the expert-parallel ranks (a rank that receives
@@ -86,6 +89,7 @@ def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, compan
         rows.append(window[: len(ids)].tolist())
     tokens = torch.tensor(rows, dtype=torch.long, device=trainer.device)
     holder = stage_owner(par.schedule, par.pp)[num_model_stages(par.schedule, par.pp) - 1]
+    gen = torch.Generator(device=trainer.device).manual_seed(seed)
     for _ in range(max_new_tokens):
         ctx = tokens[:, -trainer.cfg.data.seq_len:]
         h = pipeline_hidden(trainer, ctx)
@@ -93,7 +97,12 @@ def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, compan
         if h is not None:
             st = trainer.loss_stage
             with eval_mode(trainer):
-                nxt.copy_(st.head(st.norm(h[:, -1])).argmax(-1))
+                logits = st.head(st.norm(h[:, -1])).float()
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    nxt.copy_(torch.multinomial(probs, 1, generator=gen).squeeze(1))
+                else:
+                    nxt.copy_(logits.argmax(-1))
         if ps.size("pp") > 1:
             dist.broadcast(nxt, src=ps.ranks["pp"][holder], group=ps.group("pp"))
         tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)

@@ -303,10 +303,12 @@ class Trainer:
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int) -> str:
-        """Greedy continuation of ``prompt`` through the pipeline (every rank must call it)."""
+        """Continuation of ``prompt`` through the pipeline (every rank must call it), sampled at
+        ``run.sample_temperature`` (0 = greedy)."""
         from training.inference import pipeline_generate
 
-        return pipeline_generate(self, prompt, max_new_tokens)
+        return pipeline_generate(self, prompt, max_new_tokens, temperature=self.cfg.run.sample_temperature,
+                                 seed=self.cfg.run.seed)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def start_logging(self, total_steps: int) -> None:
