@@ -15,6 +15,7 @@ wandb files and ``checkpoints/``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from training.config import check_world_size, load_config
@@ -49,9 +50,20 @@ def dry_run(cfg, world: int) -> None:
     print(format_estimate(cfg, args, estimate(cfg, args)))
 
 
+def use_reference_kernels_on_cpu() -> None:
+    """On a CPU, train with the kernels' PyTorch references unless ``DSV3_KERNEL_IMPL`` says otherwise:
+    Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by ``make``) is for kernel tests and far
+    too slow to train with. Inherited by the torchrun workers."""
+    import accel
+
+    if accel.backend() == "cpu" and not os.environ.get("DSV3_KERNEL_IMPL"):
+        os.environ["DSV3_KERNEL_IMPL"] = "reference"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parse_args(argv)
+    use_reference_kernels_on_cpu()
     try:
         cfg = load_config(ns.config, ns.overrides)
         nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
