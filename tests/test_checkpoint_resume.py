@@ -121,7 +121,9 @@ def test_torchrun_max_restarts_resumes_from_latest_checkpoint(tmp_path):
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m",
            "training.checkpoint.example_loop", "--root", str(tmp_path), "--steps", "10", "--interval", "3",
            "--crash-after-step", "8"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Workers get their own store per attempt: with torchrun's shared agent store, a restarted gloo group
+    # can read the dead attempt's peer addresses and fail connectFullMesh ("Connection refused").
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
