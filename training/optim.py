@@ -171,18 +171,18 @@ def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_gr
 
 
 @torch.no_grad()
-def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int) -> float:
+def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int, stage_copies: int = 1) -> float:
     """Global gradient L2 norm over every rank (each parameter counted once); clip to ``max_norm`` (0 = no clip).
 
     After ``reduce_gradients`` dense gradients are replicated on the ``dp`` ranks of a stage and
-    expert gradients on the ``dp / ep`` replicas, so one world all-reduce of the weighted squares
-    gives the true norm.
+    expert gradients on the ``dp / ep`` replicas, and DualPipe holds every stage twice
+    (``stage_copies=2``), so one world all-reduce of the weighted squares gives the true norm.
     """
     dense_sq = sum((p.grad.double().square().sum() for p in opt.dense_params if p.grad is not None),
                    torch.zeros((), dtype=torch.float64))
     expert_sq = sum((p.grad.double().square().sum() for p in opt.expert_params if p.grad is not None),
                     torch.zeros((), dtype=torch.float64))
-    total = dense_sq / dp_size + expert_sq / (dp_size // ep_size)
+    total = (dense_sq / dp_size + expert_sq / (dp_size // ep_size)) / stage_copies
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     norm = float(total.sqrt())

@@ -242,7 +242,8 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
-        grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep)
+        grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
+                                   stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1)
         holds = 1 if self.holds_loss else 0
         loss = self._global_mean(loss_sum, holds)
         main = self._global_mean(sum(log.main) / len(log.main) if log.main else 0.0, holds if log.main else 0)
