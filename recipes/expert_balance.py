@@ -113,7 +113,6 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
         ax.plot([s["step"] for s in r["steps"]], [s["max_vio"] for s in r["steps"]], label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("MaxVio (batch, mean over MoE layers)")
-    ax.set_yscale("symlog", linthresh=0.1)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -122,15 +121,21 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
 
     names = [n for n, r in results.items() if r["load_total"] is not None]
     if names:
-        fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names) + 1.2, 2.8), squeeze=False,
+                                 layout="constrained")
         shares = {n: results[n]["load_total"] / results[n]["load_total"].sum(-1, keepdim=True) for n in names}
         vmax = max(float(s.max()) for s in shares.values())
-        for ax, n in zip(axes[0], names):
-            im = ax.imshow(shares[n].numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+        for k, (ax, n) in enumerate(zip(axes[0], names)):
+            layers, experts = shares[n].shape
+            im = ax.imshow(shares[n].numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=vmax,
+                           interpolation="nearest")
             ax.set_title(n, fontsize=9)
             ax.set_xlabel("expert")
-            ax.set_ylabel("MoE layer")
-        fig.colorbar(im, ax=axes[0].tolist(), label="share of the layer's tokens")
+            ax.set_yticks(range(layers))
+            ax.set_xticks(range(0, experts, max(1, experts // 8)))
+            if k == 0:
+                ax.set_ylabel("MoE layer (MTP last)")
+        fig.colorbar(im, ax=axes[0].tolist(), label="share of the layer's tokens", shrink=0.9)
         fig.savefig(out / "load_heatmap.png", dpi=120)
         plt.close(fig)
 
