@@ -13,7 +13,9 @@ takes about as long as the communication (the regime the target is stated for). 
 - compute: the experts only, on already-dispatched tokens;
 - sequential: dispatch -> wait -> experts -> combine -> wait, micro-batch after micro-batch;
 - overlapped: micro-batch i+1's dispatch and micro-batch i-1's combine in flight while micro-batch
-  i's experts run (the pattern DualPipe's overlapped forward uses).
+  i's experts run (the pattern DualPipe's overlapped forward uses);
+- diagnostic: the overlapped schedule with the experts replaced by an idle wait of the same length,
+  i.e. what the asynchronous exchange achieves when compute does not compete with it for CPU cores.
 
 Target: overlapped <= 1.2 x max(comm, compute), against comm + compute sequentially.
 """
@@ -117,14 +119,14 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> list[dict] | None:
             d = ep.dispatch(x, i).wait()
             ep.combine(experts(d.x_grouped, d.m_indices), d, w).wait()
 
-    def overlapped():
+    def overlapped(compute=lambda d: experts(d.x_grouped, d.m_indices)):
         pending_dispatch = ep.dispatch(xs[0], idx[0])
         pending_combine = None
         for m in range(ns.microbatches):
             d = pending_dispatch.wait()
             if m + 1 < ns.microbatches:
                 pending_dispatch = ep.dispatch(xs[m + 1], idx[m + 1])  # in flight during this compute
-            y = experts(d.x_grouped, d.m_indices)
+            y = compute(d)
             if pending_combine is not None:
                 pending_combine.wait()
             pending_combine = ep.combine(y, d, wts[m])  # in flight during the next compute
@@ -134,12 +136,18 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> list[dict] | None:
         t_compute = _timed(compute_only, ns.reps)
         t_seq = _timed(sequential, ns.reps)
         t_over = _timed(overlapped, ns.reps)
+        per_mb = t_compute / ns.microbatches
+        # diagnostic: the same schedule with the GEMMs replaced by an idle wait of the same length,
+        # i.e. the overlap the async exchange reaches when compute does not compete for CPU cores
+        t_idle = _timed(lambda: overlapped(lambda d: (time.sleep(per_mb), d.x_grouped)[1]), ns.reps)
     bound = max(t_comm, t_compute)
     rows = [
         {"mode": "comm only (dispatch+combine)", "ms": 1e3 * t_comm, "x max(comm,compute)": t_comm / bound},
         {"mode": "compute only (experts)", "ms": 1e3 * t_compute, "x max(comm,compute)": t_compute / bound},
         {"mode": "sequential (baseline)", "ms": 1e3 * t_seq, "x max(comm,compute)": t_seq / bound},
         {"mode": "overlapped (ours)", "ms": 1e3 * t_over, "x max(comm,compute)": t_over / bound},
+        {"mode": "diagnostic: overlapped, compute = idle wait", "ms": 1e3 * t_idle,
+         "x max(comm,compute)": t_idle / bound},
     ]
     if rank == 0:
         return rows + [{"mode": f"expert width {inter}, {world} ranks, {ns.microbatches} micro-batches x "
