@@ -47,12 +47,17 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` as autograd accumulates (a new tensor when there is none yet)."""
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad.contiguous()
-    else:
-        param.grad.add_(grad)
+    """``param.grad += grad`` as autograd accumulates (a new tensor when there is none yet).
+
+    Runs under no_grad on a detached gradient: a deferred closure may run while grad mode is on,
+    and ``.grad`` must never join a graph (a later in-place add would then fail).
+    """
+    with torch.no_grad():
+        grad = grad.detach().to(param.dtype)
+        if param.grad is None:
+            param.grad = grad.contiguous()
+        else:
+            param.grad.add_(grad)
 
 
 def _run_or_defer(closure) -> None:

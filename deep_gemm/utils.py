@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 import accel
+from accel.verify import calc_diff  # noqa: F401 - DeepGEMM public helper, one definition toolkit-wide
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -30,13 +31,6 @@ def align(x: int, y: int) -> int:
     return ceil_div(x, y) * y
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's similarity error: 1 - 2*sum(x*y) / sum(x*x + y*y), in float64 (0 means equal)."""
-    x, y = x.detach().double(), y.detach().double()
-    denominator = (x * x + y * y).sum()
-    if denominator == 0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denominator)
 
 
 def get_m_alignment_for_contiguous_layout() -> int:

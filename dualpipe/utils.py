@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch.autograd import Variable
 
+from accel.verify import calc_diff  # noqa: F401 - re-exported for schedule tests and users
+
 
 def scatter(inputs: Sequence[torch.Tensor | None] | torch.Tensor, chunks: int, dim: int) -> list[tuple]:
     """Split each tensor of ``inputs`` into ``chunks`` micro-batches along ``dim``; one tuple per micro-batch."""
@@ -35,8 +37,3 @@ def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor])
                                             allow_unreachable=True, accumulate_grad=True)
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``1 - 2<x,y> / (|x|^2 + |y|^2)`` in float64: 0 for identical tensors (DESIGN.md's metric)."""
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum().item()
-    return 0.0 if denom == 0 else 1.0 - 2.0 * (x * y).sum().item() / denom
