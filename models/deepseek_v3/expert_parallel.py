@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import deep_gemm
-from models.deepseek_v3.moe import PermuteState, permute, unpermute
+from models.deepseek_v3.moe import PermuteState, unpermute
 
 T = TypeVar("T")
 
@@ -76,10 +76,13 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes):
+    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0):
         ctx.splits, ctx.group, ctx.rows_in = (out_splits, in_splits), group, x.shape[0]
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        send, recv = (x.contiguous(), out) if send_bytes is None else (send_bytes, recv_bytes)
+        total = sum(out_splits)
+        # ``spare_rows`` zero rows after the received ones: the regrouping gathers its pad rows from them
+        out = x.new_empty(total + spare_rows, *x.shape[1:])
+        out[total:].zero_()
+        send, recv = (x.contiguous(), out[:total]) if send_bytes is None else (send_bytes, recv_bytes)
         works.append(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True))
         works.append(send)  # the buffer being sent must outlive the exchange: the handle holds it
         return out
@@ -88,8 +91,9 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty(ctx.rows_in, *grad_out.shape[1:])
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None, None, None, None
+        dist.all_to_all_single(grad_in, grad_out[:sum(out_splits)].contiguous(), in_splits, out_splits,
+                               group=ctx.group)
+        return grad_in, None, None, None, None, None, None, None
 
 
 def _pack_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -176,53 +180,87 @@ class ExpertParallel:
         phys = self._replica_slots[self._first_replica[logical] + replica]
         return torch.where(indices >= 0, phys, indices)
 
-    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """[num_physical] rows for every physical expert -> [world, local] rows I receive (blocking, small).
+    def _post_counts(self, send_counts: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start exchanging [num_physical] per-expert row counts; the result is [world, local] rows I receive.
 
         Exchanged on the tokens' device (NCCL/MCCL take device tensors only), then read on the host.
+        Posted asynchronously so the send-side gather runs while the counts travel.
         """
         send = send_counts.to(torch.int64).contiguous()
         recv = torch.empty(self.world * self.local, dtype=torch.int64, device=send.device)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv.view(self.world, self.local)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return recv.view(self.world, self.local), (work, send)
+
+    def _grouped_plan(self, recv_counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Index plan of the regrouping: received rows ``[source][expert]`` -> ``[expert][source]`` blocks.
+
+        Returns ``source`` [M] (received row of each grouped row; ``total`` = the zero row for padding),
+        ``m_indices`` [M] int32, ``rows`` [total] (grouped row of each received row) and the per-expert
+        counts. Index arithmetic only (a few thousand int64s): the rows themselves move in one gather.
+        """
+        counts = recv_counts.to(device)  # [world, local]
+        total = int(counts.sum())
+        per_expert = counts.sum(0)
+        padded = (per_expert + self.alignment - 1) // self.alignment * self.alignment
+        group_start = padded.cumsum(0) - padded
+        before_src = counts.cumsum(0) - counts  # rows of expert e from earlier sources
+        block_start = counts.flatten().cumsum(0) - counts.flatten()  # start of (src, e) in the received rows
+        flat = counts.flatten()
+        block_dest = (group_start[None, :] + before_src).flatten()
+        rows = (torch.arange(total, device=device) - block_start.repeat_interleave(flat)
+                + block_dest.repeat_interleave(flat))
+        num_grouped = int(padded.sum())
+        source = torch.full((num_grouped,), total, dtype=torch.long, device=device)
+        source[rows] = torch.arange(total, device=device)
+        m_indices = torch.full((num_grouped,), -1, dtype=torch.int32, device=device)
+        m_indices[rows] = torch.arange(self.local, device=device, dtype=torch.int32).repeat(self.world) \
+            .repeat_interleave(flat)
+        return source, m_indices, rows, per_expert
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> CommHandle[Dispatched]:
         """Send every (token, expert) assignment to the rank hosting (a replica of) the expert.
 
         x [T, dim]; indices [T, k] logical expert ids, -1 = dropped. Returns a handle; its
         ``wait()`` gives ``Dispatched`` with the received rows in the contiguous grouped layout.
+
+        Host work is kept short and mostly overlapped: the counts exchange is posted first and the
+        send rows are gathered (one ``index_select``) while it travels; the token exchange is then
+        posted and the regrouping's index plan computed while the tokens travel, so ``wait()`` only
+        does one gather.
         """
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
                              f"{tuple(indices.shape)}")
+        num_tokens, k = indices.shape
         phys = self.to_physical(indices)
         dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
-        phys = torch.where(phys >= 0, phys, torch.full_like(phys, dropped))
-        rows, _, send_state = permute(x, phys, self.num_physical + 1, alignment=1)
-        send_counts = send_state.tokens_per_expert[:self.num_physical]
+        flat = torch.where(phys >= 0, phys, torch.full_like(phys, dropped)).reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_physical + 1)
+        send_counts = counts[:self.num_physical]
+        recv_counts, count_work = self._post_counts(send_counts)
+        order = flat.argsort(stable=True)  # sent rows in (rank, expert) order; dropped ones last
+        rows = torch.empty_like(order)
+        rows[order] = torch.arange(order.numel(), device=order.device)
+        send_state = PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
         num_sent = int(send_counts.sum())
+        send_rows = x.index_select(0, order[:num_sent] // k)
         send_splits = send_counts.view(self.world, self.local).sum(1).tolist()
-        recv_counts = self._exchange_counts(send_counts)
+        packed = _pack_fp8(send_rows) if self.fp8_dispatch else None
+        count_work[0].wait()
         recv_splits = recv_counts.sum(1).tolist()
         total = sum(recv_splits)
         works: list = []
-        send_rows = rows[:num_sent]
-        if self.fp8_dispatch:
-            packed = _pack_fp8(send_rows)
-            recv_bytes = packed.new_empty(total, packed.shape[1])
-            received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes)
-        else:
-            recv_bytes = None
-            received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, None, None)
+        recv_bytes = None if packed is None else packed.new_empty(total, packed.shape[1])
+        received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1)
+        source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
 
         def finish() -> Dispatched:
             if recv_bytes is not None:
                 with torch.no_grad():
-                    received.copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
-            local_expert = torch.arange(self.local, device=x.device).repeat(self.world)
-            row_expert = local_expert.repeat_interleave(recv_counts.flatten().to(x.device))
-            x_grouped, m_indices, recv_state = permute(received, row_expert[:, None], self.local, self.alignment)
-            return Dispatched(x_grouped, m_indices, recv_state.tokens_per_expert, recv_state, send_state,
+                    received[:total].copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
+            x_grouped = received.index_select(0, source)
+            recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
+            return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state,
                               send_splits, recv_splits, num_sent)
 
         return CommHandle(works, finish)
@@ -230,9 +268,7 @@ class ExpertParallel:
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j weights[t, j] * y[t, j]``."""
-        recv_state = dispatched.recv_state
-        ones = torch.ones(recv_state.num_tokens, 1, dtype=y_grouped.dtype, device=y_grouped.device)
-        y_recv = unpermute(y_grouped, recv_state, ones)  # exact: a product with 1.0
+        y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
                                None, None)
