@@ -12,13 +12,17 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
     y = handle.wait()                         # [T, dim], weighted sum over the top-k in token order
 
 - Variable splits: each rank first learns, with one small ``all_to_all_single`` of per-expert
-  counts, how many rows it will receive from every peer for every local expert; the token
-  all-to-all is then launched with ``async_op=True``.
-- Layout: the sender sorts its (token, expert) assignments by expert (``moe.permute`` with
-  alignment 1), so every peer's rows are one contiguous slice; the receiver regroups rows
+  counts (posted asynchronously; the send rows are gathered while it travels), how many rows it
+  will receive from every peer for every local expert; the token all-to-all is then launched with
+  ``async_op=True``.
+- Layout: the sender orders its (token, expert) assignments by expert (one stable argsort, one
+  ``index_select``), so every peer's rows are one contiguous slice; the receiver regroups rows
   ``[source][expert]`` into ``[expert][source]`` blocks padded to
-  ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows with pad rows indexed -1 (``moe.permute``
-  again), and ``combine`` undoes both.
+  ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows with pad rows indexed -1. The index plan
+  is computed while the tokens travel and ``wait()`` does one gather; ``combine`` undoes both.
+- Host work: everything on the host thread outside the transfer is index arithmetic plus one
+  gather per side, so a pipelined caller (micro-batch B's dispatch in flight while A's experts run,
+  as in DualPipe) hides the exchange; see ``recipes/bench_ep_overlap.py``.
 - Autograd: dispatch and combine are differentiable; the backward of each is the reverse
   all-to-all (run synchronously inside autograd). The routing weights never travel: the weighted
   sum happens on the token's own rank, so their gradient is local.
