@@ -12,15 +12,11 @@ Reports the median step time after the first two steps, and checks both runs' lo
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from recipes.benchutil import print_report
+from recipes.benchutil import print_report, run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "checkpoint.final=false",
@@ -29,14 +25,7 @@ BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "
 
 
 def run(config: str, nproc: int, steps: int, overrides: list[str], out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(out)]
-    for o in BASE + [f"run.steps={steps}"] + overrides:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"training run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run_training(config, nproc, BASE + [f"run.steps={steps}"] + overrides, out)
 
 
 def main(argv: list[str] | None = None) -> None:

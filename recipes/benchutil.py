@@ -30,3 +30,24 @@ def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     if json_path:
         Path(json_path).write_text(json.dumps({"title": title, "context": ctx, "rows": list(rows),
                                                "notes": list(notes)}, indent=2, default=str))
+
+
+def run_training(config: str, nproc: int, overrides: list[str], run_dir: Path) -> list[dict]:
+    """Run ``recipes.train`` in a subprocess with ``--set`` overrides; return its metrics.jsonl records.
+
+    Comparisons (overlap on/off, FP8 vs BF16) train each variant in a fresh process so that one run's
+    state cannot leak into the other.
+    """
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(f"training run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

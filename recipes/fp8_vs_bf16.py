@@ -12,13 +12,9 @@ which the DeepSeek-V3 report keeps below 0.25%, and writes ``fp8_vs_bf16.png`` a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from recipes.benchutil import print_report
+from recipes.benchutil import print_report, run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["logging.progress=false", "logging.wandb=disabled", "checkpoint.final=false", "checkpoint.interval=0",
@@ -27,15 +23,9 @@ SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=
 
 
 def train(config: str, nproc: int, steps: int, fp8: bool, overrides: list[str], out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(out)]
     layout = SINGLE if nproc == 1 else []
-    for o in BASE + layout + [f"run.steps={steps}", f"model.fp8={str(fp8).lower()}"] + overrides:
-        cmd += ["--set", o]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True,
-                          text=True)
-    if proc.returncode:
-        raise SystemExit(f"training run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run_training(config, nproc, BASE + layout + [f"run.steps={steps}", f"model.fp8={str(fp8).lower()}"]
+                        + overrides, out)
 
 
 def main(argv: list[str] | None = None) -> None:
