@@ -168,19 +168,6 @@ def _block_owners(m_indices: torch.Tensor) -> list[int]:
     return m_indices.view(-1, M_ALIGNMENT).amax(dim=1).tolist()
 
 
-def _segments(owners: list[int]) -> list[tuple[int, int, int]]:
-    """(group, first row, end row) for each run of blocks with one group; padding blocks skipped."""
-    runs: list[tuple[int, int, int]] = []
-    for i, g in enumerate(owners):
-        if g < 0:
-            continue
-        if runs and runs[-1][0] == g and runs[-1][2] == i * M_ALIGNMENT:
-            runs[-1] = (g, runs[-1][1], (i + 1) * M_ALIGNMENT)
-        else:
-            runs.append((g, i * M_ALIGNMENT, (i + 1) * M_ALIGNMENT))
-    return runs
-
-
 def _k_grouped_rows(owners: list[int], num_groups: int, device) -> tuple[torch.Tensor | None, list[int]]:
     """Row order that puts blocks in ascending group order (None when already so), and rows per group."""
     ks = [0] * num_groups
@@ -195,25 +182,62 @@ def _k_grouped_rows(owners: list[int], num_groups: int, device) -> tuple[torch.T
     return order, ks
 
 
+def _row_segments(m_indices: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) of each run of rows with one group id; padding rows (-1) in none of them.
+
+    Row-exact (not per 128-row block): the unquantized path computes only valid rows, so it needs no
+    masking multiplies and does no GEMM work on padding (on average half a block per group).
+    """
+    if m_indices.numel() == 0:
+        return []
+    starts = torch.cat([m_indices.new_zeros(1, dtype=torch.long),
+                        torch.nonzero(m_indices[1:] != m_indices[:-1]).squeeze(1) + 1])
+    ends = torch.cat([starts[1:], starts.new_full((1,), m_indices.numel())])
+    runs = torch.stack([m_indices[starts].long(), starts, ends], dim=1).tolist()
+    return [(g, s, e) for g, s, e in runs if g >= 0]
+
+
+def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
+    """bf16/fp32 backward over ``ctx.segments``: dgrad of valid rows (padding rows get 0), deferred wgrad."""
+    segments = ctx.segments
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch.zeros_like(x)
+        for g, start, end in segments:
+            torch.mm(grad_out[start:end], weight[g].to(grad_out.dtype), out=grad_x[start:end])
+    if ctx.needs_input_grad[1]:
+
+        def weight_grad() -> None:
+            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+            for g, start, end in segments:
+                g_w[g] += (grad_out[start:end].T @ x[start:end].to(grad_out.dtype)).float()
+            accumulate_grad(weight, g_w)
+
+        _run_or_defer(weight_grad)
+    return grad_x, None, None, None
+
+
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool):
         num_groups, n, k = weight.shape
+        if not fp8:
+            # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
+            segments = _row_segments(m_indices)
+            out = x.new_zeros(x.shape[0], n)
+            for g, start, end in segments:
+                torch.mm(x[start:end], weight[g].to(x.dtype).T, out=out[start:end])
+            ctx.save_for_backward(x, m_indices)
+            ctx.fp8, ctx.segments, ctx.weight = fp8, segments, weight  # the parameter itself: see _LinearFunction
+            return out
         valid = (m_indices >= 0).unsqueeze(1)
         x = x * valid.to(x.dtype)  # padding rows contribute nothing, whatever they hold
         owners = _block_owners(m_indices)
-        if fp8:
-            w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
-            d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
-            m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d, m_indices)
-            out = d[:, :n].to(x.dtype)
-            ctx.save_for_backward(x, m_indices, *w_q)
-        else:
-            out = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
-            for g, start, end in _segments(owners):
-                torch.mm(x[start:end], weight[g].to(x.dtype).T, out=out[start:end])
-            out = out * valid.to(out.dtype)
-            ctx.save_for_backward(x, m_indices)
+        w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+        d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
+        m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d, m_indices)
+        out = d[:, :n].to(x.dtype)
+        ctx.save_for_backward(x, m_indices, *w_q)
         ctx.fp8, ctx.owners, ctx.weight = fp8, owners, weight  # the parameter itself: see _LinearFunction
         return out
 
@@ -222,39 +246,28 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x, m_indices, *w_q = ctx.saved_tensors
         weight = ctx.weight
         num_groups, n, k = weight.shape
+        if not ctx.fp8:
+            return _grouped_backward_unquantized(ctx, x, weight, grad_out.contiguous())
         valid = (m_indices >= 0).unsqueeze(1)
         grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners, fp8 = ctx.owners, ctx.fp8
+        owners = ctx.owners
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if fp8:
-                d = torch.zeros(x.shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=x.device)
-                m_grouped_fp8_gemm_nn_contiguous(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d,
-                                                 m_indices)
-                grad_x = d[:, :k].to(x.dtype)
-            else:
-                grad_x = torch.zeros_like(x)
-                for g, start, end in _segments(owners):
-                    torch.mm(grad_out[start:end], weight[g].to(grad_out.dtype), out=grad_x[start:end])
+            d = torch.zeros(x.shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=x.device)
+            m_grouped_fp8_gemm_nn_contiguous(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d, m_indices)
+            grad_x = d[:, :k].to(x.dtype)
             grad_x = grad_x * valid.to(grad_x.dtype)
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> None:
-                if fp8:
-                    order, ks = _k_grouped_rows(owners, num_groups, x.device)
-                    dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
-                    dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
-                    x_q = per_channel_cast_to_fp8(_pad(xs, BLOCK))
-                    d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32,
-                                    device=x.device)
-                    ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
-                    k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
-                    g_w = d[:, :n, :k]
-                else:
-                    g_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-                    for g, start, end in _segments(owners):
-                        g_w[g] += (grad_out[start:end].T @ x[start:end].to(grad_out.dtype)).float()
-                accumulate_grad(weight, g_w)
+                order, ks = _k_grouped_rows(owners, num_groups, x.device)
+                dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
+                dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
+                x_q = per_channel_cast_to_fp8(_pad(xs, BLOCK))
+                d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+                ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
+                k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
+                accumulate_grad(weight, d[:, :n, :k])
 
             _run_or_defer(weight_grad)
         return grad_x, None, None, None
