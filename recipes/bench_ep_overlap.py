@@ -18,6 +18,8 @@ takes about as long as the communication (the regime the target is stated for). 
 - diagnostic: the overlapped schedule with the experts replaced by an idle wait of the same length,
   i.e. what the asynchronous exchange achieves when compute does not compete with it for CPU cores.
 
+The five modes run round-robin within every rep (load drift on a shared machine hits all alike); medians.
+
 Target: overlapped <= 1.2 x max(comm, compute), against comm + compute sequentially.
 """
 
@@ -70,6 +72,30 @@ def _timed(fn, reps: int) -> float:
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
     return float(t)
+
+
+def _timed_interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each ``fns`` entry, the entries run round-robin within every rep.
+
+    On a shared machine the load drifts over a run; interleaving lets the drift hit every mode alike
+    instead of whichever happened to be timed during a busy spell.
+    """
+    import accel
+
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            dist.barrier()
+            accel.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            accel.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[name]) for name in fns], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    return dict(zip(fns, t.tolist()))
 
 
 def _experts(ns: argparse.Namespace, inter: int, local: int, device: torch.device, rank: int):
@@ -142,15 +168,16 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> list[dict] | None:
         on_host(pending_combine.wait)
 
     with torch.no_grad():
-        t_compute = _timed(compute_only, ns.reps)
-        t_seq = _timed(sequential, ns.reps)
-        host[0] = 0.0
-        t_over = _timed(overlapped, ns.reps)
-        t_host = host[0] / (ns.reps + 1)  # warm-up + reps calls
-        per_mb = t_compute / ns.microbatches
+        per_mb = _timed(compute_only, 2) / ns.microbatches
         # diagnostic: the same schedule with the GEMMs replaced by an idle wait of the same length,
         # i.e. the overlap the async exchange reaches when compute does not compete for CPU cores
-        t_idle = _timed(lambda: overlapped(lambda d: (time.sleep(per_mb), d.x_grouped)[1]), ns.reps)
+        t = _timed_interleaved({
+            "comm": comm_only, "compute": compute_only, "seq": sequential, "over": overlapped,
+            "idle": lambda: overlapped(lambda d: (time.sleep(per_mb), d.x_grouped)[1])}, ns.reps)
+        host[0] = 0.0
+        _timed(overlapped, 1)
+        t_host = host[0] / 2  # warm-up + 1 rep
+    t_comm, t_compute, t_seq, t_over, t_idle = t["comm"], t["compute"], t["seq"], t["over"], t["idle"]
     bound = max(t_comm, t_compute)
     rows = [
         {"mode": "comm only (dispatch+combine)", "ms": 1e3 * t_comm, "x max(comm,compute)": t_comm / bound},
