@@ -149,6 +149,27 @@ def test_grouped_linear_gradients_and_padding(fp8, tol):
         assert calc_diff(got, want) < tol
 
 
+
+def test_grouped_linear_unquantized_ignores_nan_padding_anywhere_in_a_block():
+    """The bf16/fp32 path reads only valid rows: NaN padding (also mid-block, not only at a group's tail)
+    never reaches the output or any gradient, and valid rows match the per-group fp32 reference."""
+    sizes, k, n = [130, 70, 0, 90], 48, 40
+    m_indices = deep_gemm.grouped.contiguous_layout(sizes, "cpu")
+    m_indices[10:20] = -1  # a hole inside group 0's first block
+    pad = m_indices < 0
+    x = torch.randn(m_indices.numel(), k)
+    x[pad] = float("nan")
+    x.requires_grad_()
+    w = (torch.randn(len(sizes), n, k) * 0.1).requires_grad_()
+    grad_out = torch.randn(m_indices.numel(), n)
+    grad_out[pad] = float("nan")
+    y = deep_gemm.grouped_linear(x, w, m_indices)
+    y.backward(grad_out)
+    y_ref, gx, gw = _grouped_reference(x, w, m_indices, grad_out)
+    assert torch.all(y[pad] == 0) and torch.all(x.grad[pad] == 0) and torch.all(w.grad[2] == 0)
+    for got, want in ((y[~pad], y_ref[~pad]), (x.grad[~pad], gx[~pad]), (w.grad, gw)):
+        assert torch.isfinite(got).all() and calc_diff(got, want) < FP32_TOL
+
 def test_grouped_linear_module_defers_weight_gradient():
     layer = deep_gemm.GroupedLinear(2, 128, 64, fp8=True)
     m_indices = deep_gemm.grouped.contiguous_layout([128, 60], "cpu")
