@@ -7,6 +7,9 @@ through them too); they are re-exported here so recipes keep importing ``recipes
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,10 +41,6 @@ def run_training(config: str, nproc: int, overrides: list[str], run_dir: Path) -
     Comparisons (overlap on/off, FP8 vs BF16) train each variant in a fresh process so that one run's
     state cannot leak into the other.
     """
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for o in overrides:
