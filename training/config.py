@@ -1,7 +1,7 @@
 """Training configuration: TOML files, ``--set key=value`` overrides, validation that names the key.
 
 A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``,
-``[data]``, ``[optim]``, ``[balance]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
+``[data]``, ``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
 rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
 nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
 any process group exists. ``config_hash`` fingerprints everything that changes the numerics,
@@ -127,6 +127,23 @@ class BalanceConfig:
 
 
 @dataclass
+class EplbConfig:
+    """Expert-parallel load balancing in the training runtime (``training/eplb.py``).
+
+    Each EP rank hosts ``(n_routed_experts + redundant_experts) / parallel.ep`` physical expert slots;
+    every ``interval`` optimizer steps the plan is recomputed from a moving average of the measured
+    loads (deepseek-ai/EPLB's policy) and the weights and optimizer moments move between steps.
+    """
+
+    enabled: bool = False
+    redundant_experts: int = 0  # extra physical slots per MoE layer (V3 serving: 32 over 256 experts)
+    interval: int = 10  # optimizer steps between re-plans
+    ema_decay: float = 0.9  # moving average of the per-interval loads the plans are made from
+    num_groups: int = 0  # 0 = the model's n_expert_groups (hierarchical policy when groups divide over nodes)
+    num_nodes: int = 0  # 0 = balance.num_nodes (nodes the EP group spans)
+
+
+@dataclass
 class LoggingConfig:
     wandb: str = "offline"  # offline | online | disabled; WANDB_MODE wins unless --wandb is given
     wandb_project: str = "dsv3-toolkit"
@@ -163,6 +180,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -378,6 +396,26 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
     if not math.isfinite(cfg.model.mtp_lambda) or cfg.model.mtp_lambda < 0:
         raise ValueError(f"model.mtp_lambda must be a finite number >= 0, got {cfg.model.mtp_lambda}")
+    validate_eplb(cfg)
+
+
+def validate_eplb(cfg: TrainConfig) -> None:
+    """The ``[eplb]`` checks that need no model (``training.eplb.check_eplb`` adds the model's)."""
+    e, p = cfg.eplb, cfg.parallel
+    if e.redundant_experts < 0 or e.interval < 1 or not 0.0 <= e.ema_decay < 1.0 or e.num_groups < 0 \
+            or e.num_nodes < 0:
+        raise ValueError(f"eplb: redundant_experts must be >= 0, interval >= 1, ema_decay in [0, 1), num_groups and "
+                         f"num_nodes >= 0 (0 = derived); got redundant_experts={e.redundant_experts}, "
+                         f"interval={e.interval}, ema_decay={e.ema_decay}, num_groups={e.num_groups}, "
+                         f"num_nodes={e.num_nodes}")
+    if not e.enabled:
+        return
+    if p.ep < 2:
+        raise ValueError(f"eplb.enabled needs expert parallelism: parallel.ep must be > 1, got {p.ep} (with one EP "
+                         "rank every expert is local and there is no per-GPU load to balance)")
+    if p.schedule == "dualpipe":
+        raise ValueError("eplb.enabled is not supported with parallel.schedule='dualpipe' (each stage is held by two "
+                         "pipeline ranks whose expert layouts would have to be planned together); use dualpipev")
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:
@@ -393,7 +431,9 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 # Keys that do not change what is computed: a resume may change them freely.
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
                           "timeout_s", "steps", "threads"},
-                  "logging": "*", "checkpoint": "*", "fault": "*"}
+                  "logging": "*", "checkpoint": "*", "fault": "*",
+                  # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume
+                  "eplb": "*"}
 
 
 def numerics_dict(cfg: TrainConfig) -> dict[str, Any]:

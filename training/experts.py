@@ -77,13 +77,16 @@ def _sum_mirrored_counts(trainer: Trainer) -> None:
 
 def load_metrics(trainer: Trainer) -> dict[str, Any]:
     """``max_vio`` over the global batch (mean over this rank's layers, then over ranks holding MoE
-    layers), balance losses, and the per-layer loads of this rank (for the JSONL file).
+    layers), balance losses, and the per-layer loads of this rank (for the JSONL file). With expert
+    parallelism also ``ep_imbalance``: max / mean rows received per EP rank (the per-GPU load EPLB
+    balances; 1 = even), averaged the same way.
 
     Collective on every rank (world all-reduce), whether or not it holds MoE layers.
     """
     layers = moe_layers(trainer.stages)
     out: dict[str, Any] = {}
     vio, weight = 0.0, 0.0
+    imbalance = rank_imbalance(layers, trainer.ps.group("ep")) if trainer.cfg.parallel.ep > 1 else None
     if layers:
         counts = torch.stack([m.balancer.counts_for_metrics.float() for m in layers])
         group = trainer.ps.group("dp")
@@ -95,10 +98,35 @@ def load_metrics(trainer: Trainer) -> dict[str, Any]:
             if f"moe/{k}" in local:
                 out[f"balance_{k[5:]}"] = local[f"moe/{k}"]
         out["expert_load"] = counts.tolist()
+    held = 1.0 if imbalance is not None else 0.0
+    imbalance = imbalance or 0.0
     if trainer.ps.world_size > 1:
-        t = torch.tensor([vio * weight, weight], dtype=torch.float64)
+        t = torch.tensor([vio * weight, weight, imbalance * held, held], dtype=torch.float64)
         dist.all_reduce(t)
         vio, weight = float(t[0] / t[1]) if t[1] > 0 else 0.0, float(t[1])
+        imbalance, held = float(t[2] / t[3]) if t[3] > 0 else 0.0, float(t[3])
     if weight:
         out["max_vio"] = vio
+    if held:
+        out["ep_imbalance"] = imbalance
     return out
+
+
+@torch.no_grad()
+def rank_imbalance(layers: list[MoE], ep_group: dist.ProcessGroup | None) -> float | None:
+    """Mean over layers of max / mean rows received per EP rank since the last call (1 = balanced); resets.
+
+    The per-GPU load EPLB targets, next to MaxVio's per-expert load. Collective over the EP group.
+    """
+    if not layers or ep_group is None or dist.get_world_size(ep_group) < 2:
+        return None
+    world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    table = torch.zeros(len(layers), world, dtype=torch.float64)
+    for i, m in enumerate(layers):
+        table[i, rank] = float(m.received_rows) if m.received_rows is not None else 0.0
+        m.received_rows = None
+    dist.all_reduce(table, group=ep_group)
+    mean = table.mean(-1)
+    ratio = torch.where(mean > 0, table.amax(-1) / mean.clamp_min(1e-12), torch.ones_like(mean))
+    return float(ratio.mean())
+

@@ -171,16 +171,26 @@ def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_gr
 
 
 @torch.no_grad()
-def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int, stage_copies: int = 1) -> float:
+def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int, stage_copies: int = 1,
+                   expert_row_weights: dict[int, torch.Tensor] | None = None) -> float:
     """Global gradient L2 norm over every rank (each parameter counted once); clip to ``max_norm`` (0 = no clip).
 
     After ``reduce_gradients`` dense gradients are replicated on the ``dp`` ranks of a stage and
     expert gradients on the ``dp / ep`` replicas, and DualPipe holds every stage twice
     (``stage_copies=2``), so one world all-reduce of the weighted squares gives the true norm.
+    ``expert_row_weights`` (EPLB): ``id(param) -> [rows]`` weight of each expert slot's square (1 /
+    copies of its logical expert, whose replicas hold the same summed gradient).
     """
+    weights = expert_row_weights or {}
+
+    def expert_square(p: nn.Parameter) -> torch.Tensor:
+        sq = p.grad.double().square()
+        w = weights.get(id(p))
+        return sq.sum() if w is None else (sq.reshape(sq.shape[0], -1).sum(1) * w).sum()
+
     dense_sq = sum((p.grad.double().square().sum() for p in opt.dense_params if p.grad is not None),
                    torch.zeros((), dtype=torch.float64))
-    expert_sq = sum((p.grad.double().square().sum() for p in opt.expert_params if p.grad is not None),
+    expert_sq = sum((expert_square(p) for p in opt.expert_params if p.grad is not None),
                     torch.zeros((), dtype=torch.float64))
     total = (dense_sq / dp_size + expert_sq / (dp_size // ep_size)) / stage_copies
     if dist.is_initialized() and dist.get_world_size() > 1:

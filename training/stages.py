@@ -19,7 +19,7 @@ Initialisation does not depend on the layout: every tensor is drawn from a gener
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -290,11 +290,8 @@ def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch
     z = ffn.shared(flat)
     yield
     d = handle.wait()
-    if d.x_grouped.shape[0]:
-        y_grouped = ffn.experts(d.x_grouped, d.m_indices)
-    else:  # no token chose this rank's experts: stay in the graph so the backward all-to-alls still pair up
-        y_grouped = d.x_grouped * 0
-    handle = ffn.ep.combine(y_grouped, d, routing.weights)
+    # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
+    handle = ffn.ep.combine(ffn.run_dispatched(d), d, routing.weights)
     yield
     y = handle.wait()
     if z is not None:
@@ -316,8 +313,13 @@ def _mtp_logits(stage: DeepSeekV3Stage, h: torch.Tensor, tokens: torch.Tensor) -
 
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[DeepSeekV3Stage]]:
-    """This rank's stages, materialised on ``device`` in ``dtype``; the rest of the model stays on meta."""
+                 device: torch.device, dtype: torch.dtype, seed: int, physical_experts: Sequence[int] | None = None
+                 ) -> tuple[Transformer, list[DeepSeekV3Stage]]:
+    """This rank's stages, materialised on ``device`` in ``dtype``; the rest of the model stays on meta.
+
+    physical_experts: under EPLB, the logical expert of each physical slot this rank hosts in every
+    MoE layer (replicas start as exact copies: experts are initialised per logical id).
+    """
     num_stages = num_model_stages(schedule, pp)
     if args.n_mtp_layers and pp > 1 and schedule in ("1f1b", "zb1p"):
         raise ValueError(f"MTP (model n_mtp_layers={args.n_mtp_layers}) needs the embedding on the last stage's "
@@ -327,6 +329,10 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
     experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
     with torch.device("meta"):
         model = Transformer(args, expert_ids=experts)
+        if physical_experts is not None:
+            for m in model.modules():
+                if isinstance(m, MoE):
+                    m.experts = Experts(args, physical_experts, recompute_swiglu=m.experts.recompute_swiglu)
     log = LossLog()
     stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], log) for s in stage_ids(schedule, pp, pp_rank)]
     owned: dict[str, nn.Module] = {}

@@ -34,6 +34,7 @@ import accel
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, check_microbatches, config_hash, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
+from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
@@ -93,6 +94,7 @@ def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     cfg.balance.model_config()  # the model package validates the strategy names
+    check_eplb(cfg, args)
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
     check_vocab(corpus, args.vocab_size)
     return args, corpus
@@ -112,13 +114,21 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         c = ps.coords
         self.sampler = ResumableSampler(self.corpus.num_train, cfg.run.seed, c.dp_rank, cfg.parallel.dp)
+        physical = None
+        if cfg.eplb.enabled:  # this rank's physical expert slots under the plan used until loads are measured
+            from models.deepseek_v3.eplb import local_physical_experts
+
+            physical = local_physical_experts(initial_plan(cfg, self.args), c.ep_rank, cfg.parallel.ep).tolist()
         self.model, self.stages = build_stages(self.args, cfg.parallel.schedule, cfg.parallel.pp, c.pp_rank,
-                                               c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed)
+                                               c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
+                                               physical_experts=physical)
         self.modules = nn.ModuleList(self.stages)
         self._wire_experts()
         self.pipeline = self._build_pipeline()
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
+        self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"),
+                                self.optimizer.optimizers) if cfg.eplb.enabled else None
         self.step, self.tokens_seen = 0, 0
         self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
         self.step_end_hooks: list[Callable[[Trainer, dict[str, Any]], None]] = []
@@ -152,24 +162,40 @@ class Trainer:
 
     # ---- state ----------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the Transformer's names (shared tensors once)."""
+        """This rank's parameters and buffers under the Transformer's names (shared tensors once).
+
+        Routed experts are in the logical layout (this EP rank's ``E / ep`` experts, as without EPLB);
+        under EPLB that takes a collective over the EP group, so every rank of it must call this.
+        """
         out: dict[str, torch.Tensor] = {}
         for st in self.stages:
             for k, v in st.state_dict().items():
                 out.setdefault(k, v)
-        return out
+        return self.eplb.logical_model_state(out) if self.eplb is not None else out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Model (logical expert layout), optimizer (as this rank holds it), scheduler, sampler, step; EPLB's
+        plan and load average when it is on (``training.checkpoint`` re-keys the optimizer by name and puts
+        expert moments in the logical layout too)."""
+        state = {
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "config_hash": config_hash(self.cfg)},
         }
+        if self.eplb is not None:
+            state["eplb"] = self.eplb.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of ``state_dict``. Under EPLB the saved plan (if any) is adopted first and the logical
+        expert weights are materialised into its physical slots; a checkpoint without EPLB state keeps the
+        current plan. The optimizer part is loaded as given (it must match this rank's physical layout)."""
         model = state["model"]
+        if self.eplb is not None:
+            self.eplb.load_plan(state.get("eplb"))
+            model = self.eplb.physical_model_state(model)
         for st in self.stages:
             own = st.state_dict()
             missing = sorted(set(own) - set(model))
@@ -242,8 +268,11 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
+        if self.eplb is not None:  # replicas of one expert take the same (summed) step
+            self.eplb.sync_grads()
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
-                                   stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1)
+                                   stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
+                                   expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None)
         holds = 1 if self.holds_loss else 0
         loss = self._global_mean(loss_sum, holds)
         main = self._global_mean(sum(log.main) / len(log.main) if log.main else 0.0, holds if log.main else 0)
@@ -259,6 +288,8 @@ class Trainer:
             self._update_expert_biases()
         else:
             metrics["skipped"] = 1
+        if self.eplb is not None:  # between steps: re-plan from the measured loads, move experts and moments
+            metrics.update(self.eplb.after_step(step + 1))
         self.lr_scheduler.step()
         metrics.update(self._load_metrics())
         tokens = global_batch * cfg.data.seq_len

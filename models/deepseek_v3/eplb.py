@@ -205,42 +205,51 @@ def local_physical_experts(phy2log: torch.Tensor, rank: int, world_size: int) ->
 @torch.no_grad()
 def redistribute_expert_weights(local: torch.Tensor, old_phy2log: torch.Tensor, new_phy2log: torch.Tensor,
                                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Apply a new plan between steps: return this rank's physical expert weights under ``new_phy2log``.
+    """Apply a new plan between steps: return this rank's physical expert rows under ``new_phy2log``.
 
-    local: [physical per rank, ...] this rank's weights under ``old_phy2log`` (one layer). Each new
-    slot copies from the lowest-numbered old slot holding the same logical expert; every rank
-    derives the same transfer list, and one ``all_to_all_single`` moves the rows.
+    local: [old slots per rank, ...] this rank's rows under ``old_phy2log`` (one layer). The two
+    plans may have different slot counts (a multiple of the group size each), so the same call
+    also converts between the logical layout (``arange(E)``, E / world experts per rank, as saved
+    in checkpoints) and a physical plan with redundant slots. Each new slot copies from the
+    lowest-numbered old slot holding the same logical expert; every rank derives the same transfer
+    list, and one ``all_to_all_single`` moves the rows (exact copies, no arithmetic). Works for
+    any per-expert tensor: weights, gradients, optimizer moments.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_rank = local.shape[0]
-    if old_phy2log.numel() != per_rank * world or new_phy2log.numel() != per_rank * world:
-        raise ValueError(f"redistribute_expert_weights: plans must have {per_rank * world} physical slots "
-                         f"({per_rank} per rank x {world} ranks)")
+    old_phy2log, new_phy2log = old_phy2log.reshape(-1).cpu(), new_phy2log.reshape(-1).cpu()
+    old_per_rank = local.shape[0]
+    if old_phy2log.numel() != old_per_rank * world:
+        raise ValueError(f"redistribute_expert_weights: old plan has {old_phy2log.numel()} slots, expected "
+                         f"{old_per_rank * world} ({old_per_rank} rows per rank x {world} ranks)")
+    if new_phy2log.numel() % world:
+        raise ValueError(f"redistribute_expert_weights: new plan's {new_phy2log.numel()} slots do not divide over "
+                         f"{world} ranks")
+    new_per_rank = new_phy2log.numel() // world
     if set(new_phy2log.tolist()) - set(old_phy2log.tolist()):
         raise ValueError("redistribute_expert_weights: the new plan hosts experts that no rank holds now")
     first_slot = {}
     for slot, logical in enumerate(old_phy2log.tolist()):
         first_slot.setdefault(logical, slot)
-    source = torch.tensor([first_slot[e] for e in new_phy2log.tolist()])  # old slot feeding each new slot
-    src_rank = source // per_rank
+    source = torch.tensor([first_slot[e] for e in new_phy2log.tolist()], dtype=torch.int64)  # old slot per new slot
+    src_rank = source // old_per_rank
     # what I send: for every destination rank, in its slot order, the rows it wants from me
     send_rows, send_splits, recv_splits = [], [], []
+    mine = slice(rank * new_per_rank, (rank + 1) * new_per_rank)
     for dst in range(world):
-        wanted = source[dst * per_rank:(dst + 1) * per_rank]
-        mine = wanted[wanted // per_rank == rank] - rank * per_rank
-        send_rows.append(mine)
-        send_splits.append(mine.numel())
-        recv_splits.append(int((src_rank[rank * per_rank:(rank + 1) * per_rank] == dst).sum()))
-    flat = local.reshape(per_rank, -1)
-    send = flat[torch.cat(send_rows)].contiguous()
+        wanted = source[dst * new_per_rank:(dst + 1) * new_per_rank]
+        rows = wanted[wanted // old_per_rank == rank] - rank * old_per_rank
+        send_rows.append(rows)
+        send_splits.append(rows.numel())
+        recv_splits.append(int((src_rank[mine] == dst).sum()))
+    flat = local.reshape(old_per_rank, -1)
+    send = flat[torch.cat(send_rows).to(flat.device)].contiguous()
     recv = torch.empty(sum(recv_splits), flat.shape[1], dtype=flat.dtype, device=flat.device)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
     # received rows arrive grouped by source rank, each group in my slot order
-    my_sources = src_rank[rank * per_rank:(rank + 1) * per_rank]
-    order = torch.sort(my_sources, stable=True).indices
-    out = torch.empty_like(flat)
+    order = torch.sort(src_rank[mine], stable=True).indices.to(flat.device)
+    out = torch.empty(new_per_rank, flat.shape[1], dtype=flat.dtype, device=flat.device)
     out[order] = recv
-    return out.view_as(local)
+    return out.view(new_per_rank, *local.shape[1:])
 
 
 @torch.no_grad()

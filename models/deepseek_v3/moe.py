@@ -16,6 +16,7 @@ The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, _recomputing, check_expert_biases
 from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
 
 
@@ -104,15 +105,26 @@ class Experts(nn.Module):
 
     ``w13`` ``[E, 2 * inter, dim]`` is each expert's fused gate/up projection, ``w2`` ``[E, dim, inter]``
     its down projection: one grouped GEMM each over the contiguous grouped layout.
+
+    ``expert_ids`` is a contiguous range (a plain expert-parallel slice) or, under EPLB, the logical
+    expert of each physical slot this rank hosts (a sequence; an id may repeat: replicas of a hot
+    expert). Row ``i`` of ``w13``/``w2`` is slot ``i``.
     """
 
-    def __init__(self, args: ModelArgs, expert_ids: range | None = None, recompute_swiglu: bool = False):
+    def __init__(self, args: ModelArgs, expert_ids: range | Sequence[int] | None = None,
+                 recompute_swiglu: bool = False):
         super().__init__()
-        self.expert_ids = range(args.n_routed_experts) if expert_ids is None else expert_ids
-        if not (0 <= self.expert_ids.start <= self.expert_ids.stop <= args.n_routed_experts
-                and self.expert_ids.step == 1):
-            raise ValueError(f"Experts: expert_ids must be a contiguous range within [0, {args.n_routed_experts}), "
-                             f"got {self.expert_ids}")
+        n_experts = args.n_routed_experts
+        self.expert_ids = range(n_experts) if expert_ids is None else expert_ids
+        if isinstance(self.expert_ids, range):
+            if not (0 <= self.expert_ids.start <= self.expert_ids.stop <= n_experts and self.expert_ids.step == 1):
+                raise ValueError(f"Experts: expert_ids must be a contiguous range within [0, {n_experts}), "
+                                 f"got {self.expert_ids}")
+        else:
+            self.expert_ids = tuple(int(e) for e in self.expert_ids)
+            if not self.expert_ids or not all(0 <= e < n_experts for e in self.expert_ids):
+                raise ValueError(f"Experts: expert_ids (physical slots) must be logical ids in [0, {n_experts}), "
+                                 f"got {self.expert_ids}")
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.recompute_swiglu = recompute_swiglu
@@ -203,6 +215,9 @@ class MoE(nn.Module):
             balance = BalanceConfig(strategy="aux_free" if self.gate.e_score_correction_bias is not None else "none")
         self.balancer = ExpertBalancer(args.n_routed_experts, args.n_activated_experts, balance)
         check_expert_biases(self)
+        # rows this rank's expert slots received through expert parallelism since the last read (training
+        # forwards only): the per-GPU load that EPLB balances, as opposed to the per-expert load above
+        self.received_rows: torch.Tensor | None = None  # a 0-d tensor once counted (no host sync per forward)
 
     # ---- the steps --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
@@ -231,6 +246,13 @@ class MoE(nn.Module):
     def unpermute(self, y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
         return unpermute(y_grouped, state, weights)
 
+    def run_dispatched(self, dispatched) -> torch.Tensor:
+        """This rank's experts on the rows ``ExpertParallel.dispatch`` delivered (``Dispatched``); counts them."""
+        if self.training and not _recomputing():
+            rows = dispatched.tokens_per_expert.sum().double()
+            self.received_rows = rows if self.received_rows is None else self.received_rows + rows
+        return self.experts(dispatched.x_grouped, dispatched.m_indices)
+
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_experts is None else self.shared_experts(x)
 
@@ -247,7 +269,7 @@ class MoE(nn.Module):
             handle = self.ep.dispatch(x, routing.indices)
             z = self.shared(x)  # overlaps the token all-to-all
             d = handle.wait()
-            y = self.ep.combine(self.experts(d.x_grouped, d.m_indices), d, routing.weights).wait()
+            y = self.ep.combine(self.run_dispatched(d), d, routing.weights).wait()
         if z is not None:
             y = y + z
         return y.view(shape)

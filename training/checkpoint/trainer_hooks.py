@@ -37,9 +37,11 @@ def param_names(trainer) -> dict[int, str]:
     """``id(param) -> name`` that is the same on every rank holding the same tensor, whatever the DP size.
 
     Model-level names (``layers.3.attn.wq_a.weight``); routed-expert tensors hold one expert range per
-    EP rank, so their names carry it (``...experts.w1@0-4``).
+    EP rank, so their names carry it (``...experts.w1@0-4``). Under EPLB a rank holds physical slots,
+    but checkpoints keep the logical layout, so the name carries the rank's logical range as without EPLB.
     """
     from training.optim import is_expert_param
+    from training.stages import expert_range
 
     names: dict[int, str] = {}
     for st in trainer.stages:
@@ -48,6 +50,8 @@ def param_names(trainer) -> dict[int, str]:
                 continue
             if is_expert_param(name):
                 ids = _expert_ids(st, name)
+                if ids is not None and not isinstance(ids, range):  # EPLB slots: saved as the logical range
+                    ids = expert_range(trainer.args, trainer.ps.coords.ep_rank, trainer.cfg.parallel.ep)
                 name = f"{name}@{ids.start}-{ids.stop}" if ids is not None else name
             names[id(p)] = name
     return names
@@ -63,10 +67,13 @@ def _expert_ids(stage, param_name: str) -> range | None:
 
 
 def checkpoint_state(trainer) -> dict[str, Any]:
-    """``trainer.state_dict()`` with the optimizer states keyed by parameter name (re-partitionable)."""
+    """``trainer.state_dict()`` with the optimizer states keyed by parameter name (re-partitionable);
+    under EPLB the expert moments are put in the logical layout, like the expert weights."""
     state = trainer.state_dict()
     names = param_names(trainer)
     state["optimizer"] = [named_optimizer_state(opt, names) for opt in trainer.optimizer.optimizers]
+    if getattr(trainer, "eplb", None) is not None:
+        trainer.eplb.logical_optimizer_state(state["optimizer"], names)
     return state
 
 
@@ -110,6 +117,8 @@ def load_checkpoint(trainer, folder: Path) -> int:
     trainer.load_state_dict({**state, "optimizer": trainer.optimizer.state_dict()})
     for opt, saved in zip(optimizers, named):
         load_named_optimizer_state(opt, names, saved)
+    if getattr(trainer, "eplb", None) is not None:  # saved moments are logical: into this plan's slots
+        trainer.eplb.optimizer_state_from_logical()
     if same_layout and loaded.rng is not None:
         restore_rng_state(loaded.rng)
     return loaded.step
