@@ -4,7 +4,8 @@ Training uses MLA's "naive" form: every head has its own K (q/k head dim 128 nop
 and V (128), so this is ordinary multi-head attention whose V head dim differs from the Q/K one.
 The Triton path is a flash-attention forward that saves only ``out`` and the log-sum-exp, and a
 backward that recomputes the probabilities block by block (no S x S matrix is ever stored).
-The reference is torch SDPA in fp32, which is also what the model trains with on a CPU.
+The reference (``reference_attention``) is fp32 PyTorch attention that skips the key blocks a causal
+query block cannot see; it is also what the model trains with on a CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
+from flash_mla.reference_attention import blocked_attention
 
 OP_NAME = "flash_mla.mla_attention"
 BWD_OP_NAME = "flash_mla.mla_attention_backward"
@@ -55,25 +57,18 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
         raise ValueError(f"mla_attention: max_seqlen={max_seqlen} but the longest sequence has {max(lengths)} tokens")
 
 
-def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """[b, s, h, d] -> [b, s, h, dv] through SDPA in fp32."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), is_causal=causal, scale=scale
-    )
-    return out.transpose(1, 2)
-
-
 @registry.reference_for(OP_NAME)
 def mla_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                             max_seqlen: int | None = None) -> torch.Tensor:
-    """Softmax attention in fp32 (torch SDPA), differentiable through torch autograd; out in q's dtype."""
+    """Softmax attention in fp32 with causal block skipping (``reference_attention``), differentiable; out in
+    q's dtype."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if cu_seqlens is None:
-        return _sdpa_fp32(q, k, v, causal, scale).to(q.dtype)
+        return blocked_attention(q, k, v, causal, scale).to(q.dtype)
     bounds = cu_seqlens.tolist()
     outs = [
-        _sdpa_fp32(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), causal, scale).squeeze(0)
+        blocked_attention(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), causal, scale).squeeze(0)
         for a, b in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outs, dim=0).to(q.dtype)
