@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accel.wgrad
+from accel import registry
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
 from deep_gemm.gemm import fp8_gemm_nn, fp8_gemm_nt, fp8_gemm_tn
 from deep_gemm.grouped import (
@@ -197,21 +198,65 @@ def _row_segments(m_indices: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(g, s, e) for g, s, e in runs if g >= 0]
 
 
+def _padding_runs(segments: list[tuple[int, int, int]], rows: int) -> list[tuple[int, int]]:
+    """(first row, end row) of each run of rows that no segment covers: the padding, zeroed explicitly so that
+    outputs can start from ``torch.empty`` (zero-filling whole [M, N] buffers cost more than their pad rows)."""
+    runs, cursor = [], 0
+    for _, start, end in segments:
+        if start > cursor:
+            runs.append((cursor, start))
+        cursor = end
+    if cursor < rows:
+        runs.append((cursor, rows))
+    return runs
+
+
+def _segment_mm(a: torch.Tensor, b_t: torch.Tensor, segments: list[tuple[int, int, int]],
+                out_cols: int) -> torch.Tensor:
+    """``out[r] = a[r] @ b_t[group(r)]`` for every segment's rows, 0 on padding rows (``b_t`` is ``[G, K, N]``)."""
+    out = registry.empty(a.shape[0], out_cols, dtype=a.dtype, device=a.device)  # NaN under poisoned_outputs
+    for g, start, end in segments:
+        torch.mm(a[start:end], b_t[g], out=out[start:end])
+    for start, end in _padding_runs(segments, a.shape[0]):
+        out[start:end].zero_()
+    return out
+
+
+def _grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Per-group ``dW[g] = sum over g's segments of dY^T X``, fp32. An fp32 GEMM writes its group's slice
+    directly (no zero-filled accumulator, no extra add); lower precisions accumulate in fp32."""
+    g_w = registry.empty(weight.shape, dtype=torch.float32, device=x.device)  # NaN under poisoned_outputs
+    written = [False] * weight.shape[0]
+    for g, start, end in segments:
+        dy_t, xs = grad_out[start:end].T, x[start:end].to(grad_out.dtype)
+        if grad_out.dtype != torch.float32:
+            part = (dy_t @ xs).float()
+            if written[g]:
+                g_w[g].add_(part)
+            else:
+                g_w[g].copy_(part)
+        elif not written[g]:
+            torch.mm(dy_t, xs, out=g_w[g])
+        else:
+            g_w[g].addmm_(dy_t, xs)
+        written[g] = True
+    for g, done in enumerate(written):
+        if not done:
+            g_w[g].zero_()
+    return g_w
+
+
 def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
     """bf16/fp32 backward over ``ctx.segments``: dgrad of valid rows (padding rows get 0), deferred wgrad."""
     segments = ctx.segments
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = torch.zeros_like(x)
-        for g, start, end in segments:
-            torch.mm(grad_out[start:end], weight[g].to(grad_out.dtype), out=grad_x[start:end])
+        grad_x = _segment_mm(grad_out, weight.to(grad_out.dtype), segments, x.shape[1]).to(x.dtype)
     if ctx.needs_input_grad[1]:
 
         def weight_grad() -> None:
-            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-            for g, start, end in segments:
-                g_w[g] += (grad_out[start:end].T @ x[start:end].to(grad_out.dtype)).float()
-            accumulate_grad(weight, g_w)
+            accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, segments))
 
         _run_or_defer(weight_grad)
     return grad_x, None, None, None
@@ -224,9 +269,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if not fp8:
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
             segments = _row_segments(m_indices)
-            out = x.new_zeros(x.shape[0], n)
-            for g, start, end in segments:
-                torch.mm(x[start:end], weight[g].to(x.dtype).T, out=out[start:end])
+            out = _segment_mm(x, weight.to(x.dtype).transpose(1, 2), segments, n)
             ctx.save_for_backward(x, m_indices)
             ctx.fp8, ctx.segments, ctx.weight = fp8, segments, weight  # the parameter itself: see _LinearFunction
             return out

@@ -150,25 +150,33 @@ def test_grouped_linear_gradients_and_padding(fp8, tol):
 
 
 
-def test_grouped_linear_unquantized_ignores_nan_padding_anywhere_in_a_block():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_unquantized_ignores_nan_padding_anywhere_in_a_block(dtype):
     """The bf16/fp32 path reads only valid rows: NaN padding (also mid-block, not only at a group's tail)
-    never reaches the output or any gradient, and valid rows match the per-group fp32 reference."""
+    never reaches the output or any gradient, and valid rows match the per-group fp32 reference. Outputs and
+    the weight-gradient buffer start NaN-poisoned, so every element must be written (pad rows and the empty
+    group included); the hole splits group 0 into two row segments whose weight gradients must add up."""
     sizes, k, n = [130, 70, 0, 90], 48, 40
     m_indices = deep_gemm.grouped.contiguous_layout(sizes, "cpu")
     m_indices[10:20] = -1  # a hole inside group 0's first block
     pad = m_indices < 0
-    x = torch.randn(m_indices.numel(), k)
+    x = torch.randn(m_indices.numel(), k).to(dtype)
     x[pad] = float("nan")
     x.requires_grad_()
-    w = (torch.randn(len(sizes), n, k) * 0.1).requires_grad_()
-    grad_out = torch.randn(m_indices.numel(), n)
+    w = (torch.randn(len(sizes), n, k) * 0.1).to(dtype).requires_grad_()
+    grad_out = torch.randn(m_indices.numel(), n).to(dtype)
     grad_out[pad] = float("nan")
-    y = deep_gemm.grouped_linear(x, w, m_indices)
-    y.backward(grad_out)
-    y_ref, gx, gw = _grouped_reference(x, w, m_indices, grad_out)
+    with registry.poisoned_outputs():
+        y = deep_gemm.grouped_linear(x, w, m_indices)
+        y.backward(grad_out)
+    y_ref, gx, gw = _grouped_reference(x.float(), w.float(), m_indices, grad_out.float())
+    assert y.dtype == x.grad.dtype == w.grad.dtype == dtype
     assert torch.all(y[pad] == 0) and torch.all(x.grad[pad] == 0) and torch.all(w.grad[2] == 0)
+    # fp32: summation order only; bf16: outputs and grads rounded to bf16 (2^-8 relative, calc_diff ~1e-5)
+    tol = FP32_TOL if dtype == torch.float32 else 1e-4
     for got, want in ((y[~pad], y_ref[~pad]), (x.grad[~pad], gx[~pad]), (w.grad, gw)):
-        assert torch.isfinite(got).all() and calc_diff(got, want) < FP32_TOL
+        assert torch.isfinite(got).all() and calc_diff(got.float(), want) < tol
+
 
 def test_grouped_linear_module_defers_weight_gradient():
     layer = deep_gemm.GroupedLinear(2, 128, 64, fp8=True)
