@@ -5,6 +5,8 @@
     python -m recipes.expert_balance --text my.txt                     # another corpus (plain text)
     torchrun --nproc-per-node 8 -m recipes.expert_balance --config recipes/configs/debug_gpu.toml \\
         --set parallel.dp=8 --set parallel.ep=8 --steps 2000           # GPUs, larger sizes
+    torchrun --nproc-per-node 2 -m recipes.expert_balance --strategies aux_free --eplb 2 \\
+        --set parallel.dp=2 --set parallel.ep=2 --set data.micro_batch=4  # per-GPU load with and without EPLB
 
 Every strategy starts from the same seed, data order and initial weights (``training.Trainer``
 with ``[balance]`` changed, nothing else), so differences come from the strategy alone. The
@@ -12,6 +14,12 @@ report folder gets ``max_vio.png`` (MaxVio per step, one line per strategy), ``l
 (share of tokens per layer x expert over the run, one panel per strategy), ``results.md`` and
 ``results.csv`` (final train / validation loss, MaxVio of the last steps and of the whole run) and
 ``<strategy>.jsonl`` (every step's metrics).
+
+With expert parallelism (``parallel.ep > 1``) the table also has ``ep_imbalance_last``: max / mean
+rows received per EP rank (the per-GPU load; 1 = even), with ``ep_imbalance.png``. ``--eplb N``
+trains every strategy a second time as ``<strategy>@eplb``, with EPLB on (N redundant expert slots
+per layer, re-planned every ``--eplb-interval`` steps), so the table shows what EPLB does to the
+per-GPU load on top of each balancing strategy (it leaves the per-expert MaxVio and the loss alone).
 
 Coefficients default to values that act within a short run: loss-based strategies alone use
 ``--alpha`` (GShard/Switch's 1e-2); ``aux_free+seq_aux`` uses V3's complementary 1e-4; the bias
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -55,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--text", default=None, help="train on this text file instead of the bundled corpus")
     ap.add_argument("--eval-batches", type=int, default=4, help="validation batches for the final loss")
     ap.add_argument("--out", default=None, help="report folder (default runs/expert_balance-<time>)")
+    ap.add_argument("--eplb", type=int, default=None, metavar="REDUNDANT",
+                    help="also train every strategy with EPLB on, this many redundant expert slots per layer "
+                         "(needs parallel.ep > 1)")
+    ap.add_argument("--eplb-interval", type=int, default=5, help="steps between EPLB re-plans (with --eplb)")
     return ap.parse_args(argv)
 
 
@@ -64,14 +77,32 @@ def strategy_overrides(strategy: str, ns: argparse.Namespace) -> list[str]:
     return [f"balance.strategy='{strategy}'", f"balance.alpha={alpha}", f"balance.gamma={ns.gamma}"]
 
 
-def build_config(ns: argparse.Namespace, strategy: str):
+def build_config(ns: argparse.Namespace, strategy: str, eplb: bool = False):
     from training.config import load_config
 
     base = [] if ns.config else list(CPU_DEFAULTS)
     if ns.text:
         base.append(f"data.source='{Path(ns.text).resolve()}'")
-    return load_config(ns.config, base + list(ns.overrides) + strategy_overrides(strategy, ns) +
+    extra = ["eplb.enabled=true", f"eplb.redundant_experts={ns.eplb}", f"eplb.interval={ns.eplb_interval}"] \
+        if eplb else []
+    return load_config(ns.config, base + list(ns.overrides) + strategy_overrides(strategy, ns) + extra +
                        [f"run.steps={ns.steps}", "checkpoint.interval=0", "checkpoint.final=false"])
+
+
+def build_configs(ns: argparse.Namespace, strategies: list[str]) -> dict[str, Any]:
+    """Run name -> validated config: each strategy, and ``<strategy>@eplb`` with ``--eplb``."""
+    from training.eplb import check_eplb
+    from training.trainer import model_args
+
+    configs = {}
+    for s in strategies:
+        configs[s] = build_config(ns, s)
+        if ns.eplb is not None:
+            configs[f"{s}@eplb"] = build_config(ns, s, eplb=True)
+    for cfg in configs.values():
+        cfg.balance.model_config()
+        check_eplb(cfg, model_args(cfg))
+    return configs
 
 
 def run_strategy(cfg, ps, out: Path) -> dict[str, Any]:
@@ -83,6 +114,7 @@ def run_strategy(cfg, ps, out: Path) -> dict[str, Any]:
     for _ in range(cfg.run.steps):
         m = trainer.train_step()
         steps.append({"step": trainer.step, "loss": m["loss"], "max_vio": m.get("max_vio", float("nan")),
+                      "ep_imbalance": m.get("ep_imbalance", float("nan")),
                       **{k: v for k, v in m.items() if k.startswith("balance_")},
                       "expert_load": m.get("expert_load")})
     tail = steps[-min(10, len(steps)):]
@@ -93,6 +125,7 @@ def run_strategy(cfg, ps, out: Path) -> dict[str, Any]:
         "final_loss": sum(s["loss"] for s in tail) / len(tail),
         "valid_loss": trainer.evaluate(cfg.logging.eval_batches) if trainer.corpus.num_valid else float("nan"),
         "max_vio_last": sum(s["max_vio"] for s in tail) / len(tail),
+        "ep_imbalance_last": sum(s["ep_imbalance"] for s in tail) / len(tail),
         "max_vio_global": (float((total.amax(-1) / total.mean(-1) - 1).mean()) if total is not None
                            else float("nan")),
         "load_total": total,
@@ -119,6 +152,18 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
     fig.savefig(out / "max_vio.png", dpi=120)
     plt.close(fig)
 
+    if any(math.isfinite(s["ep_imbalance"]) for r in results.values() for s in r["steps"]):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for name, r in results.items():
+            ax.plot([s["step"] for s in r["steps"]], [s["ep_imbalance"] for s in r["steps"]], label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("max / mean rows per EP rank (mean over MoE layers)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ep_imbalance.png", dpi=120)
+        plt.close(fig)
+
     names = [n for n, r in results.items() if r["load_total"] is not None]
     if names:
         fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names) + 1.2, 2.8), squeeze=False,
@@ -139,7 +184,7 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
         fig.savefig(out / "load_heatmap.png", dpi=120)
         plt.close(fig)
 
-    columns = ["strategy", "final_loss", "valid_loss", "max_vio_last", "max_vio_global", "seconds"]
+    columns = ["strategy", "final_loss", "valid_loss", "max_vio_last", "max_vio_global", "ep_imbalance_last", "seconds"]
     rows = [{"strategy": n, **{c: r[c] for c in columns[1:]}} for n, r in results.items()]
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -150,10 +195,12 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
               for r in rows]
     notes = ("final_loss: mean train loss of the last 10 steps; valid_loss: held-out batches at the end; "
              "max_vio_last: mean batch MaxVio (max load / mean load - 1, averaged over MoE layers) of the last "
-             "10 steps; max_vio_global: MaxVio of the loads summed over the whole run.")
+             "10 steps; max_vio_global: MaxVio of the loads summed over the whole run; ep_imbalance_last: max / "
+             "mean rows received per expert-parallel rank (the per-GPU load EPLB balances; nan without EP), last "
+             "10 steps.")
     (out / "results.md").write_text("# Expert-balancing experiment\n\n" + "\n".join(lines) + f"\n\n{notes}\n")
     for n, r in results.items():
-        with open(out / f"{n.replace('+', '_plus_')}.jsonl", "w") as f:
+        with open(out / f"{n.replace('+', '_plus_').replace('@', '_')}.jsonl", "w") as f:
             for s in r["steps"]:
                 f.write(json.dumps(s) + "\n")
 
@@ -166,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--steps must be >= 1, got {ns.steps}")
         if not strategies:
             raise ValueError("--strategies: give at least one strategy")
-        configs = {s: build_config(ns, s) for s in strategies}  # every config validated before training
-        for cfg in configs.values():
-            cfg.balance.model_config()
+        configs = build_configs(ns, strategies)  # every config validated before training
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -186,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if ps.rank == 0:
             r = results[name]
             print(f"[{name}] loss {r['final_loss']:.4f}  valid {r['valid_loss']:.4f}  MaxVio last "
-                  f"{r['max_vio_last']:.3f}  global {r['max_vio_global']:.3f}  ({r['seconds']:.0f} s)", flush=True)
+                  f"{r['max_vio_last']:.3f}  global {r['max_vio_global']:.3f}  EP rank imbalance "
+                  f"{r['ep_imbalance_last']:.3f}  ({r['seconds']:.0f} s)", flush=True)
     if ps.rank == 0:
         write_report(results, out)
         print((out / "results.md").read_text())

@@ -54,6 +54,7 @@ def _run(trainer, steps: int, record: dict) -> None:
     for _ in range(steps):
         metrics = trainer.train_step()
         record.setdefault("loss", []).append(metrics["loss"])
+        record.setdefault("grad_norm", []).append(metrics["grad_norm"])
         record.setdefault("ep_imbalance", []).append(metrics.get("ep_imbalance"))
         if trainer.eplb is not None:
             record.setdefault("plans", []).append(trainer.eplb.phy2log.clone())
@@ -121,11 +122,14 @@ def test_eplb_changes_placement_not_math(runs):
     """Replicas are exact copies whose gradients are summed, so EPLB on equals EPLB off up to fp32
     summation order: a replicated expert's weight gradient is two partial GEMM sums added, instead of
     one GEMM over all its rows, and the grouped rows arrive in another order. Measured: losses agree to
-    ~1e-7 and weights to ~1e-8 over 4 steps; 1e-5 on losses (which move by ~0.3 nats) and 1e-6 on
-    weights (Adam steps of lr ~3e-3 move each weight by ~1e-3 per step) fail on a missing replica-grad
-    sum (replicas would then step on half-gradients, ~1e-3 apart) or an expert moved to the wrong slot."""
+    1.2e-7, gradient norms to ~1e-7 relative and weights to 1.3e-7 over 4 steps. 1e-5 on losses (which
+    move by ~0.3 nats), 1e-5 relative on the clipped gradient norm and 1e-6 on weights (each moves by
+    ~5e-3 in 2 steps) fail on a missing replica-gradient sum (measured: losses 1.5e-3 and weights 1.6e-2
+    apart), on replicas counted twice in the norm (norm 6e-4 relative off, weights 1.6e-6) or on an
+    expert moved to the wrong slot."""
     for rank, r in enumerate(runs):
         assert r["on"]["loss"] == pytest.approx(r["off"]["loss"], abs=1e-5), (rank, r["on"]["loss"], r["off"]["loss"])
+        assert r["on"]["grad_norm"] == pytest.approx(r["off"]["grad_norm"], rel=1e-5)
         assert r["on"]["experts"].keys() == r["off"]["experts"].keys()
         for k, w in r["off"]["experts"].items():
             torch.testing.assert_close(r["on"]["experts"][k], w, rtol=0, atol=1e-6, msg=f"rank {rank} {k}")
@@ -188,6 +192,39 @@ def test_resume_under_eplb_is_bit_identical(runs):
             assert torch.equal(r["resumed"]["experts"][k], v), k
 
 
+def _zero1_rank(rank: int, world: int, tmp: str) -> dict:
+    """dp=4, ep=2: expert optimizer states are ZeRO-1 sharded over the 2 ranks holding the same experts."""
+    from training.checkpoint.resume import split_zero
+    from training.parallel import init_parallel
+    from training.trainer import Trainer
+
+    out = {}
+    for name, extra in (("off", []), ("on", EPLB)):
+        cfg = _cfg(["parallel.dp=4", "parallel.zero1=true", "run.steps=3", *extra])
+        trainer = Trainer(cfg, init_parallel(cfg.parallel, 120.0), Path(tmp) / name)
+        out[name] = {}
+        _run(trainer, 3, out[name])
+        out[name]["experts"] = _expert_state(trainer)
+        expert_opt = split_zero(trainer.optimizer.optimizers[-1])[0]
+        out[name]["owned"] = sum(len(g["params"]) for g in expert_opt.param_groups)
+        out[name]["total"] = len(trainer.optimizer.expert_params)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_eplb_with_zero1_sharded_expert_states_matches_eplb_off(tmp_path):
+    """With ZeRO-1 over ``edp`` every rank of an EP group owns the same expert tensors' moments, so they
+    move together; the run equals EPLB off (tolerances as in ``test_eplb_changes_placement_not_math``)."""
+    runs = run_distributed(_zero1_rank, 4, str(tmp_path), timeout=240)
+    for rank, r in enumerate(runs):
+        assert r["on"]["owned"] < r["on"]["total"]  # the expert moments really are sharded
+        assert r["on"]["loss"] == pytest.approx(r["off"]["loss"], abs=1e-5)
+        assert r["on"]["grad_norm"] == pytest.approx(r["off"]["grad_norm"], rel=1e-5)
+        for k, w in r["off"]["experts"].items():
+            torch.testing.assert_close(r["on"]["experts"][k], w, rtol=0, atol=1e-6, msg=f"rank {rank} {k}")
+
+
 @pytest.mark.parametrize("extra,match", [
     (["parallel.ep=1"], r"parallel.ep must be > 1"),
     (["eplb.redundant_experts=1"], r"8 \+ 1 = 9 physical experts must be divisible by parallel.ep=2"),
@@ -201,3 +238,36 @@ def test_bad_eplb_configs_fail_before_training(extra, match):
 
     with pytest.raises(ValueError, match=match):
         check_static(_cfg(EPLB + extra))
+
+
+def _recipe_rank(rank: int, world: int, out: str) -> int:
+    from recipes.expert_balance import main
+
+    return main(["--steps", "3", "--strategies", "aux_free", "--eplb", "2", "--eplb-interval", "1", "--out", out,
+                 "--eval-batches", "1", "--set", "model.preset=debug_tiny", "--set", "model.overrides.n_mtp_layers=0",
+                 "--set", "data.seq_len=16", "--set", "data.global_batch=4", "--set", "data.micro_batch=2",
+                 "--set", "parallel.dp=2", "--set", "parallel.ep=2", "--set", "run.threads=1"])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_expert_balance_recipe_reports_rank_imbalance_with_and_without_eplb(tmp_path):
+    import csv
+
+    out = tmp_path / "report"
+    assert run_distributed(_recipe_rank, 2, str(out), timeout=200) == [0, 0]
+    rows = {r["strategy"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    assert set(rows) == {"aux_free", "aux_free@eplb"}
+    for r in rows.values():
+        assert float(r["ep_imbalance_last"]) >= 1.0  # max / mean over EP ranks
+    # EPLB moves experts, not the math: the same losses (fp32 order only, see test_eplb_changes_placement_not_math)
+    assert float(rows["aux_free@eplb"]["final_loss"]) == pytest.approx(float(rows["aux_free"]["final_loss"]), abs=1e-5)
+    assert (out / "ep_imbalance.png").stat().st_size > 0 and (out / "aux_free_eplb.jsonl").exists()
+
+
+def test_recipe_eplb_without_expert_parallelism_fails_before_training(tmp_path, capsys):
+    from recipes.expert_balance import main
+
+    assert main(["--steps", "1", "--strategies", "none", "--eplb", "2", "--out", str(tmp_path / "r"),
+                 "--set", "model.preset=debug_tiny"]) == 2
+    assert "parallel.ep must be > 1" in capsys.readouterr().err
