@@ -6,6 +6,7 @@ from accel.backend import (
     BackendError,
     Event,
     backend,
+    current_stream,
     default_device,
     detect_backend,
     device_capability,
@@ -18,6 +19,7 @@ from accel.backend import (
     max_memory_allocated,
     reset,
     reset_peak_memory_stats,
+    stream_guard,
     synchronize,
     triton_available,
     triton_interpreted,
@@ -29,8 +31,8 @@ from accel.timing import do_bench
 
 __all__ = [
     "BACKENDS", "BackendError", "Case", "DeviceSpec", "Event", "KernelFallbackError", "Unsupported", "VerifySpec",
-    "backend", "default_device", "detect_backend", "device_capability", "device_module", "device_name",
-    "dist_backend", "do_bench", "empty_cache", "fp8_native", "local_rank", "lookup", "max_memory_allocated", "mfu",
-    "registry", "reset", "reset_peak_memory_stats", "specs", "synchronize", "triton_available",
-    "triton_interpreted", "triton_unavailable_reason",
+    "backend", "current_stream", "default_device", "detect_backend", "device_capability", "device_module",
+    "device_name", "dist_backend", "do_bench", "empty_cache", "fp8_native", "local_rank", "lookup",
+    "max_memory_allocated", "mfu", "registry", "reset", "reset_peak_memory_stats", "specs", "stream_guard",
+    "synchronize", "triton_available", "triton_interpreted", "triton_unavailable_reason",
 ]

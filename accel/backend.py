@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
@@ -183,6 +184,21 @@ class Event:
             end._event.synchronize()
             return self._event.elapsed_time(end._event)
         return (end._t - self._t) * 1e3
+
+
+def current_stream() -> object | None:
+    """The calling thread's current device stream (None on cpu), to hand to another thread."""
+    mod = device_module()
+    return None if mod is None else mod.current_stream()
+
+
+def stream_guard(stream: object | None) -> AbstractContextManager:
+    """Make ``stream`` (from ``current_stream``, possibly another thread's) current in this thread.
+
+    Work queued by a helper thread on its caller's stream is ordered with the caller's own kernels
+    (current streams and devices are per thread; a new thread would otherwise use the default stream).
+    """
+    return nullcontext() if stream is None else device_module().stream(stream)
 
 
 def empty_cache() -> None:

@@ -144,3 +144,57 @@ def test_ep4_matches_single_process_and_rejects_indivisible_experts():
 @pytest.mark.timeout(200)
 def test_ep2_fp8_dispatch_matches_single_process_on_quantized_tokens():
     _check(2, 160, dict(strategy="none"), fp8=True)  # 160 = one full and one partial 1x128 scale tile
+
+
+def _peer_late_rank(rank, world):
+    """Rank 0 posts its dispatch, and later its combine, before rank 1 has posted either: the posting
+    must not wait for the peer (the exchange runs on the comm thread), or the side-channel barrier
+    below times out. Grad mode travels with the work: y has a grad_fn under autograd, none under no_grad."""
+    import datetime
+
+    side = dist.new_group(backend="gloo")
+    meet = lambda: dist.monitored_barrier(group=side, timeout=datetime.timedelta(seconds=60))  # noqa: E731
+    torch.manual_seed(0)
+    experts, dim = 4, 8
+    weight = torch.randn(experts, dim, dim)
+    ep = ExpertParallel(experts, dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, dim, generator=g, requires_grad=True)
+    indices = torch.randint(0, experts, (5, 2), generator=g)
+    gates = torch.rand(5, 2, generator=g)
+    if rank == 1:
+        meet()  # rank 0 has posted its dispatch
+    handle = ep.dispatch(x, indices)
+    if rank == 0:
+        meet()
+    d = handle.wait()
+    local = weight[ep.local_logical]
+    rows = d.m_indices.long()
+    y_grouped = torch.einsum("md,mod->mo", d.x_grouped, local[rows.clamp_min(0)]) * (rows >= 0)[:, None]
+    if rank == 1:
+        meet()  # rank 0 has posted its combine
+    handle = ep.combine(y_grouped, d, gates)
+    if rank == 0:
+        meet()
+    y = handle.wait()
+    y.square().sum().backward()
+    with torch.no_grad():
+        y_no_grad = ep.combine(y_grouped.detach(), ep.dispatch(x, indices).wait(), gates).wait()
+    return dict(x=x.detach(), idx=indices, gates=gates, y=y.detach(), x_grad=x.grad,
+                no_grad_has_grad_fn=y_no_grad.grad_fn is not None, y_no_grad=y_no_grad)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_dispatch_and_combine_return_before_the_peer_joins():
+    results = run_distributed(_peer_late_rank, 2, timeout=120)
+    torch.manual_seed(0)
+    weight = torch.randn(4, 8, 8)
+    for res in results:
+        x = res["x"].clone().requires_grad_()
+        y = (res["gates"][..., None] * torch.einsum("td,tkod->tko", x, weight[res["idx"]])).sum(1)
+        y.square().sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), **TOL)
+        torch.testing.assert_close(res["y_no_grad"], y.detach(), **TOL)
+        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
+        assert not res["no_grad_has_grad_fn"]

@@ -11,21 +11,24 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
     ...                                       # overlap again
     y = handle.wait()                         # [T, dim], weighted sum over the top-k in token order
 
+- Asynchrony: ``dispatch``/``combine`` return at once; the exchange and all host work around it run
+  on the process's one communication thread (``_CommThread``, the CPU analogue of a comm stream),
+  in submission order, on the caller's device stream. The caller's thread only waits in ``wait()``.
 - Variable splits: each rank first learns, with one small ``all_to_all_single`` of per-expert
   counts (posted asynchronously; the send rows are gathered while it travels), how many rows it
-  will receive from every peer for every local expert; the token all-to-all is then launched with
-  ``async_op=True``.
+  will receive from every peer for every local expert; the token all-to-all follows.
 - Layout: the sender orders its (token, expert) assignments by expert (one stable argsort, one
   ``index_select``), so every peer's rows are one contiguous slice; the receiver regroups rows
   ``[source][expert]`` into ``[expert][source]`` blocks padded to
   ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows with pad rows indexed -1. The index plan
-  is computed while the tokens travel and ``wait()`` does one gather; ``combine`` undoes both.
-- Host work: everything on the host thread outside the transfer is index arithmetic plus one
-  gather per side, so a pipelined caller (micro-batch B's dispatch in flight while A's experts run,
-  as in DualPipe) hides the exchange; see ``recipes/bench_ep_overlap.py``.
+  is computed while the tokens travel, then one gather; ``combine`` undoes both.
+- Overlap: a pipelined caller (micro-batch B's dispatch in flight while A's experts run, as in
+  DualPipe) hides the exchange as far as the machine has a free core for the comm thread and the
+  transport; see ``recipes/bench_ep_overlap.py``.
 - Autograd: dispatch and combine are differentiable; the backward of each is the reverse
-  all-to-all (run synchronously inside autograd). The routing weights never travel: the weighted
-  sum happens on the token's own rank, so their gradient is local.
+  all-to-all (queued on the comm thread behind any exchange in flight, and waited for). The
+  routing weights never travel: the weighted sum happens on the token's own rank, so their
+  gradient is local.
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
@@ -36,46 +39,78 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
+import accel
 import deep_gemm
 from models.deepseek_v3.moe import PermuteState, unpermute
 
 T = TypeVar("T")
 
 
-class CommHandle(Generic[T]):
-    """A communication in flight. ``wait()`` blocks until it lands and returns the finished result (once)."""
+class _CommThread:
+    """The process's one communication thread: every EP exchange runs on it, in submission order.
 
-    def __init__(self, works: list, finish: Callable[[], T]) -> None:
-        self._works, self._finish = works, finish
-        self._result: T | None = None
-        self._done = False
+    The CPU analogue of a communication stream. The host work around a transfer (routing-order
+    gathers, the count exchange and its wait, regrouping, the weighted combine) runs here, so the
+    caller's thread goes on with other compute (ATen releases the GIL) until it needs the result.
+    One thread for all layers and groups keeps each rank's collectives in program order, which is
+    what makes them match across ranks; the backward all-to-alls queue here for the same reason.
+    """
+
+    _executor: ThreadPoolExecutor | None = None
+    _pid: int | None = None
+    _thread_ident: int | None = None
+
+    @classmethod
+    def submit(cls, fn: Callable[[], T]) -> Future:
+        """Run ``fn`` on the comm thread with the caller's grad mode and device stream."""
+        if cls._pid != os.getpid():  # first use, or a forked child: threads do not survive fork
+            cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv3-ep-comm")
+            cls._pid, cls._thread_ident = os.getpid(), None
+        grad, stream = torch.is_grad_enabled(), accel.current_stream()
+
+        def task() -> T:
+            cls._thread_ident = threading.get_ident()
+            with torch.set_grad_enabled(grad), accel.stream_guard(stream):
+                return fn()
+
+        return cls._executor.submit(task)
+
+    @classmethod
+    def run(cls, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the comm thread and wait for it (inline when already on it)."""
+        if threading.get_ident() == cls._thread_ident and cls._pid == os.getpid():
+            return fn()
+        return cls.submit(fn).result()
+
+
+class CommHandle(Generic[T]):
+    """A communication in flight on the comm thread. ``wait()`` blocks until it lands and returns the result."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works if not isinstance(w, torch.Tensor))
+        return self._future.done()
 
     def wait(self) -> T:
-        if not self._done:
-            for w in self._works:
-                if not isinstance(w, torch.Tensor):  # tensors ride along only to stay alive
-                    w.wait()
-            self._result = self._finish()
-            self._done = True
-            self._works = []
-        return self._result  # type: ignore[return-value]
+        return self._future.result()
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` launched asynchronously; backward is the reverse exchange (blocking).
+    """``all_to_all_single`` launched asynchronously; backward is the reverse exchange, on the comm thread.
 
     The output is handed back while the exchange may still be running: read it only after the
-    handle's ``wait()``. ``send_bytes`` (optional) is what actually travels (the FP8 path); it is
+    ``works`` are waited. ``send_bytes`` (optional) is what actually travels (the FP8 path); it is
     exchanged into ``recv_bytes`` and ``out`` is filled from it by the caller after the wait.
     """
 
@@ -88,16 +123,22 @@ class _AllToAll(torch.autograd.Function):
         out[total:].zero_()
         send, recv = (x.contiguous(), out[:total]) if send_bytes is None else (send_bytes, recv_bytes)
         works.append(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True))
-        works.append(send)  # the buffer being sent must outlive the exchange: the handle holds it
+        works.append(send)  # the buffer being sent must outlive the exchange
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty(ctx.rows_in, *grad_out.shape[1:])
-        dist.all_to_all_single(grad_in, grad_out[:sum(out_splits)].contiguous(), in_splits, out_splits,
-                               group=ctx.group)
+        send = grad_out[:sum(out_splits)].contiguous()
+        _CommThread.run(lambda: dist.all_to_all_single(grad_in, send, in_splits, out_splits, group=ctx.group))
         return grad_in, None, None, None, None, None, None, None
+
+
+def _wait_all(works: list) -> None:
+    for w in works:
+        if not isinstance(w, torch.Tensor):  # tensors ride along only to stay alive
+            w.wait()
 
 
 def _pack_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -224,17 +265,18 @@ class ExpertParallel:
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> CommHandle[Dispatched]:
         """Send every (token, expert) assignment to the rank hosting (a replica of) the expert.
 
-        x [T, dim]; indices [T, k] logical expert ids, -1 = dropped. Returns a handle; its
-        ``wait()`` gives ``Dispatched`` with the received rows in the contiguous grouped layout.
-
-        Host work is kept short and mostly overlapped: the counts exchange is posted first and the
-        send rows are gathered (one ``index_select``) while it travels; the token exchange is then
-        posted and the regrouping's index plan computed while the tokens travel, so ``wait()`` only
-        does one gather.
+        x [T, dim]; indices [T, k] logical expert ids, -1 = dropped. Returns at once with a handle;
+        its ``wait()`` gives ``Dispatched`` with the received rows in the contiguous grouped layout.
+        The whole exchange (gathers, counts, tokens, regrouping) runs on the comm thread.
         """
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
                              f"{tuple(indices.shape)}")
+        return CommHandle(_CommThread.submit(lambda: self._dispatch(x, indices)))
+
+    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> Dispatched:
+        """The exchange, staged so the wire is busy while the host works: the counts travel while the
+        send rows are gathered, the tokens while the regrouping's index plan is computed."""
         num_tokens, k = indices.shape
         phys = self.to_physical(indices)
         dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
@@ -257,30 +299,27 @@ class ExpertParallel:
         recv_bytes = None if packed is None else packed.new_empty(total, packed.shape[1])
         received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
-
-        def finish() -> Dispatched:
-            if recv_bytes is not None:
-                with torch.no_grad():
-                    received[:total].copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
-            x_grouped = received.index_select(0, source)
-            recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
-            return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state,
-                              send_splits, recv_splits, num_sent)
-
-        return CommHandle(works, finish)
+        _wait_all(works)
+        if recv_bytes is not None:
+            with torch.no_grad():
+                received[:total].copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
+        x_grouped = received.index_select(0, source)
+        recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
+        return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
+                          num_sent)
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j weights[t, j] * y[t, j]``."""
+        return CommHandle(_CommThread.submit(lambda: self._combine(y_grouped, dispatched, weights)))
+
+    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
                                None, None)
-
-        def finish() -> torch.Tensor:
-            state = dispatched.send_state
-            pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
-            rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
-            return unpermute(rows, state, weights)
-
-        return CommHandle(works, finish)
+        _wait_all(works)
+        state = dispatched.send_state
+        pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
+        rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
+        return unpermute(rows, state, weights)
