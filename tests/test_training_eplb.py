@@ -271,3 +271,14 @@ def test_recipe_eplb_without_expert_parallelism_fails_before_training(tmp_path, 
     assert main(["--steps", "1", "--strategies", "none", "--eplb", "2", "--out", str(tmp_path / "r"),
                  "--set", "model.preset=debug_tiny"]) == 2
     assert "parallel.ep must be > 1" in capsys.readouterr().err
+
+
+def test_memory_estimate_counts_the_redundant_slots():
+    """``--dry-run``'s per-rank estimate: each EP rank holds (8 + 2) / 2 = 5 expert slots instead of 4."""
+    from training.memory import estimate
+    from training.trainer import model_args
+
+    off, on = _cfg(), _cfg(EPLB)
+    (a,), (b,) = estimate(off, model_args(off)), estimate(on, model_args(on))
+    assert b.expert_params * 4 == a.expert_params * 5 and a.expert_params > 0
+    assert b.params - b.expert_params == a.params - a.expert_params  # dense part unchanged

@@ -12,7 +12,8 @@ several). Around the library pieces of ``models.deepseek_v3.eplb`` this module k
 - ``after_step``: every ``interval`` optimizer steps the loads update an ``ExpertLoadEMA`` (one
   update per interval), a new plan is made, and for each layer whose plan changed the weights and
   the optimizer moments (AdamW ``exp_avg``/``exp_avg_sq``, anything of the parameter's shape) move
-  with ``redistribute_expert_weights`` over the EP group: exact copies, no arithmetic;
+  with ``redistribute_expert_weights`` over the EP group: exact copies, no arithmetic (metrics
+  ``eplb_moved_slots``, ``eplb_max_replicas``, ``eplb_replan_s``);
 - ``sync_grads``: replicas' gradients are summed (``sync_replica_grads``) before clipping, so the
   replicas of one logical expert take identical steps and stay exact copies; ``norm_weights``
   counts each logical expert once in the global gradient norm;
@@ -28,6 +29,7 @@ start-up (one all-gather) and refuses to run if it ever did not hold.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -161,11 +163,13 @@ class EplbRuntime:
         """Between steps: every ``interval`` steps, measure, update the EMA, re-plan and move what changed."""
         if not self.layers or steps_done % self.cfg.eplb.interval:
             return {}
+        t0 = time.perf_counter()
         self.ema.update(self.measured_loads())
         plan = self.ema.plan(self.num_physical, self.num_groups, self.num_nodes, self.ep)
         moved = self.apply_plan(plan.phy2log)
         self.replans += 1
-        return {"eplb_moved_slots": float(moved), "eplb_max_replicas": float(plan.logcnt.max())}
+        return {"eplb_moved_slots": float(moved), "eplb_max_replicas": float(plan.logcnt.max()),
+                "eplb_replan_s": time.perf_counter() - t0}
 
     @torch.no_grad()
     def apply_plan(self, phy2log: torch.Tensor) -> int:

@@ -69,7 +69,8 @@ class RankEstimate:
 
 
 def _stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int]]:
-    """(dense, expert) parameter counts of each global stage, for one EP slice of the experts."""
+    """(dense, expert) parameter counts of each global stage, for one EP rank's experts (with EPLB's redundant
+    slots)."""
     par = cfg.parallel
     num = num_model_stages(par.schedule, par.pp)
     ranges = split_layers(args, num)
@@ -101,6 +102,8 @@ def _stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, in
         for m, name in parts:
             d, e = count(m, name)
             dense, expert = dense + d, expert + e
+        if cfg.eplb.enabled:  # (E + redundant) / ep physical slots per rank instead of E / ep
+            expert = expert * (args.n_routed_experts + cfg.eplb.redundant_experts) // args.n_routed_experts
         out.append((dense, expert))
     return out
 

@@ -268,8 +268,11 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
+        grad_sync_s = None
         if self.eplb is not None:  # replicas of one expert take the same (summed) step
+            t_sync = time.perf_counter()
             self.eplb.sync_grads()
+            grad_sync_s = time.perf_counter() - t_sync
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
                                    stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
                                    expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None)
@@ -282,6 +285,8 @@ class Trainer:
                                    "microbatches": chunks}
         if not math.isnan(mtp):
             metrics["mtp_loss"] = mtp
+        if grad_sync_s is not None:
+            metrics["eplb_grad_sync_s"] = grad_sync_s
         apply = all(hook(self, metrics) is not False for hook in self.after_backward_hooks)
         if apply:
             self.optimizer.step()
