@@ -3,9 +3,10 @@
 #
 # Steps, in order, each with its own timeout, each logged, a failure never stops the next one:
 #   env      nvidia-smi, python / torch / triton versions, what accel detects (backend, device, spec)
+#   <area>   deep_gemm, flash_mla, model, experts first: benchmarks/gpu_check.d/<area>.sh (header "# timeout: SECONDS")
 #   pytest   pytest -m gpu over tests/
 #   verify   python -m recipes.verify_kernels --bench-shapes --json OUTDIR/verify_kernels.json (strict)
-#   <area>   every benchmarks/gpu_check.d/<area>.sh (written per area; header line "# timeout: SECONDS")
+#   <area>   the other benchmarks/gpu_check.d/*.sh, alphabetically
 # then a summary (OUTDIR/summary.txt). Installs nothing: it uses the python that already has torch
 # ($PY, else .venv/bin/python, else python3) with the checkout on PYTHONPATH.
 #
@@ -137,13 +138,19 @@ run_named() {
     esac
 }
 
-# Default order: env, pytest, verify, then the areas alphabetically; GPU_CHECK_STEPS picks and orders.
+# Default order: env, the areas whose performance targets have no GPU figure yet (each runs its own
+# GPU tests first), pytest, verify, then the other areas alphabetically. GPU_CHECK_STEPS picks and orders.
+FIRST=(env deep_gemm flash_mla model experts pytest verify)
 if [[ -n "$ONLY" ]]; then
     read -r -a ORDER <<<"$ONLY"
 else
-    ORDER=(env pytest verify)
+    ORDER=()
+    for name in "${FIRST[@]}"; do
+        [[ $name == env || $name == pytest || $name == verify || -f "$AREA_DIR/$name.sh" ]] && ORDER+=("$name")
+    done
     for script in "$AREA_DIR"/*.sh; do
-        [[ -f "$script" ]] && ORDER+=("$(basename "$script" .sh)")
+        name="$(basename "$script" .sh)"
+        [[ -f "$script" && ! " ${FIRST[*]} " =~ " $name " ]] && ORDER+=("$name")
     done
 fi
 for name in "${ORDER[@]}"; do

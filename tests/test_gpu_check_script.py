@@ -73,3 +73,20 @@ def test_steps_run_in_the_order_asked_and_typos_are_reported(tmp_path):
     summary = (out / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary] == [["d_after", "PASS"], ["a_ok", "PASS"],
                                                      ["no_such_area", "UNKNOWN"]]
+
+
+@pytest.mark.timeout(60)
+def test_default_order_runs_the_unmeasured_targets_first(tmp_path):
+    """Without GPU_CHECK_STEPS: env, the areas with GPU performance targets (deep_gemm, flash_mla, model,
+    experts; those present), pytest, verify, then the other areas alphabetically, each once."""
+    areas = tmp_path / "areas"
+    areas.mkdir()
+    for name in ("zeta", "model", "alpha", "deep_gemm"):
+        (areas / f"{name}.sh").write_text(f"echo {name}\n")
+    outdir = tmp_path / "out"
+    env = dict(os.environ, PY="false", GPU_CHECK_D=str(areas), GPU_CHECK_BUDGET="540")  # PY=false: core steps fail fast
+    for key in ("OUT", "GPU_CHECK_STEPS"):
+        env.pop(key, None)
+    subprocess.run(["bash", str(SCRIPT), str(outdir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
+    order = [line.split()[0] for line in (outdir / "summary.txt").read_text().splitlines()]
+    assert order == ["env", "deep_gemm", "model", "pytest", "verify", "alpha", "zeta"]

@@ -6,9 +6,10 @@
 #  2. a save/load round trip of a GPU state through the manager (pinned snapshot path), checked exactly.
 # timeout: 150
 set -euo pipefail
+PY=${PY:-python3}
 OUTDIR="${GPU_CHECK_OUT:-/tmp}"
-python -m recipes.bench_checkpoint --size-mb 2048 --repeats 2 --json "$OUTDIR/bench_checkpoint.json"
-python - <<'PY'
+"$PY" -m recipes.bench_checkpoint --size-mb 2048 --repeats 2 --json "$OUTDIR/bench_checkpoint.json"
+"$PY" - <<'PY'
 import tempfile, torch, accel
 from training.checkpoint import CheckpointManager
 dev = accel.default_device()

@@ -4,7 +4,8 @@
 # inputs, losses and deferred weight gradients on the accelerator, NCCL/MCCL group) for every schedule
 # against a single-process run. Multi-rank P2P over NCCL needs >= 2 GPUs (see docs/dualpipe.md).
 set -euo pipefail
-python - <<'PY'
+PY=${PY:-python3}
+"$PY" - <<'PY'
 import os, socket
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -37,4 +38,4 @@ for name in ("1f1b", "zb1p", "zbv", "dualpipev"):
     print(f"dualpipe gpu check {name}: losses equal, grad calc_diff {diff:.2e}, store left {pipe.store.pending()}")
 dist.destroy_process_group()
 PY
-python -m dualpipe.simulate --schedule dualpipe --ranks 16 --microbatches 40 --png /tmp/dualpipe_16.png > /tmp/dualpipe_16.txt && head -3 /tmp/dualpipe_16.txt
+"$PY" -m dualpipe.simulate --schedule dualpipe --ranks 16 --microbatches 40 --png /tmp/dualpipe_16.png > /tmp/dualpipe_16.txt && head -3 /tmp/dualpipe_16.txt

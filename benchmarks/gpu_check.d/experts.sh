@@ -5,7 +5,7 @@
 #  2. the all-to-all overlap benchmark on the host's idle CPU cores (gloo, 2 ranks x 4 threads) - a
 #     CPU figure, but one not starved of cores as on the shared dev box; NCCL needs >= 2 GPUs for EP > 1;
 #  3. the expert-balancing recipe on the GPU, short (2 strategies x 30 steps).
-# timeout: 150
+# timeout: 110
 set -euo pipefail
 PY=${PY:-python3}
 OUTDIR=${GPU_CHECK_OUT:-benchmarks/results}
@@ -47,8 +47,8 @@ for fp8 in (False, True):
 dist.destroy_process_group()
 print("experts EP device check: OK")
 PY
-    timeout 60 "$PY" -m recipes.bench_ep_overlap --nproc 2 --threads 4 --reps 3 --json "$OUTDIR/ep_overlap_cpu.json"
-    timeout 120 "$PY" -m recipes.expert_balance --steps 30 --strategies none,aux_free+seq_aux \
+    timeout 40 "$PY" -m recipes.bench_ep_overlap --nproc 2 --threads 4 --reps 3 --json "$OUTDIR/ep_overlap_cpu.json"
+    timeout 45 "$PY" -m recipes.expert_balance --steps 30 --strategies none,aux_free+seq_aux \
         --set data.global_batch=32 --set data.micro_batch=32 --out "$OUTDIR/expert_balance"
 }
 experts_ep_device_check "$@"

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# flash_mla on one GPU (H200): compiled-kernel tests at realistic shapes, the harness, then the benchmark.
-# Run from the repo root; about 2 minutes (FLASH_MLA_BENCH_ARGS= runs the full sweep: several minutes). Results go to benchmarks/results/flash_mla_*.
+# flash_mla on one GPU (H200): compiled-kernel tests at realistic shapes, the harness, then the benchmark
+# (--quick rows; FLASH_MLA_BENCH_ARGS= runs the full sweep: several minutes). Run from the repo root.
+# timeout: 100
 set -euo pipefail
-PY=${PY:-.venv/bin/python}
-mkdir -p benchmarks/results
-flash_mla_check() {
-    TRITON_INTERPRET=0 DSV3_KERNEL_IMPL=auto timeout 600 "$PY" -m pytest -q tests/test_flash_mla_gpu.py -x --durations=10
-    TRITON_INTERPRET=0 timeout 300 "$PY" -m recipes.verify_kernels --ops 'flash_mla.*' --seeds 2 --bench-shapes \
-        --json benchmarks/results/flash_mla_verify.json
-    TRITON_INTERPRET=0 timeout 600 "$PY" -m recipes.bench_kernels flash_mla ${FLASH_MLA_BENCH_ARGS---quick} \
-        --json benchmarks/results/flash_mla_bench.json
-}
-flash_mla_check "$@"
+PY=${PY:-python3}
+OUTDIR=${GPU_CHECK_OUT:-benchmarks/results}
+mkdir -p "$OUTDIR"
+export TRITON_INTERPRET=0
+DSV3_KERNEL_IMPL=auto timeout 40 "$PY" -m pytest -q tests/test_flash_mla_gpu.py -x --durations=10
+timeout 25 "$PY" -m recipes.verify_kernels --ops 'flash_mla.*' --seeds 2 --bench-shapes \
+    --json "$OUTDIR/flash_mla_verify.json"
+timeout 35 "$PY" -m recipes.bench_kernels flash_mla ${FLASH_MLA_BENCH_ARGS---quick} --json "$OUTDIR/flash_mla_bench.json"
