@@ -133,6 +133,20 @@ def run_strategy(cfg, ps, out: Path) -> dict[str, Any]:
     }
 
 
+def _plot_per_step(plt, results: dict[str, dict[str, Any]], key: str, ylabel: str, path: Path) -> None:
+    """One line per run of ``key`` over the steps."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in results.items():
+        ax.plot([s["step"] for s in r["steps"]], [s[key] for s in r["steps"]], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
     """PNGs, Markdown and CSV tables, per-strategy JSONL (rank 0)."""
     import matplotlib
@@ -141,28 +155,10 @@ def write_report(results: dict[str, dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, r in results.items():
-        ax.plot([s["step"] for s in r["steps"]], [s["max_vio"] for s in r["steps"]], label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MaxVio (batch, mean over MoE layers)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "max_vio.png", dpi=120)
-    plt.close(fig)
-
+    _plot_per_step(plt, results, "max_vio", "MaxVio (batch, mean over MoE layers)", out / "max_vio.png")
     if any(math.isfinite(s["ep_imbalance"]) for r in results.values() for s in r["steps"]):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name, r in results.items():
-            ax.plot([s["step"] for s in r["steps"]], [s["ep_imbalance"] for s in r["steps"]], label=name)
-        ax.set_xlabel("step")
-        ax.set_ylabel("max / mean rows per EP rank (mean over MoE layers)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "ep_imbalance.png", dpi=120)
-        plt.close(fig)
+        _plot_per_step(plt, results, "ep_imbalance", "max / mean rows per EP rank (mean over MoE layers)",
+                       out / "ep_imbalance.png")
 
     names = [n for n, r in results.items() if r["load_total"] is not None]
     if names:
