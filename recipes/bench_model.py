@@ -6,8 +6,10 @@
 
 Both load the same weights (saved once as an HF checkpoint), so both compute the same function; the
 table shows both losses on the same batch as a check. Timing: ``--warmup`` then ``--steps`` training
-steps (forward, cross-entropy, backward, grads zeroed) with the two implementations *alternating* in
-one process, so load from other processes on a shared machine hits both alike; median step time.
+steps (forward, cross-entropy, backward, grads zeroed) with the implementations *alternating* in
+one process, so load from other processes on a shared machine hits both alike; median step time,
+both wall clock (``step_ms``) and, on a CPU, this process's CPU time (``cpu_ms``: time other jobs
+hold the cores does not count, so on a shared machine it is the steadier comparison).
 Peak memory comes from a separate subprocess per implementation (peak RSS growth over one step on a
 CPU, ``max_memory_allocated`` on a GPU).
 """
@@ -89,19 +91,22 @@ def peak_memory(impl: str, ckpt: str, bsz: int, seq: int, dtype: str) -> float:
 
 
 def timed(steps: dict, inputs: torch.Tensor, labels: torch.Tensor, n: int, warmup: int) -> dict[str, dict]:
-    """Alternate the implementations' steps; median time and first loss of each."""
+    """Alternate the implementations' steps; median wall and process-CPU time, and first loss of each."""
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
     losses: dict[str, float] = {}
     for i in range(warmup + n):
         for name, step in steps.items():
             accel.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = step(inputs, labels)
             accel.synchronize()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
             losses.setdefault(name, loss)
-    return {k: {"step_s": statistics.median(v), "loss": losses[k]} for k, v in times.items()}
+    return {k: {"step_s": statistics.median(v), "cpu_s": statistics.median(cpu_times[k]), "loss": losses[k]}
+            for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,21 +151,24 @@ def main(argv: list[str] | None = None) -> int:
         steps = {impl: build(impl, tmp, opts.dtype, device) for impl in impls}
         inputs, labels = batch(opts.batch, opts.seq, device)
         result = timed(steps, inputs, labels, opts.steps, opts.warmup)
-    rows = [{"impl": impl, "step_ms": result[impl]["step_s"] * 1e3,
+    rows = [{"impl": impl, "step_ms": result[impl]["step_s"] * 1e3, "cpu_ms": result[impl]["cpu_s"] * 1e3,
              "tokens_per_s": opts.batch * opts.seq / result[impl]["step_s"], "peak_mem_MiB": memory[impl] / 2**20,
              "loss": result[impl]["loss"]} for impl in impls]
     for r in rows:
         r["speedup_vs_hf"] = rows[1]["step_ms"] / r["step_ms"]
         r["speedup_vs_hf_eager"] = rows[2]["step_ms"] / r["step_ms"]
+        r["cpu_speedup_vs_hf"] = rows[1]["cpu_ms"] / r["cpu_ms"]
+    columns = ["impl", "step_ms", "tokens_per_s", "peak_mem_MiB", "speedup_vs_hf", "speedup_vs_hf_eager"]
+    if device.type == "cpu":  # on a GPU the host's CPU time says nothing about the step
+        columns[2:2] = ["cpu_ms"]
+        columns.append("cpu_speedup_vs_hf")
     counts = args.param_counts()
     notes = [f"preset {opts.preset} ({counts['total'] / 1e6:.2f}M params, {args.n_layers} layers, "
              f"{args.n_routed_experts} experts top-{args.n_activated_experts}), batch {opts.batch} x seq {opts.seq}, "
              f"{opts.dtype}, forward+backward, median of {opts.steps} steps after {opts.warmup} warm-up",
              "peak memory: peak RSS growth over the first step (CPU) or max_memory_allocated (GPU), own subprocess",
              "same weights, same batch: first-step losses " + ", ".join(f"{r['loss']:.6f} ({r['impl']})" for r in rows)]
-    print_report("DeepSeek-V3 training step: ours vs transformers", rows,
-                 ["impl", "step_ms", "tokens_per_s", "peak_mem_MiB", "speedup_vs_hf", "speedup_vs_hf_eager"],
-                 json_path=opts.json,
+    print_report("DeepSeek-V3 training step: ours vs transformers", rows, columns, json_path=opts.json,
                  notes=notes)
     return 0
 
