@@ -73,10 +73,15 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
         cfg = _cfg(extra)
         return cfg, Trainer(cfg, init_parallel(cfg.parallel, 120.0), tmp / "run")
 
-    # 1. EPLB off: the reference
-    _, off = trainer_for()
+    # 1. EPLB off: the reference (checkpoint at SAVE_AT too)
+    cfg, off = trainer_for()
+    off_hooks = attach(off, cfg, tmp / "off")
     out["off"] = {}
-    _run(off, STEPS, out["off"])
+    _run(off, SAVE_AT, out["off"])
+    off_hooks.save(sync=True)
+    out["off_saved"] = {k: v.clone() for k, v in off.model_state_dict().items()}
+    _run(off, STEPS - SAVE_AT, out["off"])
+    off_hooks.close()
     out["off"]["experts"] = _expert_state(off)
     out["off_keys"] = {k: tuple(v.shape) for k, v in off.model_state_dict().items()}
 
@@ -108,6 +113,14 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
     out["resumed"] = {}
     _run(again, STEPS - SAVE_AT, out["resumed"])
     out["resumed"]["experts"] = _expert_state(again)
+
+    # 5. a checkpoint written without EPLB, resumed with EPLB on (the uniform-load plan)
+    _, late = trainer_for(EPLB)
+    load_checkpoint(late, tmp / "off" / "checkpoints" / f"step_{SAVE_AT:09d}")
+    out["late_loaded"] = {k: v.clone() for k, v in late.model_state_dict().items()}
+    out["late"] = {}
+    _run(late, STEPS - SAVE_AT, out["late"])
+    out["late"]["experts"] = _expert_state(late)
     return out
 
 
@@ -179,6 +192,19 @@ def test_eplb_checkpoint_is_logical_and_loads_without_eplb(runs):
             assert torch.equal(r["plain_loaded"][k], v), k  # bit-exact in the logical layout
         # and it trains on from there like the EPLB run (placement only differs: fp32 order, as above)
         assert r["plain"]["loss"] == pytest.approx(r["on"]["loss"][SAVE_AT:], abs=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_checkpoint_without_eplb_resumes_with_eplb_on(runs):
+    """Turning EPLB on at a resume: the logical weights land in the physical slots bit-exactly and the run
+    continues like the one without EPLB (fp32 summation order only; tolerances as above)."""
+    for rank, r in enumerate(runs):
+        for k, v in r["off_saved"].items():
+            assert torch.equal(r["late_loaded"][k], v), k
+        assert r["late"]["loss"] == pytest.approx(r["off"]["loss"][SAVE_AT:], abs=1e-5)
+        for k, w in r["off"]["experts"].items():
+            torch.testing.assert_close(r["late"]["experts"][k], w, rtol=0, atol=1e-6, msg=f"rank {rank} {k}")
 
 
 @pytest.mark.dist

@@ -94,6 +94,8 @@ class EplbRuntime:
         self.ep_group, self.dp_group = ep_group, dp_group
         self.ep_rank = dist.get_rank(ep_group)
         self.optimizers = optimizers
+        # collectives run on the experts' device (NCCL / MCCL take device tensors only)
+        self.device = self.layers[0].experts.w13.device if self.layers else torch.device("cpu")
         self.logical = torch.arange(self.num_experts)  # the checkpoint layout: E / ep experts per rank, in order
         self.phy2log = initial_plan(cfg, args).repeat(len(self.layers), 1)
         self.ema = ExpertLoadEMA(len(self.layers), self.num_experts, cfg.eplb.ema_decay)
@@ -124,11 +126,12 @@ class EplbRuntime:
     def _counts_total(self) -> torch.Tensor:
         if not self.layers:
             return torch.zeros(0, self.num_experts, dtype=torch.float64)
-        return torch.stack([m.balancer.counts_total.detach().double().cpu() for m in self.layers])
+        return torch.stack([m.balancer.counts_total.detach().double().to(self.device) for m in self.layers])
 
     def _check_zero_ownership(self) -> None:
         """Every EP rank must hold the optimizer states of the same expert tensors (ZeRO-1 shards)."""
-        owned = torch.tensor([int(self._owns(p)) for _, p in self.expert_keys.values()], dtype=torch.int64)
+        owned = torch.tensor([int(self._owns(p)) for _, p in self.expert_keys.values()], dtype=torch.int64,
+                             device=self.device)
         gathered = [torch.empty_like(owned) for _ in range(self.ep)]
         dist.all_gather(gathered, owned, group=self.ep_group)
         if not all(torch.equal(g, owned) for g in gathered):
@@ -157,7 +160,7 @@ class EplbRuntime:
         self._seen = now
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(loads, group=self.dp_group)
-        return loads
+        return loads.cpu()
 
     def after_step(self, steps_done: int) -> dict[str, float]:
         """Between steps: every ``interval`` steps, measure, update the EMA, re-plan and move what changed."""
@@ -267,7 +270,7 @@ class EplbRuntime:
         """The plan, the load average and this rank's loads not yet planned on (so a resume plans alike)."""
         return {"phy2log": self.phy2log.clone(), "layer_ids": torch.tensor([m.layer_id for m in self.layers]),
                 "ema_load": self.ema.load.clone(), "ema_updates": self.ema.updates,
-                "pending_load": self._counts_total() - self._seen, "replans": self.replans}
+                "pending_load": (self._counts_total() - self._seen).cpu(), "replans": self.replans}
 
     def load_plan(self, state: dict[str, Any] | None) -> None:
         """Adopt a saved plan and load average (before the logical weights are materialised under it).
@@ -283,8 +286,8 @@ class EplbRuntime:
                              f"{state['phy2log'].shape[-1]} slots, this rank has layers {ids} with "
                              f"{self.num_physical} (another eplb.redundant_experts?)")
         self.phy2log = state["phy2log"].clone().to(torch.int64)
-        self.ema.load, self.ema.updates = state["ema_load"].clone().double(), int(state["ema_updates"])
-        self._seen = self._seen - state["pending_load"].double()
+        self.ema.load, self.ema.updates = state["ema_load"].clone().double().cpu(), int(state["ema_updates"])
+        self._seen = self._seen - state["pending_load"].double().to(self._seen.device)
         self.replans = int(state["replans"])
         for layer, row in zip(self.layers, self.phy2log):
             self._wire(layer, row)

@@ -86,7 +86,7 @@ def load_metrics(trainer: Trainer) -> dict[str, Any]:
     layers = moe_layers(trainer.stages)
     out: dict[str, Any] = {}
     vio, weight = 0.0, 0.0
-    imbalance = rank_imbalance(layers, trainer.ps.group("ep")) if trainer.cfg.parallel.ep > 1 else None
+    imbalance = rank_imbalance(layers, trainer.ps.group("ep"), trainer.device) if trainer.cfg.parallel.ep > 1 else None
     if layers:
         counts = torch.stack([m.balancer.counts_for_metrics.float() for m in layers])
         group = trainer.ps.group("dp")
@@ -101,7 +101,7 @@ def load_metrics(trainer: Trainer) -> dict[str, Any]:
     held = 1.0 if imbalance is not None else 0.0
     imbalance = imbalance or 0.0
     if trainer.ps.world_size > 1:
-        t = torch.tensor([vio * weight, weight, imbalance * held, held], dtype=torch.float64)
+        t = torch.tensor([vio * weight, weight, imbalance * held, held], dtype=torch.float64, device=trainer.device)
         dist.all_reduce(t)
         vio, weight = float(t[0] / t[1]) if t[1] > 0 else 0.0, float(t[1])
         imbalance, held = float(t[2] / t[3]) if t[3] > 0 else 0.0, float(t[3])
@@ -113,17 +113,20 @@ def load_metrics(trainer: Trainer) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def rank_imbalance(layers: list[MoE], ep_group: dist.ProcessGroup | None) -> float | None:
+def rank_imbalance(layers: list[MoE], ep_group: dist.ProcessGroup | None,
+                   device: torch.device | str = "cpu") -> float | None:
     """Mean over layers of max / mean rows received per EP rank since the last call (1 = balanced); resets.
 
-    The per-GPU load EPLB targets, next to MaxVio's per-expert load. Collective over the EP group.
+    The per-GPU load EPLB targets, next to MaxVio's per-expert load. Collective over the EP group, on
+    ``device`` (NCCL / MCCL take device tensors only).
     """
     if not layers or ep_group is None or dist.get_world_size(ep_group) < 2:
         return None
     world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    table = torch.zeros(len(layers), world, dtype=torch.float64)
+    table = torch.zeros(len(layers), world, dtype=torch.float64, device=device)
     for i, m in enumerate(layers):
-        table[i, rank] = float(m.received_rows) if m.received_rows is not None else 0.0
+        if m.received_rows is not None:
+            table[i, rank] = m.received_rows.to(device)
         m.received_rows = None
     dist.all_reduce(table, group=ep_group)
     mean = table.mean(-1)
