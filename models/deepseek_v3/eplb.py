@@ -258,13 +258,25 @@ def sync_replica_grads(local_grad: torch.Tensor, phy2log: torch.Tensor, num_logi
     """Sum the gradients of all replicas of each logical expert and give every replica the sum.
 
     local_grad: [physical per rank, ...] (one layer). Replicas then take identical optimizer steps.
-    Moves a [logical experts, ...] buffer through one all-reduce: simple and exact, sized for
-    debug and mid-size runs (at V3 scale reduce within each expert's replica subgroup instead).
+    Only experts with more than one copy travel: one all-reduce of a [replicated experts, ...]
+    buffer (at most ``redundant`` rows, e.g. 32 of V3's 256 experts), the same on every rank since
+    every rank holds the same plan; experts with one copy keep their gradient untouched.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    phy2log = phy2log.reshape(-1).cpu()
     mine = local_physical_experts(phy2log, rank, world)
+    replicated = (torch.bincount(phy2log, minlength=num_logical) > 1).nonzero().flatten()
+    if replicated.numel() == 0:
+        return local_grad
+    row_of = torch.full((num_logical,), -1, dtype=torch.int64)
+    row_of[replicated] = torch.arange(replicated.numel())
+    slots = (row_of[mine] >= 0).nonzero().flatten()  # my slots hosting a replicated expert
+    rows = row_of[mine[slots]]
     flat = local_grad.reshape(local_grad.shape[0], -1)
-    total = torch.zeros(num_logical, flat.shape[1], dtype=flat.dtype, device=flat.device)
-    total.index_add_(0, mine.to(flat.device), flat)
+    slots, rows = slots.to(flat.device), rows.to(flat.device)
+    total = torch.zeros(replicated.numel(), flat.shape[1], dtype=flat.dtype, device=flat.device)
+    total.index_add_(0, rows, flat[slots])
     dist.all_reduce(total, group=group)
-    return total[mine.to(flat.device)].view_as(local_grad)
+    out = flat.clone()
+    out[slots] = total[rows]
+    return out.view_as(local_grad)
