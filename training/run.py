@@ -89,8 +89,10 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
 
 def _layout_line(cfg: TrainConfig, world: int) -> str:
     p = cfg.parallel
+    e = cfg.eplb
+    eplb = f", EPLB +{e.redundant_experts} slots/layer re-planned every {e.interval} steps" if e.enabled else ""
     return (f"layout: {world} process(es) = pp {p.pp} x dp {p.dp}, ep {p.ep} over dp, schedule {p.schedule}; "
-            f"model {cfg.model.preset}{' (FP8)' if cfg.model.fp8 else ''}, balance {cfg.balance.strategy}")
+            f"model {cfg.model.preset}{' (FP8)' if cfg.model.fp8 else ''}, balance {cfg.balance.strategy}{eplb}")
 
 
 def _print_end(summary: dict[str, Any], run_dir: Path, plot: Path | None, manager, cfg: TrainConfig,
