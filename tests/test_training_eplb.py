@@ -310,3 +310,19 @@ def test_memory_estimate_counts_the_redundant_slots():
     (a,), (b,) = estimate(off, model_args(off)), estimate(on, model_args(on))
     assert b.expert_params * 4 == a.expert_params * 5 and a.expert_params > 0
     assert b.params - b.expert_params == a.params - a.expert_params  # dense part unchanged
+
+
+def test_example_config_validates_and_round_trips():
+    """``recipes/configs/eplb_cpu.toml`` passes every pre-launch check; ``[eplb]`` survives the run folder's
+    config.toml and stays out of the config hash (a resume may switch EPLB on or off)."""
+    import tomllib
+
+    from training.config import config_hash
+    from training.trainer import check_static
+
+    cfg = load_config(CONFIG.parent / "eplb_cpu.toml")
+    check_static(cfg)
+    assert cfg.eplb.enabled and cfg.eplb.redundant_experts == 2
+    assert tomllib.loads(cfg.to_toml())["eplb"]["interval"] == cfg.eplb.interval
+    off = load_config(CONFIG.parent / "eplb_cpu.toml", ["eplb.enabled=false"])
+    assert config_hash(off) == config_hash(cfg)
