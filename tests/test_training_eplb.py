@@ -114,7 +114,15 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
     _run(again, STEPS - SAVE_AT, out["resumed"])
     out["resumed"]["experts"] = _expert_state(again)
 
-    # 5. a checkpoint written without EPLB, resumed with EPLB on (the uniform-load plan)
+    # 5. resume the EPLB checkpoint with more redundant slots: the saved plan is dropped, its load average kept
+    _, wider = trainer_for(EPLB + ["eplb.redundant_experts=4"])
+    load_checkpoint(wider, folder)
+    out["wider_loaded"] = {k: v.clone() for k, v in wider.model_state_dict().items()}
+    out["wider_ema"] = wider.eplb.ema.load.clone()
+    out["wider"] = {}
+    _run(wider, STEPS - SAVE_AT, out["wider"])
+
+    # 6. a checkpoint written without EPLB, resumed with EPLB on (the uniform-load plan)
     _, late = trainer_for(EPLB)
     load_checkpoint(late, tmp / "off" / "checkpoints" / f"step_{SAVE_AT:09d}")
     out["late_loaded"] = {k: v.clone() for k, v in late.model_state_dict().items()}
@@ -192,6 +200,17 @@ def test_eplb_checkpoint_is_logical_and_loads_without_eplb(runs):
             assert torch.equal(r["plain_loaded"][k], v), k  # bit-exact in the logical layout
         # and it trains on from there like the EPLB run (placement only differs: fp32 order, as above)
         assert r["plain"]["loss"] == pytest.approx(r["on"]["loss"][SAVE_AT:], abs=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_resume_with_other_redundancy_keeps_weights_and_load_average(runs):
+    for r in runs:
+        for k, v in r["saved"].items():
+            assert torch.equal(r["wider_loaded"][k], v), k
+        assert torch.equal(r["wider_ema"], r["on"]["ema"][SAVE_AT - 1])
+        assert all(p.shape[-1] == 12 for p in r["wider"]["plans"])  # 8 + 4 slots from the first re-plan on
+        assert r["wider"]["loss"] == pytest.approx(r["on"]["loss"][SAVE_AT:], abs=1e-5)  # fp32 order, as above
 
 
 @pytest.mark.dist

@@ -276,19 +276,21 @@ class EplbRuntime:
         """Adopt a saved plan and load average (before the logical weights are materialised under it).
 
         ``None`` (a checkpoint written without EPLB) keeps the current plan and starts the average afresh.
+        A plan with another slot count (``eplb.redundant_experts`` changed) is dropped, its load average
+        kept: the next re-plan makes a plan of the new size from it.
         """
         self._seen = self._counts_total()
         if state is None:
             return
         ids = [m.layer_id for m in self.layers]
-        if state["layer_ids"].tolist() != ids or tuple(state["phy2log"].shape) != tuple(self.phy2log.shape):
-            raise ValueError(f"checkpoint EPLB plan covers MoE layers {state['layer_ids'].tolist()} with "
-                             f"{state['phy2log'].shape[-1]} slots, this rank has layers {ids} with "
-                             f"{self.num_physical} (another eplb.redundant_experts?)")
-        self.phy2log = state["phy2log"].clone().to(torch.int64)
+        if state["layer_ids"].tolist() != ids:
+            raise ValueError(f"checkpoint EPLB state covers MoE layers {state['layer_ids'].tolist()}, this rank "
+                             f"holds {ids}")
         self.ema.load, self.ema.updates = state["ema_load"].clone().double().cpu(), int(state["ema_updates"])
         self._seen = self._seen - state["pending_load"].double().to(self._seen.device)
         self.replans = int(state["replans"])
+        if tuple(state["phy2log"].shape) == tuple(self.phy2log.shape):
+            self.phy2log = state["phy2log"].clone().to(torch.int64)
         for layer, row in zip(self.layers, self.phy2log):
             self._wire(layer, row)
 
