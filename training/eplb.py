@@ -14,9 +14,9 @@ several). Around the library pieces of ``models.deepseek_v3.eplb`` this module k
   the optimizer moments (AdamW ``exp_avg``/``exp_avg_sq``, anything of the parameter's shape) move
   with ``redistribute_expert_weights`` over the EP group: exact copies, no arithmetic (metrics
   ``eplb_moved_slots``, ``eplb_max_replicas``, ``eplb_replan_s``);
-- ``sync_grads``: replicas' gradients are summed (``sync_replica_grads``) before clipping, so the
-  replicas of one logical expert take identical steps and stay exact copies; ``norm_weights``
-  counts each logical expert once in the global gradient norm;
+- ``sync_grads``: replicas' gradients are summed (``sync_replica_grads_``, one all-reduce for all
+  layers) before clipping, so the replicas of one logical expert take identical steps and stay
+  exact copies; ``norm_weights`` counts each logical expert once in the global gradient norm;
 - checkpoints in the logical layout: ``to_logical`` / ``from_logical`` convert one expert tensor
   between this rank's physical slots and its ``E / ep`` logical experts (the layout without EPLB),
   so checkpoints, HF export and a resume with EPLB off see no difference.
@@ -42,7 +42,7 @@ from models.deepseek_v3.eplb import (
     local_physical_experts,
     rebalance_experts,
     redistribute_expert_weights,
-    sync_replica_grads,
+    sync_replica_grads_,
 )
 from models.deepseek_v3.moe import MoE
 from training.checkpoint.resume import split_zero
@@ -202,10 +202,13 @@ class EplbRuntime:
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Sum the gradients of every logical expert's replicas and give each replica the sum."""
+        grads, plans = [], []
         for i, layer in enumerate(self.layers):
             for p in (layer.experts.w13, layer.experts.w2):
                 if p.grad is not None:
-                    p.grad.copy_(sync_replica_grads(p.grad, self.phy2log[i], self.num_experts, self.ep_group))
+                    grads.append(p.grad)
+                    plans.append(self.phy2log[i])
+        sync_replica_grads_(grads, plans, self.num_experts, self.ep_group)  # one all-reduce for every layer
 
     def norm_weights(self) -> dict[int, torch.Tensor]:
         """``id(param) -> [slots]`` weight 1 / copies of the slot's expert: each logical expert counted once."""

@@ -15,11 +15,12 @@ to the lowest index, as upstream, so plans match upstream's bit for bit.
 
 Around it: ``ExpertLoadEMA`` (a moving average of measured loads from which plans are made) and
 the between-steps plan application for a sharded EP run (``redistribute_expert_weights``, and
-``sync_replica_grads`` to keep replicas identical).
+``sync_replica_grads`` / ``sync_replica_grads_`` to keep replicas identical).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,31 +253,56 @@ def redistribute_expert_weights(local: torch.Tensor, old_phy2log: torch.Tensor, 
     return out.view(new_per_rank, *local.shape[1:])
 
 
-@torch.no_grad()
-def sync_replica_grads(local_grad: torch.Tensor, phy2log: torch.Tensor, num_logical: int,
-                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum the gradients of all replicas of each logical expert and give every replica the sum.
-
-    local_grad: [physical per rank, ...] (one layer). Replicas then take identical optimizer steps.
-    Only experts with more than one copy travel: one all-reduce of a [replicated experts, ...]
-    buffer (at most ``redundant`` rows, e.g. 32 of V3's 256 experts), the same on every rank since
-    every rank holds the same plan; experts with one copy keep their gradient untouched.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def _replicated_rows(phy2log: torch.Tensor, rank: int, world: int,
+                     num_logical: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(my slots hosting an expert with several copies, that expert's row among the replicated ones, how many)."""
     phy2log = phy2log.reshape(-1).cpu()
     mine = local_physical_experts(phy2log, rank, world)
     replicated = (torch.bincount(phy2log, minlength=num_logical) > 1).nonzero().flatten()
-    if replicated.numel() == 0:
-        return local_grad
     row_of = torch.full((num_logical,), -1, dtype=torch.int64)
     row_of[replicated] = torch.arange(replicated.numel())
-    slots = (row_of[mine] >= 0).nonzero().flatten()  # my slots hosting a replicated expert
-    rows = row_of[mine[slots]]
-    flat = local_grad.reshape(local_grad.shape[0], -1)
-    slots, rows = slots.to(flat.device), rows.to(flat.device)
-    total = torch.zeros(replicated.numel(), flat.shape[1], dtype=flat.dtype, device=flat.device)
-    total.index_add_(0, rows, flat[slots])
+    slots = (row_of[mine] >= 0).nonzero().flatten()
+    return slots, row_of[mine[slots]], replicated.numel()
+
+
+@torch.no_grad()
+def sync_replica_grads_(grads: Sequence[torch.Tensor], phy2logs: Sequence[torch.Tensor], num_logical: int,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """In place, for many expert tensors at once: every replica's gradient becomes its expert's replica sum.
+
+    grads[i]: [physical per rank, ...] (contiguous, one dtype and device for all) under plan phy2logs[i].
+    Only experts with more than one copy travel, all tensors' rows in one all-reduce (at most
+    ``redundant`` rows per tensor, e.g. 32 of V3's 256 experts); every rank holds the same plans, so
+    every rank builds the same buffer. Replicas then take identical optimizer steps.
+    """
+    if len({(g.dtype, g.device) for g in grads}) > 1:
+        raise ValueError("sync_replica_grads_: gradients must share one dtype and device")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    pending, parts = [], []
+    for grad, phy2log in zip(grads, phy2logs):
+        slots, rows, count = _replicated_rows(phy2log, rank, world, num_logical)
+        if count == 0:
+            continue
+        flat = grad.view(grad.shape[0], -1)
+        slots, rows = slots.to(flat.device), rows.to(flat.device)
+        part = torch.zeros(count, flat.shape[1], dtype=flat.dtype, device=flat.device)
+        part.index_add_(0, rows, flat[slots])
+        pending.append((flat, slots, rows, part.shape))
+        parts.append(part.reshape(-1))
+    if not parts:
+        return
+    total = torch.cat(parts)
     dist.all_reduce(total, group=group)
-    out = flat.clone()
-    out[slots] = total[rows]
-    return out.view_as(local_grad)
+    offset = 0
+    for flat, slots, rows, shape in pending:
+        summed = total[offset:offset + shape.numel()].view(shape)
+        flat[slots] = summed[rows]
+        offset += shape.numel()
+
+
+def sync_replica_grads(local_grad: torch.Tensor, phy2log: torch.Tensor, num_logical: int,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """One layer's ``sync_replica_grads_``, returning a new tensor: [physical per rank, ...] with replica sums."""
+    out = local_grad.contiguous().clone()
+    sync_replica_grads_([out], [phy2log], num_logical, group)
+    return out
