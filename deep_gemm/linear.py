@@ -211,6 +211,7 @@ def _padding_runs(segments: list[tuple[int, int, int]], rows: int) -> list[tuple
     return runs
 
 
+@torch.no_grad()  # out= GEMMs; also runs from deferred wgrad closures, where grad mode may be on
 def _segment_mm(a: torch.Tensor, b_t: torch.Tensor, segments: list[tuple[int, int, int]],
                 out_cols: int) -> torch.Tensor:
     """``out[r] = a[r] @ b_t[group(r)]`` for every segment's rows, 0 on padding rows (``b_t`` is ``[G, K, N]``)."""
@@ -222,6 +223,7 @@ def _segment_mm(a: torch.Tensor, b_t: torch.Tensor, segments: list[tuple[int, in
     return out
 
 
+@torch.no_grad()  # runs in a deferred closure, possibly with grad mode on and x requiring grad
 def _grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                          segments: list[tuple[int, int, int]]) -> torch.Tensor:
     """Per-group ``dW[g] = sum over g's segments of dY^T X``, fp32. An fp32 GEMM writes its group's slice

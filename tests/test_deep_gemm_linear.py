@@ -178,16 +178,22 @@ def test_grouped_linear_unquantized_ignores_nan_padding_anywhere_in_a_block(dtyp
         assert torch.isfinite(got).all() and calc_diff(got.float(), want) < tol
 
 
-def test_grouped_linear_module_defers_weight_gradient():
-    layer = deep_gemm.GroupedLinear(2, 128, 64, fp8=True)
+@pytest.mark.parametrize("fp8", [True, False])
+def test_grouped_linear_module_defers_weight_gradient(fp8):
+    """The closure runs later, outside backward, with grad mode on and the saved input still requiring grad
+    (as a pipeline schedule runs it): it must still produce the plain weight gradient."""
+    layer = deep_gemm.GroupedLinear(2, 128, 64, fp8=fp8)
     m_indices = deep_gemm.grouped.contiguous_layout([128, 60], "cpu")
-    x = torch.randn(m_indices.numel(), 128)
+    x = torch.randn(m_indices.numel(), 128).requires_grad_()
     closures = []
     with accel.wgrad.collect_into(closures.append):
         layer(x, m_indices).sum().backward()
     assert layer.weight.grad is None and len(closures) == 1
-    closures[0]()
-    assert layer.weight.grad.shape == (2, 64, 128) and torch.isfinite(layer.weight.grad).all()
+    with torch.enable_grad():
+        closures[0]()
+    assert layer.weight.grad.shape == (2, 64, 128) and not layer.weight.grad.requires_grad
+    _, _, gw = _grouped_reference(x, layer.weight, m_indices, torch.ones(m_indices.numel(), 64))
+    assert calc_diff(layer.weight.grad, gw) < (FP8_TOL if fp8 else FP32_TOL)
 
 
 @pytest.mark.parametrize("call,match", [
