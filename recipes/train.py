@@ -37,12 +37,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def dry_run(cfg, world: int) -> None:
+    from training.eplb import check_eplb
     from training.memory import estimate, format_estimate
     from training.parallel import describe
     from training.trainer import model_args
 
     check_world_size(cfg.parallel, world)
     args = model_args(cfg)
+    check_eplb(cfg, args)
     print(describe(cfg.parallel))
     print(f"micro-batches per step: {cfg.microbatches_at(0)} at step 0, {cfg.microbatches_at(cfg.run.steps - 1)} "
           f"at the end (global batch {cfg.global_batch_at(0)} -> {cfg.global_batch_at(cfg.run.steps - 1)} sequences "

@@ -154,3 +154,10 @@ def test_zero_bubble_schedules_match_one_process(tmp_path):
         two, _ = _train(tmp_path, schedule, 2, common + ["parallel.pp=2", f"parallel.schedule={schedule}"])
         assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], abs=1e-5), schedule
         assert [r["grad_norm"] for r in one] == pytest.approx([r["grad_norm"] for r in two], rel=1e-5), schedule
+
+
+def test_dry_run_checks_the_eplb_table(capsys):
+    """--dry-run validates [eplb] too: a bad value fails there, not at launch."""
+    argv = ["--config", DEMO, "--dry-run", "--set", "eplb.enabled=true", "--set", "eplb.redundant_experts=3"]
+    assert train_main(argv) == 2
+    assert "eplb.redundant_experts=3" in capsys.readouterr().err
