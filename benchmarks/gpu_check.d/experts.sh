@@ -50,5 +50,12 @@ PY
     timeout 40 "$PY" -m recipes.bench_ep_overlap --nproc 2 --threads 4 --reps 3 --json "$OUTDIR/ep_overlap_cpu.json"
     timeout 45 "$PY" -m recipes.expert_balance --steps 30 --strategies none,aux_free+seq_aux \
         --set data.global_batch=32 --set data.micro_batch=32 --out "$OUTDIR/expert_balance"
+    if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then  # EP and EPLB over NCCL need two devices
+        timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 2 -m recipes.expert_balance \
+            --config recipes/configs/debug_gpu.toml --strategies aux_free --eplb 2 --steps 20 \
+            --set parallel.dp=2 --set parallel.ep=2 --out "$OUTDIR/expert_balance_eplb_nccl"
+    else
+        echo "EP / EPLB over NCCL: needs >= 2 GPUs, skipped on this host"
+    fi
 }
 experts_ep_device_check "$@"
