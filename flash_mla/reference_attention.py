@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 # Query rows per block. Forward+backward time relative to SDPA's math path, [batch 4 x 8 heads, 256, 48/32],
 # 1 thread of a 2-core AVX2 CPU: 64 -> 0.65x, 32 -> 0.66x (more, smaller GEMMs), 128 -> 0.68x,
@@ -59,6 +60,7 @@ class _BlockedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # a hand-written backward: a double backward through it raises instead of going wrong
     def backward(ctx, grad_out: torch.Tensor):
         q_scaled, k, v, *probs = ctx.saved_tensors
         causal, scale, block = ctx.causal, ctx.scale, ctx.block
@@ -98,6 +100,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if block < 1:
         raise ValueError(f"blocked_attention: block must be >= 1, got {block}")
     b, s, h = q.shape[:3]
+
     def heads_first(t: torch.Tensor) -> torch.Tensor:
         return t.float().transpose(1, 2).reshape(b * h, s, t.shape[-1])
 
