@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         r["speedup_vs_hf_eager"] = rows[2]["step_ms"] / r["step_ms"]
         r["cpu_speedup_vs_hf"] = rows[1]["cpu_ms"] / r["cpu_ms"]
     columns = ["impl", "step_ms", "tokens_per_s", "peak_mem_MiB", "speedup_vs_hf", "speedup_vs_hf_eager"]
-    if device.type == "cpu":  # on a GPU the host's CPU time says nothing about the step
+    if accel.backend() == "cpu":  # on a GPU the host's CPU time says nothing about the step
         columns[2:2] = ["cpu_ms"]
         columns.append("cpu_speedup_vs_hf")
     counts = args.param_counts()
