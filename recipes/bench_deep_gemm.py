@@ -15,26 +15,18 @@ measure: a tiny correctness pass runs in the Triton interpreter instead, clearly
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 import accel
+from recipes.benchutil import kernel_bench_parser, print_report
 
 DENSE_M = (64, 128, 4096)
 DENSE_NK = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
 GROUPED_GM = ((4, 8192), (8, 4096))
 GROUPED_NK = ((4096, 7168), (7168, 2048))
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.bench_kernels deep_gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few rows per table (GPU smoke check, < 1 minute)")
-    p.add_argument("--json", metavar="PATH", help="also write the tables as JSON (dense: PATH, grouped: PATH.grouped)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the torch columns")
-    return p
 
 
 def _time_us(fn: Callable[[], object]) -> float:
@@ -112,7 +104,6 @@ def _grouped_row(groups: int, m_per_group: int, n: int, k: int, baseline: bool) 
 
 
 def _gpu(args) -> int:
-    from recipes.benchutil import print_report
 
     dense_m = (128, 4096) if args.quick else DENSE_M
     dense_nk = DENSE_NK[3:5] if args.quick else DENSE_NK
@@ -146,7 +137,6 @@ def _cpu(args) -> int:
     import deep_gemm
     from accel import registry
     from deep_gemm.grouped import contiguous_layout
-    from recipes.benchutil import print_report
 
     rows = []
     for m, n, k in ((64, 256, 256), (129, 128, 256)):
@@ -189,7 +179,6 @@ def _cpu_training_layer_timing(args) -> None:
     import deep_gemm
     from accel import registry
     from deep_gemm.grouped import contiguous_layout
-    from recipes.benchutil import print_report
 
     def step_ms(fn, reps=3) -> float:
         fn()
@@ -221,7 +210,9 @@ def _cpu_training_layer_timing(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = kernel_bench_parser("deep_gemm", __doc__,
+                               "also write the tables as JSON (dense: PATH, grouped: PATH.grouped)",
+                               "skip the torch columns").parse_args(argv)
     if accel.backend() == "cpu":
         if not accel.triton_interpreted():
             os.environ["TRITON_INTERPRET"] = "1"  # before any deep_gemm kernel is imported

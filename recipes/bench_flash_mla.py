@@ -14,7 +14,6 @@ interpreter instead, clearly labelled, and its timings mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import random
@@ -23,16 +22,9 @@ from collections.abc import Sequence
 import torch
 
 import accel
+from recipes.benchutil import kernel_bench_parser, print_report
 
 D_QK, D_V = 576, 512
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.bench_kernels flash_mla", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few rows per table (GPU smoke check, < 1 minute)")
-    p.add_argument("--json", metavar="PATH", help="also write the decode and training tables as JSON (two files)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the torch SDPA columns")
-    return p
 
 
 def _decode_inputs(b, s_q, h_q, mean_sk, varlen, fp8, device, seed=0):
@@ -159,8 +151,8 @@ def cpu_correctness_rows() -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from recipes.benchutil import print_report
+    args = kernel_bench_parser("flash_mla", __doc__, "also write the decode and training tables as JSON (two files)",
+                               "skip the torch SDPA columns").parse_args(argv)
 
     if accel.backend() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any flash_mla kernel module is imported

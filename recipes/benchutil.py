@@ -6,6 +6,7 @@ through them too); they are re-exported here so recipes keep importing ``recipes
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 
 from accel.report import CPU_TIMING_NOTE, context, format_table
 
-__all__ = ["context", "format_table", "print_report"]
+__all__ = ["context", "format_table", "kernel_bench_parser", "print_report"]
 
 
 def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
@@ -33,6 +34,15 @@ def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     if json_path:
         Path(json_path).write_text(json.dumps({"title": title, "context": ctx, "rows": list(rows),
                                                "notes": list(notes)}, indent=2, default=str))
+
+
+def kernel_bench_parser(area: str, doc: str, json_help: str, baseline_help: str) -> argparse.ArgumentParser:
+    """The options every ``python -m recipes.bench_kernels <area>`` benchmark takes: --quick, --json, --no-baseline."""
+    p = argparse.ArgumentParser(prog=f"python -m recipes.bench_kernels {area}", description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few rows per table (GPU smoke check, < 1 minute)")
+    p.add_argument("--json", metavar="PATH", help=json_help)
+    p.add_argument("--no-baseline", action="store_true", help=baseline_help)
+    return p
 
 
 def run_training(config: str, nproc: int, overrides: list[str], run_dir: Path) -> list[dict]:
