@@ -6,16 +6,12 @@
 set -euo pipefail
 PY=${PY:-python3}
 "$PY" - <<'PY'
-import os, socket
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import sys
+sys.path.insert(0, "benchmarks/gpu_check.d")
 import copy, torch, torch.distributed as dist, torch.nn.functional as F
-import accel
+from one_rank_group import init_one_rank_group
 from dualpipe import DualPipeV, Pipeline, LinearWithDeferredWGrad, calc_diff
-dev = accel.default_device()
-assert dev.type != "cpu", "no accelerator visible"
-dist.init_process_group(accel.dist_backend())
+dev = init_one_rank_group()
 torch.manual_seed(0)
 def stage():
     return torch.nn.Sequential(LinearWithDeferredWGrad(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(dev, torch.float64)

@@ -13,17 +13,13 @@ mkdir -p "$OUTDIR"
 export TRITON_INTERPRET=0
 experts_ep_device_check() {
     DSV3_KERNEL_IMPL=auto timeout 60 "$PY" - <<'PY'
-import os, socket
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import sys
+sys.path.insert(0, "benchmarks/gpu_check.d")
 import torch, torch.distributed as dist
-import accel
+from one_rank_group import init_one_rank_group
 from models.deepseek_v3.args import PRESETS, ModelArgs
 from models.deepseek_v3.moe import MoE
-dev = accel.default_device()
-assert dev.type != "cpu", "no accelerator visible"
-dist.init_process_group(accel.dist_backend())
+dev = init_one_rank_group()
 args = ModelArgs(**{**PRESETS["debug"], "dim": 256, "n_routed_experts": 16, "n_activated_experts": 4})
 for fp8 in (False, True):
     torch.manual_seed(0)
