@@ -195,7 +195,7 @@ class EplbRuntime:
         if state is not None:  # same on every EP rank (checked at start-up)
             for key in sorted(state):
                 value = state[key]
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                if _per_slot(value, p):
                     value.copy_(redistribute_expert_weights(value, old, new, self.ep_group))
 
     # ---- gradients -------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ def load_entropy(counts: torch.Tensor) -> torch.Tensor:
     return ent / math.log(counts.shape[-1]) if counts.shape[-1] > 1 else torch.zeros_like(ent)
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """Whether this forward runs inside backward (activation recomputation): its routing was counted once."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
@@ -327,7 +327,7 @@ class ExpertBalancer(nn.Module):
             weights = weights * keep.to(weights.dtype)
         if losses:
             weights = attach_aux_loss(weights, sum(losses.values()))
-        if self.training and not _recomputing():
+        if self.training and not recomputing():
             self.record(indices, losses)
         return indices, weights
 

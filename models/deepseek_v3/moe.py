@@ -25,7 +25,7 @@ from torch import nn
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, _recomputing, check_expert_biases
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, recomputing
 from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
 
 
@@ -248,7 +248,7 @@ class MoE(nn.Module):
 
     def run_dispatched(self, dispatched) -> torch.Tensor:
         """This rank's experts on the rows ``ExpertParallel.dispatch`` delivered (``Dispatched``); counts them."""
-        if self.training and not _recomputing():
+        if self.training and not recomputing():
             rows = dispatched.tokens_per_expert.sum().double()
             self.received_rows = rows if self.received_rows is None else self.received_rows + rows
         return self.experts(dispatched.x_grouped, dispatched.m_indices)
