@@ -85,8 +85,8 @@ def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: i
         out["norm rstd"] = (1 + n_norms) * 4
         out["attn_norm out"] = d * fp8_in  # input of wq_a / wkv_a
     if ql:
-        out["q latent"] = ql * a  # wq_a out, q_norm's input
-    out["kv latent"] = (kvl + rope) * a  # wkv_a out (kv_norm's input and the rope key)
+        out["q latent"] = linear_out_cols(args, ql) * a  # wq_a out, q_norm's input
+    out["kv latent"] = linear_out_cols(args, kvl + rope) * a  # wkv_a out (kv_norm's input and the rope key)
     if not up:
         if ql and not norm:
             out["q latent normed"] = ql * fp8_in  # wq_b's input
@@ -132,12 +132,20 @@ def _fp8_weight_bytes_attention(args: ModelArgs) -> float:
     return sum(_fp8_block_bytes(n, k) for n, k in shapes)
 
 
-def _mlp_saved(rows: float, dim: int, inter: int, a: float, fp8_in: float, swiglu_fp8: bool,
-               recompute_swiglu: bool) -> float:
+def linear_out_cols(args: ModelArgs, n: int, grouped: bool = False, act: float = 4) -> int:
+    """Columns of the storage behind an ``[*, n]`` Linear output: the FP8 GEMMs write ``n`` padded to 128
+    and return a view of it when the output dtype is the GEMM's (bf16, fp32; grouped: bf16 only)."""
+    if args.fp8 and (not grouped or act == 2):
+        return -(-n // 128) * 128
+    return n
+
+
+def _mlp_saved(args: ModelArgs, rows: float, inter: int, a: float, fp8_in: float, swiglu_fp8: bool,
+               recompute_swiglu: bool, grouped: bool = False) -> float:
     """Bytes a SwiGLU MLP keeps for ``rows`` rows (its input counted by the caller)."""
     if swiglu_fp8:  # SwiGLU input cached in FP8, its output recomputed
         return rows * 2 * inter * FP8_BYTES
-    gate_up = rows * 2 * inter * a  # w13 out: SiLU's and the product's input
+    gate_up = rows * linear_out_cols(args, 2 * inter, grouped, a) * a  # w13 out: SiLU's and the product's input
     silu = 0.0 if recompute_swiglu else rows * inter * a
     return gate_up + silu + rows * inter * fp8_in  # + w2's input
 
@@ -162,7 +170,7 @@ def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: 
     if not norm:
         out["ffn_norm out + rstd"] = d * a + 4
     if not args.is_moe_layer(layer_id):
-        out["dense SwiGLU"] = _mlp_saved(1, d, args.inter_dim, a, fp8_in, cache, swiglu)
+        out["dense SwiGLU"] = _mlp_saved(args, 1, args.inter_dim, a, fp8_in, cache, swiglu)
         if args.fp8:
             out["fp8 weight copies"] = (_fp8_block_bytes(2 * args.inter_dim, d)
                                         + _fp8_block_bytes(d, args.inter_dim)) / tokens
@@ -170,12 +178,16 @@ def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: 
     e, k = args.n_routed_experts, args.n_activated_experts
     slots = e // ep if slots is None else slots
     rows = expert_rows(args, tokens, slots) / tokens
-    out["router"] = e * 4 + (2 * k + 1) * 4 + 3 * k * INDEX_BYTES + args.n_expert_groups
+    groups = args.n_expert_groups if args.n_expert_groups > 1 else 0
+    # scores; top-k weights, their sum, the combine weights; top-k and row indices; group top-2 and mask
+    out["router"] = e * 4 + (2 * k + 1) * 4 + 3 * k * INDEX_BYTES + groups * (2 * INDEX_BYTES + 1)
     out["expert rows in"] = rows * d * fp8_in + rows * (INDEX_BYTES + 4)  # grouped rows, their index and expert
-    out["experts SwiGLU"] = _mlp_saved(rows, d, args.moe_inter_dim, a, fp8_in, cache, swiglu)
+    out["experts SwiGLU"] = _mlp_saved(args, rows, args.moe_inter_dim, a, fp8_in, cache, swiglu,
+                                           grouped=True)
     out["combine"] = k * d * a  # gathered expert outputs for the weighted sum
     if args.n_shared_experts:
-        out["shared SwiGLU"] = _mlp_saved(1, d, args.n_shared_experts * args.moe_inter_dim, a, fp8_in, cache, swiglu)
+        out["shared SwiGLU"] = _mlp_saved(args, 1, args.n_shared_experts * args.moe_inter_dim, a, fp8_in,
+                                             cache, swiglu)
     if args.fp8:
         inter = args.moe_inter_dim
         w = slots * (_fp8_block_bytes(2 * inter, d) + _fp8_block_bytes(d, inter))
@@ -217,6 +229,7 @@ def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int
     out = heads * (2 * d * a + 4)  # norm input/out + rstd per head
     out += 0 if fused else heads * v * 4
     out += args.n_mtp_layers * (d * a + 2 * 4 + 2 * d * a)  # embedding out, enorm/hnorm rstd, eh_proj input
+    out += args.n_mtp_layers * (linear_out_cols(args, d) - d) * a  # the MTP block's input: eh_proj's padded out
     return out
 
 
