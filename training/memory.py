@@ -42,7 +42,6 @@ _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 FP8_BYTES = 1 + 4 / 128  # e4m3 value + one fp32 scale per 1x128 tile
 INDEX_BYTES = 8  # int64 indices
 ALIGNMENT = 128  # rows per expert block of the contiguous grouped GEMM layout (deep_gemm)
-CAUSAL_BLOCK = 64  # query rows per block of the CPU reference attention (it keeps each block's probabilities)
 ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
 LOGIT_CHUNK = 1024  # tokens per chunk of a fused cross-entropy (its live logits are [chunk, vocab])
 
@@ -62,74 +61,24 @@ class Precision:
 # ---- activations ------------------------------------------------------------------------------------
 
 def _recomputes(args: ModelArgs, kind: str, layer_id: int) -> bool:
-    """``args.recomputes`` with ``v3`` standing for norm + mla_up (V3's policy)."""
-    v3 = kind in ("norm", "mla_up") and "v3" in args.recompute
-    return args.recomputes(kind, layer_id) or (v3 and (args.recompute_layers is None
-                                                      or layer_id in args.recompute_layers))
+    """``args.recomputes`` (``v3`` = norm + mla_up; ``block`` turns the finer kinds off in its layers)."""
+    return args.recomputes(kind, layer_id)
 
 
 def _fp8_cache(args: ModelArgs) -> bool:
-    return bool(args.fp8 and getattr(args, "fp8_cache_activations", False))
+    """FP8 activation caching: GEMM inputs kept only as e4m3 + 1x128 scales (``ModelArgs.fp8_cache``)."""
+    return bool(args.fp8 and getattr(args, "fp8_cache", False))
 
 
-def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision) -> dict[str, float]:
-    """Bytes per token the pre-norm MLA half of a block keeps for backward, by tensor."""
-    d, h, a = args.dim, args.n_heads, p.act
-    qk, v = args.qk_head_dim, args.v_head_dim
-    ql, kvl, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
-    norm, up = _recomputes(args, "norm", layer_id), _recomputes(args, "mla_up", layer_id)
-    fp8_in = FP8_BYTES if _fp8_cache(args) else a  # a saved FP8-GEMM input
-    n_norms = 2 if ql else 1
-    out: dict[str, float] = {"block input": d * a}
-    if not norm:
-        out["norm rstd"] = (1 + n_norms) * 4
-        out["attn_norm out"] = d * fp8_in  # input of wq_a / wkv_a
-    if ql:
-        out["q latent"] = linear_out_cols(args, ql) * a  # wq_a out, q_norm's input
-    out["kv latent"] = linear_out_cols(args, kvl + rope) * a  # wkv_a out (kv_norm's input and the rope key)
-    if not up:
-        if ql and not norm:
-            out["q latent normed"] = ql * fp8_in  # wq_b's input
-        if not norm:
-            out["kv latent normed"] = kvl * fp8_in  # wkv_b's input
-        out["rope cos/sin"] = 2 * rope * 4 / micro_batch  # complex64 [s, rope/2] per rotation, per position
-        out["q, k"] = 2 * h * qk * a
-        out["v"] = h * v * a
-        if p.attention == "reference":
-            keys = _mean_causal_keys(seq_len, CAUSAL_BLOCK)
-            out["attention probs"] = h * keys * a
-    if p.attention == "reference" and up:
-        keys = _mean_causal_keys(seq_len, CAUSAL_BLOCK)
-        out["attention probs"] = h * keys * a
-    if p.attention == "flash":
-        out["attention out + lse"] = h * v * a + h * 4
-    if p.attention == "reference" or fp8_in != a:
-        out["wo input"] = h * v * fp8_in
-    if args.fp8:
-        out["fp8 weight copies"] = _fp8_weight_bytes_attention(args) / (seq_len * micro_batch)
-    return out
+def fp8_cached_row(k: int) -> float:
+    """Bytes of one row of an FP8 Linear's cached input: e4m3 values padded to 128 columns, one fp32 scale
+    per 128."""
+    return -(-k // 128) * (128 + 4)
 
 
-def _mean_causal_keys(seq_len: int, block: int) -> float:
-    """Keys per query row whose probabilities the blocked reference attention keeps: block ``[r0, r1)``
-    multiplies keys ``[0, r1)``."""
-    total = sum((min(r0 + block, seq_len) - r0) * min(r0 + block, seq_len) for r0 in range(0, seq_len, block))
-    return total / seq_len
-
-
-def _fp8_block_bytes(n: int, k: int) -> float:
-    """An FP8 weight copy ``[n, k]`` padded to 128x128 blocks, with one fp32 scale per block."""
-    nb, kb = math.ceil(n / 128), math.ceil(k / 128)
-    return nb * kb * (128 * 128 + 4)
-
-
-def _fp8_weight_bytes_attention(args: ModelArgs) -> float:
-    d, h = args.dim, args.n_heads
-    shapes = [(args.kv_lora_rank + args.qk_rope_head_dim, d), (h * (args.qk_nope_head_dim + args.v_head_dim),
-                                                               args.kv_lora_rank), (d, h * args.v_head_dim)]
-    shapes += [(args.q_lora_rank, d), (h * args.qk_head_dim, args.q_lora_rank)] if args.q_lora_rank else \
-        [(h * args.qk_head_dim, d)]
-    return sum(_fp8_block_bytes(n, k) for n, k in shapes)
+def fp8_stash_row(k: int) -> float:
+    """Bytes of one row of an FP8-stashed SwiGLU input (not padded), one fp32 scale per 128 columns."""
+    return k + 4 * -(-k // 128)
 
 
 def linear_out_cols(args: ModelArgs, n: int, grouped: bool = False, act: float = 4) -> int:
@@ -140,14 +89,59 @@ def linear_out_cols(args: ModelArgs, n: int, grouped: bool = False, act: float =
     return n
 
 
-def _mlp_saved(args: ModelArgs, rows: float, inter: int, a: float, fp8_in: float, swiglu_fp8: bool,
-               recompute_swiglu: bool, grouped: bool = False) -> float:
-    """Bytes a SwiGLU MLP keeps for ``rows`` rows (its input counted by the caller)."""
-    if swiglu_fp8:  # SwiGLU input cached in FP8, its output recomputed
-        return rows * 2 * inter * FP8_BYTES
-    gate_up = rows * linear_out_cols(args, 2 * inter, grouped, a) * a  # w13 out: SiLU's and the product's input
-    silu = 0.0 if recompute_swiglu else rows * inter * a
-    return gate_up + silu + rows * inter * fp8_in  # + w2's input
+def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision) -> dict[str, float]:
+    """Bytes per token the pre-norm MLA half of a block keeps for backward, by tensor.
+
+    The q/kv latents (before their norms) are always kept; the normed latents, the norm statistics
+    and the attn_norm output only without ``norm`` recompute; q, k, v only without ``mla_up``
+    recompute (then the up-projections are re-run from the latents and the rotated rope key). The
+    flash kernel keeps its output and log-sum-exp (the output doubles as wo's input); the CPU
+    reference recomputes them. Under FP8 caching each FP8 GEMM keeps its own e4m3 copy of its input.
+    """
+    d, h, a = args.dim, args.n_heads, p.act
+    qk, v, nope = args.qk_head_dim, args.v_head_dim, args.qk_nope_head_dim
+    ql, kvl, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
+    norm, up = _recomputes(args, "norm", layer_id), _recomputes(args, "mla_up", layer_id)
+    cache = _fp8_cache(args)
+    out: dict[str, float] = {"block input": d * a}
+    if not norm:
+        out["norm rstd"] = 4 + (0 if up else (2 if ql else 1) * 4)  # q_norm/kv_norm re-run with the up-projections
+        out["attn_norm out"] = 2 * fp8_cached_row(d) if cache else d * a  # input of wq_a (or wq) and wkv_a
+    if ql:
+        out["q latent"] = linear_out_cols(args, ql) * a  # wq_a out, q_norm's input
+    out["kv latent"] = linear_out_cols(args, kvl + rope) * a  # wkv_a out: kv_norm's input and the rope key
+    if not up:
+        for name, k in (("q latent normed", ql), ("kv latent normed", kvl)):
+            if k:  # wq_b / wkv_b inputs (a recomputed norm's output is released)
+                out[name] = 0.0 if norm else (fp8_cached_row(k) if cache else k * a)
+        out["q, k"] = 2 * h * qk * a
+        out["v"] = linear_out_cols(args, h * (nope + v)) * a  # a view of wkv_b's output
+    else:
+        out["rotated rope key"] = rope * a
+    out["rope cos/sin"] = (1 if up else 2) * rope * 4 / micro_batch  # complex64 [s, rope/2] per rotation
+    if p.attention == "flash":
+        out["attention out + lse"] = h * v * a + h * 4
+    if cache:
+        out["wo input"] = fp8_cached_row(h * v)
+    elif p.attention == "reference":
+        out["wo input"] = h * v * a
+    return out
+
+
+def _mlp_saved(args: ModelArgs, rows: float, inter: int, a: float, recompute_swiglu: bool,
+               grouped: bool = False) -> dict[str, float]:
+    """Bytes a SwiGLU MLP keeps for ``rows`` rows after ``w13``'s input (counted by the caller)."""
+    if args.fp8 and _fp8_cache(args):  # SwiGLU input stashed in FP8, its output recomputed for w2
+        out = {"SwiGLU input (fp8)": rows * fp8_stash_row(2 * inter)}
+        if grouped:  # the grouped FP8 GEMM keeps its masked (padding rows zeroed) input copy
+            out["w2 masked input"] = rows * inter * a
+        return out
+    out = {"w13 out": rows * linear_out_cols(args, 2 * inter, grouped, a) * a}  # SiLU's and the product's input
+    if not recompute_swiglu:
+        out["SiLU out + w2 input"] = 2 * rows * inter * a
+    elif grouped and args.fp8:
+        out["w2 masked input"] = rows * inter * a
+    return out
 
 
 def expert_rows(args: ModelArgs, tokens: int, slots: int) -> int:
@@ -165,36 +159,30 @@ def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: 
     norm = _recomputes(args, "norm", layer_id)
     swiglu = _recomputes(args, "swiglu", layer_id)
     cache = _fp8_cache(args)
-    fp8_in = FP8_BYTES if cache else a
     out: dict[str, float] = {"ffn input": d * a}
-    if not norm:
-        out["ffn_norm out + rstd"] = d * a + 4
+
+    def add(prefix: str, items: dict[str, float]) -> None:
+        out.update({f"{prefix} {k}": v for k, v in items.items()})
+
     if not args.is_moe_layer(layer_id):
-        out["dense SwiGLU"] = _mlp_saved(args, 1, args.inter_dim, a, fp8_in, cache, swiglu)
-        if args.fp8:
-            out["fp8 weight copies"] = (_fp8_block_bytes(2 * args.inter_dim, d)
-                                        + _fp8_block_bytes(d, args.inter_dim)) / tokens
+        if not norm:
+            out["ffn_norm out + rstd"] = (fp8_cached_row(d) if cache else d * a) + 4
+        add("dense", _mlp_saved(args, 1, args.inter_dim, a, swiglu))
         return out
     e, k = args.n_routed_experts, args.n_activated_experts
     slots = e // ep if slots is None else slots
     rows = expert_rows(args, tokens, slots) / tokens
+    if not norm:  # the router and the shared experts' w13 read it (the latter as its FP8 copy when caching)
+        out["ffn_norm out + rstd"] = d * a + 4 + (fp8_cached_row(d) if cache and args.n_shared_experts else 0)
     groups = args.n_expert_groups if args.n_expert_groups > 1 else 0
     # scores; top-k weights, their sum, the combine weights; top-k and row indices; group top-2 and mask
     out["router"] = e * 4 + (2 * k + 1) * 4 + 3 * k * INDEX_BYTES + groups * (2 * INDEX_BYTES + 1)
-    out["expert rows in"] = rows * d * fp8_in + rows * (INDEX_BYTES + 4)  # grouped rows, their index and expert
-    out["experts SwiGLU"] = _mlp_saved(args, rows, args.moe_inter_dim, a, fp8_in, cache, swiglu,
-                                           grouped=True)
-    out["combine"] = k * d * a  # gathered expert outputs for the weighted sum
+    # the grouped rows (as w13's FP8 copy when caching), their source index and expert id
+    out["expert rows in"] = rows * ((fp8_cached_row(d) if cache else d * a) + INDEX_BYTES + 4)
+    add("experts", _mlp_saved(args, rows, args.moe_inter_dim, a, swiglu, grouped=True))
+    out["combine"] = k * d * a  # gathered expert outputs for the weighted sum (the routing weights' gradient)
     if args.n_shared_experts:
-        out["shared SwiGLU"] = _mlp_saved(args, 1, args.n_shared_experts * args.moe_inter_dim, a, fp8_in,
-                                             cache, swiglu)
-    if args.fp8:
-        inter = args.moe_inter_dim
-        w = slots * (_fp8_block_bytes(2 * inter, d) + _fp8_block_bytes(d, inter))
-        if args.n_shared_experts:
-            si = args.n_shared_experts * inter
-            w += _fp8_block_bytes(2 * si, d) + _fp8_block_bytes(d, si)
-        out["fp8 weight copies"] = w / tokens
+        add("shared", _mlp_saved(args, 1, args.n_shared_experts * args.moe_inter_dim, a, swiglu))
     return out
 
 
