@@ -251,7 +251,7 @@ def test_fp8_cache_saves_only_the_e4m3_cast_and_matches_the_uncached_gradients(g
     for cache in (False, True):
         x = x0.clone().requires_grad_()
         w.grad = None
-        y, saved = _saved_while(lambda: run(x, cache))
+        y, saved = _saved_while(lambda x=x, cache=cache: run(x, cache))
         y.backward(grad_out)
         results[cache] = (y, x.grad, w.grad, saved)
     floats = [(dt, numel) for dt, numel in results[True][3] if dt.is_floating_point]
