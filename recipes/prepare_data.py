@@ -123,7 +123,8 @@ def _parquet_file(path: Path):
     return pq.ParquetFile(str(path))
 
 
-_WHITESPACE = np.array([9, 10, 11, 12, 13, 32], dtype=np.uint8)
+_IS_TEXT = np.ones(256, dtype=bool)
+_IS_TEXT[[9, 10, 11, 12, 13, 32]] = False  # ASCII whitespace
 
 
 def jsonl_lines(path: Path, block_size: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +135,7 @@ def jsonl_lines(path: Path, block_size: int = 64 << 20) -> tuple[np.ndarray, np.
         while block := f.read(block_size):
             b = np.frombuffer(block, np.uint8)
             newlines = np.flatnonzero(b == 10)
-            text = np.concatenate([[0], np.cumsum(~np.isin(b, _WHITESPACE), dtype=np.int64)])
+            text = np.concatenate([[0], np.cumsum(_IS_TEXT[b], dtype=np.int64)])
             seg_starts = np.concatenate([[0], newlines[:-1] + 1]) if len(newlines) else np.zeros(0, np.int64)
             counts = text[newlines] - text[seg_starts]
             if len(newlines):
@@ -195,6 +196,7 @@ class WorkerSetup:
     text_field: str
     eod: int
     strict: bool
+    dtype: str
 
 
 _SETUP: WorkerSetup | None = None
@@ -264,7 +266,7 @@ def tokenize_chunk(refs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str]]
     kept = [t for t in texts if t]
     ids = _TOKENIZER.encode_batch(kept) if kept else []
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
-    tokens = np.empty(int(lengths.sum()), dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=_SETUP.dtype)
     pos = 0
     for x in ids:
         tokens[pos:pos + len(x)] = x
@@ -411,7 +413,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     num_shards = max(1, min(len(refs), int(np.ceil(total_bytes / (args.shard_mb * 1e6)))))
     shards = np.array_split(perm, num_shards)
     setup = WorkerSetup(args.tokenizer, [str(s.path) for s in sources], [s.kind for s in sources],
-                        args.text_field, eod, args.strict)
+                        args.text_field, eod, args.strict, dtype.name)
     limit = int(args.max_tokens) or None
     records: list[dict[str, Any]] = []
     bad_examples: list[str] = []
