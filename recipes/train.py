@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from training.config import check_world_size, load_config
+from training.config import load_config
 from training.launch import relaunch, strip_option, under_torchrun
 
 
@@ -37,18 +37,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def dry_run(cfg, world: int) -> None:
-    from training.eplb import check_eplb
+    """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory.
+    Data files absent from this machine (a cluster path checked from a laptop) are reported, not fatal."""
     from training.memory import estimate, format_estimate
     from training.parallel import describe
-    from training.trainer import model_args
+    from training.trainer import check_static, missing_data
 
-    check_world_size(cfg.parallel, world)
-    args = model_args(cfg)
-    check_eplb(cfg, args)
+    args, corpus = check_static(cfg, world, allow_missing_data=True)
     print(describe(cfg.parallel))
     print(f"micro-batches per step: {cfg.microbatches_at(0)} at step 0, {cfg.microbatches_at(cfg.run.steps - 1)} "
           f"at the end (global batch {cfg.global_batch_at(0)} -> {cfg.global_batch_at(cfg.run.steps - 1)} sequences "
           f"of {cfg.data.seq_len} tokens)")
+    if corpus is None:
+        print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
+    else:
+        print(f"data: {corpus.num_tokens} tokens, {corpus.num_train} training windows")
     print(format_estimate(cfg, args, estimate(cfg, args)))
 
 
@@ -77,14 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 
             run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
             return 0
-        check_world_size(cfg.parallel, nproc)
         from training.run import RunOptions, default_run_dir, run_training
         from training.trainer import check_static
 
         if nproc == 1:
             run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
             return 0
-        check_static(cfg)  # data and model errors surface here, before any process starts
+        check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         run_dir = ns.run_dir or str(default_run_dir(cfg))
         child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
         return relaunch("recipes.train", nproc, child)

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 RECOMPUTE_KINDS = ("norm", "mla_up", "swiglu", "block")
+# names that stand for several kinds: "v3" is the V3 report's policy (every RMSNorm and the MLA up-projections)
+RECOMPUTE_ALIASES = {"v3": ("norm", "mla_up")}
+RECOMPUTE_NAMES = (*RECOMPUTE_KINDS, *RECOMPUTE_ALIASES)
 
 
 @dataclass
@@ -63,12 +66,12 @@ class ModelArgs:
     init_std: float = 0.006
     # training switches (not part of the checkpoint's config.json)
     fp8: bool = False  # route attention projections and every expert/FFN Linear through deep_gemm FP8
-    recompute: tuple[str, ...] = ()  # subset of RECOMPUTE_KINDS
+    recompute: tuple[str, ...] = ()  # names of RECOMPUTE_NAMES (kinds, or aliases such as "v3")
     recompute_layers: tuple[int, ...] | None = None  # None: every layer (MTP blocks are layer n_layers + k)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown HF config fields, kept for round trips
 
     def __post_init__(self) -> None:
-        self.recompute = tuple(self.recompute)
+        self.recompute = (self.recompute,) if isinstance(self.recompute, str) else tuple(self.recompute)
         if self.recompute_layers is not None:
             self.recompute_layers = tuple(self.recompute_layers)
         self.validate()
@@ -110,10 +113,10 @@ class ModelArgs:
                                  f"n_expert_groups must be >= 2, got {self.experts_per_group}")
         if self.rope_factor < 1.0:
             raise ValueError(f"ModelArgs.rope_factor must be >= 1 (1 = no YaRN), got {self.rope_factor}")
-        unknown = set(self.recompute) - set(RECOMPUTE_KINDS)
+        unknown = [name for name in self.recompute if name not in RECOMPUTE_NAMES]
         if unknown:
-            raise ValueError(f"ModelArgs.recompute: unknown kinds {sorted(unknown)}; expected a subset of "
-                             f"{RECOMPUTE_KINDS}")
+            raise ValueError(f"ModelArgs.recompute: unknown name(s) {unknown}; valid names are "
+                             f"{', '.join(RECOMPUTE_NAMES)} (v3 = {' + '.join(RECOMPUTE_ALIASES['v3'])})")
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
@@ -145,8 +148,13 @@ class ModelArgs:
         """Layer ids run 0..n_layers-1 for the trunk and n_layers+k for MTP depth k+1 (always MoE)."""
         return layer_id >= self.n_dense_layers
 
+    @property
+    def recompute_kinds(self) -> frozenset[str]:
+        """``recompute`` with the aliases expanded into the kinds they stand for."""
+        return frozenset(k for name in self.recompute for k in RECOMPUTE_ALIASES.get(name, (name,)))
+
     def recomputes(self, kind: str, layer_id: int) -> bool:
-        return kind in self.recompute and (self.recompute_layers is None or layer_id in self.recompute_layers)
+        return kind in self.recompute_kinds and (self.recompute_layers is None or layer_id in self.recompute_layers)
 
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)

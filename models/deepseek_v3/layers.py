@@ -23,12 +23,14 @@ grouped_linear = deep_gemm.grouped_linear
 def maybe_recompute(fn, *args: torch.Tensor, enabled: bool):
     """``fn(*args)``, storing only its inputs for backward (recomputed there) when ``enabled`` and grads flow.
 
-    Reentrant checkpointing on purpose: deep_gemm's layers accumulate ``weight.grad`` on the weight
-    they saved for backward, and the non-reentrant variant hands backward a stand-in for it (the
-    weight gradient would be lost). The reentrant one replays a real forward inside backward.
+    Non-reentrant checkpointing: it composes with every backward a pipeline runs (a backward
+    restricted with ``inputs=``, as the overlapped forward/backward's segments are, or
+    ``torch.autograd.grad``), which the reentrant variant refuses. deep_gemm's layers keep the
+    parameter itself on their autograd context (not a saved-tensor copy), so the weight gradient
+    still lands on the real parameter when the saved tensors are recomputed stand-ins.
     """
     if enabled and torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
-        return checkpoint(fn, *args, use_reentrant=True)
+        return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
 
