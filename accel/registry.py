@@ -260,7 +260,7 @@ def ops() -> list[str]:
     return sorted(_OPS)
 
 
-KERNEL_PACKAGES = ("deep_gemm", "flash_mla")
+KERNEL_PACKAGES = ("deep_gemm", "flash_mla", "fused_ce")
 
 
 def import_kernel_packages(packages: Sequence[str] = KERNEL_PACKAGES) -> dict[str, str | None]:
