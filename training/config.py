@@ -166,6 +166,7 @@ class CheckpointConfig:
     keep_last: int = 2
     keep_every: int = 0  # also keep every n-th step's checkpoint (0 = none)
     final: bool = True
+    write_delay_s: float = 0.0  # test only: pause halfway through each shard file (the kill -9 trials land there)
 
 
 @dataclass
