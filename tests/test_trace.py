@@ -34,9 +34,10 @@ def test_chrome_trace_has_a_process_per_rank_and_a_thread_per_track():
 @pytest.mark.dist
 @pytest.mark.timeout(480)
 def test_overlapped_chunks_hold_their_all_to_alls(tmp_path):
-    """The demo layout (PP 2 DualPipeV, EP 2 over DP 2) for one step (4 micro-batches per rank). In each rank's overlapped F&B
-    chunks (one micro-batch's forward with another's backward) the forward's dispatch/combine and the
-    backward's reverse all-to-alls are posted and land inside the chunk's compute interval."""
+    """The demo layout (PP 2 DualPipeV, EP 2 over DP 2) for one step (4 micro-batches per rank). In each
+    rank's overlapped F&B chunks (one micro-batch's forward with another's backward) the forward's
+    dispatch/combine and the backward's reverse all-to-alls are posted and land inside the chunk's
+    compute interval."""
     trace = tmp_path / "trace.json"
     cmd = [sys.executable, "-m", "recipes.train", "--config", "recipes/configs/tiny_cpu.toml", "--nproc", "4",
            "--run-dir", str(tmp_path / "run"), "--trace", str(trace)]
