@@ -68,40 +68,53 @@ class RankEstimate:
         return self.param_bytes + self.grad_bytes + self.optim_bytes + self.act_bytes
 
 
+def _module_counts(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
+    """(dense, expert) parameter counts of each top-level module (``layers.i``, ``embed``, ``norm``, ``head``,
+    ``mtp``) with one EP rank's experts, from the meta-device model. Memoised per (model, ep): a planner asks
+    for thousands of layouts of one model."""
+    key = (repr(args), ep)
+    if key not in _COUNTS:
+        experts = expert_range(args, 0, ep) if ep > 1 else None
+        with torch.device("meta"):
+            model = Transformer(args, expert_ids=experts)
+        modules = {f"layers.{i}": layer for i, layer in enumerate(model.layers)}
+        modules.update(embed=model.embed, norm=model.norm, head=model.head, mtp=model.mtp)
+        counts = {}
+        for prefix, module in modules.items():
+            dense = expert = 0
+            for name, p in module.named_parameters(prefix=prefix):
+                if is_expert_param(name):
+                    expert += p.numel()
+                else:
+                    dense += p.numel()
+            counts[prefix] = (dense, expert)
+        _COUNTS[key] = counts
+    return _COUNTS[key]
+
+
+_COUNTS: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}
+
+
 def _stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int]]:
     """(dense, expert) parameter counts of each global stage, for one EP rank's experts (with EPLB's redundant
     slots)."""
     par = cfg.parallel
     num = num_model_stages(par.schedule, par.pp)
     ranges = split_layers(args, num)
-    experts = expert_range(args, 0, par.ep) if par.ep > 1 else None
-    with torch.device("meta"):
-        model = Transformer(args, expert_ids=experts)
-
-    def count(module: torch.nn.Module, prefix: str) -> tuple[int, int]:
-        dense = expert = 0
-        for name, p in module.named_parameters(prefix=prefix):
-            if is_expert_param(name):
-                expert += p.numel()
-            else:
-                dense += p.numel()
-        return dense, expert
-
+    counts = _module_counts(args, par.ep)
     out = []
     for s, (lo, hi) in enumerate(ranges):
-        dense = expert = 0
-        parts = [(model.layers[i], f"layers.{i}") for i in range(lo, hi)]
+        parts = [f"layers.{i}" for i in range(lo, hi)]
         if s == 0:
-            parts.append((model.embed, "embed"))
+            parts.append("embed")
         if s == num - 1:
-            parts += [(model.norm, "norm"), (model.head, "head"), (model.mtp, "mtp")]
+            parts += ["norm", "head", "mtp"]
             if s != 0 and args.n_mtp_layers and not any(0 in stage_ids(par.schedule, par.pp, r) and
                                                          s in stage_ids(par.schedule, par.pp, r)
                                                          for r in range(par.pp)):
-                parts.append((model.embed, "embed"))  # a separate copy for MTP
-        for m, name in parts:
-            d, e = count(m, name)
-            dense, expert = dense + d, expert + e
+                parts.append("embed")  # a separate copy for MTP
+        dense = sum(counts[p][0] for p in parts)
+        expert = sum(counts[p][1] for p in parts)
         if cfg.eplb.enabled:  # (E + redundant) / ep physical slots per rank instead of E / ep
             expert = expert * (args.n_routed_experts + cfg.eplb.redundant_experts) // args.n_routed_experts
         out.append((dense, expert))
@@ -112,11 +125,9 @@ def _peak_microbatches(cfg: TrainConfig, chunks: int) -> list[int]:
     par = cfg.parallel
     if par.schedule == "none":
         return [1]
-    from dualpipe import schedules
-    from dualpipe.simulator import simulate
+    from dualpipe.simulator import schedule_peaks
 
-    result = simulate(schedules.build(par.schedule, par.pp, chunks))
-    return [result.peak_activations(r) for r in range(par.pp)]
+    return list(schedule_peaks(par.schedule, par.pp, chunks))
 
 
 def estimate(cfg: TrainConfig, args: ModelArgs, accelerator: bool = True) -> list[RankEstimate]:

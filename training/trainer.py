@@ -72,9 +72,9 @@ def max_global_batch(cfg: TrainConfig) -> int:
     return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
 
 
-def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
-    """Everything that can be checked before a process group exists: model arguments, pipeline split,
-    micro-batches of every ramp step, data files, corpus size and vocabulary. Returns (args, corpus)."""
+def check_layout(cfg: TrainConfig) -> ModelArgs:
+    """The checks that need the model but no data: model arguments, pipeline split, expert split, MTP
+    placement, micro-batches of every ramp step, balancing and EPLB. The planner's legality test."""
     from training.stages import expert_range, split_layers
 
     args = model_args(cfg)
@@ -95,6 +95,13 @@ def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     cfg.balance.model_config()  # the model package validates the strategy names
     check_eplb(cfg, args)
+    return args
+
+
+def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
+    """Everything that can be checked before a process group exists: ``check_layout``, then the data
+    files, corpus size and vocabulary. Returns (args, corpus)."""
+    args = check_layout(cfg)
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
     check_vocab(corpus, args.vocab_size)
     return args, corpus
