@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field
 
 from dualpipe.ir import Item, Message, Overlap, Schedule, comm_plan
-from dualpipe.schedules import build
+from dualpipe.schedules import built
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,6 @@ def peak_activations(schedule: Schedule, rank: int) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=256)
-def schedule_peaks(name: str, num_ranks: int, num_microbatches: int) -> tuple[int, ...]:
-    """``peak_activations`` of every rank of the ``name`` schedule, memoised (memory estimates ask often)."""
-    schedule = build(name, num_ranks, num_microbatches)
-    return tuple(peak_activations(schedule, r) for r in range(num_ranks))
-
-
 class DeadlockError(RuntimeError):
     pass
 
@@ -169,7 +162,7 @@ def compile_schedule(schedule: Schedule) -> Program:
 @functools.lru_cache(maxsize=256)
 def program(name: str, num_ranks: int, num_microbatches: int) -> Program:
     """The compiled ``name`` schedule (``schedules.build``), memoised: searches time one schedule many times."""
-    return compile_schedule(build(name, num_ranks, num_microbatches))
+    return compile_schedule(built(name, num_ranks, num_microbatches))
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:

@@ -147,7 +147,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         lines = [f"  {e.layout}: {e.peak_bytes / 1024**3:.1f} GiB per rank" for e in misses]
         if not misses:
             lines = [f"  {e.layout}: {e.reason}" for e in evals[:5]]
-        raise ValueError(f"no layout fits {system.name} ({system.usable_bytes / 1024**3:.1f} GiB usable per GPU); "
+        raise ValueError(f"no layout fits {system.name} ({system.memory_gib:.1f} GiB per GPU, margin included); "
                          "nearest misses:\n" + "\n".join(lines))
     print(format_table(evals, ns.top))
     best = fit[0]

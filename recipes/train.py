@@ -3,7 +3,7 @@
     python -m recipes.train --config recipes/configs/tiny_cpu.toml            # the demo (4 CPU processes)
     python -m recipes.train --config recipes/configs/tiny_cpu.toml --nproc 1 --set parallel.pp=1 ...
     torchrun --nproc-per-node 8 -m recipes.train --config recipes/configs/debug_gpu.toml
-    python -m recipes.train --config recipes/configs/deepseek_v3_671b.toml --dry-run
+    python -m recipes.train --config recipes/configs/deepseek_v3_671b.toml --dry-run --device H800
 
 Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches through
 ``torch.distributed.run`` on this machine. The config, the world size, the data files and the
@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from training.config import check_world_size, load_config
+from training.config import load_config
 from training.launch import relaunch, strip_option, under_torchrun
 
 
@@ -31,25 +31,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>)")
     ap.add_argument("--resume", default=None, help="'auto' (newest valid checkpoint of the run folder) or a path")
     ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
+    ap.add_argument("--device", default=None, metavar="NAME",
+                    help="device the dry run checks memory against, e.g. H800 (accel.specs names) or cpu")
     ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                     help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
     return ap.parse_args(argv)
 
 
-def dry_run(cfg, world: int) -> None:
-    from training.eplb import check_eplb
+def dry_run(cfg, world: int, device: str | None = None) -> None:
+    """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory on
+    ``device`` (``--device``, e.g. H800) with a fits / does-not-fit verdict.
+    Data files absent from this machine (a cluster path checked from a laptop) are reported, not fatal."""
     from training.memory import estimate, format_estimate
     from training.parallel import describe
-    from training.trainer import model_args
+    from training.trainer import check_static, missing_data
 
-    check_world_size(cfg.parallel, world)
-    args = model_args(cfg)
-    check_eplb(cfg, args)
+    args, corpus = check_static(cfg, world, allow_missing_data=True)
     print(describe(cfg.parallel))
     print(f"micro-batches per step: {cfg.microbatches_at(0)} at step 0, {cfg.microbatches_at(cfg.run.steps - 1)} "
           f"at the end (global batch {cfg.global_batch_at(0)} -> {cfg.global_batch_at(cfg.run.steps - 1)} sequences "
           f"of {cfg.data.seq_len} tokens)")
-    print(format_estimate(cfg, args, estimate(cfg, args)))
+    if corpus is None:
+        print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
+    else:
+        print(f"data: {corpus.num_tokens} tokens, {corpus.num_train} training windows")
+    print(format_estimate(cfg, args, estimate(cfg, args, device=device)))
 
 
 def use_reference_kernels_on_cpu() -> None:
@@ -70,21 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(ns.config, ns.overrides)
         nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
         if ns.dry_run:
-            dry_run(cfg, nproc)
+            dry_run(cfg, nproc, ns.device)
             return 0
         if under_torchrun():
             from training.run import RunOptions, run_training
 
             run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
             return 0
-        check_world_size(cfg.parallel, nproc)
         from training.run import RunOptions, default_run_dir, run_training
         from training.trainer import check_static
 
         if nproc == 1:
             run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
             return 0
-        check_static(cfg)  # data and model errors surface here, before any process starts
+        check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         run_dir = ns.run_dir or str(default_run_dir(cfg))
         child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
         return relaunch("recipes.train", nproc, child)

@@ -301,12 +301,23 @@ def test_recompute_gives_identical_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     base = grads(())
-    for kinds in (("norm", "mla_up", "swiglu"), ("block",)):
+    for kinds in (("v3", "swiglu"), ("block",)):
         got = grads(kinds)
         assert got.keys() == base.keys()
         for n in base:  # recomputation replays the same fp32 ops: equal up to summation order in autograd
             torch.testing.assert_close(got[n], base[n], rtol=1e-5, atol=1e-7,
                                        msg=lambda m, n=n, k=kinds: f"{k} {n}: {m}")
+
+
+def test_recompute_names():
+    """``v3`` stands for V3's policy (every RMSNorm + the MLA up-projections); a bad name lists the valid ones."""
+    args = ModelArgs.preset("debug_tiny", recompute=["v3", "swiglu"])
+    assert args.recompute_kinds == {"norm", "mla_up", "swiglu"}
+    assert args.recomputes("mla_up", 0) and not args.recomputes("block", 0)
+    assert ModelArgs.preset("debug_tiny", recompute="block").recompute == ("block",)  # one name, not its letters
+    with pytest.raises(ValueError, match=r"unknown name\(s\) \['attn'\]; valid names are norm, mla_up, swiglu, "
+                                         r"block, v3"):
+        ModelArgs.preset("debug_tiny", recompute=["norm", "attn"])
 
 
 def test_mtp_losses_weighting():

@@ -52,8 +52,8 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     """Train this rank's part of ``cfg``; returns the summary (every rank); rank 0 prints and writes it."""
     from training.trainer import Trainer, check_static
 
-    checked = check_static(cfg)  # before any process group: bad input fails here with a ValueError
     rank, world = world_from_env()
+    checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
     run_dir = _agree_run_dir(cfg, opts, ps)
     wandb_mode = resolve_wandb_mode(cfg.logging.wandb, opts.wandb) if ps.rank == 0 else "disabled"

@@ -20,7 +20,9 @@ sampler, step and tokens seen; RNG states are captured by the checkpoint manager
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ from torch import nn
 
 import accel
 from models.deepseek_v3 import ModelArgs
-from training.config import TrainConfig, check_microbatches, config_hash, numerics_dict
+from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
@@ -58,8 +60,6 @@ def set_cpu_threads(threads: int) -> None:
     Oversubscribed cores make torch's thread pool spin: on a loaded 2-core machine two threads per
     process ran a step 10-20x slower than one.
     """
-    import os
-
     if threads <= 0:
         if os.environ.get("OMP_NUM_THREADS"):
             return
@@ -72,11 +72,14 @@ def max_global_batch(cfg: TrainConfig) -> int:
     return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
 
 
-def check_layout(cfg: TrainConfig) -> ModelArgs:
-    """The checks that need the model but no data: model arguments, pipeline split, expert split, MTP
-    placement, micro-batches of every ramp step, balancing and EPLB. The planner's legality test."""
+def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
+    """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
+    arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
+    balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
     from training.stages import expert_range, split_layers
 
+    if world is not None:
+        check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
     split_layers(args, num_model_stages(par.schedule, par.pp))
@@ -87,8 +90,10 @@ def check_layout(cfg: TrainConfig) -> ModelArgs:
                          "with stage 0 would be summed twice across the mirrored copies); use dualpipev or set "
                          "model.overrides.n_mtp_layers=0")
     if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
-        raise ValueError(f"model: MTP needs the embedding on the last stage's rank; schedule {par.schedule!r} "
-                         "puts it elsewhere (use dualpipev / zbv / dualpipe or model.overrides.n_mtp_layers=0)")
+        raise ValueError(f"model.overrides.n_mtp_layers={args.n_mtp_layers} with parallel.schedule={par.schedule!r} "
+                         f"and parallel.pp={par.pp}: MTP shares the embedding, which this schedule puts on another "
+                         "rank than the last stage; use parallel.schedule dualpipev / zbv / dualpipe, or set "
+                         "model.overrides.n_mtp_layers=0")
     for step in sorted({0, cfg.data.batch_ramp_steps // 2, cfg.data.batch_ramp_steps, cfg.run.steps - 1}):
         check_microbatches(par, cfg.microbatches_at(step), f"data.global_batch at step {step}")
     if cfg.data.seq_len > args.max_seq_len:
@@ -98,13 +103,30 @@ def check_layout(cfg: TrainConfig) -> ModelArgs:
     return args
 
 
-def check_static(cfg: TrainConfig) -> tuple[ModelArgs, TokenCorpus]:
-    """Everything that can be checked before a process group exists: ``check_layout``, then the data
-    files, corpus size and vocabulary. Returns (args, corpus)."""
-    args = check_layout(cfg)
+def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
+                 ) -> tuple[ModelArgs, TokenCorpus | None]:
+    """Every check a launch makes before a process group exists, and the one ``--dry-run`` makes too:
+    ``check_layout``, then data files, corpus size and vocabulary. Returns (args, corpus).
+
+    ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
+    ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
+    and corpus is None. When they are present, the corpus is checked exactly as at launch."""
+    args = check_layout(cfg, world)
+    if allow_missing_data and missing_data(cfg.data):
+        return args, None
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
     check_vocab(corpus, args.vocab_size)
     return args, corpus
+
+
+def missing_data(data: DataConfig) -> list[str]:
+    """The configured data files that do not exist on this machine (``data.source``, ``data.tokenizer``)."""
+    missing = []
+    if data.source != "bundled" and not glob.glob(os.path.expanduser(data.source)):
+        missing.append(f"data.source={data.source!r}")
+    if data.tokenizer != "byte" and not Path(data.tokenizer).expanduser().exists():
+        missing.append(f"data.tokenizer={data.tokenizer!r}")
+    return missing
 
 
 class Trainer:

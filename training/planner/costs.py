@@ -30,11 +30,18 @@ import math
 from dataclasses import dataclass
 
 from models.deepseek_v3 import ModelArgs
+from models.deepseek_v3.args import RECOMPUTE_ALIASES
 from training.planner.system import System
 
 BF16 = 2
 FP8_BYTES = 1 + 4 / 128  # E4M3 value plus its fp32 scale per 1x128 tile
-RECOMPUTE_POLICIES = {"none": (), "v3": ("norm", "mla_up", "swiglu"), "block": ("block",)}
+# planner policy -> model.overrides.recompute names ("v3" = every RMSNorm and the MLA up-projections)
+RECOMPUTE_POLICIES = {"none": (), "v3": ("v3",), "block": ("block",)}
+
+
+def recompute_kinds(policy: str) -> tuple[str, ...]:
+    """The ModelArgs.recompute kinds a policy re-runs in backward (aliases expanded)."""
+    return tuple(k for name in RECOMPUTE_POLICIES[policy] for k in RECOMPUTE_ALIASES.get(name, (name,)))
 
 
 @dataclass(frozen=True)

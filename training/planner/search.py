@@ -21,14 +21,23 @@ from dualpipe.ir import Overlap
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, validate
-from training.memory import RankEstimate, estimate
-from training.planner.costs import BF16, RECOMPUTE_POLICIES, Durations, OpTimer, Workload, part_durations
+from training.memory import RankMemory, estimate
+from training.planner.costs import (
+    BF16,
+    RECOMPUTE_POLICIES,
+    Durations,
+    OpTimer,
+    Workload,
+    part_durations,
+    recompute_kinds,
+)
 from training.planner.system import System
 from training.stages import num_model_stages, split_layers
 from training.trainer import check_layout
 
 SEARCH_SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
-LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "eplb", "zero1")
+LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
+               "zero1")
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,14 @@ class Layout:
     microbatches: int
     recompute: str = "none"  # a RECOMPUTE_POLICIES key
     fp8: bool = True
+    moments: str = "bfloat16"  # optim.moments_dtype: bfloat16 (V3) | param (the master weights' dtype)
     eplb: int = 0  # EPLB redundant expert slots per MoE layer (0 = EPLB off)
     zero1: bool = True
 
     def __str__(self) -> str:
         return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule} mb{self.micro_batch}x{self.microbatches} "
-                f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{f' eplb+{self.eplb}' if self.eplb else ''}"
+                f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{'' if self.moments == 'bfloat16' else ' m32'}"
+                f"{f' eplb+{self.eplb}' if self.eplb else ''}"
                 f"{'' if self.zero1 else ' no-zero1'}")
 
 
@@ -61,9 +72,8 @@ class Evaluation:
     bubble_fraction: float = math.nan
     exposed_comm_s: float = math.nan
     peak_bytes: int = 0
-    ranks: list[RankEstimate] = field(default_factory=list)
-    sim: SimResult | None = None
-    costs: StageCosts | None = None
+    ranks: list[RankMemory] = field(default_factory=list)
+    sim: SimResult | None = None  # the simulated pipeline (single evaluations only; a search keeps figures)
 
     def row(self) -> dict:
         """The JSON record of this layout (``--json``)."""
@@ -107,6 +117,7 @@ class Space:
     schedules: tuple[str, ...] = SEARCH_SCHEDULES
     recompute: tuple[str, ...] = ("none", "v3", "block")
     fp8: tuple[bool, ...] = (True, False)
+    moments: tuple[str, ...] = ("bfloat16", "param")
     eplb: tuple[int, ...] = (0,)
     zero1: tuple[bool, ...] = (True,)
     fixed: dict = field(default_factory=dict)
@@ -123,6 +134,7 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     recompute = list(RECOMPUTE_POLICIES[lay.recompute])
     cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
     cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
+    cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
     if cfg.data.batch_ramp_start:
         try:
             validate(cfg)
@@ -154,11 +166,12 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
                     nmb = req.global_batch // (dp * mb)
                     for rc in space.recompute:
                         for fp8 in fp8s:
-                            for eplb in space.eplb:
-                                for z in space.zero1:
-                                    lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, eplb, z)
-                                    if all(getattr(lay, k) == v for k, v in fx.items()):
-                                        yield lay
+                                for moments in space.moments:
+                                    for eplb in space.eplb:
+                                        for z in space.zero1:
+                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z)
+                                            if all(getattr(lay, k) == v for k, v in fx.items()):
+                                                yield lay
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -225,7 +238,7 @@ def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, f
                      + (ranks - 1) * link.latency_us * 1e-6)
 
 
-def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankEstimate]) -> tuple[float, float]:
+def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory]) -> tuple[float, float]:
     """(DP communication, optimizer step) seconds after the pipeline, on the slowest pipeline rank.
 
     Dense gradients reduce over the stage's ``dp`` ranks, expert gradients over its ``dp / ep`` replicas
@@ -255,30 +268,40 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     return comm, step
 
 
-def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ranks: list[RankEstimate],
-                timer: OpTimer, block_cache: dict) -> Evaluation:
-    """Simulate one step of ``lay`` (memory already known to fit)."""
+def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ranks: list[RankMemory],
+                timer: OpTimer, block_cache: dict, pipeline_cache: dict | None = None) -> Evaluation:
+    """Simulate one step of ``lay`` (memory already known to fit). ``pipeline_cache`` memoises the pipeline
+    figures by everything the simulation sees (layouts differing only in optimizer settings share them); without
+    it the evaluation keeps the simulated timeline (for ``--trace``)."""
     s = req.system
     num = num_model_stages(lay.schedule, lay.pp)
     ranges = split_layers(args, num)
-    work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, RECOMPUTE_POLICIES[lay.recompute],
+    work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, recompute_kinds(lay.recompute),
                     cfg.balance.max_nodes, _imbalance(req, args, lay))
     parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
     link = s.inter_node if lay.dp >= s.gpus_per_node else s.intra_node
     p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
-    sim = assemble(lay.schedule, lay.pp, lay.microbatches, parts, p2p, s.comm_sm_fraction, s.action_overhead_us * 1e-6)
-    costs = sim.costs
+    key = (lay.schedule, lay.pp, lay.microbatches, tuple(parts), p2p)
+    sim = None
+    if pipeline_cache is None or key not in pipeline_cache:
+        sim = assemble(lay.schedule, lay.pp, lay.microbatches, parts, p2p, s.comm_sm_fraction,
+                       s.action_overhead_us * 1e-6)
+        busiest = max(range(lay.pp), key=sim.busy)
+        figures = (sim.makespan, sim.busy(busiest), sum(sim.costs.exposed(iv.item) for iv in sim.timeline[busiest]))
+        if pipeline_cache is not None:
+            pipeline_cache[key] = figures
+            sim = None
+    else:
+        figures = pipeline_cache[key]
+    makespan, busy, exposed = figures
     dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
-    makespan = sim.makespan
     step = makespan + dp_comm + opt
-    busiest = max(range(lay.pp), key=sim.busy)
-    exposed = sum(costs.exposed(iv.item) for iv in sim.timeline[busiest]) + dp_comm
     flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
     tokens = req.global_batch * req.seq_len
     return Evaluation(lay, "ok", step_time_s=step, tokens_per_s=tokens / step,
                       mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),
-                      bubble_fraction=(makespan - sim.busy(busiest)) / makespan, exposed_comm_s=exposed,
-                      peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim, costs=costs)
+                      bubble_fraction=(makespan - busy) / makespan, exposed_comm_s=exposed + dp_comm,
+                      peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim)
 
 
 def _imbalance(req: Request, args: ModelArgs, lay: Layout) -> float:
@@ -293,7 +316,7 @@ def _imbalance(req: Request, args: ModelArgs, lay: Layout) -> float:
 # ---- the search -----------------------------------------------------------------------------
 
 def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cache: dict | None = None,
-             timed: bool = True) -> Evaluation:
+             pipeline_cache: dict | None = None, timed: bool = True) -> Evaluation:
     """Legality, memory and (when it fits and ``timed``) the simulated step of one layout."""
     cfg = to_config(req, lay)
     try:
@@ -301,38 +324,41 @@ def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cach
         args = check_layout(cfg)
     except ValueError as exc:
         return Evaluation(lay, "illegal", str(exc))
-    ranks = estimate(cfg, args)
-    peak = max(r.total_bytes for r in ranks)
-    if peak > req.system.usable_bytes:
-        worst = max(ranks, key=lambda r: r.total_bytes)
+    est = estimate(cfg, args, device=req.system.name)  # the dry run's estimate (``--device``), margin included
+    ranks, peak = est.ranks, est.peak_bytes
+    if peak > req.system.capacity_bytes:
+        worst = est.worst
+        big = ", ".join(f"{k} {v / 1024**3:.1f}" for k, v in worst.largest())
         return Evaluation(lay, "oom", f"pp rank {worst.pp_rank} needs {peak / 1024**3:.1f} GiB > "
-                          f"{req.system.usable_bytes / 1024**3:.1f} GiB usable on {req.system.name}",
+                          f"{req.system.memory_gib:.1f} GiB on {req.system.name} (largest: {big} GiB)",
                           peak_bytes=peak, ranks=ranks)
     if not timed:
         return Evaluation(lay, "ok", peak_bytes=peak, ranks=ranks)
-    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system), {} if block_cache is None
-                       else block_cache)
+    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system),
+                       {} if block_cache is None else block_cache, pipeline_cache)
 
 
 def search(req: Request, args: ModelArgs, space: Space) -> list[Evaluation]:
     """Every layout of ``space``, ranked: fitting ones by step time, then the rest.
 
-    A layout with more recompute than a fitting sibling (same everything else) is only slower, so it is
-    reported as dominated instead of timed; a fixed ``recompute`` is always timed.
+    A layout with more recompute than a fitting sibling (same everything else), or with moments in the
+    parameter dtype where its BF16-moment twin fits, is only slower and larger, so it is reported as
+    dominated instead of timed; a fixed ``recompute`` or ``moments`` is always timed.
     """
-    timer, cache = OpTimer(req.system), {}
+    timer, cache, pipelines = OpTimer(req.system), {}, {}
     out: list[Evaluation] = []
     fits: set[tuple] = set()
     for lay in layouts(req, args, space):
-        sibling = dataclasses.replace(lay, recompute="none")
-        key = dataclasses.astuple(sibling)
-        if key in fits and "recompute" not in space.fixed:
-            out.append(Evaluation(lay, "dominated", "a layout with less recompute fits and is faster"))
-            continue
-        ev = evaluate(req, lay, timer, cache)
-        if ev.status == "ok":
-            fits.add(key)
-        ev.sim = None  # thousands of timelines would not fit in memory; a trace re-simulates its layout
+        key = dataclasses.astuple(dataclasses.replace(lay, recompute="none"))
+        twin = dataclasses.astuple(dataclasses.replace(lay, moments="bfloat16"))
+        if key in fits and "recompute" not in space.fixed and key != dataclasses.astuple(lay):
+            ev = Evaluation(lay, "dominated", "a layout with less recompute fits and is faster")
+        elif lay.moments != "bfloat16" and twin in fits and "moments" not in space.fixed:
+            ev = Evaluation(lay, "dominated", "its twin with BF16 moments fits and is faster")
+        else:
+            ev = evaluate(req, lay, timer, cache, pipelines)
+        if ev.status in ("ok", "dominated"):  # something at least as fast fits: what this dominates is dominated
+            fits.update((key, dataclasses.astuple(lay)))
         out.append(ev)
     order = {"ok": 0, "oom": 1, "dominated": 2, "illegal": 3}
     out.sort(key=lambda e: (order[e.status], e.step_time_s if e.status == "ok" else e.peak_bytes))

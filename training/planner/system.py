@@ -37,7 +37,6 @@ class System:
     fp8_tflops: float  # 0: no FP8 tensor cores
     memory_gbps: float
     memory_gib: float
-    usable_memory_fraction: float
     efficiency: dict[str, float]
     intra_node: Link
     inter_node: Link
@@ -49,8 +48,8 @@ class System:
     action_overhead_us: float = 0.0  # host time the runtime adds to each pipeline action (calibrated)
 
     @property
-    def usable_bytes(self) -> float:
-        return self.memory_gib * 1024**3 * self.usable_memory_fraction
+    def capacity_bytes(self) -> float:
+        return self.memory_gib * 1024**3
 
     def kernel_efficiency(self, kind: str, shape: str | None = None) -> float:
         """Measured efficiency of ``kind`` at ``shape`` (``"MxNxK"``) when calibrated, else the class's."""
@@ -63,8 +62,7 @@ class System:
     def to_json(self) -> dict:
         return {"name": self.name, "calibrated": self.calibrated,
                 "gpu": {"bf16_tflops": self.bf16_tflops, "fp8_tflops": self.fp8_tflops,
-                        "memory_gbps": self.memory_gbps, "memory_gib": self.memory_gib,
-                        "usable_memory_fraction": self.usable_memory_fraction},
+                        "memory_gbps": self.memory_gbps, "memory_gib": self.memory_gib},
                 "efficiency": dict(self.efficiency), "shape_efficiency": self.shape_efficiency,
                 "links": {k: {"bandwidth_gb_s": v.bandwidth_gb_s, "latency_us": v.latency_us}
                           for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))},
@@ -128,8 +126,6 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
         fp8_tflops=fp8,
         memory_gbps=_positive(_get(gpu, "memory_gbps", f"{where} [gpu]"), f"{where}: gpu.memory_gbps"),
         memory_gib=_positive(_get(gpu, "memory_gib", f"{where} [gpu]"), f"{where}: gpu.memory_gib"),
-        usable_memory_fraction=_positive(_get(gpu, "usable_memory_fraction", f"{where} [gpu]"),
-                                         f"{where}: gpu.usable_memory_fraction", 1.0),
         efficiency=efficiency,
         intra_node=link["intra_node"], inter_node=link["inter_node"],
         collective_efficiency={k: _positive(_get(coll, k, f"{where} [collective_efficiency]"),
