@@ -73,16 +73,10 @@ def max_global_batch(cfg: TrainConfig) -> int:
     return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
 
 
-def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
-                 ) -> tuple[ModelArgs, TokenCorpus | None]:
-    """Every check a launch makes before a process group exists, and the one ``--dry-run`` makes too:
-    world size (when ``world`` is given), model arguments, pipeline split, combinations refused by
-    construction, micro-batches of every ramp step, data files, corpus size and vocabulary.
-    Returns (args, corpus).
-
-    ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
-    ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
-    and corpus is None. When they are present, the corpus is checked exactly as at launch."""
+def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
+    """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
+    arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
+    balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
     from training.stages import expert_range, split_layers
 
     if world is not None:
@@ -107,6 +101,18 @@ def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_da
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     cfg.balance.model_config()  # the model package validates the strategy names
     check_eplb(cfg, args)
+    return args
+
+
+def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
+                 ) -> tuple[ModelArgs, TokenCorpus | None]:
+    """Every check a launch makes before a process group exists, and the one ``--dry-run`` makes too:
+    ``check_layout``, then data files, corpus size and vocabulary. Returns (args, corpus).
+
+    ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
+    ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
+    and corpus is None. When they are present, the corpus is checked exactly as at launch."""
+    args = check_layout(cfg, world)
     if allow_missing_data and missing_data(cfg.data):
         return args, None
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
