@@ -196,17 +196,53 @@ def block_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, 
             + sum(ffn_saved(args, layer_id, tokens, micro_batch, p, ep, slots).values()))
 
 
+def gemm_backward_working_set(args: ModelArgs, rows: float, n: int, k: int, groups: int, p: Precision) -> float:
+    """Bytes alive while one (grouped) GEMM ``[rows, k] x [groups, n, k]^T`` runs backward, besides what was
+    saved: the output and input gradients, the weight gradient before it is added to ``.grad``, and for FP8
+    the casts of the gradient, the input and the weight. On a CPU the reference casts hold about three
+    fp32 copies of the tile-padded operand they quantize (padded copy, scaled tiles, rounded values)."""
+    a = p.act
+    np_, kp = -(-n // 128) * 128, -(-k // 128) * 128
+    ws = rows * (n + k) * a + groups * n * k * 4
+    if args.fp8:
+        ws += rows * k * 4 if _fp8_cache(args) else 0  # the cached input, dequantized for the wgrad
+        if p.attention == "reference":  # CPU reference casts
+            ws += 3 * 4 * max(rows * max(np_, kp), groups * np_ * kp)
+        else:
+            ws += rows * (np_ + kp) + groups * np_ * kp
+    return ws
+
+
 def block_working_set(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
                       slots: int | None = None) -> float:
-    """Bytes per token alive on top of the saved ones while one block runs backward: a block recomputed
-    whole rebuilds all it would have kept, plus the gradients of its largest tensors."""
-    full = args.replace(recompute=tuple(r for r in args.recompute if r != "block"))
+    """Bytes per token alive on top of the saved ones while one block runs backward: the largest GEMM
+    backward (``gemm_backward_working_set``) with the residual stream's gradient, and what recompute rebuilds
+    there (a whole block: everything it would otherwise have kept)."""
     tokens = seq_len * micro_batch
-    ffn = ffn_saved(full, layer_id, tokens, micro_batch, p, ep, slots)
-    grads = 2 * max(ffn.values())
-    rebuilt = block_saved(full, layer_id, seq_len, micro_batch, p, ep, slots) if \
-        _recomputes(args, "block", layer_id) else 0.0
-    return rebuilt + grads
+    d, h = args.dim, args.n_heads
+    gemms = [(1, args.n_heads * args.v_head_dim, d, 1), (1, d, args.n_heads * args.v_head_dim, 1),
+             (1, h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank, 1)]
+    if args.q_lora_rank:
+        gemms.append((1, h * args.qk_head_dim, args.q_lora_rank, 1))
+    if args.is_moe_layer(layer_id):
+        slots = args.n_routed_experts // ep if slots is None else slots
+        rows = expert_rows(args, tokens, slots) / tokens
+        inter = args.moe_inter_dim
+        gemms += [(rows, 2 * inter, d, slots), (rows, d, inter, slots)]
+        if args.n_shared_experts:
+            si = args.n_shared_experts * inter
+            gemms += [(1, 2 * si, d, 1), (1, d, si, 1)]
+    else:
+        gemms += [(1, 2 * args.inter_dim, d, 1), (1, d, args.inter_dim, 1)]
+    # per token: the rows scale with tokens, the weight-sized parts do not
+    ws = max(gemm_backward_working_set(args, r * tokens, n, k, g, p) for r, n, k, g in gemms) / tokens
+    ws += 2 * d * p.act  # the residual stream's gradient, flowing and accumulated
+    # what recompute (and the recomputed SwiGLU of FP8 caching) rebuilds in this layer's backward
+    full = args.replace(recompute=(), fp8_cache_activations=False) if hasattr(args, "fp8_cache_activations") \
+        else args.replace(recompute=())
+    ws += max(0.0, block_saved(full, layer_id, seq_len, micro_batch, p, ep, slots)
+              - block_saved(args, layer_id, seq_len, micro_batch, p, ep, slots))
+    return ws
 
 
 def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int) -> float:
