@@ -115,8 +115,10 @@ def _kernel_body():
         n0 = (pid_n * BLOCK_N).to(tl.int64)
         if FLAT_K_MAJOR:  # K_GROUPED, DeepGEMM's SM90 layout: group g's A is a K-major [M, K_g] block at k_lo * M
             k_len = tl.multiple_of(k_hi - k_lo, 128)
-            a_ptrs = a_ptr + k_lo.to(tl.int64) * M + m0 * k_len + (rows[:, None].to(tl.int64) * k_len + offs_k[None, :] * s_ak)
-            b_ptrs = b_ptr + k_lo.to(tl.int64) * N + n0 * k_len + (cols[None, :].to(tl.int64) * k_len + offs_k[:, None] * s_bk)
+            a_ptrs = (a_ptr + k_lo.to(tl.int64) * M + m0 * k_len + rows[:, None].to(tl.int64) * k_len
+                      + offs_k[None, :] * s_ak)
+            b_ptrs = (b_ptr + k_lo.to(tl.int64) * N + n0 * k_len + cols[None, :].to(tl.int64) * k_len
+                      + offs_k[:, None] * s_bk)
         else:
             a_ptrs = (a_ptr + (g64 * s_ag + m0 * s_am + k_lo.to(tl.int64) * s_ak) + rows[:, None].to(tl.int64) * s_am
                       + offs_k[None, :] * s_ak)
