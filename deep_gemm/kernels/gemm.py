@@ -107,10 +107,14 @@ def _kernel_body():
 
         # Addresses: a 64-bit tile base plus row offsets (once, before the loop: a view's row stride may be
         # huge), 32-bit K offsets, pointers advanced by BLOCK_K per step. Rows / columns past M / N read row
-        # M-1 / column N-1 instead of masking the loads: their results are never stored.
+        # M-1 / column N-1 (FP8) instead of masking the loads: their results are never stored.
         g64 = g.to(tl.int64)
-        rows = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
-        cols = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
+        if FP8:  # K-major operands: clamping rows keeps the K-contiguous loads vectorised
+            rows = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
+            cols = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
+        else:  # bf16 operands may be MN-major, whose contiguity a clamp would hide: masked loads instead
+            rows = tl.arange(0, BLOCK_M)
+            cols = tl.arange(0, BLOCK_N)
         m0 = (pid_m * BLOCK_M).to(tl.int64)
         n0 = (pid_n * BLOCK_N).to(tl.int64)
         if FLAT_K_MAJOR:  # K_GROUPED, DeepGEMM's SM90 layout: group g's A is a K-major [M, K_g] block at k_lo * M
@@ -147,8 +151,8 @@ def _kernel_body():
                 sfb_ptrs += s_sbk
             else:
                 k_ok = it * BLOCK_K + offs_k < k_hi - k_lo
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
                     acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
                 else:
