@@ -93,7 +93,7 @@ def test_671b_dry_run_reports_params_and_memory(capsys):
     assert "671.0B parameters" in out and "36.6B activated" in out  # V3 report: 671B total, 37B activated
     assert "world 2048 = pp 16 x dp 128" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()
-            and len(line.split()) == 10]
+            and len(line.split()) == 12]
     assert len(rows) == 16  # one estimate per pipeline rank
     totals = [float(r[-1]) for r in rows]
     assert all(10 < t < 1000 for t in totals)  # GiB: plausible, not bytes or TiB
