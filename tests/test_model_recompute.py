@@ -15,7 +15,7 @@ import torch
 
 import accel.wgrad
 from deep_gemm import calc_diff
-from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses, lm_losses_from_hidden
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume
 from tests.test_model import randomize
@@ -140,3 +140,31 @@ def test_fp8_cached_model_matches_the_uncached_fp8_model():
     for n in fp32:
         assert calc_diff(cached[n], uncached[n]) < 5e-3, n
         assert calc_diff(cached[n], fp32[n]) < 1e-2, n
+
+
+@pytest.mark.parametrize("recompute", [(), ("v3",)])
+def test_losses_from_hidden_equal_lm_losses_of_the_logits(recompute):
+    """Training's loss path (fused_ce, no logits kept; with v3 the final and MTP norms recomputed too) gives
+    lm_losses of the logits and the same gradients: fp32, the logits' rows computed in chunks (GEMM
+    rounding may differ per row) and the log-sum-exp by the reference op: rtol 1e-5 as above."""
+    tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(1)
+        args = ModelArgs.preset("debug_tiny", recompute=recompute)
+        model = randomize(Transformer(args))
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        h = model.run_layers(model.embed_tokens(inputs))
+        if fused:
+            parts = lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs, labels)
+        else:
+            parts = lm_losses(args, model.final(h), model.mtp_logits(h, inputs), labels)
+        parts["loss"].backward()
+        results.append((parts, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, g0), (fused, g1) = results
+    for key in ("loss", "main"):
+        torch.testing.assert_close(fused[key], plain[key], rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.stack(fused["mtp"]), torch.stack(plain["mtp"]), rtol=1e-6, atol=0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
