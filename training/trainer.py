@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel
+from accel.trace import TraceRecorder
 from models.deepseek_v3 import ModelArgs
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
@@ -133,8 +134,9 @@ class Trainer:
     """Builds this rank's stages, optimizer, data and logger from a validated config, and trains."""
 
     def __init__(self, cfg: TrainConfig, ps: ParallelState, run_dir: str | Path, wandb_mode: str = "disabled",
-                 checked: tuple[ModelArgs, TokenCorpus] | None = None):
+                 checked: tuple[ModelArgs, TokenCorpus] | None = None, recorder: TraceRecorder | None = None):
         self.cfg, self.ps, self.run_dir = cfg, ps, Path(run_dir)
+        self.recorder = recorder  # the --trace timeline: handed to the pipeline and the EP exchanges
         self.device = accel.default_device()
         self.dtype = DTYPES[cfg.run.dtype]
         torch.manual_seed(cfg.run.seed)
@@ -171,14 +173,14 @@ class Trainer:
         """Expert parallelism and balancing inside every MoE layer this rank holds."""
         from training.experts import wire_moe_layers
 
-        wire_moe_layers(self.stages, self.cfg, self.ps)
+        wire_moe_layers(self.stages, self.cfg, self.ps, self.recorder)
 
     def _build_pipeline(self):
         if self.cfg.parallel.schedule == "none":
             return None
         from training.pipeline import build_pipeline
 
-        return build_pipeline(self.stages, self.cfg, self.ps)
+        return build_pipeline(self.stages, self.cfg, self.ps, self.recorder)
 
     def _holds_loss(self) -> bool:
         """Whether this rank computes the loss (holds the last stage of the first replica)."""
