@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for case, s in zip(CASES, sm):
         a, b = ours(b200, *case), ours(b200_sm, *case)
         rows.append({"case": f"ep{case[0]} pp{case[1]} dp{case[2]} mbc{case[3]} rc={case[4]}",
-                     "real_ms": real.get(case[:4]) if case[4] == "none" else None, "simumax_ms": s["step_ms"], "ours_ms": a["step_ms"],
+                     "real_ms": real.get(case[:4]) if case[4] == "none" else None,
+                     "simumax_ms": s["step_ms"], "ours_ms": a["step_ms"],
                      "ours_sm_eff_ms": b["step_ms"], "simumax_mfu": s["mfu"], "ours_mfu": a["mfu"],
                      "ours_peak_gib": a["peak_gib"], "simumax_peak": s["peak_mem"]})
     print(f"{'case':<30} {'real ms':>8} {'SimuMax':>8} {'ours':>8} {'ours*':>8} {'SM MFU':>7} {'our MFU':>7} "
