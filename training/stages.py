@@ -27,6 +27,7 @@ from torch import nn
 
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
 from models.deepseek_v3.moe import Experts, MoE
+from models.deepseek_v3.recompute import produce
 from models.deepseek_v3.rope import rope_cos_sin
 
 
@@ -176,7 +177,7 @@ class DeepSeekV3Stage(nn.Module):
                     h = block(h, cos, sin)
                     segments.append((h, _params(block)))
                     continue
-                h = h + block.attn(block.attn_norm(h), cos, sin)
+                h = block.attention_residual(h, cos, sin)
                 segments.append((h, _params(block.attn_norm, block.attn)))
                 h = yield from _ffn_steps(block, h)
                 segments.append((h, _params(block.ffn_norm, block.ffn)))
@@ -277,12 +278,13 @@ def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
 
 
 def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-    """``h + ffn(ffn_norm(h))``; an expert-parallel MoE is run step by step (``MoE.forward``'s EP
+    """``block.ffn_residual(h)``; an expert-parallel MoE is run step by step (``MoE.forward``'s EP
     branch), yielding while the dispatch and then the combine all-to-all are in flight."""
     ffn = block.ffn
-    x = block.ffn_norm(h)
     if not isinstance(ffn, MoE) or ffn.ep is None:
-        return h + ffn(x)
+        return block.ffn_residual(h)
+    normed = produce(block.ffn_norm, h, enabled=block.recompute_norm)  # released once the combine is done
+    (x,) = normed.outputs
     shape = x.shape
     flat = x.reshape(-1, ffn.dim)
     routing = ffn.route(flat, seq_len=shape[-2])
@@ -296,6 +298,7 @@ def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch
     y = handle.wait()
     if z is not None:
         y = y + z
+    normed.release(y)
     return h + y.view(shape)
 
 

@@ -9,28 +9,44 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm, maybe_recompute
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import MoE
+from models.deepseek_v3.recompute import produce_consume
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``."""
+    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``.
+
+    ``attention_residual`` and ``ffn_residual`` are the two halves (what a pipeline stage runs step by
+    step). With recompute kind "norm" each norm's output is dropped after its consumer saved it and
+    recomputed from ``x`` (kept anyway) before that consumer's backward; "block" keeps only ``x``.
+    """
 
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
         super().__init__()
         self.layer_id = layer_id
-        recompute_norm = args.recomputes("norm", layer_id)
+        self.recompute_norm = args.recomputes("norm", layer_id)
         self.recompute_block = args.recomputes("block", layer_id)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attn = MLA(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, recompute=recompute_norm)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe_layer(layer_id):
             self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
         else:
-            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id))
+            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
+                           fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm)
+
+    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           cache: LatentCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """``x + attn(attn_norm(x))``."""
+        attend = lambda y: self.attn(y, cos, sin, cache, start_pos)  # noqa: E731
+        return x + produce_consume(self.attn_norm, attend, x, enabled=self.recompute_norm)
+
+    def ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + ffn(ffn_norm(x))`` (an expert-parallel MoE as one call; stages split it at its all-to-alls)."""
+        return x + produce_consume(self.ffn_norm, self.ffn, x, enabled=self.recompute_norm)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
                  start_pos: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
-        return x + self.ffn(self.ffn_norm(x))
+        return self.ffn_residual(self.attention_residual(x, cos, sin, cache, start_pos))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
