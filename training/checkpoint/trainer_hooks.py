@@ -81,10 +81,10 @@ def load_checkpoint(trainer, folder: Path) -> int:
     metadata = read_metadata(folder)
     full = fmt.decode_tree(metadata["full_config"], {}) if "full_config" in metadata else None
     saved_par = ParallelConfig(**full["parallel"]) if full is not None else trainer.cfg.parallel
-    saved_eplb = bool(full.get("eplb", {}).get("enabled", False)) if full is not None else trainer.cfg.eplb.enabled
     par = trainer.cfg.parallel
-    if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.schedule, saved_par.zero1, saved_eplb) != \
-            (par.pp, par.dp, par.ep, par.schedule, par.zero1, trainer.cfg.eplb.enabled):
+    # EPLB on/off needs no resharding: experts and their moments are saved in the logical layout either way
+    if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.schedule, saved_par.zero1) != \
+            (par.pp, par.dp, par.ep, par.schedule, par.zero1):
         return load_resharded(trainer, folder)
     loaded = read_checkpoint(folder, trainer.ps.rank, expect_config=trainer.checkpoint_meta()["config"])
     state = loaded.state
