@@ -143,8 +143,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, root:
     state = make_state(args.size_mb / world, device, prefix=f"rank{rank}.")
     flat = dcp_state(state)
     root = Path(root)
-    ours_sync = CheckpointManager(root / _folder("ours sync"), rank=rank, world_size=world, async_save=False, keep_last=1)
-    ours_async = CheckpointManager(root / _folder("ours async"), rank=rank, world_size=world, async_save=True, keep_last=1)
+    ours_sync, ours_async = (CheckpointManager(root / _folder(m), rank=rank, world_size=world, async_save=a, keep_last=1)
+                             for m, a in (("ours sync", False), ("ours async", True)))
     pg = dist.new_group(backend="gloo")  # DCP's async save runs its collectives on a group of its own
 
     def slowest(x: float) -> float:
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "disk_MB": data["sizes"][m] / 1e6,
              "step_slowdown": med(res[m]["slow"]) if res[m]["slow"] else None} for m in MODES]
     ours, theirs = med(res["ours async"]["stall"]), med(res["dcp.async_save"]["stall"])
-    notes = [f"state {mb:.0f} MB over {args.ranks} ranks (gloo, {args.device}), {args.repeats} repeats (median of the slowest "
-             f"rank); load average {os.getloadavg()[0]:.1f}",
+    notes = [f"state {mb:.0f} MB over {args.ranks} ranks (gloo, {args.device}), {args.repeats} repeats (median of "
+             f"the slowest rank); load average {os.getloadavg()[0]:.1f}",
              f"ours async stall {ours:.3f} s vs dcp.async_save stall {theirs:.3f} s -> "
              f"{'PASS' if ours <= theirs else 'MISS'}; vs our sync save {100 * ours / sync_ours:.1f}% -> "
              f"{'PASS' if ours <= 0.1 * sync_ours else 'MISS'} (target <= 10%)",
