@@ -143,7 +143,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, root:
     state = make_state(args.size_mb / world, device, prefix=f"rank{rank}.")
     flat = dcp_state(state)
     root = Path(root)
-    ours_sync, ours_async = (CheckpointManager(root / _folder(m), rank=rank, world_size=world, async_save=a, keep_last=1)
+    ours_sync, ours_async = (CheckpointManager(root / _folder(m), rank=rank, world_size=world, async_save=a,
+                                               keep_last=1)
                              for m, a in (("ours sync", False), ("ours async", True)))
     pg = dist.new_group(backend="gloo")  # DCP's async save runs its collectives on a group of its own
 
