@@ -27,7 +27,8 @@ TOL = 1e-5
 COMMON = ["run.sample_tokens=0", "data.seq_len=32", "data.global_batch=8", "data.micro_batch=1",
           "logging.progress=false", "logging.eval_batches=1", "logging.wandb=disabled", "logging.plot=false",
           "run.threads=1", "model.fp8=false", "model.overrides.n_mtp_layers=0", "optim.warmup_steps=2",
-          "checkpoint.final=true", "checkpoint.async_save=false", f"checkpoint.interval={N}", "run.timeout_s=120"]
+          "checkpoint.final=true", "checkpoint.async_save=false", "checkpoint.keep_last=10",
+          f"checkpoint.interval={N}", "run.timeout_s=120"]
 ONE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
 DUALPIPEV = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=dualpipev"]
 DUALPIPE = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=dualpipe"]
