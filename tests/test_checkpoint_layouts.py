@@ -1,7 +1,7 @@
 """Resume across layouts: a checkpoint written under layout A continues under layout B, and the continuation
 matches an uninterrupted run (``recipes.train`` CLI, gloo, CPU).
 
-Reference: one uninterrupted single-process run. Every layout computes the same mathematics; they differ
+Reference: an uninterrupted run (single-process for the matrix). Every layout computes the same mathematics; they differ
 only in float32 summation order (all-to-all regrouping of expert rows, gradient all-reduce, loss averaging
 over ranks). ``tests/test_training.py`` measures that agreement at ~1e-7 over 4 steps and bounds it at
 1e-5 absolute on losses of ~5.5 nats; the same bound holds here over the same 4 steps. A resume that lost
@@ -66,8 +66,8 @@ def _ckpt(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:09d}"
 
 
-def _matches(resumed: dict[int, float], reference: dict[int, float], start: int) -> None:
-    steps = list(range(start + 1, start + M + 1))
+def _matches(resumed: dict[int, float], reference: dict[int, float], start: int, steps: int = M) -> None:
+    steps = list(range(start + 1, start + steps + 1))
     assert sorted(resumed) == steps, resumed
     diff = {s: abs(resumed[s] - reference[s]) for s in steps}
     assert max(diff.values()) < TOL, (diff, resumed, reference)
@@ -83,13 +83,12 @@ def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_dp2_ep2_zero1_resumes_in_one_process(reference, tmp_path):
+def test_dp2_ep2_zero1_resumes_in_one_process(tmp_path):
     """ZeRO-1 over dp2 with experts split over ep2 -> one process: moments gathered from both ZeRO shards,
-    expert rows from both EP ranks. (Step N+1's loss checks the weights, step N+2's the moments too.)"""
-    ref_dir, ref = reference
-    a = _train(tmp_path / "a", DP2_EP2, N)
-    assert max(abs(a[s] - ref[s]) for s in a) < TOL
-    _matches(_train(tmp_path / "b", ONE, N + M, resume=_ckpt(tmp_path / "a", N)), ref, N)
+    expert rows from both EP ranks. The reference is the dp2 run itself, uninterrupted (two launches keep
+    this in the default suite). Step N+1's loss checks the weights, step N+2's the moments too."""
+    a = _train(tmp_path / "a", DP2_EP2, N + M)
+    _matches(_train(tmp_path / "b", ONE, N + M, resume=_ckpt(tmp_path / "a", N)), a, N)
 
 
 @pytest.mark.dist
@@ -105,8 +104,9 @@ def test_layout_changes_resume_and_match(reference, tmp_path):
     # 2. 1 process -> dualpipe pp2 ep2 (dp2)
     _matches(_train(tmp_path / "one_dp", DUALPIPE, N + M, resume=_ckpt(ref_dir, N)), ref, N)
     # 3. ZeRO-1 dp2 -> dp4 (ep2 kept), then 4. ep2 -> ep4 (dp4 kept), continuing from the first's checkpoint
+    #    (run.steps shapes the cosine LR: a run resumed from is given the reference's length)
     _train(tmp_path / "dp2", DP2_EP2, N)
-    _matches(_train(tmp_path / "dp4", DP4_EP2, N + M, resume=_ckpt(tmp_path / "dp2", N)), ref, N)
+    _matches(_train(tmp_path / "dp4", DP4_EP2, N + 2 * M, resume=_ckpt(tmp_path / "dp2", N)), ref, N, 2 * M)
     _matches(_train(tmp_path / "ep4", DP4_EP4, N + 2 * M, resume=_ckpt(tmp_path / "dp4", N + M)), ref, N + M)
     # 5. EPLB off -> on (dp2 ep2, two redundant slots per layer, re-planned every step)
     _matches(_train(tmp_path / "eplb", DP2_EP2 + EPLB, N + M, resume=_ckpt(tmp_path / "dp2", N)), ref, N)
