@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.trace import TraceRecorder
 from models.deepseek_v3.balancing import ExpertBalancer, collect_load_metrics, max_violation, update_expert_biases
 from models.deepseek_v3.moe import MoE
 from training.config import TrainConfig
@@ -35,7 +36,8 @@ def moe_layers(modules: list[nn.Module]) -> list[MoE]:
     return out
 
 
-def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState) -> None:
+def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState,
+                    recorder: TraceRecorder | None = None) -> None:
     balance = cfg.balance.model_config()
     for moe in moe_layers(stages):
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
@@ -43,7 +45,8 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
             from models.deepseek_v3.expert_parallel import ExpertParallel
 
             # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8
-            moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8)
+            moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8,
+                                    recorder=recorder)
 
 
 def update_biases(trainer: Trainer, gamma: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from accel.trace import TraceRecorder
 from training.config import TrainConfig
 from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
@@ -18,7 +19,8 @@ from training.stages import DeepSeekV3Stage
 class PipelineRunner:
     """``step(windows, chunks)`` runs every micro-batch forward and backward through the schedule."""
 
-    def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState):
+    def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState,
+                 recorder: TraceRecorder | None = None):
         from dualpipe.dualpipe import DualPipe
         from dualpipe.runtime import Pipeline
 
@@ -30,6 +32,7 @@ class PipelineRunner:
                                  p2p_timeout=cfg.run.timeout_s)
         # parallel.overlap=false runs every paired F&B as F then B (the baseline of bench_overlap)
         self.pipe.overlapped_forward_backward = self.pipe.overlapped_forward_backward and cfg.parallel.overlap
+        self.pipe.recorder = recorder
         self.last = next((s for s in stages if s.is_last), None)
 
     def step(self, windows: torch.Tensor, chunks: int) -> float:
@@ -62,5 +65,6 @@ class PipelineRunner:
         return 2.0 * float(loss.sum()) if loss is not None else 0.0
 
 
-def build_pipeline(stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState) -> PipelineRunner:
-    return PipelineRunner(stages, cfg, ps)
+def build_pipeline(stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState,
+                   recorder: TraceRecorder | None = None) -> PipelineRunner:
+    return PipelineRunner(stages, cfg, ps, recorder)
