@@ -140,7 +140,8 @@ def run_plan(ns: argparse.Namespace) -> int:
           f"{'calibrated' if system.calibrated else 'UNCALIBRATED: public peaks x default efficiencies'}); "
           f"seq {seq_len}, global batch {req.global_batch} ({tokens_per_step(req):,} tokens/step)")
     print(f"{len(evals)} layouts: {counts['ok']} fit and were timed, {counts['oom']} out of memory, "
-          f"{counts['dominated']} dominated (more recompute than a fitting twin), {counts['illegal']} illegal")
+          f"{counts['dominated']} dominated (a fitting twin with less recompute or BF16 moments is faster), "
+          f"{counts['illegal']} illegal")
     if ns.json:
         text = json.dumps([e.row() for e in evals], indent=1)
         if ns.json == "-":
