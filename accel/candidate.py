@@ -390,6 +390,10 @@ def _compare(got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Te
                             "(unwritten? outputs start NaN-poisoned)")
             errors[name] = (math.inf, tol)
             continue
+        if not torch.equal(verify._nonfinite_code(g64), verify._nonfinite_code(w64)):
+            problems.append(f"{name}: NaN/Inf in other places than the reference's")
+            errors[name] = (math.inf, tol)
+            continue
         both = torch.isfinite(g64) & torch.isfinite(w64)
         excess = ((g64 - w64).abs() - (tol + tol * w64.abs()))[both]
         n_bad = int((excess > 0).sum())
@@ -503,7 +507,7 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
     except Exception as exc:
         verdict.fail("compiles", f"building the candidate failed: {_short_error(exc)}")
         return
-    if problem.format == "kernelbench":
+    if problem.format == "kernelbench" and fn.copied_weights:
         verdict.notes.append(f"{fn.copied_weights} parameter/buffer tensor(s) copied from Model into ModelNew")
     reference_fn = problem.build_reference(device)
     try:
