@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -9,6 +11,7 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm, maybe_recompute
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import MoE
+from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
 class Block(nn.Module):
@@ -27,13 +30,22 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id))
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
-                 start_pos: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
-        return x + self.ffn(self.ffn_norm(x))
+    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+              start_pos: int = 0, cuts: Cuts | None = None) -> Steps[torch.Tensor]:
+        """The forward as steps (``MoE.steps``' yields); whole-block recompute runs it in one piece."""
+        if self.recompute_block and cache is None:
+            return maybe_recompute(lambda h: drain(self._steps(h, cos, sin, None, start_pos, None)), x, enabled=True)
+        return (yield from self._steps(x, cos, sin, cache, start_pos, cuts))
+
+    def _steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
+               start_pos: int, cuts: Cuts | None) -> Steps[torch.Tensor]:
+        h = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        if not isinstance(self.ffn, MoE):
+            return h + self.ffn(self.ffn_norm(h))
+        with cuts.carrying(h) if cuts is not None else contextlib.nullcontext():
+            y = yield from self.ffn.steps(self.ffn_norm(h), cuts)
+        return h + y
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
-        if self.recompute_block and cache is None:
-            return maybe_recompute(lambda h: self._forward(h, cos, sin, None, start_pos), x, enabled=True)
-        return self._forward(x, cos, sin, cache, start_pos)
+        return drain(self.steps(x, cos, sin, cache, start_pos))

@@ -27,6 +27,7 @@ import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, recomputing
 from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
+from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
 @dataclass
@@ -257,7 +258,10 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x)
 
     # ---- all together -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def steps(self, x: torch.Tensor, cuts: Cuts | None = None) -> Steps[torch.Tensor]:
+        """The forward as steps: with expert parallelism it yields once the dispatch is posted (the
+        shared experts run before the yield, overlapping it) and once the combine is posted; ``cuts``
+        records both exchanges for a backward run piece by piece (``steps.backward_steps``)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         routing = self.route(x, seq_len=shape[-2] if len(shape) == 3 else None)
@@ -267,9 +271,20 @@ class MoE(nn.Module):
             z = self.shared(x)
         else:
             handle = self.ep.dispatch(x, routing.indices)
-            z = self.shared(x)  # overlaps the token all-to-all
+            z = self.shared(x)
+            yield
             d = handle.wait()
-            y = self.ep.combine(self.run_dispatched(d), d, routing.weights).wait()
+            if cuts is not None and d.exchange is not None:
+                cuts.exchange(d.exchange, live=(routing.weights, z))
+            # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
+            handle = self.ep.combine(self.run_dispatched(d), d, routing.weights)
+            yield
+            y = handle.wait()
+            if cuts is not None and d.combine_exchange is not None:
+                cuts.exchange(d.combine_exchange, live=(routing.weights, z))
         if z is not None:
             y = y + z
         return y.view(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drain(self.steps(x))
