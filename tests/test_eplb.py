@@ -14,8 +14,10 @@ from models.deepseek_v3.eplb import (
 )
 from models.deepseek_v3.expert_parallel import ExpertParallel
 from tests.dist_utils import run_distributed
+from tests.tolerances import assert_reorder_close
 
-TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 GEMMs of different sizes (BLAS summation order): ~1e-6 relative
+# The EP runs and the one-process references add the same fp32 terms in another order (GEMMs of other
+# sizes, rows split over ranks): tests/tolerances.py bounds that from the magnitudes and reduction lengths.
 
 # /work/shared/golden/README.md: deepseek-ai/EPLB README example
 GOLDEN_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -177,8 +179,8 @@ def test_plan_application_and_redundant_experts_in_the_ep_runtime():
     all_grads = torch.cat([g for _, g, _, _, _ in results])
     want = torch.zeros(6, 3, 2).index_add_(0, new, all_grads)
     for rank, (_, _, synced, _, _) in enumerate(results):
-        # fp32 sums of <= 2 terms in a different order: 1e-6
-        torch.testing.assert_close(synced, want[local_physical_experts(new, rank, 2)], rtol=1e-6, atol=1e-6)
+        # each synced row sums at most 3 replicas' rows (new has expert 5 twice, 1 twice), in another order
+        assert_reorder_close(synced, want[local_physical_experts(new, rank, 2)], reduction=3)
 
 
 def _check_redundant_dispatch(results):
@@ -188,9 +190,10 @@ def _check_redundant_dispatch(results):
         x = res["x"].clone().requires_grad_()
         y = (res["gates"][..., None] * torch.einsum("td,tkod->tko", x, weight[res["idx"]])).sum(1)
         y.square().sum().backward()
-        torch.testing.assert_close(res["y"], y.detach(), **TOL)
-        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
-    torch.testing.assert_close(results[0]["w_grad"] + results[1]["w_grad"], weight.grad, **TOL)
+        # y: a 16-long dot then a sum over 2 experts; x_grad: 2 x 16 terms through y; w_grad: 6 tokens a rank
+        assert_reorder_close(res["y"], y.detach(), reduction=32, depth=2)
+        assert_reorder_close(res["x_grad"], x.grad, reduction=32, depth=2)
+    assert_reorder_close(results[0]["w_grad"] + results[1]["w_grad"], weight.grad, reduction=32, depth=3)
     # every token picks expert 0: each of its three replicas (slots 0, 3, 8) must receive rows
     slots0 = [res["rows_per_slot"][res["local_logical"] == 0] for res in results]
     assert sum(int((s > 0).sum()) for s in slots0) == 3
@@ -214,5 +217,6 @@ def _check_empty_rank(results):
         out = full(torch.cat([rows[:6], zeros, rows[6:], zeros]), torch.cat([m[:6], pad, m[6:], pad]))
         y = 0.5 * (out[:6] + out[128:134])
         y.square().sum().backward()
-        torch.testing.assert_close(res["y"], y.detach(), **TOL)
-        torch.testing.assert_close(res["x_grad"], x.grad, **TOL)
+        # w13 (K = dim 32), w2 (K = 16), the 2-expert average; x_grad back through w2 and w13 (K <= 32)
+        assert_reorder_close(res["y"], y.detach(), reduction=args.dim, depth=3)
+        assert_reorder_close(res["x_grad"], x.grad, reduction=2 * args.moe_inter_dim, depth=5)

@@ -52,10 +52,10 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     splits = tl.load(META + item * 6 + 5)
     if splits == 0:  # padding row of the plan
         return
-    b = tl.load(META + item * 6)
+    b = tl.load(META + item * 6).to(tl.int64)  # 64-bit: page * stride passes 2^31 from ~58K pages (4 GB)
     first = tl.load(META + item * 6 + 1)
     end = tl.load(META + item * 6 + 2)
-    slot = tl.load(META + item * 6 + 3)
+    slot = tl.load(META + item * 6 + 3).to(tl.int64)
     seqlen = tl.load(META + item * 6 + 4)
 
     offs_r = tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -80,7 +80,7 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     tiles_per_page: tl.constexpr = PAGE // BLOCK_N
     for t in range(first * tiles_per_page, end * tiles_per_page):
-        page = tl.load(BT + b * stride_bt + t // tiles_per_page)
+        page = tl.load(BT + b * stride_bt + t // tiles_per_page).to(tl.int64)
         offs_t = (t % tiles_per_page) * BLOCK_N + tl.arange(0, BLOCK_N)  # token slots within the page
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # token positions within the sequence
         n_ok = offs_n < seqlen
@@ -154,7 +154,7 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     b = tl.program_id(0)
     g = tl.program_id(1)
     tile = tl.program_id(2)
-    first = tl.load(NSPLITS + b)
+    first = tl.load(NSPLITS + b).to(tl.int64)  # slot * stride may pass 2^31
     count = tl.load(NSPLITS + b + 1) - first
     if count == 1:  # the decode kernel already wrote this sequence
         return
@@ -189,21 +189,24 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
 # (BLOCK_H, BLOCK_N, BLOCK_V, QK_CHUNK, warps, stages). From an AOT sm90 build (ptxas, no GPU): (16,16,128,0)
 # has no register spills; holding a wide Q tile spills (64 rows: ~250-1000 bytes of stack), which reloading Q
 # in 128-column chunks cuts to ~100. Which is fastest is for the autotuner on the GPU to say.
-_DECODE_CONFIGS = [(16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
+DECODE_CONFIGS = [(16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
                    (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2)]
 # the interpreter runs one config (tests swap in others); it exercises sub-page tiles, V slices and Q chunks
 _INTERP_DECODE_CONFIG = [(16, 32, 256, 128, 1, 1)]
 _decode = None
 
 
+def config_kwargs(config: tuple) -> dict:
+    """The meta-parameters of one ``DECODE_CONFIGS`` entry (its last two fields are warps and stages)."""
+    return dict(zip(("BLOCK_H", "BLOCK_N", "BLOCK_V", "QK_CHUNK"), config[:-2]))
+
+
 def _decode_kernel_tuned():
     global _decode
     if _decode is None:
-        configs = _INTERP_DECODE_CONFIG if interpreted() else _DECODE_CONFIGS
+        configs = _INTERP_DECODE_CONFIG if interpreted() else DECODE_CONFIGS
         _decode = triton.autotune(
-            [triton.Config({"BLOCK_H": h, "BLOCK_N": n, "BLOCK_V": v, "QK_CHUNK": c}, num_warps=w,
-                           num_stages=pipeline_stages(st))
-             for h, n, v, c, w, st in configs],
+            [triton.Config(config_kwargs(c), num_warps=c[-2], num_stages=pipeline_stages(c[-1])) for c in configs],
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
     return _decode
