@@ -45,16 +45,18 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     yields while tokens are in flight). Both runs do F(b), F(a), B(b), B(a); the overlapped run pairs
     F(a) on stage 0 with B(b) on the last stage (the loss path), then F(a) on the last stage with
     B(b) through stage 0 (the output-gradient path)."""
+    from training.loss import StageLoss
     from training.stages import DeepSeekV3Stage
 
     first, last = _build("dualpipev")
+    criterion = StageLoss(last, last.args.mtp_loss_weight)
     torch.manual_seed(100 + rank)  # each rank its own tokens
     a, b = (torch.randint(0, 256, (2, 33)) for _ in range(2))
 
     def forward(mb):  # stage 0 then the last stage, as the pipeline hands activations on one rank
         h0 = first(mb[:, :-1])
         x1 = h0.detach().requires_grad_()
-        return h0, x1, last.compute_loss(last(x1), mb)
+        return h0, x1, criterion(last(x1), mb)
 
     hb, xb, lb = forward(b)
     ha, xa, la = forward(a)
@@ -68,13 +70,13 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     hb, xb, lb = forward(b)
     ha, none = DeepSeekV3Stage.overlapped_forward_backward(first, [a[:, :-1]], None, [], last, lb, [], [])
     xa = ha.detach().requires_grad_()
-    out_a, la = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], last.compute_loss, [a], first, None,
+    out_a, la = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], criterion, [a], first, None,
                                                             [hb], [xb.grad])
     la.backward()
     ha.backward(xa.grad)
     got = _grads([first, last])
     worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
-    yields = sum(1 for _ in first._forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
+    yields = sum(1 for _ in first.forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
 
     # An expert rank that receives no token at all (every token prefers rank 0's experts 0..3) still
     # takes part in both all-to-alls forward and backward: no hang, finite loss, zero expert grads there.

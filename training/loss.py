@@ -20,8 +20,10 @@ from training.stages import DeepSeekV3Stage, mark_loss
 
 @dataclass
 class LossParts:
-    """One micro-batch's loss, detached: the next-token loss, each MTP depth's, and the tokens they average."""
+    """One micro-batch's loss, detached: the total (what backward starts from), the next-token loss, each
+    MTP depth's, and the tokens they average."""
 
+    total: float
     main: float
     mtp: list[float]
     tokens: int
@@ -44,12 +46,15 @@ class StageLoss:
         tokens, labels = windows[:, :-1], windows[:, 1:]
         logits = st.head(st.norm(h))
         parts = lm_losses(self.args, logits, mtp_logits(self.args, st.mtp, st.embed, st.head, h, tokens), labels)
-        self.parts.append(LossParts(float(parts["main"].detach()), [float(m.detach()) for m in parts["mtp"]],
-                                    labels.numel()))
+        self.parts.append(LossParts(float(parts["loss"].detach()), float(parts["main"].detach()),
+                                    [float(m.detach()) for m in parts["mtp"]], labels.numel()))
         return mark_loss(parts["loss"], h)
 
     def mean(self, name: str) -> float | None:
-        """Mean over this step's micro-batches of ``main`` or ``mtp`` (mean over depths); None when none."""
-        values = [p.main for p in self.parts] if name == "main" else [sum(p.mtp) / len(p.mtp) for p in self.parts
-                                                                       if p.mtp]
+        """Mean over this step's micro-batches of ``total``, ``main`` or ``mtp`` (itself the mean over depths);
+        None when there is none."""
+        if name == "mtp":
+            values = [sum(p.mtp) / len(p.mtp) for p in self.parts if p.mtp]
+        else:
+            values = [getattr(p, name) for p in self.parts]
         return sum(values) / len(values) if values else None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -42,9 +40,7 @@ class Block(nn.Module):
         h = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
         if not isinstance(self.ffn, MoE):
             return h + self.ffn(self.ffn_norm(h))
-        with cuts.carrying(h) if cuts is not None else contextlib.nullcontext():
-            y = yield from self.ffn.steps(self.ffn_norm(h), cuts)
-        return h + y
+        return (yield from self.ffn.steps(self.ffn_norm(h), cuts, residual=h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:

@@ -258,33 +258,40 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x)
 
     # ---- all together -----------------------------------------------------------------------------
-    def steps(self, x: torch.Tensor, cuts: Cuts | None = None) -> Steps[torch.Tensor]:
-        """The forward as steps: with expert parallelism it yields once the dispatch is posted (the
-        shared experts run before the yield, overlapping it) and once the combine is posted; ``cuts``
-        records both exchanges for a backward run piece by piece (``steps.backward_steps``)."""
+    def steps(self, x: torch.Tensor, cuts: Cuts | None = None,
+              residual: torch.Tensor | None = None) -> Steps[torch.Tensor]:
+        """The forward as steps (``residual + moe(x)`` when a residual is given): with expert parallelism it
+        yields once the dispatch is posted (the shared experts run before the yield, overlapping it) and
+        once the combine is posted; ``cuts`` records both exchanges for a backward run piece by piece
+        (``steps.backward_steps``)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         routing = self.route(x, seq_len=shape[-2] if len(shape) == 3 else None)
+        weights = routing.weights
         if self.ep is None:
             x_grouped, m_indices, state = self.permute(x, routing)
-            y = self.unpermute(self.experts(x_grouped, m_indices), state, routing.weights)
+            y = self.unpermute(self.experts(x_grouped, m_indices), state, weights)
             z = self.shared(x)
         else:
             handle = self.ep.dispatch(x, routing.indices)
             z = self.shared(x)
             yield
             d = handle.wait()
-            if cuts is not None and d.exchange is not None:
-                cuts.exchange(d.exchange, live=(routing.weights, z))
+            live = (weights, z, residual)
+            if cuts is not None and d.exchange is not None:  # each exchange: what crosses it, as fresh aliases
+                live = cuts.alias(*live)
+                cuts.exchange(d.exchange, *live)
+                live = cuts.alias(*live)  # the combine's weighted sum runs after its exchange: alias before
+            weights, z, residual = live
             # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
-            handle = self.ep.combine(self.run_dispatched(d), d, routing.weights)
+            handle = self.ep.combine(self.run_dispatched(d), d, weights)
             yield
             y = handle.wait()
             if cuts is not None and d.combine_exchange is not None:
-                cuts.exchange(d.combine_exchange, live=(routing.weights, z))
+                cuts.exchange(d.combine_exchange, *live)
         if z is not None:
             y = y + z
-        return y.view(shape)
+        return y.view(shape) if residual is None else residual + y.view(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drain(self.steps(x))

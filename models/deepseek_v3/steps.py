@@ -6,7 +6,7 @@
 pipeline schedule runs the same steps and puts another micro-batch's work where they yield.
 
 A forward run with a ``Cuts`` recorder also notes, at each expert all-to-all, the autograd edges on
-either side of it and the tensors that live across it (``Cuts.exchange``). ``backward_steps`` then
+either side of it and of the tensors that live across it (``Cuts.exchange``). ``backward_steps`` then
 runs that forward's backward between consecutive exchanges, and at each one posts the reverse
 all-to-all asynchronously and yields while it travels: the backward's exchanges hide behind
 whatever runs at the yield (V3's overlap of one micro-batch's backward with another's forward).
@@ -17,8 +17,7 @@ nodes, with a blocking reverse exchange).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -84,29 +83,24 @@ def _key(e: GradientEdge) -> tuple[int, int]:
 class Cuts:
     """What ``backward_steps`` needs from one forward: its input and its exchanges in order.
 
-    ``exchange(ex, live)`` is called by the MoE after each all-to-all has landed, with the tensors of
-    its own made before the exchange and used after it (routing weights, shared-expert output);
-    ``carrying(*t)`` adds the caller's (the block's residual) to every exchange inside the block.
-    Tensors without a gradient are skipped.
+    Code that uses, after an all-to-all, tensors made before it (routing weights, shared-expert
+    output, the block's residual) takes fresh ``alias``es of them that only the code after the
+    exchange reads, and names those in ``exchange(ex, *aliases)`` once the exchange has landed. The
+    backward takes their gradients at the aliases, so it stops there instead of running into the
+    code before the exchange (which the exchange's own path also reaches).
     """
 
     def __init__(self, stage_input: torch.Tensor | None = None) -> None:
         self.stage_input = stage_input if stage_input is not None and stage_input.requires_grad else None
         self.marks: list[_Mark] = []
-        self._carried: list[torch.Tensor] = []
 
-    @contextlib.contextmanager
-    def carrying(self, *tensors: torch.Tensor) -> Iterator[None]:
-        n = len(self._carried)
-        self._carried.extend(tensors)
-        try:
-            yield
-        finally:
-            del self._carried[n:]
+    @staticmethod
+    def alias(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """A fresh autograd node per tensor (the same values); None and tensors without grad pass as they are."""
+        return tuple(t.view_as(t) if t is not None and t.requires_grad else t for t in tensors)
 
-    def exchange(self, ex: Reversible, live: Sequence[torch.Tensor | None] = ()) -> None:
-        tensors = [t for t in (*live, *self._carried) if t is not None and t.requires_grad]
-        self.marks.append(_Mark(ex, tuple(get_gradient_edge(t) for t in tensors)))
+    def exchange(self, ex: Reversible, *live: torch.Tensor | None) -> None:
+        self.marks.append(_Mark(ex, tuple(get_gradient_edge(t) for t in live if t is not None and t.requires_grad)))
 
 
 def _leaves(roots: Sequence[GradientEdge], stops: set[tuple[int, int]]) -> list[torch.Tensor]:
