@@ -413,9 +413,6 @@ def validate_eplb(cfg: TrainConfig) -> None:
     if p.ep < 2:
         raise ValueError(f"eplb.enabled needs expert parallelism: parallel.ep must be > 1, got {p.ep} (with one EP "
                          "rank every expert is local and there is no per-GPU load to balance)")
-    if p.schedule == "dualpipe":
-        raise ValueError("eplb.enabled is not supported with parallel.schedule='dualpipe' (each stage is held by two "
-                         "pipeline ranks whose expert layouts would have to be planned together); use dualpipev")
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:

@@ -49,31 +49,40 @@ def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, 
     if "aux_free" not in cfg.balance.model_config().parts:
         return
     if cfg.parallel.schedule == "dualpipe":
-        sum_mirrored_counts(stages, ps.group("pp"), cfg.parallel.pp, args, device)
+        sum_mirrored_counts(stages, ps.group("pp"), args, device)
     if not moe_layers(stages):
         return
     update_expert_biases(nn.ModuleList(stages), gamma, cfg.balance.recenter, group=ps.group("dp"))
 
 
 @torch.no_grad()
-def sum_mirrored_counts(stages: list[nn.Module], pp_group: dist.ProcessGroup | None, pp: int, args: ModelArgs,
-                        device: torch.device) -> None:
-    """DualPipe holds each stage on two pipeline ranks, each seeing half of the micro-batches: sum
-    the expert loads of the two copies (over the pp group, a zero row where a rank lacks the stage)
-    so both copies apply the same bias update as one process would."""
-    n_moe = args.n_layers + args.n_mtp_layers
-    table = torch.zeros(pp, n_moe, args.n_routed_experts, device=device)
-    slots = []
-    for st in stages:
-        for m in moe_layers([st]):
-            slots.append((st.stage_id, m.layer_id, m.balancer))
-            table[st.stage_id, m.layer_id] = m.balancer.counts_for_update.to(table.device)
+def mirror_sum(rows: torch.Tensor, layer_ids: list[int], pp_group: dist.ProcessGroup | None,
+               n_moe: int) -> torch.Tensor:
+    """DualPipe holds each stage on two pipeline ranks, each seeing half of the micro-batches: the sum of
+    per-layer ``rows [len(layer_ids), E]`` over the two copies (a table by global MoE layer id, all-reduced
+    over the pp group: exactly the two copies fill each row). Collective over ``pp_group``."""
+    table = torch.zeros(n_moe, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    ids = torch.tensor(layer_ids, dtype=torch.long, device=rows.device)
+    table[ids] = rows
     dist.all_reduce(table, group=pp_group)
-    for stage_id, layer_id, balancer in slots:
-        balancer.counts_for_update.copy_(table[stage_id, layer_id].to(balancer.counts_for_update.device))
+    return table[ids]
 
 
-def load_metrics(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, device: torch.device) -> dict[str, Any]:
+@torch.no_grad()
+def sum_mirrored_counts(stages: list[nn.Module], pp_group: dist.ProcessGroup | None, args: ModelArgs,
+                        device: torch.device) -> None:
+    """The expert loads of a stage's two DualPipe copies summed (``mirror_sum``), so both copies apply the
+    same bias update as one process would."""
+    layers = moe_layers(stages)
+    rows = torch.stack([m.balancer.counts_for_update.to(device) for m in layers]) if layers else torch.zeros(
+        0, args.n_routed_experts, device=device)
+    summed = mirror_sum(rows, [m.layer_id for m in layers], pp_group, args.n_layers + args.n_mtp_layers)
+    for m, row in zip(layers, summed):
+        m.balancer.counts_for_update.copy_(row.to(m.balancer.counts_for_update.device))
+
+
+def load_metrics(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs,
+                 device: torch.device) -> dict[str, Any]:
     """``max_vio`` over the global batch (mean over this rank's layers, then over ranks holding MoE
     layers), balance losses, and the per-layer loads of this rank (for the JSONL file). With expert
     parallelism also ``ep_imbalance``: max / mean rows received per EP rank (the per-GPU load EPLB
@@ -85,8 +94,11 @@ def load_metrics(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, d
     out: dict[str, Any] = {}
     vio, weight = 0.0, 0.0
     imbalance = rank_imbalance(layers, ps.group("ep"), device) if cfg.parallel.ep > 1 else None
+    counts = torch.stack([m.balancer.counts_for_metrics.float().to(device) for m in layers]) if layers else None
+    if cfg.parallel.schedule == "dualpipe":  # collective on every pp rank, with or without MoE layers
+        counts = mirror_sum(counts if counts is not None else torch.zeros(0, args.n_routed_experts, device=device),
+                            [m.layer_id for m in layers], ps.group("pp"), args.n_layers + args.n_mtp_layers)
     if layers:
-        counts = torch.stack([m.balancer.counts_for_metrics.float() for m in layers])
         group = ps.group("dp")
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)  # every rank of a dp group holds the same layers

@@ -156,8 +156,9 @@ class Trainer:
         self.pipeline = PipelineRunner(self.stages, cfg, ps) if cfg.parallel.schedule != "none" else None
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
-        self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"),
-                                self.optimizer.optimizers) if cfg.eplb.enabled else None
+        self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
+                                mirror_group=ps.group("pp") if cfg.parallel.schedule == "dualpipe" else None
+                                ) if cfg.eplb.enabled else None
         self.step, self.tokens_seen = 0, 0
         self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
         self.step_end_hooks: list[Callable[[Trainer, dict[str, Any]], None]] = []
@@ -321,7 +322,7 @@ class Trainer:
             bal.gamma_stop_step and self.step >= bal.gamma_stop_step) else 0.0, device=self.device)
 
     def _load_metrics(self) -> dict[str, Any]:
-        return load_metrics(self.stages, self.cfg, self.ps, self.device)
+        return load_metrics(self.stages, self.cfg, self.ps, self.args, self.device)
 
     # ---- evaluation and sampling -------------------------------------------------------------------
     @torch.no_grad()
