@@ -334,7 +334,7 @@ class Trainer:
         total, n = 0.0, 0
         for b in range(batches):
             inputs, labels = self.corpus.valid_batch(b * self.cfg.parallel.dp + self.ps.coords.dp_rank, size)
-            h = pipeline_hidden(self, inputs.to(self.device))
+            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
             if h is not None:
                 st = self.loss_stage
                 logits = st.head(st.norm(h))
@@ -347,8 +347,9 @@ class Trainer:
     def generate(self, prompt: str, max_new_tokens: int) -> str:
         """Continuation of ``prompt`` through the pipeline (every rank must call it), sampled at
         ``run.sample_temperature`` (0 = greedy)."""
-        return pipeline_generate(self, prompt, max_new_tokens, temperature=self.cfg.run.sample_temperature,
-                                 seed=self.cfg.run.seed)
+        return pipeline_generate(self.stages, self.cfg.parallel, self.ps, self.tokenizer, self.corpus, prompt,
+                                 max_new_tokens, self.cfg.data.seq_len, self.dtype, self.device,
+                                 temperature=self.cfg.run.sample_temperature, seed=self.cfg.run.seed)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def start_logging(self, total_steps: int) -> None:

@@ -197,7 +197,7 @@ class MoE(nn.Module):
         super().__init__()
         self.ep = None
         if ep_group is not None:
-            from models.deepseek_v3.expert_parallel import ExpertParallel
+            from models.deepseek_v3.expert_parallel import ExpertParallel  # (it imports this module)
 
             self.ep = ExpertParallel(args.n_routed_experts, ep_group, fp8_dispatch=fp8_dispatch)
             mine = range(self.ep.rank * self.ep.local, (self.ep.rank + 1) * self.ep.local)
