@@ -79,6 +79,8 @@ class VerifySpec:
     exact) against ``tolerance``.
     flops(shape) / bytes_moved(shape): for TFLOP/s and GB/s columns.
     fp8: the op's FLOPs run on FP8 tensor cores, so its roofline uses the device's FP8 peak.
+    allow: PyTorch operators the Triton path may run besides allocation and views (``{"aten.copy_":
+    "reason"}``); anything else it runs is an illegal fall-back (``accel.fallback``).
     """
 
     make_case: Callable[[dict, int, torch.device], Case]
@@ -89,6 +91,7 @@ class VerifySpec:
     flops: Callable[[dict], float] | None = None
     bytes_moved: Callable[[dict], float] | None = None
     fp8: bool = False
+    allow: dict[str, str] = field(default_factory=dict)
 
 
 _reference_calls: Counter[str] = Counter()
@@ -257,7 +260,7 @@ def ops() -> list[str]:
     return sorted(_OPS)
 
 
-KERNEL_PACKAGES = ("deep_gemm", "flash_mla")
+KERNEL_PACKAGES = ("deep_gemm", "flash_mla", "fused_ce")
 
 
 def import_kernel_packages(packages: Sequence[str] = KERNEL_PACKAGES) -> dict[str, str | None]:
@@ -342,9 +345,16 @@ def empty(*shape: int | Sequence[int], dtype: torch.dtype, device: torch.device 
     return t
 
 
+# NaN's byte in each fp8 format: poisoning fills bytes, one fill_ that accel.fallback counts as allocation.
+_FP8_NAN_BYTE = {dtype: int(torch.tensor(float("nan")).to(dtype).view(torch.uint8))
+                 for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 def fill(t: torch.Tensor, value: float | int) -> torch.Tensor:
     """Fill in place; works for fp8 dtypes too (which lack a fill kernel on some builds)."""
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if t.dtype in _FP8_NAN_BYTE and value != value:  # NaN
+        t.view(torch.uint8).fill_(_FP8_NAN_BYTE[t.dtype])
+    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         t.copy_(torch.full(t.shape, value, dtype=torch.float32, device=t.device))
     else:
         t.fill_(value)

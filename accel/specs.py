@@ -1,6 +1,8 @@
 """Peak throughput of known devices, for MFU and roofline figures.
 
-Dense (no 2:4 sparsity) tensor-core peaks. Figures are the vendors' published numbers; where a
+Dense (no 2:4 sparsity) tensor-core peaks, and the device memory the driver reports (the 80 GB
+H100/H800 parts show 81559 MiB = 79.6 GiB, the 141 GB H200 143771 MiB = 140.4 GiB, the A100 80GB
+81920 MiB; the 40 GB A100 is not told apart). Figures are the vendors' published numbers; where a
 vendor publishes only a sparse figure it is halved. MUSA figures come from Moore Threads'
 product pages and launch material and are less certain than NVIDIA's datasheets.
 """
@@ -17,29 +19,30 @@ class DeviceSpec:
     bf16_tflops: float
     fp8_tflops: float  # 0.0 where the device has no FP8 tensor cores
     memory_gbps: float
+    memory_gib: float = 0.0  # device memory the driver reports (nvidia-smi's total), GiB; 0.0 = unknown
 
 
 # Order matters: the first key found in the device name wins (form-factor variants before the SXM part).
 # A key matches as a whole model number: "A100" does not match "RTX A1000".
 _SPECS: tuple[tuple[str, DeviceSpec], ...] = (
     # NVIDIA H200 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 4.8 TB/s HBM3e.
-    ("H200 NVL", DeviceSpec("H200 NVL", 835.0, 1670.0, 4800.0)),
+    ("H200 NVL", DeviceSpec("H200 NVL", 835.0, 1670.0, 4800.0, 140.4)),
     # NVIDIA H200 datasheet (SXM): 989 bf16 / 1979 fp8 dense TFLOP/s, 4.8 TB/s HBM3e.
-    ("H200", DeviceSpec("H200", 989.0, 1979.0, 4800.0)),
+    ("H200", DeviceSpec("H200", 989.0, 1979.0, 4800.0, 140.4)),
     # NVIDIA H100 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 3.9 TB/s HBM3.
-    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 3900.0)),
+    ("H100 NVL", DeviceSpec("H100 NVL", 835.0, 1670.0, 3900.0, 93.6)),
     # NVIDIA H100 PCIe datasheet: 1513 bf16 / 3026 fp8 sparse TFLOP/s (halved), 2.0 TB/s HBM2e.
-    ("H100 PCIE", DeviceSpec("H100 PCIe", 756.0, 1513.0, 2000.0)),
+    ("H100 PCIE", DeviceSpec("H100 PCIe", 756.0, 1513.0, 2000.0, 79.6)),
     # NVIDIA H800 (SXM): H100 compute with reduced NVLink; 3.35 TB/s HBM3 (DeepSeek-V3 report's cluster).
-    ("H800", DeviceSpec("H800", 989.0, 1979.0, 3350.0)),
+    ("H800", DeviceSpec("H800", 989.0, 1979.0, 3350.0, 79.6)),
     # NVIDIA H100 datasheet (SXM5): 989 bf16 / 1979 fp8 dense TFLOP/s, 3.35 TB/s HBM3.
-    ("H100", DeviceSpec("H100", 989.0, 1979.0, 3350.0)),
+    ("H100", DeviceSpec("H100", 989.0, 1979.0, 3350.0, 79.6)),
     # NVIDIA A100 datasheet (SXM 80GB): 312 bf16 dense TFLOP/s, no FP8, 2.039 TB/s HBM2e.
-    ("A100", DeviceSpec("A100", 312.0, 0.0, 2039.0)),
+    ("A100", DeviceSpec("A100", 312.0, 0.0, 2039.0, 80.0)),
     # Moore Threads MTT S5000 launch material: ~1 PFLOP/s FP8, ~500 bf16, 1.6 TB/s (press figures).
     ("S5000", DeviceSpec("MTT S5000", 500.0, 1000.0, 1600.0)),
     # Moore Threads MTT S4000 product page: 100 TFLOP/s bf16/fp16, no FP8, 768 GB/s GDDR6.
-    ("S4000", DeviceSpec("MTT S4000", 100.0, 0.0, 768.0)),
+    ("S4000", DeviceSpec("MTT S4000", 100.0, 0.0, 768.0, 48.0)),
 )
 
 

@@ -10,7 +10,9 @@ For each op in ``accel.registry`` and each shape of its ``VerifySpec``, on sever
    returns through ``registry.empty`` start as NaN too. An element the kernel never writes fails.
 3. The kernel runs through the registry with Triton forced (a fall-back or ``Unsupported`` fails);
    ``registry.reference_call_count()`` before and after proves no reference of any op ran inside it,
-   and at least one Triton kernel must have been launched (``count_triton_launches``).
+   and ``accel.fallback.record_call`` proves that at least one Triton kernel was launched, that no
+   PyTorch operator beyond allocation, views and ``VerifySpec.allow`` ran, and that every output was
+   last written by a kernel launch.
 4. Every input tensor is compared bit for bit (NaN-aware) with the untouched original.
 5. Outputs are compared with the reference's: ``VerifySpec.compare`` or, by default, ``calc_diff``
    per tensor, taken block by block so a wrong tile cannot hide in a large output (``blockwise_diff``),
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from accel import registry, specs
+from accel import fallback, registry, specs
 from accel.backend import backend, default_device, device_name, synchronize
 from accel.registry import Case, KernelOp
 from accel.report import CPU_TIMING_NOTE, context, format_table
@@ -398,8 +400,10 @@ def _check_seed(op: KernelOp, shape: dict, seed: int, device: torch.device) -> t
 
     problems = []
     calls_before = registry.reference_call_counts()
+    kernel_inputs, kernel_outputs = _split(op, ker_case)
     try:
-        with registry.force("triton"), registry.poisoned_outputs(), count_triton_launches() as launches:
+        with registry.force("triton"), registry.poisoned_outputs(), count_triton_launches() as launches, \
+                fallback.record_call([t for _, t in kernel_inputs], allow=spec.allow) as record:
             returned = op(*ker_case.args, **ker_case.kwargs)
             synchronize()
     except Exception as exc:
@@ -416,6 +420,11 @@ def _check_seed(op: KernelOp, shape: dict, seed: int, device: torch.device) -> t
             problems.append("the Triton implementation launched no Triton kernel")
     if op.last_impl != "triton":
         problems.append(f"the registry ran {op.last_impl!r}, not the Triton kernel")
+    problems += record.problems()
+    if launches is None or launches[0]:  # "no launch" is said above
+        problems += [p for p in fallback.output_problems(
+            record, named_tensors("out", returned) + kernel_outputs, kernel_inputs)
+            if p != "the candidate launched no Triton kernel"]
 
     changed = _changed_inputs(original_inputs, _split(op, ker_case)[0])
     if changed:

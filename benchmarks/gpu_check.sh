@@ -2,11 +2,16 @@
 # The one script a GPU session runs, from the repo root:   bash benchmarks/gpu_check.sh [OUTDIR]
 #
 # Steps, in order, each with its own timeout, each logged, a failure never stops the next one:
-#   env      nvidia-smi, python / torch / triton versions, what accel detects (backend, device, spec)
-#   <area>   deep_gemm, flash_mla, model, experts first: benchmarks/gpu_check.d/<area>.sh (header "# timeout: SECONDS")
-#   pytest   pytest -m gpu over tests/
-#   verify   python -m recipes.verify_kernels --bench-shapes --json OUTDIR/verify_kernels.json (strict)
-#   <area>   the other benchmarks/gpu_check.d/*.sh, alphabetically
+#   env        nvidia-smi, python / torch / triton versions, what accel detects (backend, device, spec)
+#   warm       python -m recipes.warm_kernels: every deep_gemm / flash_mla kernel compiled at every autotune
+#              config on the host's cores, in parallel, into Triton's cache (so no benchmark waits on ptxas)
+#   deep_gemm, flash_mla   the kernel benchmarks (benchmarks/gpu_check.d/<area>.sh, header "# timeout: SECONDS");
+#              each row is appended to <area>/*.rows.jsonl the moment it is measured
+#   model, experts         the other areas with GPU performance targets
+#   pytest     pytest -m gpu over tests/ (after the benchmarks: a failing test cannot cost a number)
+#   verify     python -m recipes.verify_kernels --bench-shapes (strict); an area script of a core step's name
+#              (gpu_check.d/verify.sh) replaces it
+#   <area>     the other benchmarks/gpu_check.d/*.sh, alphabetically
 # then a summary (OUTDIR/summary.txt). Installs nothing: it uses the python that already has torch
 # ($PY, else .venv/bin/python, else python3) with the checkout on PYTHONPATH.
 #
@@ -18,7 +23,12 @@
 # Knobs: GPU_CHECK_BUDGET (total seconds, default 540: the whole run fits ~9 minutes; a step gets at
 # most what is left, and is skipped with under 20 s left), GPU_CHECK_STEPS (space-separated step
 # names, run in that order: "verify flash_mla env"; default all), GPU_CHECK_D (the area-script
-# folder), GPU_CHECK_PACK (1/0).
+# folder), GPU_CHECK_PACK (1/0), GPU_CHECK_JOBS (warm-up processes; default: all cores).
+#
+# Dry mode, on any machine: GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh runs the same orchestration with
+# every step stubbed to take its whole timeout on a simulated clock (or the seconds given for it in
+# GPU_CHECK_DRY_TIMES="warm=80 model=30"), and fails unless every step gets its full timeout within the
+# budget: the budget arithmetic of the real run, checked on a CPU.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,6 +45,20 @@ AREA_DIR="${GPU_CHECK_D:-$REPO/benchmarks/gpu_check.d}"
 ONLY="${GPU_CHECK_STEPS:-}"
 START=$SECONDS
 FAILED=0
+DRY="${GPU_CHECK_DRY:-0}"
+DRY_CLOCK=0       # the simulated seconds spent, in dry mode
+SHORTED=0         # steps that got less than their timeout (dry mode fails on any)
+
+elapsed() { if [[ $DRY == 1 ]]; then echo "$DRY_CLOCK"; else echo $((SECONDS - START)); fi; }
+
+# dry_seconds NAME LIMIT: how long a stubbed step takes (GPU_CHECK_DRY_TIMES, else its whole limit)
+dry_seconds() {
+    local pair
+    for pair in ${GPU_CHECK_DRY_TIMES:-}; do
+        [[ ${pair%%=*} == "$1" ]] && { echo "${pair#*=}"; return; }
+    done
+    echo "$2"
+}
 
 if [[ -z "${PY:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]] && "$REPO/.venv/bin/python" -c "import torch" 2>/dev/null; then
@@ -53,23 +77,39 @@ say() { echo "$*" | tee -a "$ALL"; }
 
 # run_step NAME TIMEOUT COMMAND...: run with the smaller of TIMEOUT and the budget left, log, record.
 run_step() {
-    local name="$1" limit="$2"
+    local name="$1" limit="$2" want="$2"
     shift 2
-    local left=$((BUDGET - (SECONDS - START)))
+    local left=$((BUDGET - $(elapsed)))
     if ((left < 20)); then
+        SHORTED=$((SHORTED + 1))
         printf '%-24s %-8s %6s  %s\n' "$name" SKIPPED - "budget of ${BUDGET}s spent" >>"$SUMMARY"
         say "== $name: skipped, budget of ${BUDGET}s spent"
         FAILED=1
         return 0
     fi
-    ((limit > left)) && limit=$left
-    local log="$OUTDIR/steps/$name.log" t0=$SECONDS rc
+    if ((limit > left)); then
+        SHORTED=$((SHORTED + 1))
+        say "== $name: only ${left}s of its ${limit}s timeout left in the budget"
+        limit=$left
+    fi
+    local log="$OUTDIR/steps/$name.log" t0=$SECONDS rc took
     export GPU_CHECK_OUT="$OUTDIR/steps/$name"
     mkdir -p "$GPU_CHECK_OUT"
     say "== $name (timeout ${limit}s): $*"
     : >"$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$ALL" "$log"
-    rc=${PIPESTATUS[0]}
+    if [[ $DRY == 1 ]]; then  # stub: no command runs; the step takes its simulated seconds (capped by its timeout)
+        took=$(dry_seconds "$name" "$limit")
+        ((took > limit)) && took=$limit
+        echo "dry run: would run $* (simulated ${took}s)" | tee -a "$ALL" "$log"
+        echo "{\"step\": \"$name\", \"dry_seconds\": $took}" >"$GPU_CHECK_OUT/dry.rows.jsonl"
+        DRY_CLOCK=$((DRY_CLOCK + took))
+        rc=0
+        ((took >= limit && limit < want)) && rc=124
+    else
+        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$ALL" "$log"
+        rc=${PIPESTATUS[0]}
+        took=$((SECONDS - t0))
+    fi
     rmdir "$GPU_CHECK_OUT" 2>/dev/null  # keep only folders a step wrote into
     local status=PASS
     case $rc in
@@ -79,9 +119,9 @@ run_step() {
         *) status=FAIL ;;
     esac
     [[ $status == PASS || $status == NO-TESTS ]] || FAILED=1
-    printf '%-24s %-8s %5ss  exit %s, log steps/%s.log\n' "$name" "$status" $((SECONDS - t0)) "$rc" "$name" \
+    printf '%-24s %-8s %5ss  exit %s, log steps/%s.log\n' "$name" "$status" "$took" "$rc" "$name" \
         >>"$SUMMARY"
-    say "== $name: $status (exit $rc, $((SECONDS - t0))s)"
+    say "== $name: $status (exit $rc, ${took}s)"
 }
 
 env_report() {
@@ -110,43 +150,45 @@ print("accel: spec", spec, "| triton", accel.triton_available(), accel.triton_un
 EOF
 }
 
-say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, budget ${BUDGET}s"
+say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, budget ${BUDGET}s$([[ $DRY == 1 ]] && echo ', DRY RUN (nothing runs; simulated clock)')"
 
 export -f env_report  # `timeout` runs programs, not shell functions
 
-# run_named NAME: one step by name (core steps, else benchmarks/gpu_check.d/NAME.sh).
+# run_named NAME: one step by name: an area script benchmarks/gpu_check.d/NAME.sh, else a core step.
 run_named() {
-    local name="$1" script limit
+    local name="$1" script="$AREA_DIR/$1.sh" limit
+    if [[ -f "$script" ]]; then
+        limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
+        run_step "$name" "${limit:-60}" bash "$script"
+        return 0
+    fi
     case "$name" in
-        env) run_step env 60 bash -c env_report ;;
+        env) run_step env 15 bash -c env_report ;;
+        warm) run_step warm 110 "$PY" -m recipes.warm_kernels --jobs "${GPU_CHECK_JOBS:-$(nproc)}" --timeout 100 ;;
         # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
-        pytest) run_step pytest 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests ;;
-        verify) run_step verify 200 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
+        pytest) run_step pytest 75 env DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+            --continue-on-collection-errors --timeout 60 tests ;;
+        verify) run_step verify 45 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
             --json "$OUTDIR/verify_kernels.json" ;;
         *)
-            script="$AREA_DIR/$name.sh"
-            if [[ ! -f "$script" ]]; then
-                printf '%-24s %-8s %6s  %s\n' "$name" UNKNOWN - "no such step (env, pytest, verify, or $AREA_DIR/*.sh)" \
-                    >>"$SUMMARY"
-                say "== $name: unknown step"
-                FAILED=1
-                return 0
-            fi
-            limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
-            run_step "$name" "${limit:-120}" bash "$script"
+            printf '%-24s %-8s %6s  %s\n' "$name" UNKNOWN - "no such step (env, warm, pytest, verify, or $AREA_DIR/*.sh)" \
+                >>"$SUMMARY"
+            say "== $name: unknown step"
+            FAILED=1
             ;;
     esac
 }
 
-# Default order: env, the areas whose performance targets have no GPU figure yet (each runs its own
-# GPU tests first), pytest, verify, then the other areas alphabetically. GPU_CHECK_STEPS picks and orders.
-FIRST=(env deep_gemm flash_mla model experts pytest verify)
+# Default order: env, the compile warm-up, the areas whose performance targets have no GPU figure yet
+# (benchmarks first), pytest, verify, then the other areas alphabetically. GPU_CHECK_STEPS picks and orders.
+CORE=(env warm pytest verify)
+FIRST=(env warm deep_gemm flash_mla model experts pytest verify)
 if [[ -n "$ONLY" ]]; then
     read -r -a ORDER <<<"$ONLY"
 else
     ORDER=()
     for name in "${FIRST[@]}"; do
-        [[ $name == env || $name == pytest || $name == verify || -f "$AREA_DIR/$name.sh" ]] && ORDER+=("$name")
+        [[ " ${CORE[*]} " =~ " $name " || -f "$AREA_DIR/$name.sh" ]] && ORDER+=("$name")
     done
     for script in "$AREA_DIR"/*.sh; do
         name="$(basename "$script" .sh)"
@@ -165,9 +207,14 @@ if [[ "$pack" == 1 ]]; then
     tar -C "$OUTDIR" -czf "$OUTDIR/steps.tar.gz" steps && rm -rf "$OUTDIR/steps"
 fi
 
+if [[ $DRY == 1 ]]; then
+    ((SHORTED)) && FAILED=1
+    BUDGET_LINE="dry run: the steps' timeouts need ${DRY_CLOCK}s of the ${BUDGET}s budget; $SHORTED step(s) would get less than their timeout"
+fi
 {
-    echo "== gpu_check summary ($((SECONDS - START))s of ${BUDGET}s budget) =="
+    echo "== gpu_check summary ($(elapsed)s of ${BUDGET}s budget$([[ $DRY == 1 ]] && echo ', simulated')) =="
     cat "$SUMMARY"
+    [[ -n "${BUDGET_LINE:-}" ]] && echo "$BUDGET_LINE"
     ((FAILED)) && echo "RESULT: FAILED" || echo "RESULT: all steps passed"
 } | tee -a "$ALL"
 exit $FAILED

@@ -8,6 +8,11 @@ Master weights and weight gradients stay in the weight's dtype (fp32 or bf16). D
 are not multiples of 128 are zero-padded internally. On a CPU the ops run their references
 (quantize, then exact fp32 arithmetic), so FP8 training can be studied without a GPU.
 
+Memory (DeepSeek-V3 report, 3.3.3): with ``fp8_cache`` the input is kept for backward only as the
+forward's e4m3 + 1x128-scale cast (dequantized and re-tiled to 128x1 for the wgrad), not in its
+own precision. The FP8 weights are never saved: backward casts the weight again (a weight-sized
+read) instead of holding a copy per in-flight micro-batch.
+
 Zero-bubble: backward computes the input gradient at once and hands the weight gradient to
 ``accel.wgrad.defer`` as a closure that accumulates into ``weight.grad`` exactly as autograd
 would (runs at once when nothing collects). The weight's gradient therefore never flows through
@@ -32,6 +37,7 @@ from deep_gemm.grouped import (
     m_grouped_fp8_gemm_nn_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
 )
+from deep_gemm.reference import dequantize
 from deep_gemm.utils import BLOCK, M_ALIGNMENT, align
 
 
@@ -75,14 +81,17 @@ def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, fp8_cache: bool):
         m, n = x.shape[0], weight.shape[0]
         if fp8:
             w_q = _fp8_weight(weight)
+            x_q = per_token_cast_to_fp8(_pad(x, BLOCK))
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
-            fp8_gemm_nt(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d)
+            fp8_gemm_nt(x_q, w_q, d)
             out = d[:, :n].to(x.dtype)
-            ctx.save_for_backward(x, *w_q)
+            # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
+            # would cost a byte per parameter each
+            ctx.save_for_backward(*(x_q if fp8_cache else (x,)))
         else:
             out = x @ weight.to(x.dtype).T
             ctx.save_for_backward(x)
@@ -91,46 +100,52 @@ class _LinearFunction(torch.autograd.Function):
         ctx.weight = weight
         if bias is not None:
             out = out + bias.to(out.dtype)
-        ctx.fp8, ctx.has_bias = fp8, bias is not None
+        ctx.fp8, ctx.fp8_cache, ctx.has_bias = fp8, fp8 and fp8_cache, bias is not None
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, *w_q = ctx.saved_tensors
         weight = ctx.weight
-        k = x.shape[1]
+        (m, k), x_dtype = ctx.x_shape, ctx.x_dtype
         grad_out = grad_out.contiguous()
         grad_x = grad_bias = None
+        w_q = _fp8_weight(weight) if ctx.fp8 else None
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
-                d = torch.empty(x.shape[0], w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=x.device)
-                fp8_gemm_nn(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d)
-                grad_x = d[:, :k].to(x.dtype)
+                d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
+                fp8_gemm_nn(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), w_q, d)
+                grad_x = d[:, :k].to(x_dtype)
             else:
-                grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x.dtype)
+                grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            fp8 = ctx.fp8
+            fp8, cached = ctx.fp8, ctx.fp8_cache
+            saved = ctx.saved_tensors
 
             def weight_grad() -> None:
                 if fp8:
+                    x = dequantize(*saved) if cached else saved[0]  # the forward's 1x128 cast, or x itself
                     dy_q = per_channel_cast_to_fp8(_pad(grad_out, BLOCK, BLOCK))
                     x_q = per_channel_cast_to_fp8(_pad(x, BLOCK, BLOCK))
                     d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
                     fp8_gemm_tn(dy_q, x_q, d)
                     g = d[: weight.shape[0], :k]
                 else:
-                    g = grad_out.T @ x.to(grad_out.dtype)
+                    g = grad_out.T @ saved[0].to(grad_out.dtype)
                 accumulate_grad(weight, g)
 
             _run_or_defer(weight_grad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0)
-        return grad_x, None, grad_bias, None
+        return grad_x, None, grad_bias, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool = False,
+           fp8_cache: bool = False) -> torch.Tensor:
     """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``.
 
+    ``fp8_cache`` (with ``fp8``): keep ``x`` for the weight gradient only as the forward's e4m3 + 1x128
+    cast (about 1/4 of fp32, 1/2 of bf16), not ``x`` itself; the wgrad re-tiles it to 128x1.
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -142,23 +157,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     lead = x.shape[:-1]
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, bool(fp8))
+    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, bool(fp8), bool(fp8_cache))
     return out.reshape(*lead, weight.shape[0])
 
 
 class Fp8Linear(nn.Linear):
-    """``nn.Linear`` whose three GEMMs run in FP8 (``fp8=False`` gives the bf16/fp32 path)."""
+    """``nn.Linear`` whose three GEMMs run in FP8 (``fp8=False`` gives the bf16/fp32 path); ``fp8_cache``
+    keeps its input for backward only in FP8 (see ``linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 fp8: bool = True):
+                 fp8: bool = True, fp8_cache: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.fp8 = fp8
+        self.fp8, self.fp8_cache = fp8, fp8_cache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, fp8=self.fp8)
+        return linear(x, self.weight, self.bias, fp8=self.fp8, fp8_cache=self.fp8_cache)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.fp8}"
+        return f"{super().extra_repr()}, fp8={self.fp8}, fp8_cache={self.fp8_cache}"
 
 
 # ---------------------------------------------------------------- grouped (MoE experts)
@@ -259,50 +275,56 @@ def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, gr
             accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
 
         _run_or_defer(weight_grad)
-    return grad_x, None, None, None
+    return grad_x, None, None, None, None
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool, fp8_cache: bool):
         num_groups, n, k = weight.shape
+        ctx.weight = weight  # the parameter itself: see _LinearFunction
+        ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, fp8 and fp8_cache, x.shape, x.dtype
         if not fp8:
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
             runs = _row_runs(m_indices)
             out = _segment_mm(x, weight.to(x.dtype).transpose(1, 2), runs, n)
             ctx.save_for_backward(x, m_indices)
-            ctx.fp8, ctx.runs, ctx.weight = fp8, runs, weight  # the parameter itself: see _LinearFunction
+            ctx.runs = runs
             return out
         valid = (m_indices >= 0).unsqueeze(1)
         x = x * valid.to(x.dtype)  # padding rows contribute nothing, whatever they hold
         owners = _block_owners(m_indices)
         w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+        x_q = per_token_cast_to_fp8(_pad(x, BLOCK))
         d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
-        m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_pad(x, BLOCK)), w_q, d, m_indices)
+        m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
         out = d[:, :n].to(x.dtype)
-        ctx.save_for_backward(x, m_indices, *w_q)
-        ctx.fp8, ctx.owners, ctx.weight = fp8, owners, weight  # the parameter itself: see _LinearFunction
+        # as in _LinearFunction: the FP8 weights are cast again in backward, not saved
+        ctx.save_for_backward(*(x_q if fp8_cache else (x,)), m_indices)
+        ctx.owners = owners
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, m_indices, *w_q = ctx.saved_tensors
+        *saved_x, m_indices = ctx.saved_tensors
         weight = ctx.weight
         num_groups, n, k = weight.shape
         if not ctx.fp8:
-            return _grouped_backward_unquantized(ctx, x, weight, grad_out.contiguous())
+            return _grouped_backward_unquantized(ctx, saved_x[0], weight, grad_out.contiguous())
         valid = (m_indices >= 0).unsqueeze(1)
         grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners = ctx.owners
+        owners, cached, x_dtype = ctx.owners, ctx.fp8_cache, ctx.x_dtype
         grad_x = None
         if ctx.needs_input_grad[0]:
-            d = torch.zeros(x.shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=x.device)
-            m_grouped_fp8_gemm_nn_contiguous(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), tuple(w_q), d, m_indices)
-            grad_x = d[:, :k].to(x.dtype)
+            w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+            d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
+            m_grouped_fp8_gemm_nn_contiguous(per_token_cast_to_fp8(_pad(grad_out, BLOCK)), w_q, d, m_indices)
+            grad_x = d[:, :k].to(x_dtype)
             grad_x = grad_x * valid.to(grad_x.dtype)
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> None:
+                x = dequantize(*saved_x) if cached else saved_x[0]  # the forward's 1x128 cast, or x itself
                 order, ks = _k_grouped_rows(owners, num_groups, x.device)
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
                 dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
@@ -313,15 +335,17 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 accumulate_grad(weight, d[:, :n, :k])
 
             _run_or_defer(weight_grad)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool = False,
+                   fp8_cache: bool = False) -> torch.Tensor:
     """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
 
     ``x [M, K]`` in the contiguous grouped layout (each group padded to 128 rows, M a multiple of
     128), ``weight [G, N, K]``. Backward: dgrad by the grouped nn GEMM, wgrad by the k-grouped tn
-    GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients.
+    GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients. ``fp8_cache`` (with
+    ``fp8``): ``x`` is kept for the weight gradient only as the forward's e4m3 + 1x128 cast (see ``linear``).
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -333,16 +357,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
-    return _GroupedLinearFunction.apply(x, weight, m_indices, bool(fp8))
+    return _GroupedLinearFunction.apply(x, weight, m_indices, bool(fp8), bool(fp8_cache))
 
 
 class GroupedLinear(nn.Module):
     """``num_groups`` experts' linear layers (no bias) over rows in the contiguous grouped layout."""
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, fp8: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, fp8_cache: bool = False):
         super().__init__()
         self.num_groups, self.in_features, self.out_features, self.fp8 = num_groups, in_features, out_features, fp8
+        self.fp8_cache = fp8_cache
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -351,8 +376,8 @@ class GroupedLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, m_indices, fp8=self.fp8)
+        return grouped_linear(x, self.weight, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
 
     def extra_repr(self) -> str:
         return f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, " \
-               f"fp8={self.fp8}"
+               f"fp8={self.fp8}, fp8_cache={self.fp8_cache}"

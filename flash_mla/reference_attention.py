@@ -5,8 +5,13 @@ for speed on BLAS as much as for clarity. Queries are cut into blocks of ``block
 kernel tiles them; with ``causal``, query block ``[r0, r1)`` multiplies only keys ``[0, r1)``, so the
 score and value GEMMs and the softmax cover ``(n + 1) / 2n`` of the square for ``n`` blocks (5/8 at
 n = 4) instead of all of it. Only the diagonal block needs a mask: a ``[block, block]`` upper
-triangle of -inf added in place. No ``[s, s]`` mask is ever built. The probabilities of each block
-are kept for backward (as SDPA's math path keeps the full matrix), which runs the same blocks.
+triangle of -inf added in place. No ``[s, s]`` mask is ever built.
+
+For backward it keeps what the flash kernel keeps, no more: its inputs q, k, v as given (views,
+no copies), not the probabilities. Backward recomputes each block's scores and softmax (the same
+ops, so the same probabilities bit for bit) before using them. That costs one more score GEMM per
+block, and it makes a CPU run hold for backward what a GPU run holds (``s^2 / 2`` probabilities per
+head would otherwise dominate the activation memory), which the memory accounting relies on.
 
 Same arithmetic as ``softmax(q k^T * scale) v`` up to fp32 summation order: each kept score is one
 dot product, and masked (finite) scores become exactly -inf (probability exactly 0), as in the full matrix.
@@ -32,53 +37,49 @@ def _causal_bias(n: int, device: torch.device) -> torch.Tensor:
 
 
 class _BlockedAttention(torch.autograd.Function):
-    """q/k ``[n, s, dqk]``, v ``[n, s, dv]`` fp32 (``n`` = batch x heads) -> out ``[n, s, dv]``."""
+    """q/k ``[b, s, h, dqk]``, v ``[b, s, h, dv]`` -> out ``[b, s, h, dv]`` fp32; saves q, k, v only."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, block: int):
         s = q.shape[1]
         ctx.causal, ctx.scale, ctx.block = causal, scale, block if causal else max(s, 1)
+        ctx.save_for_backward(q, k, v)
         if s == 0:  # an empty varlen sequence
-            ctx.save_for_backward(q, k, v)
-            return v.new_empty(v.shape)
-        block = ctx.block
-        q_scaled = q * scale  # one pass over q instead of one over every score block
-        k_t = k.transpose(1, 2)
-        bias = _causal_bias(block, q.device) if causal else None
-        probs, outs = [], []
-        for r0 in range(0, s, block):
-            r1 = min(r0 + block, s)
-            keys = r1 if causal else s
-            scores = torch.bmm(q_scaled[:, r0:r1], k_t[:, :, :keys])
-            if causal:
-                scores[:, :, r0:r1] += bias[: r1 - r0, : r1 - r0]
-            p = scores.softmax(dim=-1)
-            probs.append(p)
-            outs.append(torch.bmm(p, v[:, :keys]))
+            return v.new_empty(v.shape, dtype=torch.float32)
+        q_scaled, k_t, v_h = _operands(q, k, v, scale)
+        bias = _causal_bias(ctx.block, q.device) if causal else None
+        outs = []
+        for i in range(-(-s // ctx.block)):
+            p, keys = _block_probabilities(q_scaled, k_t, i, ctx.block, bias)
+            outs.append(torch.bmm(p, v_h[:, :keys]))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        ctx.save_for_backward(q_scaled, k, v, *probs)
-        return out
+        b, h = q.shape[0], q.shape[2]
+        return out.view(b, h, s, -1).transpose(1, 2).contiguous()
 
     @staticmethod
     @once_differentiable  # a hand-written backward: a double backward through it raises instead of going wrong
     def backward(ctx, grad_out: torch.Tensor):
-        q_scaled, k, v, *probs = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
         causal, scale, block = ctx.causal, ctx.scale, ctx.block
-        s = q_scaled.shape[1]
+        b, s, h = q.shape[:3]
         if s == 0:
-            return torch.zeros_like(q_scaled), torch.zeros_like(k), torch.zeros_like(v), None, None, None
-        grad_out = grad_out.contiguous()
-        v_t = v.transpose(1, 2)
-        grad_q = [None] * len(probs)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+        q_scaled, k_t, v_h = _operands(q, k, v, scale)
+        k_h = k_t.transpose(1, 2)
+        grad_out = _heads_first(grad_out)
+        v_t = v_h.transpose(1, 2)
+        bias = _causal_bias(block, q.device) if causal else None
+        n_blocks = -(-s // block)
+        grad_q = [None] * n_blocks
         grad_k = grad_v = None
         # last block first: it reaches every key, so it creates dK and dV and earlier blocks add to a prefix
-        for i in reversed(range(len(probs))):
+        for i in reversed(range(n_blocks)):
+            p, keys = _block_probabilities(q_scaled, k_t, i, block, bias)
             r0, r1 = i * block, min((i + 1) * block, s)
-            keys = r1 if causal else s
-            p, d_o = probs[i], grad_out[:, r0:r1]
+            d_o = grad_out[:, r0:r1]
             d_p = torch.bmm(d_o, v_t[:, :, :keys])
             d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)  # what autograd runs for softmax
-            grad_q[i] = torch.bmm(d_s, k[:, :keys])
+            grad_q[i] = torch.bmm(d_s, k_h[:, :keys])
             dv_part = torch.bmm(p.transpose(1, 2), d_o)
             dk_part = torch.bmm(d_s.transpose(1, 2), q_scaled[:, r0:r1])
             if grad_v is None:
@@ -87,7 +88,35 @@ class _BlockedAttention(torch.autograd.Function):
                 grad_v[:, :keys] += dv_part
                 grad_k[:, :keys] += dk_part
         grad_q = (torch.cat(grad_q, dim=1) if len(grad_q) > 1 else grad_q[0]).mul_(scale)
-        return grad_q, grad_k, grad_v, None, None, None
+
+        def back(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            return g.view(b, h, s, -1).transpose(1, 2).to(like.dtype)
+
+        return back(grad_q, q), back(grad_k, k), back(grad_v, v), None, None, None
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h, d]`` -> fp32 ``[b * h, s, d]`` (a copy, or a view when b or h is 1: never write to it)."""
+    b, s, h, d = t.shape
+    return t.float().transpose(1, 2).reshape(b * h, s, d)
+
+
+def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """(q * scale, k^T, v), heads first in fp32: one pass over q instead of one over every score block."""
+    return _heads_first(q) * scale, _heads_first(k).transpose(1, 2), _heads_first(v)
+
+
+def _block_probabilities(q_scaled: torch.Tensor, k_t: torch.Tensor, i: int, block: int,
+                         bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Query block ``i``'s softmax probabilities ``[n, rows, keys]`` and ``keys``; causal when ``bias``
+    (the -inf upper triangle) is given: the block sees keys ``[0, r1)`` only."""
+    s = q_scaled.shape[1]
+    r0, r1 = i * block, min((i + 1) * block, s)
+    keys = r1 if bias is not None else s
+    scores = torch.bmm(q_scaled[:, r0:r1], k_t[:, :, :keys])
+    if bias is not None:
+        scores[:, :, r0:r1] += bias[: r1 - r0, : r1 - r0]
+    return scores.softmax(dim=-1), keys
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -99,10 +128,4 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """
     if block < 1:
         raise ValueError(f"blocked_attention: block must be >= 1, got {block}")
-    b, s, h = q.shape[:3]
-
-    def heads_first(t: torch.Tensor) -> torch.Tensor:
-        return t.float().transpose(1, 2).reshape(b * h, s, t.shape[-1])
-
-    out = _BlockedAttention.apply(heads_first(q), heads_first(k), heads_first(v), causal, scale, block)
-    return out.view(b, h, s, v.shape[-1]).transpose(1, 2)
+    return _BlockedAttention.apply(q, k, v, causal, scale, block)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import accel
-from recipes.benchutil import kernel_bench_parser, print_report
+from recipes.benchutil import kernel_bench_parser, print_report, row_sink
 
 DENSE_M = (64, 128, 4096)
 DENSE_NK = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
@@ -109,7 +109,8 @@ def _gpu(args) -> int:
     dense_nk = DENSE_NK[3:5] if args.quick else DENSE_NK
     grouped = GROUPED_GM[:1] if args.quick else GROUPED_GM
     os.environ.setdefault("DSV3_DEEP_GEMM_CHECK_SCALES", "0")  # time the kernels, not a host sync per call
-    dense = [_dense_row(m, n, k, not args.no_baseline) for m in dense_m for n, k in dense_nk]
+    sink = row_sink(args.json, "dense")
+    dense = [sink(_dense_row(m, n, k, not args.no_baseline)) for m in dense_m for n, k in dense_nk]
     spec = accel.lookup(accel.device_name())
     for row in dense if spec and spec.fp8_tflops else ():
         row["ours_pct_fp8_peak"] = 100.0 * row["ours_TFLOPs"] / spec.fp8_tflops
@@ -121,7 +122,8 @@ def _gpu(args) -> int:
         notes.append(f"{spec.name} peaks: {spec.fp8_tflops:.0f} fp8 / {spec.bf16_tflops:.0f} bf16 dense TFLOP/s, "
                      f"{spec.memory_gbps:.0f} GB/s")
     print_report("deep_gemm dense FP8 GEMM (nt)", dense, json_path=args.json, notes=notes)
-    rows = [_grouped_row(g, mg, n, k, not args.no_baseline) for g, mg in grouped for n, k in GROUPED_NK]
+    sink = row_sink(args.json, "grouped")
+    rows = [sink(_grouped_row(g, mg, n, k, not args.no_baseline)) for g, mg in grouped for n, k in GROUPED_NK]
     print_report("deep_gemm grouped FP8 GEMM (contiguous layout)", rows,
                  json_path=f"{args.json}.grouped" if args.json else None,
                  notes=["bf16 = one torch matmul per group (same rows, same weights)"])

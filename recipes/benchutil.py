@@ -17,7 +17,22 @@ from typing import Any
 
 from accel.report import CPU_TIMING_NOTE, context, format_table
 
-__all__ = ["context", "format_table", "kernel_bench_parser", "print_report"]
+__all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink"]
+
+
+def row_sink(json_path: str | Path | None, table: str):
+    """A function that appends each row, the moment it is measured, to ``<json_path>.rows.jsonl`` (one JSON
+    object per line, tagged with ``table``) and returns it; a run killed at its timeout keeps every row it
+    measured. A no-op without ``json_path``."""
+    path = Path(f"{json_path}.rows.jsonl") if json_path else None
+
+    def sink(row: dict) -> dict:
+        if path is not None:
+            with path.open("a") as f:
+                f.write(json.dumps({"table": table, **row}, default=str) + "\n")
+        return row
+
+    return sink
 
 
 def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,

@@ -3,7 +3,7 @@
     python -m recipes.train --config recipes/configs/tiny_cpu.toml            # the demo (4 CPU processes)
     python -m recipes.train --config recipes/configs/tiny_cpu.toml --nproc 1 --set parallel.pp=1 ...
     torchrun --nproc-per-node 8 -m recipes.train --config recipes/configs/debug_gpu.toml
-    python -m recipes.train --config recipes/configs/deepseek_v3_671b.toml --dry-run
+    python -m recipes.train --config recipes/configs/deepseek_v3_671b.toml --dry-run --device H800
 
 Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches through
 ``torch.distributed.run`` on this machine. The config, the world size, the data files and the
@@ -31,13 +31,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>)")
     ap.add_argument("--resume", default=None, help="'auto' (newest valid checkpoint of the run folder) or a path")
     ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
+    ap.add_argument("--device", default=None, metavar="NAME",
+                    help="device the dry run checks memory against, e.g. H800 (accel.specs names) or cpu")
     ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                     help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
     return ap.parse_args(argv)
 
 
-def dry_run(cfg, world: int) -> None:
-    """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory.
+def dry_run(cfg, world: int, device: str | None = None) -> None:
+    """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory on
+    ``device`` (``--device``, e.g. H800) with a fits / does-not-fit verdict.
     Data files absent from this machine (a cluster path checked from a laptop) are reported, not fatal."""
     from training.memory import estimate, format_estimate
     from training.parallel import describe
@@ -52,7 +55,7 @@ def dry_run(cfg, world: int) -> None:
         print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
     else:
         print(f"data: {corpus.num_tokens} tokens, {corpus.num_train} training windows")
-    print(format_estimate(cfg, args, estimate(cfg, args)))
+    print(format_estimate(cfg, args, estimate(cfg, args, device=device)))
 
 
 def use_reference_kernels_on_cpu() -> None:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(ns.config, ns.overrides)
         nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
         if ns.dry_run:
-            dry_run(cfg, nproc)
+            dry_run(cfg, nproc, ns.device)
             return 0
         if under_torchrun():
             from training.run import RunOptions, run_training

@@ -1,26 +1,39 @@
-"""Verify every registered kernel op: compiles, correct on fresh seeds, no fall-back, faster than the reference.
+"""Verify kernels: a candidate file against its reference, a suite of them, or every registered op.
 
-    python -m recipes.verify_kernels                      # every op, its small shapes, 5 seeds
+    python -m recipes.verify_kernels --candidate NEW.py --reference REF.py [--json v.json]
+    python -m recipes.verify_kernels --candidate NEW.py --reference REF.py --shapes batch_size=8,dim=256
+    python -m recipes.verify_kernels --suite tests/verify_suite --json suite.json   # one subprocess each
+    python -m recipes.verify_kernels                      # every registered op, its small shapes, 5 seeds
     python -m recipes.verify_kernels --ops 'deep_gemm.*' --seeds 8 --json verify.json
     python -m recipes.verify_kernels --bench-shapes       # plus the realistic GPU shapes (GPU only)
     python -m recipes.verify_kernels --ops toy.axpby --seed 123 --seed 456   # replay failing seeds
 
 (installed as ``dsv3-verify-kernels``). On a cpu the kernels run in the Triton interpreter
 (TRITON_INTERPRET=1 is set here when unset): correctness is checked, timings mean nothing.
-Exit status: 0 all passed, 1 a check failed or a kernel package failed to import, 2 nothing to verify.
-The checks themselves live in ``accel.verify``.
+Candidate files are scored by MusaCoder's four gates (compiles, correct, no_fallback, faster), each
+reported on its own; formats and gates are described in ``accel.candidate`` and docs/foundation.md.
+Exit status: 0 every gate measurable here passed, 1 a gate failed (or a kernel package failed to
+import), 2 bad input (unusable files or arguments; nothing to verify). Registered ops are checked by
+``accel.verify``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_NOTHING = 0, 1, 2
+REPO = Path(__file__).resolve().parents[1]
+SUITE_TIMEOUT = 600
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +50,156 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list registered ops and what each would run now, then exit")
     p.add_argument("--import", dest="modules", action="append", default=[], metavar="MODULE",
                    help="also import MODULE (which registers more ops), repeatable")
+    g = p.add_argument_group("candidate files (the four gates)")
+    g.add_argument("--candidate", metavar="NEW.py", help="candidate file: ModelNew (KernelBench) or candidate()")
+    g.add_argument("--reference", metavar="REF.py",
+                   help="reference file: Model/get_inputs/get_init_inputs (KernelBench) or reference/make_inputs")
+    g.add_argument("--suite", metavar="DIR", help="verify every DIR/<problem>/candidate*.py against its "
+                   "reference.py, each in its own subprocess")
+    g.add_argument("--shapes", metavar="NAME=V,...", help="override the reference's module-level sizes")
+    g.add_argument("--tolerance", type=float, metavar="T",
+                   help="atol = rtol for every float output (default by dtype: fp32 1e-4, bf16/fp16 1e-2)")
+    g.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
+                   help="the faster gate passes at speedup >= X over the reference (default 1.0)")
+    g.add_argument("--allow", action="append", default=[], metavar="OP=REASON",
+                   help="let the candidate run PyTorch operator OP (e.g. aten.mm=...), repeatable")
+    g.add_argument("--timeout", type=float, default=SUITE_TIMEOUT, metavar="S",
+                   help=f"--suite: seconds per candidate before it is killed (default {SUITE_TIMEOUT})")
     return p
+
+
+def _parse_shapes(text: str | None) -> dict[str, float]:
+    shapes = {}
+    for item in filter(None, (text or "").split(",")):
+        name, sep, value = item.partition("=")
+        try:
+            shapes[name.strip()] = float(value) if sep else None
+        except ValueError:
+            shapes[name.strip()] = None
+        if shapes[name.strip()] is None:
+            raise ValueError(f"--shapes {item!r}: expected NAME=NUMBER")
+    return shapes
+
+
+def _parse_allow(items: Sequence[str]) -> dict[str, str]:
+    allow = {}
+    for item in items:
+        name, sep, reason = item.partition("=")
+        if not sep or not reason.strip():
+            raise ValueError(f"--allow {item!r}: expected OP=REASON (say why the operator is legitimate)")
+        allow[name.strip()] = reason.strip()
+    return allow
+
+
+def _interpreter_on_cpu() -> None:
+    import accel
+
+    if accel.backend() == "cpu" and not accel.triton_interpreted():
+        # Must precede any @triton.jit: the interpreter is picked when a kernel is decorated.
+        os.environ["TRITON_INTERPRET"] = "1"
+        accel.reset()
+
+
+def verify_files(args: argparse.Namespace) -> int:
+    """--candidate/--reference: the four gates on one candidate, in this process."""
+    from accel import candidate
+
+    verdict = candidate.verify_candidate(args.candidate, args.reference, seeds=args.seed or args.seeds,
+                                         tolerance=args.tolerance, min_speedup=args.min_speedup,
+                                         shapes=_parse_shapes(args.shapes), allow=_parse_allow(args.allow),
+                                         bench=not args.no_bench)
+    print(candidate.format_verdict(verdict))
+    if args.json:
+        Path(args.json).write_text(json.dumps(verdict.to_dict(), indent=2))
+        print(f"wrote {args.json}")
+    return verdict.exit_code
+
+
+def suite_problems(directory: str | Path) -> list[tuple[Path, Path]]:
+    """(candidate, reference) pairs: every ``<problem>/candidate*.py`` with its ``<problem>/reference.py``."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"--suite {directory}: not a directory")
+    pairs = [(c, d / "reference.py") for d in sorted(p for p in root.iterdir() if p.is_dir())
+             if (d / "reference.py").is_file() for c in sorted(d.glob("candidate*.py"))]
+    if not pairs:
+        raise ValueError(f"--suite {directory}: no <problem>/reference.py with candidate*.py beside it")
+    return pairs
+
+
+def _worker_argv(args: argparse.Namespace, cand: Path, ref: Path, out: Path) -> list[str]:
+    argv = [sys.executable, "-m", "recipes.verify_kernels", "--candidate", str(cand), "--reference", str(ref),
+            "--json", str(out), "--min-speedup", str(args.min_speedup)]
+    for s in args.seed or []:
+        argv += ["--seed", str(s)]
+    if not args.seed:
+        argv += ["--seeds", str(args.seeds)]
+    if args.tolerance is not None:
+        argv += ["--tolerance", str(args.tolerance)]
+    argv += [x for a in args.allow for x in ("--allow", a)] + (["--no-bench"] if args.no_bench else [])
+    return argv
+
+
+def run_one(args: argparse.Namespace, cand: Path, ref: Path) -> dict:
+    """One candidate in its own process: a crash, hang or illegal memory access costs only this verdict."""
+    from accel import candidate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "verdict.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(_worker_argv(args, cand, ref, out), env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            why, log = f"timed out after {args.timeout:g} s (killed)", ""
+        else:
+            if out.is_file():
+                doc = json.loads(out.read_text())
+                doc["seconds"] = time.perf_counter() - start
+                return doc
+            code = proc.returncode
+            why = (f"process killed by signal {signal.Signals(-code).name}" if code < 0
+                   else f"process exited with status {code} without a verdict")
+            log = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+            why += f": {log[0][:300]}" if log[0] else ""
+    verdict = candidate.Verdict(candidate=str(cand), reference=str(ref))
+    verdict.fail("compiles", why)
+    doc = verdict.to_dict()
+    doc["seconds"] = time.perf_counter() - start
+    return doc
+
+
+def verify_suite(args: argparse.Namespace) -> int:
+    from accel import candidate
+
+    try:
+        pairs = suite_problems(args.suite)
+    except ValueError as exc:
+        print(f"ERROR {exc}", file=sys.stderr)
+        return EXIT_NOTHING
+    docs = []
+    for i, (cand, ref) in enumerate(pairs, 1):
+        print(f"[{i}/{len(pairs)}] {cand.parent.name}/{cand.name} ...", end=" ", flush=True)
+        doc = run_one(args, cand, ref)
+        docs.append(doc)
+        failed = [g for g, v in doc["gates"].items() if v["status"] == "fail"]
+        print(f"{doc['verdict']} ({doc['seconds']:.1f} s)" + (f" failed: {', '.join(failed)}" if failed else "")
+              + (f" bad input: {doc['bad_input']}" if doc.get("bad_input") else ""), flush=True)
+    verdicts = [candidate.verdict_from_dict(d) for d in docs]
+    print(candidate.format_suite(verdicts))
+    for d in docs:
+        for g, v in d["gates"].items():
+            if v["status"] == "fail":
+                print(f"FAIL {Path(d['candidate']).parent.name}/{Path(d['candidate']).name} {g}: {v['message']}")
+    if args.json:
+        from accel.report import context
+
+        Path(args.json).write_text(json.dumps({"title": "kernel verification suite", "context": context(),
+                                               "summary": candidate.suite_summary(verdicts), "verdicts": docs},
+                                              indent=2))
+        print(f"wrote {args.json}")
+    return EXIT_OK if all(v.passed for v in verdicts) else EXIT_FAILED
 
 
 def _literal_prefix(pattern: str) -> str:
@@ -57,13 +219,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.seeds < 1:
         _parser().error(f"--seeds {args.seeds}: expected at least 1")
+    if bool(args.candidate) != bool(args.reference):
+        _parser().error("--candidate and --reference go together")
+    if args.suite and args.candidate:
+        _parser().error("--suite or --candidate/--reference, not both")
+    try:
+        _parse_shapes(args.shapes), _parse_allow(args.allow)
+    except ValueError as exc:
+        _parser().error(str(exc))
 
     import accel  # imported after parsing so that --help is instant
 
-    if accel.backend() == "cpu" and not accel.triton_interpreted():
-        # Must precede the kernel packages' import: @triton.jit picks the interpreter when it decorates.
-        os.environ["TRITON_INTERPRET"] = "1"
-        accel.reset()
+    _interpreter_on_cpu()
+    if args.candidate:
+        return verify_files(args)
+    if args.suite:
+        return verify_suite(args)
     from accel import registry, verify
 
     problems = []

@@ -209,3 +209,61 @@ def test_grouped_linear_module_defers_weight_gradient(fp8):
 def test_layer_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def _saved_while(fn):
+    """(result of fn(), [saved tensors' (dtype, numel)]) for everything autograd saved while fn ran."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_saves_only_the_e4m3_cast_and_matches_the_uncached_gradients(grouped, dtype):
+    """With ``fp8_cache`` the layer keeps its input only as the forward's e4m3 cast plus one fp32 scale per
+    1x128 tile (and, grouped, the int32 row map): no float copy of x, no FP8 weight copy. The forward and
+    the input gradient are the uncached ones bit for bit (same casts, x is not needed for dgrad); the
+    weight gradient re-tiles the cached 1x128 cast to 128x1, a second e4m3 rounding of x: it must still
+    meet the FP8 rule against fp32 (calc_diff < 2e-3) and stay within calc_diff 2e-3 of the uncached one.
+    Each e4m3 rounding has relative error <= 2^-4 and adds ~3e-4 to calc_diff (its mean square / 2): the
+    uncached wgrad (two rounded operands) gives ~6e-4, the cached one (x rounded twice) ~9e-4; a lost or
+    doubled tile would be > 1e-2."""
+    k, n = 200, 160  # K not a multiple of 128: the cast is padded
+    if grouped:
+        m_indices = deep_gemm.grouped.contiguous_layout([100, 150, 20], "cpu")
+        m = m_indices.numel()
+        w = (torch.randn(3, n, k) * 0.05).requires_grad_()
+        run = lambda x, cache: deep_gemm.grouped_linear(x, w, m_indices, fp8=True, fp8_cache=cache)  # noqa: E731
+    else:
+        m = 300
+        w = (torch.randn(n, k) * 0.05).requires_grad_()
+        run = lambda x, cache: deep_gemm.linear(x, w, fp8=True, fp8_cache=cache)  # noqa: E731
+    x0 = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(dtype)
+    grad_out = torch.randn(m, n, dtype=dtype)
+    results = {}
+    for cache in (False, True):
+        x = x0.clone().requires_grad_()
+        w.grad = None
+        y, saved = _saved_while(lambda x=x, cache=cache: run(x, cache))
+        y.backward(grad_out)
+        results[cache] = (y, x.grad, w.grad, saved)
+    floats = [(dt, numel) for dt, numel in results[True][3] if dt.is_floating_point]
+    k_pad = 256
+    assert sorted(floats, key=str) == sorted([(torch.float8_e4m3fn, m * k_pad), (torch.float32, m * k_pad // 128)],
+                                             key=str)
+    y0, gx0, gw0, _ = results[False]
+    y1, gx1, gw1, _ = results[True]
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert calc_diff(gw1, gw0) < FP8_TOL
+    if grouped:
+        _, _, gw_ref = _grouped_reference(x0.float(), w, m_indices, grad_out.float())
+    else:
+        _, _, gw_ref, _ = _fp32_linear_grads(x0.float(), w, None, grad_out.float())
+    assert calc_diff(gw1, gw_ref) < FP8_TOL

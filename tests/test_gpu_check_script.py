@@ -3,6 +3,7 @@ stops the next step, everything is logged and summarised, and the budget skips w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,8 +78,8 @@ def test_steps_run_in_the_order_asked_and_typos_are_reported(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_default_order_runs_the_unmeasured_targets_first(tmp_path):
-    """Without GPU_CHECK_STEPS: env, the areas with GPU performance targets (deep_gemm, flash_mla, model,
-    experts; those present), pytest, verify, then the other areas alphabetically, each once."""
+    """Without GPU_CHECK_STEPS: env, the compile warm-up, the areas with GPU performance targets (deep_gemm,
+    flash_mla, model, experts; those present), pytest, verify, then the other areas alphabetically, each once."""
     areas = tmp_path / "areas"
     areas.mkdir()
     for name in ("zeta", "model", "alpha", "deep_gemm"):
@@ -89,4 +90,78 @@ def test_default_order_runs_the_unmeasured_targets_first(tmp_path):
         env.pop(key, None)
     subprocess.run(["bash", str(SCRIPT), str(outdir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
     order = [line.split()[0] for line in (outdir / "summary.txt").read_text().splitlines()]
-    assert order == ["env", "deep_gemm", "model", "pytest", "verify", "alpha", "zeta"]
+    assert order == ["env", "warm", "deep_gemm", "model", "pytest", "verify", "alpha", "zeta"]
+
+
+def _dry(tmp_path, **extra):
+    env = dict(os.environ, GPU_CHECK_DRY="1", PY=sys.executable, **extra)
+    for key in ("OUT", "GPU_CHECK_STEPS", "GPU_CHECK_D", "GPU_CHECK_BUDGET"):
+        if key not in extra:
+            env.pop(key, None)
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    summary = [line.split() for line in (tmp_path / "out" / "summary.txt").read_text().splitlines()]
+    return proc, summary
+
+
+@pytest.mark.timeout(90)
+def test_dry_run_fits_every_step_of_the_real_check_in_nine_minutes(tmp_path):
+    """The real areas, each stubbed to take its whole timeout: all of them fit the 540 s budget, warm-up and
+    benchmarks before the tests, and every benchmark area in it."""
+    proc, summary = _dry(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    names = [row[0] for row in summary]
+    areas = sorted(p.stem for p in (REPO / "benchmarks" / "gpu_check.d").glob("*.sh"))
+    assert set(names) == set(areas) | {"env", "warm", "pytest", "verify"}
+    assert names.index("warm") < names.index("deep_gemm") < names.index("pytest")
+    assert names.index("flash_mla") < names.index("pytest")
+    assert all(row[1] == "PASS" for row in summary), summary
+    total = sum(int(row[2].rstrip("s")) for row in summary)  # each step's simulated seconds = its timeout
+    assert total <= 540
+    assert f"need {total}s of the 540s budget; 0 step(s)" in proc.stdout
+    assert (tmp_path / "out" / "steps" / "warm" / "dry.rows.jsonl").exists()  # the orchestration really ran
+
+
+@pytest.mark.timeout(90)
+def test_dry_run_fails_when_the_timeouts_do_not_fit(tmp_path):
+    proc, summary = _dry(tmp_path, GPU_CHECK_BUDGET="300")
+    assert proc.returncode == 1
+    assert "RESULT: FAILED" in proc.stdout and "would get less than their timeout" in proc.stdout
+    statuses = {row[0]: row[1] for row in summary}
+    assert statuses["env"] == "PASS" and statuses["training"] == "SKIPPED"
+    assert "TIMEOUT" in statuses.values()  # the step the budget cut short
+
+
+@pytest.mark.timeout(90)
+def test_dry_run_takes_measured_times(tmp_path):
+    proc, summary = _dry(tmp_path, GPU_CHECK_DRY_TIMES="warm=30 pytest=10", GPU_CHECK_STEPS="env warm pytest")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert [(row[0], row[2]) for row in summary] == [("env", "15s"), ("warm", "30s"), ("pytest", "10s")]
+
+
+def test_rows_are_written_as_they_are_measured(tmp_path):
+    from recipes.benchutil import row_sink
+
+    sink = row_sink(tmp_path / "bench.json", "decode")
+    assert sink({"ms": 1.5}) == {"ms": 1.5}
+    sink({"ms": 2.5})
+    lines = (tmp_path / "bench.json.rows.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"table": "decode", "ms": 1.5}, {"table": "decode", "ms": 2.5}]
+    assert row_sink(None, "x")({"a": 1}) == {"a": 1}
+
+
+def test_autotune_shards_cover_every_config_once(monkeypatch):
+    from accel import autotune
+
+    configs = list(range(5))
+    assert autotune.shard(configs) == configs
+    picked = []
+    for i in range(3):
+        monkeypatch.setenv(autotune.SHARD_ENV, f"{i}/3")
+        picked += autotune.shard(configs)
+    assert sorted(picked) == configs
+    monkeypatch.setenv(autotune.SHARD_ENV, "6/7")
+    assert autotune.shard(configs) == [1]  # a shard past the list still compiles one config
+    monkeypatch.setenv(autotune.SHARD_ENV, "3/2")
+    with pytest.raises(ValueError, match="DSV3_AUTOTUNE_SHARD"):
+        autotune.shard(configs)

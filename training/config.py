@@ -31,6 +31,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+OPTIMIZERS = ("adamw", "sgd")
+MOMENT_DTYPES = ("param", "bfloat16")
 SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
 # Schedules whose ranks each hold two stages (so the model is cut into 2 x pp stages).
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev", "dualpipe")
@@ -102,6 +104,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_grad: float = 1.0  # 0 = no clipping
+    name: str = "adamw"  # adamw | sgd (momentum = betas[0]; one moment)
+    moments_dtype: str = "param"  # param (the master weights' dtype) | bfloat16 (V3: AdamW moments in BF16)
+    ema_decay: float = 0.0  # > 0: keep an EMA of the parameters in host memory, updated asynchronously (V3)
 
 
 @dataclass
@@ -161,6 +166,7 @@ class CheckpointConfig:
     keep_last: int = 2
     keep_every: int = 0  # also keep every n-th step's checkpoint (0 = none)
     final: bool = True
+    write_delay_s: float = 0.0  # test only: pause halfway through each shard file (the kill -9 trials land there)
 
 
 @dataclass
@@ -388,6 +394,18 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.betas must be in [0, 1), got {o.betas}")
     if o.clip_grad < 0 or o.weight_decay < 0:
         raise ValueError("optim.clip_grad and optim.weight_decay must be >= 0")
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {o.name!r}")
+    if o.moments_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"optim.moments_dtype must be one of {', '.join(MOMENT_DTYPES)}, got {o.moments_dtype!r}")
+    if o.moments_dtype == "bfloat16" and o.name != "adamw":
+        raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' (the optimizer with BF16 moments); "
+                         f"optim.name={o.name!r} cannot take them (choices for it: {', '.join(OPTIMIZERS)})")
+    if not 0.0 <= o.ema_decay < 1.0:
+        raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
+    if o.ema_decay and o.name != "adamw":
+        raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' (the EMA lives in its per-parameter state); "
+                         f"got optim.name={o.name!r}")
     if b.gamma < 0 or b.alpha < 0:
         raise ValueError(f"balance.gamma and balance.alpha must be >= 0, got {b.gamma}, {b.alpha}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
@@ -412,7 +430,8 @@ def validate_eplb(cfg: TrainConfig) -> None:
         return
     if p.ep < 2:
         raise ValueError(f"eplb.enabled needs expert parallelism: parallel.ep must be > 1, got {p.ep} (with one EP "
-                         "rank every expert is local and there is no per-GPU load to balance)")
+                         "rank every expert is local and there is no per-GPU load to balance); set parallel.ep > 1 "
+                         "or eplb.enabled=false")
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:
@@ -429,6 +448,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
                           "timeout_s", "steps", "threads"},
                   "logging": "*", "checkpoint": "*", "fault": "*",
+                  "optim": {"ema_decay"},  # the EMA watches the weights, it does not change them
                   # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume
                   "eplb": "*"}
 

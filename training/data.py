@@ -1,10 +1,13 @@
 """Training data: tokenizers, token shards, sequence packing, and a resumable rank-aware sampler.
 
 Sources (``data.source``): ``"bundled"`` (the corpus shipped in ``recipes/data``), a plain text
-file, a pre-tokenized ``.bin`` (raw memmap, element type ``data.bin_dtype``) or ``.npy`` shard, or a
-folder / glob of them. Text is tokenized with the byte-level tokenizer (vocabulary 256, the
-default: any text, no files) or a Hugging Face ``tokenizers`` ``tokenizer.json``. Shards are read
-through ``numpy`` memmaps, so a corpus larger than memory costs nothing until a window is read.
+file, a pre-tokenized ``.bin`` (raw memmap, element type ``data.bin_dtype``; with a sibling ``.idx``
+it is Megatron-LM's indexed dataset and the index gives the type) or ``.npy`` shard, a folder / glob
+of them, or a folder written by ``python -m recipes.prepare_data`` (it holds ``manifest.json``: the
+shards' type, token counts and sha256, and the tokenizer's hash, checked against ``data.tokenizer``).
+Text is tokenized with the byte-level tokenizer (vocabulary 256, the default: any text, no files) or a
+Hugging Face ``tokenizers`` ``tokenizer.json``. Shards are read through ``numpy`` memmaps, so a corpus
+larger than memory costs nothing until a window is read.
 
 Packing: each file is one token stream, cut into windows of ``seq_len + 1`` tokens that overlap
 by one (inputs are ``w[:-1]``, labels ``w[1:]``), so no token is padding and windows never cross
@@ -20,6 +23,8 @@ reads exactly the batches it would have read.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,12 +39,21 @@ from training.config import DataConfig
 BUNDLED_CORPUS = Path(__file__).resolve().parent.parent / "recipes" / "data" / "python_reference.txt"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 SHARD_SUFFIXES = (".bin", ".npy")
+MANIFEST_FILE = "manifest.json"  # written last by recipes.prepare_data: its presence means the dataset is complete
+PLAN_FILE = "prepare.json"  # written first by recipes.prepare_data: what the folder is being made from
+PREPARED_FORMAT = "dsv3-tokens/1"
+# Megatron-LM's indexed dataset (megatron/core/datasets/indexed_dataset.py): .idx header and dtype codes
+MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+                   8: np.uint16}
 
 
 class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -51,6 +65,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -66,8 +83,7 @@ class HFTokenizer:
             raise ValueError("data.tokenizer: a tokenizer.json needs the 'tokenizers' package (pip install "
                              "tokenizers)") from exc
         path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
+        path = tokenizer_file(path)
         if not path.is_file():
             raise ValueError(f"data.tokenizer: no tokenizer file at {str(path)!r} "
                              "(expected 'byte' or a tokenizer.json)")
@@ -77,12 +93,47 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+def tokenizer_file(spec: str | Path) -> Path:
+    """The ``tokenizer.json`` a ``data.tokenizer`` path names (a folder means its ``tokenizer.json``)."""
+    path = Path(spec).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def tokenizer_hash(spec: str) -> str:
+    """What identifies a tokenizer: ``"byte"``, or ``"sha256:<hex>"`` of the ``tokenizer.json`` bytes."""
+    if spec == "byte":
+        return "byte"
+    path = tokenizer_file(spec)
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer: no tokenizer file at {str(path)!r} (expected 'byte' or a tokenizer.json)")
+    return "sha256:" + sha256_file(path)
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id of a vocabulary (uint16 up to 65536 ids, else uint32)."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def resolve_source(source: str) -> list[Path]:
@@ -96,6 +147,8 @@ def resolve_source(source: str) -> list[Path]:
     if path.is_file():
         files = [path]
     elif path.is_dir():
+        if (path / MANIFEST_FILE).is_file() or (path / PLAN_FILE).is_file():
+            raise ValueError(f"data.source {source!r} is a prepare_data folder: read it with load_prepared")
         files = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES + SHARD_SUFFIXES)
     elif any(ch in source for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source)))
@@ -112,7 +165,9 @@ def resolve_source(source: str) -> list[Path]:
 
 def load_shard(path: Path, tokenizer: Tokenizer, bin_dtype: str) -> np.ndarray:
     """One shard as a 1-D integer array (a read-only memmap for .bin/.npy)."""
-    if path.suffix == ".bin":
+    if path.suffix == ".bin" and path.with_suffix(".idx").is_file():
+        arr = load_megatron(path)
+    elif path.suffix == ".bin":
         arr = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
     elif path.suffix == ".npy":
         arr = np.load(path, mmap_mode="r")
@@ -125,6 +180,88 @@ def load_shard(path: Path, tokenizer: Tokenizer, bin_dtype: str) -> np.ndarray:
     return arr
 
 
+def read_megatron_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """(token dtype, sequence lengths, sequence byte offsets, document start indices) of a Megatron ``.idx``.
+
+    Layout (little-endian): 9-byte magic, u64 version 1, u8 dtype code, u64 sequence count, u64 document
+    count, then int32 lengths, int64 byte offsets into the ``.bin``, int64 document boundaries.
+    """
+    raw = idx_path.read_bytes()
+    head = len(MEGATRON_IDX_MAGIC) + 8 + 1 + 8 + 8
+    if len(raw) < head or raw[:len(MEGATRON_IDX_MAGIC)] != MEGATRON_IDX_MAGIC:
+        raise ValueError(f"data.source: {str(idx_path)!r} is not a Megatron-LM indexed-dataset index "
+                         f"(expected the header {MEGATRON_IDX_MAGIC!r})")
+    off = len(MEGATRON_IDX_MAGIC)
+    version, code, n_seq, n_doc = (int(np.frombuffer(raw, np.uint64, 1, off)[0]), raw[off + 8],
+                                   *(int(x) for x in np.frombuffer(raw, np.uint64, 2, off + 9)))
+    if version != 1 or code not in MEGATRON_DTYPES or not np.issubdtype(MEGATRON_DTYPES[code], np.integer):
+        raise ValueError(f"data.source: {str(idx_path)!r} has index version {version} and dtype code {code}; "
+                         "expected version 1 and an integer token type")
+    need = head + 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if len(raw) < need:
+        raise ValueError(f"data.source: {str(idx_path)!r} is truncated ({len(raw)} bytes, its header promises "
+                         f"{n_seq} sequences and {n_doc} document entries = {need} bytes)")
+    lengths = np.frombuffer(raw, np.int32, n_seq, head)
+    pointers = np.frombuffer(raw, np.int64, n_seq, head + 4 * n_seq)
+    docs = np.frombuffer(raw, np.int64, n_doc, head + 12 * n_seq)
+    return np.dtype(MEGATRON_DTYPES[code]), lengths, pointers, docs
+
+
+def load_megatron(bin_path: Path) -> np.ndarray:
+    """A Megatron-LM ``.bin`` as one token stream (its sequences back to back, as preprocess_data.py wrote
+    them), typed by the sibling ``.idx``; ValueError if the two disagree (a truncated or foreign file)."""
+    dtype, lengths, pointers, _ = read_megatron_index(bin_path.with_suffix(".idx"))
+    size = bin_path.stat().st_size
+    expected = int(lengths.astype(np.int64).sum()) * dtype.itemsize
+    contiguous = len(lengths) == 0 or (pointers[0] == 0 and np.array_equal(
+        pointers[1:], np.cumsum(lengths[:-1].astype(np.int64)) * dtype.itemsize))
+    if size != expected or not contiguous:
+        raise ValueError(f"data.source: {str(bin_path)!r} holds {size} bytes but its index describes {len(lengths)} "
+                         f"back-to-back sequences of {expected} bytes ({dtype}): the .bin/.idx pair is corrupted")
+    return np.memmap(bin_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a ``recipes.prepare_data`` folder; ValueError if it is incomplete or not one."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"data.source {str(folder)!r}: no {MANIFEST_FILE}; the folder is incomplete (prepare_data was "
+                         "interrupted: run the same command again to finish it)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != PREPARED_FORMAT:
+        raise ValueError(f"data.source {str(folder)!r}: {MANIFEST_FILE} has format {manifest.get('format')!r}, "
+                         f"expected {PREPARED_FORMAT!r}")
+    return manifest
+
+
+def load_prepared(folder: Path, tokenizer_spec: str, verify: bool = True) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """The shards of a ``recipes.prepare_data`` folder (memmaps) and its manifest.
+
+    ValueError (naming the file) if ``tokenizer_spec`` is not the tokenizer the shards were made with (by hash),
+    or a shard's size, or with ``verify`` its sha256, differs from the manifest's.
+    """
+    manifest = read_manifest(folder)
+    tok = manifest["tokenizer"]
+    mine = tokenizer_hash(tokenizer_spec)
+    if mine != tok["hash"]:
+        raise ValueError(f"data.tokenizer={tokenizer_spec!r} (hash {mine}) is not the tokenizer the shards in "
+                         f"{str(folder)!r} were made with ({tok['spec']!r}, hash {tok['hash']}); set data.tokenizer to "
+                         "that tokenizer or prepare the corpus again")
+    dtype = np.dtype(manifest["dtype"])
+    shards = []
+    for entry in manifest["shards"]:
+        path = folder / entry["file"]
+        size = path.stat().st_size if path.is_file() else -1
+        if size != entry["tokens"] * dtype.itemsize or (verify and sha256_file(path) != entry["sha256"]):
+            what = "is missing" if size < 0 else (f"is {size} bytes, expected {entry['tokens']} {dtype} tokens"
+                                                   if size != entry["tokens"] * dtype.itemsize
+                                                   else "does not match its sha256 in the manifest")
+            raise ValueError(f"data.source: shard {str(path)!r} {what}: it is corrupted; run prepare_data again "
+                             "(it rebuilds only the shards it cannot verify after you delete them)")
+        shards.append(np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype))
+    return shards, manifest
+
+
 @dataclass
 class TokenCorpus:
     """Token shards cut into packed windows of ``seq_len + 1`` tokens, split into train and valid."""
@@ -133,6 +270,7 @@ class TokenCorpus:
     seq_len: int
     vocab_size: int
     valid_fraction: float = 0.0
+    max_ids: list[int] | None = None  # each shard's largest id when known (a verified manifest), else computed
 
     def __post_init__(self) -> None:
         per_shard = [max(0, (len(s) - 1) // self.seq_len) for s in self.shards]
@@ -168,8 +306,15 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, min_windows
     """Read ``cfg.source``; ValueError if a file is missing, a token exceeds the vocabulary, or the
     corpus has fewer than ``min_windows`` training windows (pass the largest global batch)."""
     tokenizer = tokenizer or build_tokenizer(cfg.tokenizer)
-    shards = [load_shard(f, tokenizer, cfg.bin_dtype) for f in resolve_source(cfg.source)]
-    corpus = TokenCorpus(shards, cfg.seq_len, tokenizer.vocab_size, cfg.valid_fraction)
+    folder = Path(cfg.source).expanduser()
+    max_ids = None
+    if cfg.source != "bundled" and folder.is_dir() and ((folder / MANIFEST_FILE).is_file()
+                                                        or (folder / PLAN_FILE).is_file()):
+        shards, manifest = load_prepared(folder, cfg.tokenizer)
+        max_ids = [entry["max_token"] for entry in manifest["shards"]]
+    else:
+        shards = [load_shard(f, tokenizer, cfg.bin_dtype) for f in resolve_source(cfg.source)]
+    corpus = TokenCorpus(shards, cfg.seq_len, tokenizer.vocab_size, cfg.valid_fraction, max_ids)
     if corpus.num_train < min_windows:
         raise ValueError(f"data.source {cfg.source!r}: {corpus.num_tokens} tokens make {corpus.num_train} training "
                          f"windows of data.seq_len+1 = {cfg.seq_len + 1} tokens, fewer than one global batch "
@@ -178,10 +323,16 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, min_windows
 
 
 def check_vocab(corpus: TokenCorpus, vocab_size: int) -> None:
-    """ValueError if any token id is >= the model's vocabulary (checked on every shard's maximum)."""
+    """ValueError if the tokenizer's vocabulary is larger than the model's, or any token id is >= the model's
+    vocabulary (checked on every shard's maximum)."""
+    if corpus.vocab_size > vocab_size:
+        raise ValueError(f"data.tokenizer has a vocabulary of {corpus.vocab_size} tokens, larger than the model's "
+                         f"vocab_size {vocab_size}; set model.overrides.vocab_size >= {corpus.vocab_size} or use the "
+                         "model's tokenizer")
     for i, s in enumerate(corpus.shards):
-        if len(s) and int(np.max(s)) >= vocab_size:
-            raise ValueError(f"data.source shard {i} holds token id {int(np.max(s))} >= the model's vocab_size "
+        top = corpus.max_ids[i] if corpus.max_ids is not None else (int(np.max(s)) if len(s) else -1)
+        if top >= vocab_size:
+            raise ValueError(f"data.source shard {i} holds token id {top} >= the model's vocab_size "
                              f"{vocab_size}; set model.overrides.vocab_size or use the matching tokenizer")
 
 

@@ -1,25 +1,34 @@
-"""Dry-run memory estimate per pipeline rank, without allocating the model.
+"""Per-rank memory model of a training layout: what each pipeline rank holds at its peak, without allocating.
 
-The model is built on the ``meta`` device with one expert-parallel slice of the routed experts,
-so parameter counts per stage are exact (the same modules training builds) even at 671B, on a
-laptop. Per rank:
+``estimate(cfg, device="H800")`` is the public entry point (the dry run, ``recipes.memory_report`` and
+the layout planner call it). Per pipeline rank (all data-parallel ranks of a stage are alike) it adds:
 
-- parameters and gradients: ``numel x bytes(run.dtype)`` for the stages the schedule puts there
-  (DualPipe holds two mirrored stages, DualPipeV/ZBV two stages of a V);
-- AdamW states (two moments, in the parameter dtype): sharded by ZeRO-1 over the stage's ``dp``
-  ranks for dense parameters and over the ``dp / ep`` expert replicas for expert parameters;
-- activations: the elements each layer keeps for backward per token (formula in
-  ``activation_elems_per_token``; bf16 on GPU with autocast, else ``run.dtype``) times tokens per
-  micro-batch, times the peak number of live (stage, micro-batch) activations on the rank from
-  ``dualpipe.simulator`` (1F1B: pp - rank, DualPipe: pp + 1, ...).
+- **weights** and **gradients**: ``numel x bytes(run.dtype)`` of the stages the schedule puts there
+  (DualPipe holds two mirrored stages, DualPipeV/ZBV two stages of a V), counted on a ``meta`` model
+  built with one expert-parallel slice of the routed experts (EPLB's redundant slots included);
+- **optimizer**: AdamW's two moments in ``optim.moments_dtype`` (fp32, or bf16 as V3), sharded by
+  ZeRO-1 over the stage's ``dp`` ranks (dense parameters) and the ``dp / ep`` expert replicas (experts),
+  as an even split (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
+- **activations**: the bytes each (stage, micro-batch) keeps for backward (``saved_per_token``: every
+  tensor autograd saves, item by item, under the recompute policy, FP8 activation caching, the
+  attention implementation and the criterion), summed over the (stage, micro-batch) pairs alive at
+  once on the rank, walking the schedule's timeline from ``dualpipe.simulator`` (1F1B: pp - rank,
+  DualPipe: pp + 1, ...);
+- **transient**: the largest working set on top of that (the criterion's logits and their gradient,
+  one block recomputed in backward, the optimizer step's temporaries);
+- **comm**: expert all-to-all send/receive buffers in flight and pipeline P2P buffers;
+- **margin**: a stated allocator margin on accelerators (``ALLOCATOR_MARGIN``): 10% of the dynamic
+  part for the caching allocator's fragmentation plus 2 GiB for the CUDA/MUSA context, the
+  communicator's buffers and library workspaces, none of which ``max_memory_allocated`` sees.
 
-Recompute options, FP8-cached activations and allocator fragmentation are not modelled: it is an
-estimate to check a layout fits, not a promise.
+The host holds the parameter EMA (``optim.ema_decay``) apart from the device. MoE rows assume
+balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the grouped GEMM's alignment).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,139 +39,532 @@ from training.stages import expert_range, num_model_stages, split_layers, stage_
 
 GiB = 1024**3
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+FP8_BYTES = 1 + 4 / 128  # e4m3 value + one fp32 scale per 1x128 tile
+INDEX_BYTES = 8  # int64 indices
+ALIGNMENT = 128  # rows per expert block of the contiguous grouped GEMM layout (deep_gemm)
+CAUSAL_BLOCK = 64  # query rows per block of the CPU reference attention (it keeps each block's probabilities)
+ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
+LOGIT_CHUNK = 1024  # tokens per chunk of a fused cross-entropy (its live logits are [chunk, vocab])
 
 
-def activation_elems_per_token(args: ModelArgs, layer_id: int) -> int:
-    """Elements one block saves for backward per token (no recompute).
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what a step keeps: ``act`` activations (bf16 under autocast on an accelerator,
+    else ``run.dtype``), ``param`` weights/gradients, ``moment`` each of the ``moments`` optimizer states."""
 
-    Attention: block input, normed input, q latent and its norm, kv latent (+rope) and its norm,
-    q, k, v, attention output (+ lse per head). FFN: input, normed input; dense: gate/up output,
-    SwiGLU output; MoE: router logits and scores (fp32, counted twice), top-k dispatched copies of
-    the input, their gate/up and SwiGLU outputs, expert outputs, and the shared experts' as dense.
-    """
+    act: float
+    param: int
+    moment: int
+    moments: int  # optimizer states per parameter (AdamW 2, SGD with momentum 1)
+    attention: str  # "flash" (saves q, k, v, out, lse) or "reference" (the CPU path: keeps block probabilities)
+
+
+# ---- activations ------------------------------------------------------------------------------------
+
+def _recomputes(args: ModelArgs, kind: str, layer_id: int) -> bool:
+    """``args.recomputes`` with ``v3`` standing for norm + mla_up (V3's policy)."""
+    v3 = kind in ("norm", "mla_up") and "v3" in args.recompute
+    return args.recomputes(kind, layer_id) or (v3 and (args.recompute_layers is None
+                                                      or layer_id in args.recompute_layers))
+
+
+def _fp8_cache(args: ModelArgs) -> bool:
+    return bool(args.fp8 and getattr(args, "fp8_cache_activations", False))
+
+
+def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision) -> dict[str, float]:
+    """Bytes per token the pre-norm MLA half of a block keeps for backward, by tensor."""
+    d, h, a = args.dim, args.n_heads, p.act
+    qk, v = args.qk_head_dim, args.v_head_dim
+    ql, kvl, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
+    norm, up = _recomputes(args, "norm", layer_id), _recomputes(args, "mla_up", layer_id)
+    fp8_in = FP8_BYTES if _fp8_cache(args) else a  # a saved FP8-GEMM input
+    n_norms = 2 if ql else 1
+    out: dict[str, float] = {"block input": d * a}
+    if not norm:
+        out["norm rstd"] = (1 + n_norms) * 4
+        out["attn_norm out"] = d * fp8_in  # input of wq_a / wkv_a
+    if ql:
+        out["q latent"] = ql * a  # wq_a out, q_norm's input
+    out["kv latent"] = (kvl + rope) * a  # wkv_a out (kv_norm's input and the rope key)
+    if not up:
+        if ql and not norm:
+            out["q latent normed"] = ql * fp8_in  # wq_b's input
+        if not norm:
+            out["kv latent normed"] = kvl * fp8_in  # wkv_b's input
+        out["rope cos/sin"] = 2 * rope * 4 / micro_batch  # complex64 [s, rope/2] per rotation, per position
+        out["q, k"] = 2 * h * qk * a
+        out["v"] = h * v * a
+        if p.attention == "reference":
+            keys = _mean_causal_keys(seq_len, CAUSAL_BLOCK)
+            out["attention probs"] = h * keys * a
+    if p.attention == "reference" and up:
+        keys = _mean_causal_keys(seq_len, CAUSAL_BLOCK)
+        out["attention probs"] = h * keys * a
+    if p.attention == "flash":
+        out["attention out + lse"] = h * v * a + h * 4
+    if p.attention == "reference" or fp8_in != a:
+        out["wo input"] = h * v * fp8_in
+    if args.fp8:
+        out["fp8 weight copies"] = _fp8_weight_bytes_attention(args) / (seq_len * micro_batch)
+    return out
+
+
+def _mean_causal_keys(seq_len: int, block: int) -> float:
+    """Keys per query row whose probabilities the blocked reference attention keeps: block ``[r0, r1)``
+    multiplies keys ``[0, r1)``."""
+    total = sum((min(r0 + block, seq_len) - r0) * min(r0 + block, seq_len) for r0 in range(0, seq_len, block))
+    return total / seq_len
+
+
+def _fp8_block_bytes(n: int, k: int) -> float:
+    """An FP8 weight copy ``[n, k]`` padded to 128x128 blocks, with one fp32 scale per block."""
+    nb, kb = math.ceil(n / 128), math.ceil(k / 128)
+    return nb * kb * (128 * 128 + 4)
+
+
+def _fp8_weight_bytes_attention(args: ModelArgs) -> float:
     d, h = args.dim, args.n_heads
-    attn = 2 * d + 2 * args.q_lora_rank + 2 * (args.kv_lora_rank + args.qk_rope_head_dim)
-    attn += h * (2 * args.qk_head_dim + 2 * args.v_head_dim + 1)
+    shapes = [(args.kv_lora_rank + args.qk_rope_head_dim, d), (h * (args.qk_nope_head_dim + args.v_head_dim),
+                                                               args.kv_lora_rank), (d, h * args.v_head_dim)]
+    shapes += [(args.q_lora_rank, d), (h * args.qk_head_dim, args.q_lora_rank)] if args.q_lora_rank else \
+        [(h * args.qk_head_dim, d)]
+    return sum(_fp8_block_bytes(n, k) for n, k in shapes)
+
+
+def _mlp_saved(rows: float, dim: int, inter: int, a: float, fp8_in: float, swiglu_fp8: bool,
+               recompute_swiglu: bool) -> float:
+    """Bytes a SwiGLU MLP keeps for ``rows`` rows (its input counted by the caller)."""
+    if swiglu_fp8:  # SwiGLU input cached in FP8, its output recomputed
+        return rows * 2 * inter * FP8_BYTES
+    gate_up = rows * 2 * inter * a  # w13 out: SiLU's and the product's input
+    silu = 0.0 if recompute_swiglu else rows * inter * a
+    return gate_up + silu + rows * inter * fp8_in  # + w2's input
+
+
+def expert_rows(args: ModelArgs, tokens: int, slots: int) -> int:
+    """Rows of the grouped expert GEMMs on one EP rank (balanced routing): each of the ``ep`` ranks sends
+    ``tokens k`` rows spread over all ``slots x ep`` expert slots, so each local slot gets ``tokens k / slots``
+    rows, padded to ``ALIGNMENT``."""
+    per_expert = tokens * args.n_activated_experts / slots if slots else 0.0
+    return slots * ALIGNMENT * max(1, math.ceil(per_expert / ALIGNMENT)) if per_expert else 0
+
+
+def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: Precision, ep: int = 1,
+              slots: int | None = None) -> dict[str, float]:
+    """Bytes per token the FFN half of a block keeps for backward (``tokens`` per micro-batch), by tensor."""
+    d, a = args.dim, p.act
+    norm = _recomputes(args, "norm", layer_id)
+    swiglu = _recomputes(args, "swiglu", layer_id)
+    cache = _fp8_cache(args)
+    fp8_in = FP8_BYTES if cache else a
+    out: dict[str, float] = {"ffn input": d * a}
+    if not norm:
+        out["ffn_norm out + rstd"] = d * a + 4
     if not args.is_moe_layer(layer_id):
-        return attn + 2 * d + 3 * args.inter_dim
-    k, inter = args.n_activated_experts, args.moe_inter_dim
-    moe = 2 * d + 4 * args.n_routed_experts + k * (2 * d + 3 * inter)
-    moe += args.n_shared_experts * 3 * inter
-    return attn + moe
+        out["dense SwiGLU"] = _mlp_saved(1, d, args.inter_dim, a, fp8_in, cache, swiglu)
+        if args.fp8:
+            out["fp8 weight copies"] = (_fp8_block_bytes(2 * args.inter_dim, d)
+                                        + _fp8_block_bytes(d, args.inter_dim)) / tokens
+        return out
+    e, k = args.n_routed_experts, args.n_activated_experts
+    slots = e // ep if slots is None else slots
+    rows = expert_rows(args, tokens, slots) / tokens
+    out["router"] = e * 4 + (2 * k + 1) * 4 + 3 * k * INDEX_BYTES + args.n_expert_groups
+    out["expert rows in"] = rows * d * fp8_in + rows * (INDEX_BYTES + 4)  # grouped rows, their index and expert
+    out["experts SwiGLU"] = _mlp_saved(rows, d, args.moe_inter_dim, a, fp8_in, cache, swiglu)
+    out["combine"] = k * d * a  # gathered expert outputs for the weighted sum
+    if args.n_shared_experts:
+        out["shared SwiGLU"] = _mlp_saved(1, d, args.n_shared_experts * args.moe_inter_dim, a, fp8_in, cache, swiglu)
+    if args.fp8:
+        inter = args.moe_inter_dim
+        w = slots * (_fp8_block_bytes(2 * inter, d) + _fp8_block_bytes(d, inter))
+        if args.n_shared_experts:
+            si = args.n_shared_experts * inter
+            w += _fp8_block_bytes(2 * si, d) + _fp8_block_bytes(d, si)
+        out["fp8 weight copies"] = w / tokens
+    return out
 
 
-@dataclass
-class RankEstimate:
-    pp_rank: int
-    stages: list[int]
-    params: int
-    expert_params: int
-    param_bytes: int
-    grad_bytes: int
-    optim_bytes: int
-    act_bytes: int
-    peak_microbatches: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.act_bytes
+def block_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
+                slots: int | None = None) -> float:
+    """Bytes per token one block keeps for backward; a block recomputed whole keeps only its input."""
+    if _recomputes(args, "block", layer_id):
+        return args.dim * p.act
+    tokens = seq_len * micro_batch
+    return (sum(attention_saved(args, layer_id, seq_len, micro_batch, p).values())
+            + sum(ffn_saved(args, layer_id, tokens, micro_batch, p, ep, slots).values()))
 
 
-def _stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int]]:
-    """(dense, expert) parameter counts of each global stage, for one EP rank's experts (with EPLB's redundant
-    slots)."""
-    par = cfg.parallel
-    num = num_model_stages(par.schedule, par.pp)
-    ranges = split_layers(args, num)
-    experts = expert_range(args, 0, par.ep) if par.ep > 1 else None
+def block_working_set(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
+                      slots: int | None = None) -> float:
+    """Bytes per token alive on top of the saved ones while one block runs backward: a block recomputed
+    whole rebuilds all it would have kept, plus the gradients of its largest tensors."""
+    full = args.replace(recompute=tuple(r for r in args.recompute if r != "block"))
+    tokens = seq_len * micro_batch
+    ffn = ffn_saved(full, layer_id, tokens, micro_batch, p, ep, slots)
+    grads = 2 * max(ffn.values())
+    rebuilt = block_saved(full, layer_id, seq_len, micro_batch, p, ep, slots) if \
+        _recomputes(args, "block", layer_id) else 0.0
+    return rebuilt + grads
+
+
+def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int) -> float:
+    """Bytes per token the last stage's loss keeps: final norm and head input, the fp32 log-probabilities
+    of the head and of each MTP depth (none with a fused cross-entropy), the MTP modules' own inputs."""
+    d, a, v = args.dim, p.act, args.vocab_size
+    heads = 1 + args.n_mtp_layers
+    out = heads * (2 * d * a + 4)  # norm input/out + rstd per head
+    out += 0 if fused else heads * v * 4
+    out += args.n_mtp_layers * (d * a + 2 * 4 + 2 * d * a)  # embedding out, enorm/hnorm rstd, eh_proj input
+    return out
+
+
+def criterion_working_set(args: ModelArgs, fused: bool, p: Precision, tokens: int) -> float:
+    """Bytes per token alive on top of the saved ones around the loss: the logits of every head and
+    their fp32 copy in forward, a logits gradient and its input in backward; a fused loss keeps
+    ``LOGIT_CHUNK`` tokens' logits at a time."""
+    v = args.vocab_size
+    if fused:
+        return 3 * min(tokens, LOGIT_CHUNK) * v * 4 / tokens
+    heads = 1 + args.n_mtp_layers
+    return max(heads * v * p.act, 2 * v * 4)  # forward: every head's logits; backward: dlogp and dlogits
+
+
+def fused_cross_entropy(args: ModelArgs) -> bool:
+    return bool(getattr(args, "fused_cross_entropy", False))
+
+
+# ---- parameters ---------------------------------------------------------------------------------------
+
+_COUNTS: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}  # (repr(args), ep) -> counts: planners call often
+
+
+def _module_param_counts(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
+    """(dense, expert) parameter counts of every module a stage can hold (``layers.i``, ``embed``, ``norm``,
+    ``head``, ``mtp``), for one EP rank's experts."""
+    key = (repr(args), ep)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_modules(args, ep)
+    return _COUNTS[key]
+
+
+def _count_modules(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
+    experts = expert_range(args, 0, ep) if ep > 1 else None
     with torch.device("meta"):
         model = Transformer(args, expert_ids=experts)
 
     def count(module: torch.nn.Module, prefix: str) -> tuple[int, int]:
         dense = expert = 0
-        for name, p in module.named_parameters(prefix=prefix):
+        for name, prm in module.named_parameters(prefix=prefix):
             if is_expert_param(name):
-                expert += p.numel()
+                expert += prm.numel()
             else:
-                dense += p.numel()
+                dense += prm.numel()
         return dense, expert
 
-    out = []
-    for s, (lo, hi) in enumerate(ranges):
-        dense = expert = 0
-        parts = [(model.layers[i], f"layers.{i}") for i in range(lo, hi)]
-        if s == 0:
-            parts.append((model.embed, "embed"))
-        if s == num - 1:
-            parts += [(model.norm, "norm"), (model.head, "head"), (model.mtp, "mtp")]
-            if s != 0 and args.n_mtp_layers and not any(0 in stage_ids(par.schedule, par.pp, r) and
-                                                         s in stage_ids(par.schedule, par.pp, r)
-                                                         for r in range(par.pp)):
-                parts.append((model.embed, "embed"))  # a separate copy for MTP
-        for m, name in parts:
-            d, e = count(m, name)
-            dense, expert = dense + d, expert + e
-        if cfg.eplb.enabled:  # (E + redundant) / ep physical slots per rank instead of E / ep
-            expert = expert * (args.n_routed_experts + cfg.eplb.redundant_experts) // args.n_routed_experts
-        out.append((dense, expert))
+    out = {f"layers.{i}": count(layer, f"layers.{i}") for i, layer in enumerate(model.layers)}
+    for name in ("embed", "norm", "head", "mtp"):
+        out[name] = count(getattr(model, name), name)
+    out["largest tensor"] = (max(prm.numel() for prm in model.parameters()), 0)
     return out
 
 
-def _peak_microbatches(cfg: TrainConfig, chunks: int) -> list[int]:
+def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int]]:
+    """(dense, expert) parameter counts of each global stage for one EP rank (EPLB's redundant slots
+    included: ``(E + redundant) / ep`` slots per rank instead of ``E / ep``)."""
+    par = cfg.parallel
+    num = num_model_stages(par.schedule, par.pp)
+    counts = _module_param_counts(args, par.ep)
+    scale = (args.n_routed_experts + cfg.eplb.redundant_experts) / args.n_routed_experts if cfg.eplb.enabled else 1
+    out = []
+    for s, (lo, hi) in enumerate(split_layers(args, num)):
+        parts = [f"layers.{i}" for i in range(lo, hi)]
+        if s == 0:
+            parts.append("embed")
+        if s == num - 1:
+            parts += ["norm", "head", "mtp"]
+            shares_embed = any(0 in stage_ids(par.schedule, par.pp, r) and s in stage_ids(par.schedule, par.pp, r)
+                               for r in range(par.pp))
+            if s != 0 and args.n_mtp_layers and not shares_embed:
+                parts.append("embed")  # a separate copy for MTP
+        dense = sum(counts[n][0] for n in parts)
+        expert = sum(counts[n][1] for n in parts)
+        out.append((dense, int(expert * scale)))
+    return out
+
+
+# ---- the estimate ---------------------------------------------------------------------------------------
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's peak: ``items`` name -> bytes (weights, gradients, optimizer, activations,
+    transient, comm, margin); ``detail`` the activation bytes per item of one micro-batch of each stage."""
+
+    pp_rank: int
+    stages: list[int]
+    params: int
+    expert_params: int
+    peak_microbatches: int
+    items: dict[str, int]
+    host: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.items.values())
+
+    # names kept from the first version of this module
+    @property
+    def param_bytes(self) -> int:
+        return self.items["weights"]
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.items["gradients"]
+
+    @property
+    def optim_bytes(self) -> int:
+        return self.items["optimizer"]
+
+    @property
+    def act_bytes(self) -> int:
+        return self.items["activations"]
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(self.items.items(), key=lambda kv: -kv[1])[:n]
+
+
+@dataclass
+class MemoryEstimate:
+    """Every pipeline rank's ``RankMemory`` on ``device`` (capacity in bytes, None when unknown); iterating
+    gives the ranks."""
+
+    device: str
+    capacity_bytes: int | None
+    ranks: list[RankMemory]
+    precision: Precision
+
+    def __iter__(self):
+        return iter(self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, i: int) -> RankMemory:
+        return self.ranks[i]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total_bytes for r in self.ranks)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every rank fits the device (margin included); None without a known capacity."""
+        return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
+
+    def verdict(self) -> str:
+        w = self.worst
+        big = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in w.largest())
+        if self.capacity_bytes is None:
+            return (f"no device capacity known ({self.device}): largest rank {w.pp_rank} needs "
+                    f"{w.total_bytes / GiB:.1f} GiB")
+        cap = self.capacity_bytes / GiB
+        if self.fits:
+            return (f"FITS on {self.device} ({cap:.1f} GiB): largest rank {w.pp_rank} needs "
+                    f"{w.total_bytes / GiB:.1f} GiB ({big})")
+        over = [r.pp_rank for r in self.ranks if r.total_bytes > self.capacity_bytes]
+        return (f"DOES NOT FIT on {self.device} ({cap:.1f} GiB): {len(over)} of {len(self.ranks)} pipeline ranks "
+                f"exceed it; rank {w.pp_rank} needs {w.total_bytes / GiB:.1f} GiB, largest items: {big}")
+
+
+def precision(cfg: TrainConfig, accelerator: bool) -> Precision:
+    pbytes = _BYTES[cfg.run.dtype]
+    act = 2 if (accelerator and cfg.run.autocast_bf16 and cfg.run.dtype != "float64") else pbytes
+    moment = 2 if cfg.optim.moments_dtype == "bfloat16" else pbytes
+    moments = 1 if cfg.optim.name == "sgd" else 2
+    return Precision(act=act, param=pbytes, moment=moment, moments=moments,
+                     attention="flash" if accelerator else "reference")
+
+
+def _device(device: str | None) -> tuple[str, int | None, bool]:
+    """(name, capacity bytes or None, is an accelerator) for a device name from ``accel.specs`` or "cpu"."""
+    from accel import specs
+
+    if device is None or device.lower() == "cpu":
+        return "cpu", None, False
+    spec = specs.lookup(device)
+    if spec is None:
+        raise ValueError(f"--device {device!r}: unknown device; expected cpu or one of "
+                         f"{', '.join(specs.known_devices())}")
+    return spec.name, int(spec.memory_gib * GiB) if spec.memory_gib else None, True
+
+
+def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:
+    """(bytes one micro-batch keeps on each stage, the stage's working set on top, per-item detail)."""
+    par, data = cfg.parallel, cfg.data
+    seq, mb = data.seq_len, data.micro_batch
+    tokens = seq * mb
+    num = num_model_stages(par.schedule, par.pp)
+    slots = None
+    if cfg.eplb.enabled:
+        slots = (args.n_routed_experts + cfg.eplb.redundant_experts) // par.ep
+    fused = fused_cross_entropy(args)
+    saved, work = [], []
+    detail: dict[str, float] = {}
+    for s, (lo, hi) in enumerate(split_layers(args, num)):
+        per_token = sum(block_saved(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi))
+        ws = max((block_working_set(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi)), default=0.0)
+        if s == 0:
+            per_token += 0  # the embedding's backward keeps only the token ids
+        if s == num - 1:
+            per_token += criterion_saved(args, fused, p, mb)
+            per_token += sum(block_saved(args, args.n_layers + k, seq, mb, p, par.ep, slots)
+                             for k in range(args.n_mtp_layers))
+            ws = max(ws, criterion_working_set(args, fused, p, tokens))
+        if lo < hi:
+            for k, v in attention_saved(args, lo, seq, mb, p).items():
+                detail[f"attention: {k}"] = max(detail.get(f"attention: {k}", 0), v * tokens)
+            for k, v in ffn_saved(args, hi - 1, tokens, mb, p, par.ep, slots).items():
+                detail[f"ffn: {k}"] = max(detail.get(f"ffn: {k}", 0), v * tokens)
+        saved.append(int(per_token * tokens))
+        work.append(int(ws * tokens))
+    return saved, work, {k: int(v) for k, v in detail.items()}
+
+
+def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[int], list[int]]:
+    """Per rank: (peak bytes of the (stage, micro-batch) activations alive at once, how many at that peak),
+    from the simulated timeline of the largest step's schedule."""
     par = cfg.parallel
     if par.schedule == "none":
-        return [1]
+        return [per_stage[0]], [1]
     from dualpipe import schedules
     from dualpipe.simulator import simulate
 
+    chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
     result = simulate(schedules.build(par.schedule, par.pp, chunks))
-    return [result.peak_activations(r) for r in range(par.pp)]
+    num = len(per_stage)
+    peaks, counts = [], []
+    for r in range(par.pp):
+        live = peak = n = n_at_peak = 0
+        for iv in result.timeline[r]:
+            for act in iv.item.parts:
+                size = per_stage[act.stage % num]
+                if act.kind == "F":
+                    live, n = live + size, n + 1
+                    if live > peak:
+                        peak, n_at_peak = live, n
+                elif act.kind in ("B", "W"):
+                    live, n = live - size, n - 1
+        peaks.append(peak)
+        counts.append(n_at_peak)
+    return peaks, counts
 
 
-def estimate(cfg: TrainConfig, args: ModelArgs, accelerator: bool = True) -> list[RankEstimate]:
-    """Per pipeline rank (all data-parallel ranks of a stage are alike) at the largest batch of the run."""
+def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
+    """Expert all-to-all buffers of one micro-batch in flight (dispatch send + receive, combine receive;
+    two at once under DualPipe's overlap) and pipeline P2P buffers (a send and a receive per direction)."""
+    par, data = cfg.parallel, cfg.data
+    tokens = data.seq_len * data.micro_batch
+    d = args.dim
+    out = 0.0
+    if par.ep > 1 and args.has_moe:
+        dispatch = FP8_BYTES if args.fp8 else p.act
+        rows = tokens * args.n_activated_experts
+        out += rows * d * (2 * dispatch + p.act)
+        if par.schedule in ("dualpipe", "dualpipev") and par.overlap:
+            out *= 2
+    if par.pp > 1:
+        directions = 2 if par.schedule in ("dualpipe", "dualpipev", "zbv") else 1
+        out += 2 * directions * tokens * d * p.act
+    return int(out)
+
+
+def _optimizer_step_transient(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
+    """Temporaries of the optimizer step: three fp32 tensors of the largest parameter (torch's AdamW and
+    SGD update one tensor at a time), or of one ``training.optim.STEP_CHUNK`` chunk for ``AdamW``."""
+    from training.optim import STEP_CHUNK
+
+    largest = _module_param_counts(args, cfg.parallel.ep)["largest tensor"][0]
+    if cfg.optim.moments_dtype == "bfloat16" or cfg.optim.ema_decay:
+        largest = min(largest, STEP_CHUNK)
+    return int(3 * 4 * largest)
+
+
+def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | None = None) -> MemoryEstimate:
+    """Per pipeline rank peak memory of ``cfg``'s layout at its largest batch, on ``device`` (a name
+    ``accel.specs`` knows, e.g. "H800", or "cpu"/None: the CPU reference kernels, no capacity).
+
+    ``args`` defaults to the config's model arguments (``training.trainer.model_args``).
+    """
+    if args is None:
+        from training.trainer import model_args
+
+        args = model_args(cfg)
+    name, capacity, accelerator = _device(device)
+    p = precision(cfg, accelerator)
     par = cfg.parallel
-    pbytes = _BYTES[cfg.run.dtype]
-    abytes = 2 if (accelerator and cfg.run.autocast_bf16) else pbytes
-    counts = _stage_param_counts(args, cfg)
-    chunks = cfg.microbatches_at(cfg.run.steps - 1)
-    peaks = _peak_microbatches(cfg, chunks)
-    num = num_model_stages(par.schedule, par.pp)
-    ranges = split_layers(args, num)
-    tokens = cfg.data.micro_batch * cfg.data.seq_len
-    stage_act = []
-    for s, (lo, hi) in enumerate(ranges):
-        elems = sum(activation_elems_per_token(args, i) for i in range(lo, hi))
-        if s == num - 1:
-            elems += sum(activation_elems_per_token(args, args.n_layers + k) + 3 * args.dim
-                         for k in range(args.n_mtp_layers))
-            elems += (1 + args.n_mtp_layers) * args.vocab_size * 2  # logits and their fp32 softmax
-        stage_act.append(elems * tokens * abytes)
-    out = []
+    counts = stage_param_counts(args, cfg)
+    saved, work, detail = stage_activation_bytes(args, cfg, p)
+    peaks, live = _live_activation_peak(cfg, saved)
+    comm = _comm_bytes(args, cfg, p)
+    step_transient = _optimizer_step_transient(args, cfg, p)
+    shard_dense = par.dp if par.zero1 else 1
+    shard_expert = (par.dp // par.ep) if par.zero1 else 1
+    ranks = []
     for r in range(par.pp):
         mine = stage_ids(par.schedule, par.pp, r)
         dense = sum(counts[s][0] for s in mine)
         expert = sum(counts[s][1] for s in mine)
-        optim = 2 * pbytes * (dense / (par.dp if par.zero1 else 1) + expert / ((par.dp // par.ep) if par.zero1 else 1))
-        peak = peaks[r] if len(peaks) > r else 1
-        act = peak * max(stage_act[s] for s in mine)
-        out.append(RankEstimate(r, mine, dense + expert, expert, (dense + expert) * pbytes, (dense + expert) * pbytes,
-                                int(optim), int(act), peak))
-    return out
+        items = {
+            "weights": (dense + expert) * p.param,
+            "gradients": (dense + expert) * p.param,
+            "optimizer": int(p.moments * p.moment * (dense / shard_dense + expert / shard_expert)),
+            "activations": peaks[r],
+        }
+        items["transient"] = max(max(work[s] for s in mine), step_transient - items["activations"], 0)
+        items["comm"] = comm
+        if accelerator:
+            share, fixed = ALLOCATOR_MARGIN
+            items["margin"] = int(share * (items["activations"] + items["transient"] + comm) + fixed)
+        # the EMA and its snapshot buffer, of this rank's ZeRO-1 shard
+        host = {"ema": int(2 * 4 * (dense / shard_dense + expert / shard_expert))} if cfg.optim.ema_decay else {}
+        ranks.append(RankMemory(r, mine, dense + expert, expert, live[r], {k: int(v) for k, v in items.items()},
+                                host, detail))
+    return MemoryEstimate(name, capacity, ranks, p)
 
 
-def format_estimate(cfg: TrainConfig, args: ModelArgs, rows: list[RankEstimate]) -> str:
+def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> str:
+    """The dry run's table: one line per pipeline rank (GiB), then the verdict."""
     counts = args.param_counts()
+    p = est.precision
+    act = {2: "bf16", 4: "fp32", 8: "fp64"}[int(p.act)]
+    moments = {2: "bf16", 4: "fp32", 8: "fp64"}[p.moment]
     lines = [f"model {cfg.model.preset}: {counts['total'] / 1e9:.1f}B parameters, "
              f"{counts['activated'] / 1e9:.1f}B activated per token (MTP excluded, as published)",
-             f"per-rank memory estimate (params/grads in {cfg.run.dtype}, AdamW moments ZeRO-1 "
-             f"{'on' if cfg.parallel.zero1 else 'off'}, micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} "
-             "tokens):",
-             f"{'pp rank':>7} {'stages':>8} {'params':>10} {'experts':>10} {'param GiB':>10} {'grad GiB':>9} "
-             f"{'optim GiB':>10} {'live mb':>7} {'act GiB':>8} {'total GiB':>10}"]
-    for e in rows:
-        lines.append(f"{e.pp_rank:>7} {','.join(map(str, e.stages)):>8} {e.params / 1e9:>9.2f}B "
-                     f"{e.expert_params / 1e9:>9.2f}B {e.param_bytes / GiB:>10.2f} {e.grad_bytes / GiB:>9.2f} "
-                     f"{e.optim_bytes / GiB:>10.2f} {e.peak_microbatches:>7} {e.act_bytes / GiB:>8.2f} "
-                     f"{e.total_bytes / GiB:>10.2f}")
+             f"device: {est.device}" + (f" ({est.capacity_bytes / GiB:.1f} GiB)" if est.capacity_bytes else
+                                        " (no capacity: pass --device, e.g. --device H800)"),
+             f"per-rank memory (weights/grads {cfg.run.dtype}, AdamW moments {moments} ZeRO-1 "
+             f"{'on' if cfg.parallel.zero1 else 'off'}, activations {act}, recompute {list(args.recompute) or 'none'}, "
+             f"fp8 {args.fp8} (activation caching {_fp8_cache(args)}), fused CE {fused_cross_entropy(args)}, "
+             f"micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} tokens; GiB):",
+             f"{'pp rank':>7} {'stages':>7} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'live mb':>7} "
+             f"{'act':>7} {'transnt':>7} {'comm':>6} {'margin':>7} {'total':>7}"]
+    for e in est.ranks:
+        it = e.items
+        lines.append(f"{e.pp_rank:>7} {','.join(map(str, e.stages)):>7} {e.params / 1e9:>7.2f}B "
+                     f"{it['weights'] / GiB:>8.2f} {it['gradients'] / GiB:>7.2f} {it['optimizer'] / GiB:>7.2f} "
+                     f"{e.peak_microbatches:>7} {it['activations'] / GiB:>7.2f} {it['transient'] / GiB:>7.2f} "
+                     f"{it['comm'] / GiB:>6.2f} {it.get('margin', 0) / GiB:>7.2f} {e.total_bytes / GiB:>7.2f}")
+    if est.ranks and est.ranks[0].host:
+        lines.append(f"host (not on the device): parameter EMA {est.ranks[0].host['ema'] / GiB:.2f} GiB per rank")
+    if est.capacity_bytes is not None:
+        share, fixed = ALLOCATOR_MARGIN
+        lines.append(f"margin = {share:.0%} of activations + transient + comm, + {fixed / GiB:.0f} GiB "
+                     "(context, communicator buffers, workspaces)")
+    lines.append("verdict: " + est.verdict())
     return "\n".join(lines)

@@ -1,7 +1,12 @@
 """Optimizer, LR schedule, gradient reduction and clipping for PP x EP x DP training.
 
 - AdamW as DeepSeek-V3 (betas 0.9/0.95, weight decay 0.1); no decay on 1-D parameters (norm
-  scales), as is standard. Master weights and optimizer states stay fp32 (or fp64 for tests).
+  scales), as is standard. Master weights and gradients stay fp32 (or fp64 for tests); the moments
+  are in the parameters' dtype (``torch.optim.AdamW``) or, with ``optim.moments_dtype = "bfloat16"``,
+  in BF16 as V3 keeps them (``AdamW`` below: fp32 math, moments rounded to nearest when stored).
+- Parameter EMA (``optim.ema_decay``): kept in host memory in the optimizer's per-parameter state
+  (so it is ZeRO-1 sharded, checkpointed by name and re-partitioned like the moments), updated on a
+  worker thread from a host snapshot taken right after each update (V3 keeps it on the CPU).
 - ZeRO-1: PyTorch's ``ZeroRedundancyOptimizer`` shards the states over the data-parallel ranks
   that hold the same parameters: dense parameters over the stage's ``dp`` group, expert parameters
   over the ``edp`` group (the replicas of the same expert shard), so two optimizers.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -22,6 +28,133 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from training.config import OptimConfig
+
+STEP_CHUNK = 1 << 24  # elements ``AdamW`` updates at once: its fp32 temporaries stay at 3 x 64 MiB
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with its moments stored in ``moments_dtype`` (None: the parameter's) and an optional host EMA.
+
+    The update is ``torch.optim.AdamW``'s (same operations in the same order; with fp32 moments and
+    fp32 parameters the results are bitwise equal), computed in fp32 on chunks of ``STEP_CHUNK``
+    elements: each chunk's moments are widened, updated, used, and stored back rounded to nearest.
+    ``load_state_dict`` keeps the moments in ``moments_dtype`` and the EMA on the host (torch casts
+    loaded states to the parameter's dtype and device; the round trip bf16 -> fp32 -> bf16 is exact).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, moments_dtype: torch.dtype | None = torch.bfloat16,
+                 ema_decay: float = 0.0):
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"AdamW: ema_decay must be in [0, 1), got {ema_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.moments_dtype, self.ema_decay = moments_dtype, ema_decay
+        self._staging: dict[int, torch.Tensor] = {}  # host snapshots of the parameters for the EMA
+        self._ema_job: Future | None = None
+        self._ema_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema") if ema_decay else None
+        self.register_load_state_dict_post_hook(AdamW._after_load)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        snapshots = []
+        self.wait_ema()  # the snapshot buffers are about to be rewritten
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+                step_size = lr / bias_correction1
+                flat = [p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+                math_dtype = torch.promote_types(p.dtype, torch.float32)
+                for lo in range(0, p.numel(), STEP_CHUNK):
+                    param, grad, m_store, v_store = (t[lo:lo + STEP_CHUNK] for t in flat)
+                    grad = grad.to(math_dtype)
+                    work = param.to(math_dtype)
+                    m, v = m_store.to(math_dtype), v_store.to(math_dtype)
+                    work.mul_(1 - lr * wd)
+                    m.lerp_(grad, 1 - beta1)
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+                    work.addcdiv_(m, denom, value=-step_size)
+                    for store, value in ((param, work), (m_store, m), (v_store, v)):
+                        if value is not store:
+                            store.copy_(value)
+                if self.ema_decay:
+                    snapshots.append((p, self._snapshot(p)))
+        if snapshots:
+            self._ema_job = self._ema_pool.submit(self._update_ema, snapshots, _copy_done_event())
+        return loss
+
+    def _snapshot(self, p: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``p`` as it is now (queued on the current stream: later updates come after it)."""
+        buf = self._staging.get(id(p))
+        if buf is None:
+            buf = torch.empty(p.shape, dtype=torch.float32, pin_memory=p.device.type != "cpu"
+                              and torch.cuda.is_available())
+            self._staging[id(p)] = buf
+        buf.copy_(p.detach(), non_blocking=p.device.type != "cpu")
+        return buf
+
+    def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor]], event) -> None:
+        if event is not None:
+            event.synchronize()
+        for p, snap in snapshots:
+            state = self.state[p]
+            ema = state.get("ema")
+            if ema is None:
+                state["ema"] = snap.clone()
+            else:
+                if ema.device.type != "cpu":
+                    state["ema"] = ema = ema.to("cpu", torch.float32)
+                ema.lerp_(snap, 1 - self.ema_decay)
+
+    def wait_ema(self) -> None:
+        """Block until the last EMA update is applied (before reading or saving it)."""
+        if self._ema_job is not None:
+            self._ema_job.result()
+            self._ema_job = None
+
+    def state_dict(self):
+        self.wait_ema()
+        return super().state_dict()
+
+    @staticmethod
+    def _after_load(self: AdamW) -> None:
+        for p, state in self.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.moments_dtype or p.dtype)
+            if "ema" in state:
+                state["ema"] = state["ema"].to("cpu", torch.float32)
+
+    def ema_state(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Parameter -> its host EMA, for the parameters this optimizer (shard) updates."""
+        self.wait_ema()
+        return {p: s["ema"] for p, s in self.state.items() if "ema" in s}
+
+
+def _copy_done_event():
+    """A device event after the snapshot copies (None on a CPU, where they are synchronous)."""
+    import accel
+
+    if accel.backend() == "cpu":
+        return None
+    event = accel.device_module().Event()
+    event.record()
+    return event
 
 
 def is_expert_param(name: str) -> bool:
@@ -49,6 +182,21 @@ def _param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) ->
     return [g for g in groups if g["params"]]
 
 
+def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """(optimizer class, its keyword arguments but the parameters) for ``cfg``: PyTorch's AdamW unless the
+    moments are BF16 or an EMA is kept (then ``AdamW`` above), PyTorch's SGD with momentum ``betas[0]``."""
+    if cfg.name == "sgd":
+        if cfg.moments_dtype != "param" or cfg.ema_decay:
+            raise ValueError(f"optim.name='sgd' cannot take optim.moments_dtype={cfg.moments_dtype!r} or "
+                             f"optim.ema_decay={cfg.ema_decay}: they need optim.name='adamw'")
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.betas[0])
+    kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.moments_dtype == "param" and not cfg.ema_decay:
+        return torch.optim.AdamW, kw
+    dtype = torch.bfloat16 if cfg.moments_dtype == "bfloat16" else None
+    return AdamW, {**kw, "moments_dtype": dtype, "ema_decay": cfg.ema_decay}
+
+
 class Optimizers:
     """The dense and expert AdamW optimizers (ZeRO-1 sharded when asked), stepped together."""
 
@@ -57,7 +205,7 @@ class Optimizers:
         dense, expert = split_params(modules)
         self.dense_params = [p for _, p in dense]
         self.expert_params = [p for _, p in expert]
-        kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        optimizer_class, kw = optimizer_spec(cfg)
         self.optimizers: list[torch.optim.Optimizer] = []
         for named, group in ((dense, dp_group), (expert, edp_group)):
             if not named:
@@ -65,12 +213,12 @@ class Optimizers:
             groups = _param_groups(named, cfg.weight_decay)
             shard = zero1 and group is not None and dist.get_world_size(group) > 1
             if shard:
-                opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                               process_group=group, weight_decay=groups[0]["weight_decay"], **kw)
                 for g in groups[1:]:
                     opt.add_param_group(g)
             else:
-                opt = torch.optim.AdamW(groups, **kw)
+                opt = optimizer_class(groups, **kw)
             self.optimizers.append(opt)
 
     @property

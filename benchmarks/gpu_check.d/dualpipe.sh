@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# dualpipe on one GPU (run from the repo root; < 1 minute). One GPU allows only a 1-rank process group
+# dualpipe on one GPU (run from the repo root; < 20 s). One GPU allows only a 1-rank process group
 # (NCCL refuses two ranks on one device), so this checks the device path of the runtime (stage modules,
 # inputs, losses and deferred weight gradients on the accelerator, NCCL/MCCL group) for every schedule
 # against a single-process run. Multi-rank P2P over NCCL needs >= 2 GPUs (see docs/dualpipe.md).
+# timeout: 20
 set -euo pipefail
 PY=${PY:-python3}
 "$PY" - <<'PY'

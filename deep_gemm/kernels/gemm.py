@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 import accel
-from accel import registry
+from accel import autotune, registry
 from deep_gemm.kernels.rounding import round_to_bf16
 
 DENSE, CONTIGUOUS, MASKED, K_GROUPED = 0, 1, 2, 3
@@ -45,11 +45,11 @@ def _configs(fp8: bool) -> list[triton.Config]:
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
     musa = accel.backend() == "musa"
-    return [
+    return autotune.shard([
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w,
                       num_stages=1 if musa else s)
         for bm, bn, w, s in shapes
-    ]
+    ])
 
 
 def _kernel_body():

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from accel import registry
+from accel import autotune, registry
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
@@ -36,7 +36,7 @@ _INTERP_CONFIG = [(16, 16, 1, 1)]
 
 
 def _pick(configs):
-    return _configs(_INTERP_CONFIG if interpreted() else configs)
+    return autotune.shard(_configs(_INTERP_CONFIG if interpreted() else configs))
 
 
 @triton.jit

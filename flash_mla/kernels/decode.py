@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from accel import registry
+from accel import autotune, registry
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, round_to_bf16_grid
 from flash_mla.metadata import BLOCK_SIZE
@@ -206,7 +206,8 @@ def _decode_kernel_tuned():
     if _decode is None:
         configs = _INTERP_DECODE_CONFIG if interpreted() else DECODE_CONFIGS
         _decode = triton.autotune(
-            [triton.Config(config_kwargs(c), num_warps=c[-2], num_stages=pipeline_stages(c[-1])) for c in configs],
+            autotune.shard([triton.Config(config_kwargs(c), num_warps=c[-2], num_stages=pipeline_stages(c[-1]))
+                            for c in configs]),
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
     return _decode

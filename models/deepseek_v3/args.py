@@ -66,6 +66,9 @@ class ModelArgs:
     init_std: float = 0.006
     # training switches (not part of the checkpoint's config.json)
     fp8: bool = False  # route attention projections and every expert/FFN Linear through deep_gemm FP8
+    # FP8 GEMMs keep their inputs for backward only as e4m3 + 1x128 scales, and the SwiGLU input is kept in
+    # FP8 with its output recomputed (V3 report 3.3.3). None: on exactly when ``fp8`` is.
+    fp8_cache_activations: bool | None = None
     recompute: tuple[str, ...] = ()  # names of RECOMPUTE_NAMES (kinds, or aliases such as "v3")
     recompute_layers: tuple[int, ...] | None = None  # None: every layer (MTP blocks are layer n_layers + k)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown HF config fields, kept for round trips
@@ -113,6 +116,9 @@ class ModelArgs:
                                  f"n_expert_groups must be >= 2, got {self.experts_per_group}")
         if self.rope_factor < 1.0:
             raise ValueError(f"ModelArgs.rope_factor must be >= 1 (1 = no YaRN), got {self.rope_factor}")
+        if self.fp8_cache_activations and not self.fp8:
+            raise ValueError("ModelArgs.fp8_cache_activations=True needs fp8=True (it caches the FP8 GEMMs' "
+                             "inputs); set fp8=True, or fp8_cache_activations to False or None")
         unknown = [name for name in self.recompute if name not in RECOMPUTE_NAMES]
         if unknown:
             raise ValueError(f"ModelArgs.recompute: unknown name(s) {unknown}; valid names are "
@@ -149,12 +155,22 @@ class ModelArgs:
         return layer_id >= self.n_dense_layers
 
     @property
+    def fp8_cache(self) -> bool:
+        """Whether FP8 activation caching is on (``fp8_cache_activations``, defaulting to ``fp8``)."""
+        return self.fp8 if self.fp8_cache_activations is None else bool(self.fp8_cache_activations)
+
+    @property
     def recompute_kinds(self) -> frozenset[str]:
         """``recompute`` with the aliases expanded into the kinds they stand for."""
         return frozenset(k for name in self.recompute for k in RECOMPUTE_ALIASES.get(name, (name,)))
 
     def recomputes(self, kind: str, layer_id: int) -> bool:
-        return kind in self.recompute_kinds and (self.recompute_layers is None or layer_id in self.recompute_layers)
+        """Whether layer ``layer_id`` recomputes ``kind``. Where ``block`` is on it covers the whole layer
+        (only the block's input is kept), so the finer kinds are off there."""
+        def on(k: str) -> bool:
+            return k in self.recompute_kinds and (self.recompute_layers is None or layer_id in self.recompute_layers)
+
+        return on(kind) and (kind == "block" or not on("block"))
 
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)

@@ -15,6 +15,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 import deep_gemm
+from deep_gemm.reference import dequantize
+from models.deepseek_v3.recompute import Stash, produce_consume
 
 # The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
 grouped_linear = deep_gemm.grouped_linear
@@ -66,20 +68,21 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations)."""
+    """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations).
 
-    def __init__(self, dim: int, eps: float = 1e-6, recompute: bool = False):
+    Recomputing it (``recompute`` kind "norm") is up to the caller, which knows the consumer:
+    ``recompute.produce_consume(norm, consumer, x)``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.dim, self.eps, self.recompute = dim, eps, recompute
+        self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
         return _RMSNormFunction.apply(x, self.weight, self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return maybe_recompute(self._forward, x, enabled=self.recompute)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -92,8 +95,8 @@ class Linear(deep_gemm.Fp8Linear):
     gradient is deferred through ``accel.wgrad`` (accumulated into ``weight.grad`` directly).
     """
 
-    def __init__(self, in_features: int, out_features: int, fp8: bool = False):
-        super().__init__(in_features, out_features, bias=False, fp8=fp8)
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False, fp8_cache: bool = False):
+        super().__init__(in_features, out_features, bias=False, fp8=fp8, fp8_cache=fp8 and fp8_cache)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -102,15 +105,37 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scales = deep_gemm.per_token_cast_to_fp8(x.reshape(-1, x.shape[-1]))
+    return q.view(x.shape), scales.view(*x.shape[:-1], -1)
+
+
+def _fp8_unpack(packed: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    q, scales = packed
+    return dequantize(q.reshape(-1, q.shape[-1]), scales.reshape(-1, scales.shape[-1])).to(dtype).view(q.shape)
+
+
+# A recomputed producer's input kept as e4m3 + 1x128 scales: the SwiGLU input under FP8 activation caching.
+FP8_STASH = Stash(pack=_fp8_pack, unpack=_fp8_unpack)
+
+
 class MLP(nn.Module):
     """SwiGLU FFN (dense layers and shared experts). Gate and up projections are fused into one GEMM:
-    ``w13`` is ``cat[gate_proj, up_proj]`` (HF keys split it back)."""
+    ``w13`` is ``cat[gate_proj, up_proj]`` (HF keys split it back).
 
-    def __init__(self, dim: int, inter_dim: int, fp8: bool = False, recompute_swiglu: bool = False):
+    ``recompute_swiglu``: keep ``w13``'s output (the SwiGLU input) instead of the SwiGLU output, which
+    ``w2`` then recomputes. ``fp8_cache`` implies it, with the SwiGLU input kept in FP8, and keeps
+    ``w13``'s input in FP8 unless ``input_recomputed`` (the caller recomputes it: nothing to cache).
+    """
+
+    def __init__(self, dim: int, inter_dim: int, fp8: bool = False, recompute_swiglu: bool = False,
+                 fp8_cache: bool = False, input_recomputed: bool = False):
         super().__init__()
-        self.dim, self.inter_dim, self.recompute_swiglu = dim, inter_dim, recompute_swiglu
-        self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8)
-        self.w2 = Linear(inter_dim, dim, fp8=fp8)
+        self.dim, self.inter_dim = dim, inter_dim
+        self.recompute_swiglu = recompute_swiglu or (fp8 and fp8_cache)
+        self.stash = FP8_STASH if fp8 and fp8_cache else None
+        self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8, fp8_cache=fp8_cache and not input_recomputed)
+        self.w2 = Linear(inter_dim, dim, fp8=fp8)  # its input is recomputed whenever caching is on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(maybe_recompute(swiglu, self.w13(x), enabled=self.recompute_swiglu))
+        return produce_consume(swiglu, self.w2, self.w13(x), enabled=self.recompute_swiglu, stash=self.stash)

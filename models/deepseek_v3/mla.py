@@ -20,7 +20,8 @@ from torch import nn
 
 import flash_mla
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.layers import Linear, RMSNorm, maybe_recompute
+from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import apply_rotary_emb
 
 
@@ -32,6 +33,11 @@ class LatentCache(Protocol):
 
 
 class MLA(nn.Module):
+    """MLA. Recompute (V3 report 3.2.3): with kind "norm" the GEMM after ``q_norm`` / ``kv_norm`` keeps
+    the norm's input, not its output; with "mla_up" the up-projections (both norms, ``wq_b``,
+    ``wkv_b``, RoPE of q) are recomputed for the attention backward from the latents, so the per-head
+    q, k, v (``n_heads * 448`` values per token at V3's sizes) are never kept."""
+
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id
@@ -41,41 +47,59 @@ class MLA(nn.Module):
         self.qk_head_dim, self.v_head_dim = args.qk_head_dim, args.v_head_dim
         self.softmax_scale = args.softmax_scale
         self.recompute_up = args.recomputes("mla_up", layer_id)
-        recompute_norm = args.recomputes("norm", layer_id)
-        fp8 = args.fp8
+        # inside a recomputed up-projection the norms store nothing in forward anyway
+        self.recompute_norm = args.recomputes("norm", layer_id) and not self.recompute_up
+        # The input (attn_norm's output) is the caller's to recompute; the up-projections' inputs are
+        # recomputed here when either kind is on: then they keep no FP8 copy either.
+        input_recomputed = args.recomputes("norm", layer_id)
+        up_recomputed = self.recompute_up or self.recompute_norm
+        fp8, cache = args.fp8, args.fp8_cache
         if self.q_lora_rank:
-            self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8)
-            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps, recompute=recompute_norm)
-            self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, fp8=fp8)
+            self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8, fp8_cache=cache and not input_recomputed)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+            self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, fp8=fp8,
+                               fp8_cache=cache and not up_recomputed)
         else:
-            self.wq = Linear(self.dim, self.n_heads * self.qk_head_dim, fp8=fp8)
-        self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, fp8=fp8)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, recompute=recompute_norm)
-        self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8)
-        self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8)
+            self.wq = Linear(self.dim, self.n_heads * self.qk_head_dim, fp8=fp8,
+                             fp8_cache=cache and not input_recomputed)
+        self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, fp8=fp8,
+                            fp8_cache=cache and not input_recomputed)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
+                            fp8_cache=cache and not up_recomputed)
+        self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
 
     # ---- shared by both forms ---------------------------------------------------------------------
     def _q_latent(self, x: torch.Tensor) -> torch.Tensor:
-        return self.q_norm(self.wq_a(x)) if self.q_lora_rank else x
+        """The query latent before ``q_norm`` (``x`` itself without q LoRA)."""
+        return self.wq_a(x) if self.q_lora_rank else x
 
     def _q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
-        wq = self.wq_b if self.q_lora_rank else self.wq
-        return wq(q_latent).unflatten(-1, (self.n_heads, self.qk_head_dim))
+        """Per-head queries ``[b, s, h, qk_head_dim]`` from the latent before ``q_norm``."""
+        if self.q_lora_rank:
+            q = produce_consume(self.q_norm, self.wq_b, q_latent, enabled=self.recompute_norm)
+        else:
+            q = self.wq(q_latent)
+        return q.unflatten(-1, (self.n_heads, self.qk_head_dim))
 
     def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_norm(c_kv) [b, s, kv_lora], rope(k_pe) [b, s, 1, rope_dim])``."""
+        """``(c_kv [b, s, kv_lora] before kv_norm, rope(k_pe) [b, s, 1, rope_dim])``."""
         c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        return self.kv_norm(c_kv), apply_rotary_emb(k_pe.unsqueeze(2), cos, sin)
+        return c_kv, apply_rotary_emb(k_pe.unsqueeze(2), cos, sin)
 
     # ---- naive form -------------------------------------------------------------------------------
     def _up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin)], dim=-1)
-        kv = self.wkv_b(c_kv).unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim))
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        kv = produce_consume(self.kv_norm, self.wkv_b, c_kv, enabled=self.recompute_norm)
+        k_nope, v = kv.unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim)).split(
+            [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
         return q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
@@ -84,10 +108,9 @@ class MLA(nn.Module):
             return self.forward_absorbed(x, cos, sin, cache, start_pos)
         q_latent = self._q_latent(x)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
-        q, k, v = maybe_recompute(lambda a, b, c: self._up_project(a, b, c, cos, sin), q_latent, c_kv, k_pe,
-                                  enabled=self.recompute_up)
-        out = flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)
-        return self.wo(out.flatten(2))
+        out = produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend, q_latent, c_kv,
+                              k_pe, enabled=self.recompute_up)
+        return self.wo(out)
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +123,7 @@ class MLA(nn.Module):
         """Write this step's latents at ``start_pos`` and attend over the whole cached prefix (causal)."""
         q_nope, q_pe = self._q_up(self._q_latent(x)).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
+        c_kv = self.kv_norm(c_kv)
         cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
         w_uk, w_uv = self._absorbed_weights()
         q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),

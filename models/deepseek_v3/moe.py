@@ -26,7 +26,8 @@ from torch import nn
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, recomputing
-from models.deepseek_v3.layers import MLP, grouped_linear, maybe_recompute, swiglu
+from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
+from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
@@ -110,6 +111,10 @@ class Experts(nn.Module):
     ``expert_ids`` is a contiguous range (a plain expert-parallel slice) or, under EPLB, the logical
     expert of each physical slot this rank hosts (a sequence; an id may repeat: replicas of a hot
     expert). Row ``i`` of ``w13``/``w2`` is slot ``i``.
+
+    ``recompute_swiglu`` keeps the SwiGLU input (``w13``'s output), not its output, for backward. Under
+    FP8 activation caching (``args.fp8_cache``) that is always so, the SwiGLU input is kept in FP8 and
+    ``w13``'s input (the dispatched tokens) as its e4m3 cast, as in the V3 report (3.3.3).
     """
 
     def __init__(self, args: ModelArgs, expert_ids: range | Sequence[int] | None = None,
@@ -128,7 +133,9 @@ class Experts(nn.Module):
                                  f"got {self.expert_ids}")
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
-        self.recompute_swiglu = recompute_swiglu
+        self.fp8_cache = args.fp8_cache
+        self.recompute_swiglu = recompute_swiglu or self.fp8_cache
+        self.stash = FP8_STASH if self.fp8_cache else None
         self.w13 = nn.Parameter(torch.empty(n, 2 * args.moe_inter_dim, args.dim))
         self.w2 = nn.Parameter(torch.empty(n, args.dim, args.moe_inter_dim))
 
@@ -140,9 +147,9 @@ class Experts(nn.Module):
         """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1."""
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
-        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8)
-        h = maybe_recompute(swiglu, h, enabled=self.recompute_swiglu)
-        return grouped_linear(h, self.w2, m_indices, fp8=self.fp8)
+        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
+        down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8)  # noqa: E731 (its input is recomputed)
+        return produce_consume(swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
@@ -209,7 +216,9 @@ class MoE(nn.Module):
         self.gate = Gate(args)
         self.experts = Experts(args, expert_ids, recompute_swiglu=recompute_swiglu)
         self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, fp8=args.fp8,
-                                   recompute_swiglu=recompute_swiglu) if args.n_shared_experts else None)
+                                   recompute_swiglu=recompute_swiglu, fp8_cache=args.fp8_cache,
+                                   input_recomputed=args.recomputes("norm", layer_id))
+                               if args.n_shared_experts else None)
         self.n_routed_experts = args.n_routed_experts
         self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout()
         if balance is None:  # aux-loss-free where the gate has its bias (V3), else measure only

@@ -16,6 +16,7 @@ from torch import nn
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
 
 
@@ -27,14 +28,19 @@ class MTPModule(nn.Module):
         self.depth, self.layer_id = depth, args.n_layers + depth
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
-        self.eh_proj = Linear(2 * args.dim, args.dim, fp8=args.fp8)
+        self.recompute_norm = args.recomputes("norm", self.layer_id)
+        self.eh_proj = Linear(2 * args.dim, args.dim, fp8=args.fp8,
+                              fp8_cache=args.fp8_cache and not self.recompute_norm)
         self.block = Block(args, self.layer_id, expert_ids)
         self.norm = RMSNorm(args.dim, args.norm_eps)  # HF: shared_head.norm
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        x = produce_consume(self._normed, self.eh_proj, emb, h, enabled=self.recompute_norm)
         return self.block(x, cos, sin)
+
+    def _normed(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
 
 
 def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,

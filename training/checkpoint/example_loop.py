@@ -22,11 +22,9 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +39,7 @@ from training.checkpoint.resume import (
     restart_count,
 )
 from training.checkpoint.rng import restore_rng_state
+from training.checkpoint.writer import paused_writer
 from training.fault import FaultPolicy, FaultTolerance, FaultToleranceExhausted
 
 IN_DIM, CLASSES = 16, 8
@@ -102,21 +101,6 @@ def _emit(*parts: Any) -> None:
         sys.stdout.flush()
 
 
-def _slow_writer(delay: float):
-    """The same bytes as safetensors' ``save_file``, written in two halves with a pause (a kill lands mid-file)."""
-    def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-        data = safetensors.torch.save(tensors)
-        half = len(data) // 2
-        with open(path, "wb") as f:
-            f.write(data[:half])
-            f.flush()
-            os.fsync(f.fileno())
-            _emit("EVENT", "mid_write", -1, path.name)
-            time.sleep(delay)
-            f.write(data[half:])
-    return save
-
-
 def main(argv: list[str] | None = None) -> dict[int, float]:
     args = parse_args(argv)
     torch.set_num_threads(1)  # bit-reproducible CPU math across runs
@@ -147,9 +131,10 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     def metrics(record: dict[str, Any]) -> None:
         _emit("METRIC", json.dumps(record, default=str))
 
+    slow = paused_writer(args.write_delay, lambda path: _emit("EVENT", "mid_write", -1, path.name))
     mgr = CheckpointManager(args.root, async_save=not args.sync, keep_last=args.keep_last, keep_every=args.keep_every,
                             on_event=lambda name, step, detail: _emit("EVENT", name, step, detail), metrics=metrics,
-                            save_tensors=_slow_writer(args.write_delay) if args.write_delay > 0 else None)
+                            save_tensors=slow if args.write_delay > 0 else None)
     ft = None
     if args.fault:
         ft = FaultTolerance(FaultPolicy(spike_sigma=args.spike_sigma, window=20, min_history=5,

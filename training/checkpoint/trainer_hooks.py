@@ -30,6 +30,7 @@ from training.checkpoint.resume import (
     restart_count,
 )
 from training.checkpoint.rng import restore_rng_state
+from training.checkpoint.writer import paused_writer
 from training.fault import FaultPolicy, FaultTolerance, Verdict
 
 
@@ -133,7 +134,8 @@ class CheckpointHooks:
         self.trainer, self.cfg = trainer, cfg
         self.manager = CheckpointManager(root, async_save=ck.async_save, keep_last=ck.keep_last,
                                          keep_every=ck.keep_every, commit_timeout_s=cfg.run.timeout_s,
-                                         metrics=self._log_event)
+                                         metrics=self._log_event,
+                                         save_tensors=paused_writer(ck.write_delay_s) if ck.write_delay_s else None)
         self.fault = None
         if getattr(cfg, "fault", None) is not None and cfg.fault.enabled:
             policy = FaultPolicy.from_config(cfg.fault)

@@ -18,6 +18,7 @@ in the training loop by the next :meth:`CheckpointWriter.poll`, ``submit`` or ``
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -87,6 +88,23 @@ class Snapshotter:
         if isinstance(tree, tuple) and not isinstance(tree, torch.Size):
             return tuple(self._copy(v, f"{path}/{i}", used, on_device) for i, v in enumerate(tree))
         return _deepcopy_leaf(tree)
+
+
+def paused_writer(delay_s: float, on_pause: Callable[[Path], None] | None = None) -> SaveTensors:
+    """Test instrument: ``safetensors.torch.save_file``'s bytes, written in two halves with a ``delay_s`` pause
+    between them (the first half fsynced), so a kill -9 can land inside a shard file."""
+    def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        data = safetensors.torch.save(tensors)
+        half = len(data) // 2
+        with open(path, "wb") as f:
+            f.write(data[:half])
+            f.flush()
+            os.fsync(f.fileno())
+            if on_pause is not None:
+                on_pause(path)
+            time.sleep(delay_s)
+            f.write(data[half:])
+    return save
 
 
 def _deepcopy_leaf(x: Any) -> Any:

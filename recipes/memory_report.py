@@ -1,0 +1,169 @@
+"""Measured peak memory per rank next to the memory model's prediction (``training.memory.estimate``).
+
+    python -m recipes.memory_report --config recipes/configs/tiny_cpu.toml --nproc 1 --set parallel.pp=1 ...
+    torchrun --nproc-per-node 8 -m recipes.memory_report --config recipes/configs/debug_gpu.toml
+
+Runs ``--steps`` real training steps of the config (the trainer, its schedule, optimizer and
+expert parallelism as ``recipes.train`` builds them; no checkpoints, no logging) and takes each
+rank's peak of live tensor bytes from building the model to the last step: on a GPU the caching
+allocator's ``max_memory_allocated``; on a CPU the profiler's allocation events
+(``profile_memory``), summed in time order (every tensor the c10 allocator hands out or frees, in
+any thread). The prediction is the model's total without the allocator margin (which neither
+measurement sees). Rank 0 prints one line per rank and, with ``--json``, writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from training.config import check_world_size, load_config
+from training.launch import relaunch, strip_option, under_torchrun
+
+MiB = 1024**2
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m recipes.memory_report", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (repeatable)")
+    ap.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: run.nproc)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps to run (the peak is steady from step 2)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON (rank 0)")
+    return ap.parse_args(argv)
+
+
+class CpuPeak:
+    """Peak of live CPU tensor bytes from the profiler's allocation events (``.peak`` after the block)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[CpuPeak]:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield self
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                  and e.device_type().name == "CPU"]
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            peak = max(peak, live)
+        self.peak = peak
+
+
+class DevicePeak:
+    """``max_memory_allocated`` over the block, less what was allocated before it."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[DevicePeak]:
+        import accel
+
+        accel.synchronize()
+        base = accel.device_module().memory_allocated()
+        accel.reset_peak_memory_stats()
+        yield self
+        accel.synchronize()
+        self.peak = accel.max_memory_allocated() - base
+
+
+def measure_rank(cfg, steps: int) -> dict:
+    """Build this rank's trainer and run ``steps`` steps; its coordinates and measured peak bytes."""
+    import accel
+    from training.parallel import init_parallel
+    from training.trainer import Trainer, check_static
+
+    checked = check_static(cfg)
+    ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
+    meter = CpuPeak() if accel.backend() == "cpu" else DevicePeak()
+    with tempfile.TemporaryDirectory() as run_dir, meter.measure():
+        trainer = Trainer(cfg, ps, run_dir, "disabled", checked)
+        for _ in range(steps):
+            trainer.train_step()
+        if trainer.optimizer is not None:
+            for opt in trainer.optimizer.optimizers:
+                local = getattr(opt, "optim", opt)
+                if hasattr(local, "wait_ema"):
+                    local.wait_ema()
+    c = ps.coords
+    row = {"rank": ps.rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank, "measured": meter.peak}
+    rows = [row]
+    if ps.world_size > 1:
+        import torch.distributed as dist
+
+        rows = [None] * ps.world_size
+        dist.all_gather_object(rows, row)
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"rows": rows, "rank": ps.rank}
+
+
+def report(cfg, rows: list[dict]) -> list[dict]:
+    """``rows`` with the prediction for each rank's pipeline rank (bytes, margin excluded) and their ratio."""
+    import accel
+    from training.memory import estimate
+
+    device = None if accel.backend() == "cpu" else accel.device_name()
+    est = estimate(cfg, device=device)
+    out = []
+    for r in rows:
+        pred = est.ranks[r["pp_rank"]]
+        predicted = pred.total_bytes - pred.items.get("margin", 0)
+        if device is None:  # on a CPU the host is the device: the EMA is measured too
+            predicted += sum(pred.host.values())
+        out.append({**r, "predicted": predicted, "ratio": predicted / r["measured"] if r["measured"] else float("nan"),
+                    "items": pred.items})
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'rank':>4} {'pp':>3} {'dp':>3} {'measured MiB':>13} {'predicted MiB':>14} {'pred/meas':>9}"]
+    for r in rows:
+        lines.append(f"{r['rank']:>4} {r['pp_rank']:>3} {r['dp_rank']:>3} {r['measured'] / MiB:>13.2f} "
+                     f"{r['predicted'] / MiB:>14.2f} {r['ratio']:>9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
+    from recipes.train import use_reference_kernels_on_cpu
+
+    use_reference_kernels_on_cpu()
+    try:
+        cfg = load_config(ns.config, ns.overrides)
+        if ns.steps < 2:
+            raise ValueError(f"--steps must be >= 2 (the optimizer states appear at the first step), got {ns.steps}")
+        nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
+        if not under_torchrun():
+            check_world_size(cfg.parallel, nproc)
+            if nproc > 1:
+                from training.trainer import check_static
+
+                check_static(cfg)
+                return relaunch("recipes.memory_report", nproc, strip_option(argv, "--nproc"))
+        result = measure_rank(cfg, ns.steps)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if result["rank"] == 0:
+        rows = report(cfg, result["rows"])
+        print(format_rows(rows), flush=True)
+        if ns.json:
+            Path(ns.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Recompute policies that really drop what they recompute, and FP8 activation caching (issue 14).
+
+Gradients: recomputation replays the same fp32 ops on the same inputs, so every policy gives the
+gradients of no recompute up to autograd's summation order (the recomputed producer's backward runs
+in a nested backward, so accumulation into shared inputs may add in another order): rtol 1e-5 on
+fp32 values of magnitude ~1 with reductions of <= 64 terms here (64 * 2^-24 ~ 4e-6), atol 1e-7 for
+entries that cancel to ~0. A dropped tensor that is not restored reads freed memory (wrong values
+or a crash), far outside that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel.wgrad
+from deep_gemm import calc_diff
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.recompute import produce_consume
+from tests.test_model import randomize
+
+POLICIES = [("norm",), ("mla_up",), ("v3",), ("swiglu",), ("v3", "swiglu"), ("block",), ("v3", "block")]
+
+
+def _grads(recompute, tokens, segmented: bool = False, **overrides):
+    """Parameter gradients of the debug_tiny model (MTP on) on ``tokens``. ``segmented``: backward the way
+    the overlapped pipeline schedule runs it: loss part, then block by block with ``inputs=`` restricted
+    to that block's parameters and its input, weight gradients deferred and run afterwards. The trunk
+    starts from a leaf (as a stage's received input), so the loss part's embedding gradient (MTP) does
+    not reach back through the trunk."""
+    torch.manual_seed(1)
+    args = ModelArgs.preset("debug_tiny", recompute=recompute, **overrides)
+    model = randomize(Transformer(args))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if not segmented:
+        logits, mtp = model.forward_with_mtp(inputs)
+        lm_losses(args, logits, mtp, labels)["loss"].backward()
+    else:
+        closures = []
+        with accel.wgrad.collect_into(closures.append):
+            emb = model.embed_tokens(inputs)
+            bounds = [emb.detach().requires_grad_()]
+            for i in range(args.n_layers):
+                bounds.append(model.run_layers(bounds[-1], i, i + 1))
+            h = bounds[-1]
+            loss = lm_losses(args, model.final(h), model.mtp_logits(h, inputs), labels)["loss"]
+            head = [*model.norm.parameters(), *model.head.parameters(), *model.mtp.parameters(),
+                    *model.embed.parameters()]
+            torch.autograd.backward(loss, inputs=[h, *head])
+            grad = h.grad
+            for i in reversed(range(args.n_layers)):
+                prev = bounds[i]
+                torch.autograd.backward(bounds[i + 1], grad, inputs=[*model.layers[i].parameters(), prev])
+                grad, prev.grad = prev.grad, None
+            emb.backward(grad)
+        assert closures, "the Linears' weight gradients were not deferred"
+        for run in closures:
+            run()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented+deferred"])
+def test_every_policy_gives_the_gradients_of_no_recompute(segmented):
+    tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
+    base = _grads((), tokens)
+    for policy in POLICIES:
+        got = _grads(policy, tokens, segmented)
+        assert got.keys() == base.keys(), policy
+        for n in base:
+            torch.testing.assert_close(got[n], base[n], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=n, p=policy: f"{p} {n}: {m}")
+
+
+def _saved_bytes(fn, exclude) -> int:
+    """Bytes of the distinct storages autograd saved while ``fn`` ran, measured after it returned (a
+    released storage counts 0), parameters excluded."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages.setdefault(s._cdata, s)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(s.nbytes() for s in storages.values())
+
+
+def test_the_consumer_keeps_the_producer_input_not_its_output():
+    """norm -> Linear: without recompute both x and norm(x) are kept; with it only x (the Linear saved a
+    view of norm(x), whose storage is released and refilled before the Linear's backward)."""
+    norm, lin = RMSNorm(64), Linear(64, 32)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(10, 64, requires_grad=True)
+    grads, kept = [], []
+    for enabled in (False, True):
+        x.grad = lin.weight.grad = norm.weight.grad = None
+        y, nbytes = _saved_bytes(lambda e=enabled: produce_consume(norm, lin, x, enabled=e),
+                                 [norm.weight, lin.weight])
+        y.square().sum().backward()
+        kept.append(nbytes)
+        grads.append([x.grad, lin.weight.grad, norm.weight.grad])
+    rstd = 10 * 4
+    assert kept == [2 * x.numel() * 4 + rstd, x.numel() * 4]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_consumer_may_not_return_a_producer_output():
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="consumer returned"):
+        produce_consume(lambda t: t * 2, lambda t: t[0], x)
+
+
+def test_fp8_cache_default_and_bad_input():
+    assert ModelArgs.preset("debug_tiny", fp8=True).fp8_cache
+    assert not ModelArgs.preset("debug_tiny").fp8_cache
+    assert not ModelArgs.preset("debug_tiny", fp8=True, fp8_cache_activations=False).fp8_cache
+    with pytest.raises(ValueError, match="fp8_cache_activations=True needs fp8=True"):
+        ModelArgs.preset("debug_tiny", fp8_cache_activations=True)
+
+
+@pytest.mark.timeout(120)
+def test_fp8_cached_model_matches_the_uncached_fp8_model():
+    """FP8 caching changes only what backward reads: the wgrads see x rounded to e4m3 a second time (the
+    cached 1x128 cast re-tiled to 128x1) and SwiGLU's backward its input rounded to e4m3 once. Both are
+    e4m3 roundings (relative error <= 2^-4 per element, calc_diff ~3e-4 per rounded operand, see
+    test_deep_gemm_linear). Tolerances per parameter gradient, calc_diff: cached vs uncached FP8 < 5e-3
+    (measured <= 3e-3: a few extra roundings along the gradient's path); cached vs fp32 < 1e-2 (the
+    uncached FP8 run itself is at up to 5e-3 from fp32 here, each of the GEMMs a gradient passes being
+    at ~2e-3). A lost or doubled contribution moves a gradient by calc_diff > 0.1."""
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3))
+    fp32 = _grads((), tokens)
+    uncached = _grads((), tokens, fp8=True, fp8_cache_activations=False)
+    cached = _grads((), tokens, fp8=True)
+    for n in fp32:
+        assert calc_diff(cached[n], uncached[n]) < 5e-3, n
+        assert calc_diff(cached[n], fp32[n]) < 1e-2, n
