@@ -25,6 +25,8 @@ class DeviceSpec:
 # Order matters: the first key found in the device name wins (form-factor variants before the SXM part).
 # A key matches as a whole model number: "A100" does not match "RTX A1000".
 _SPECS: tuple[tuple[str, DeviceSpec], ...] = (
+    # NVIDIA HGX B200 datasheet: 4.5 bf16 / 9 fp8 PFLOP/s sparse per GPU (halved), 8 TB/s HBM3e, 180 GB.
+    ("B200", DeviceSpec("B200", 2250.0, 4500.0, 8000.0, 179.0)),
     # NVIDIA H200 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 4.8 TB/s HBM3e.
     ("H200 NVL", DeviceSpec("H200 NVL", 835.0, 1670.0, 4800.0, 140.4)),
     # NVIDIA H200 datasheet (SXM): 989 bf16 / 1979 fp8 dense TFLOP/s, 4.8 TB/s HBM3e.

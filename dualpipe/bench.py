@@ -162,7 +162,7 @@ def _worker(args: argparse.Namespace) -> dict:
             for item, start, end, overhead in pipe.last_step_timeline:
                 kind = "FB" if isinstance(item, Overlap) else item.kind
                 durations.setdefault(kind, []).append(end - start + overhead)
-            out["runs"][name] = {"step": statistics.median(times[1:]), "durations": durations}
+            out["runs"][name] = {"step": statistics.median(times[1:]), "steps": times[1:], "durations": durations}
         return out
     finally:
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel.wgrad
+from accel.trace import TraceRecorder
 from dualpipe import schedules
 from dualpipe.comm import P2P
 from dualpipe.ir import Action, Item, Overlap, Schedule, comm_plan
@@ -86,6 +87,7 @@ class Pipeline(nn.Module):
         self.overlapped_forward_backward = (len(mods) == 2 and mods[0] is mods[1]
                                             and hasattr(mods[0], "overlapped_forward_backward"))
         self._cache: dict[tuple[int, bool], tuple[Schedule, list]] = {}
+        self.recorder: TraceRecorder | None = None  # when set, each action is a span of its compute track
 
     # -- schedule ------------------------------------------------------------------------------
     def schedule(self, num_chunks: int, forward_only: bool = False) -> Schedule:
@@ -144,8 +146,11 @@ class Pipeline(nn.Module):
                         self._out_grads[(msg.stage, msg.mb)] = tensors
                 started = time.perf_counter()
                 self._run_item(item)
+                ended = time.perf_counter()
                 overhead = started - exchange_start - (self.p2p.blocked_s - blocked_before)
-                self.last_step_timeline.append((item, started, time.perf_counter(), overhead))
+                self.last_step_timeline.append((item, started, ended, overhead))
+                if self.recorder is not None:
+                    self.recorder.add("compute", str(item), started, ended)
                 stats = self.last_step_stats
                 stats["max_pending_wgrad"] = max(stats["max_pending_wgrad"], self.store.pending())
                 self.p2p.reap_sends()

@@ -9,6 +9,7 @@ list scheduler over the V-shaped placement under the 1F1B activation-memory limi
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from dualpipe.ir import Action, Chain, Item, Layout, Overlap, Schedule
@@ -61,6 +62,12 @@ def build(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
     """The ``name`` schedule (one of ``SCHEDULES``) for ``num_ranks`` ranks and ``num_microbatches``."""
     check_sizes(name, num_ranks, num_microbatches)
     return _BUILDERS[name](num_ranks, num_microbatches)
+
+
+@functools.lru_cache(maxsize=256)
+def built(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """``build``, memoised (a Schedule is immutable): planners and memory estimates ask for the same ones often."""
+    return build(name, num_ranks, num_microbatches)
 
 
 # -- 1F1B and ZB-H1 -------------------------------------------------------------------------

@@ -7,9 +7,11 @@ each link's messages in the sender's order; a message arrives ``p2p`` after its 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from dualpipe.ir import Item, Message, Overlap, Schedule, comm_plan
+from dualpipe.schedules import built
 
 
 @dataclass(frozen=True)
@@ -72,54 +74,97 @@ class SimResult:
         return self.makespan - self.busy(rank)
 
     def peak_activations(self, rank: int) -> int:
-        """Most (stage, micro-batch) activations alive at once: from F until B, or until W after an I."""
-        live = peak = 0
-        for iv in self.timeline[rank]:
-            for a in iv.item.parts:
-                if a.kind == "F":
-                    live += 1
-                    peak = max(peak, live)
-                elif a.kind in ("B", "W"):
-                    live -= 1
-        return peak
+        return peak_activations(self.schedule, rank)
 
     def parameters(self, rank: int) -> int:
         """Stage replicas whose parameters the rank holds (in units of one stage)."""
         return len(self.schedule.layout.stages_of(rank))
 
 
+def peak_activations(schedule: Schedule, rank: int) -> int:
+    """Most (stage, micro-batch) activations alive at once on ``rank``: from F until B, or until W after an I.
+    A rank runs its items in order, so this needs no timing."""
+    live = peak = 0
+    for item in schedule.actions[rank]:
+        for a in item.parts:
+            if a.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in ("B", "W"):
+                live -= 1
+    return peak
+
+
 class DeadlockError(RuntimeError):
     pass
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
-    """Time every item of ``schedule`` under ``costs``; DeadlockError if it cannot finish."""
-    costs = costs or Costs()
+@dataclass(frozen=True)
+class Program:
+    """A schedule resolved once into its dependency graph, to be timed under many ``Costs``.
+
+    ``order`` lists (rank, index) of every item in an order where each item comes after the
+    items it waits for; ``waits[i]`` holds the order positions of the producers of the messages
+    item ``i`` takes before it starts (``ir.comm_plan``'s receives, buffered ones included).
+    """
+
+    schedule: Schedule
+    order: tuple[tuple[int, int], ...]
+    waits: tuple[tuple[int, ...], ...]
+
+    def run(self, costs: Costs | None = None) -> SimResult:
+        """Time every item: it starts when its rank is free and its messages have arrived (``p2p`` after
+        their producers end)."""
+        costs = costs or Costs()
+        actions = self.schedule.actions
+        end = [0.0] * len(self.order)
+        clock = [0.0] * self.schedule.num_ranks
+        result = SimResult(self.schedule, costs, [[] for _ in range(self.schedule.num_ranks)])
+        for i, (rank, idx) in enumerate(self.order):
+            item = actions[rank][idx]
+            start = clock[rank]
+            for j in self.waits[i]:
+                start = max(start, end[j] + costs.p2p)
+            end[i] = clock[rank] = start + costs.of(item)
+            result.timeline[rank].append(Interval(item, start, end[i]))
+        return result
+
+
+def compile_schedule(schedule: Schedule) -> Program:
+    """Resolve ``schedule``'s communication into a ``Program``; DeadlockError if it cannot finish."""
     plans = comm_plan(schedule)
-    sent: dict[Message, float] = {}
-    clock = [0.0] * schedule.num_ranks
+    producer: dict[Message, int] = {}
     pos = [0] * schedule.num_ranks
-    result = SimResult(schedule, costs, [[] for _ in range(schedule.num_ranks)])
+    order: list[tuple[int, int]] = []
+    waits: list[tuple[int, ...]] = []
     progress = True
     while progress:
         progress = False
         for rank, items in enumerate(schedule.actions):
             while pos[rank] < len(items):
                 ex = plans[rank][pos[rank]]
-                if any(m not in sent for m in ex.recvs):
+                if any(m not in producer for m in ex.recvs):
                     break
-                item = items[pos[rank]]
-                start = max([clock[rank]] + [sent[m] + costs.p2p for m in ex.recvs])
-                end = start + costs.of(item)
-                result.timeline[rank].append(Interval(item, start, end))
-                for part in item.parts:
+                waits.append(tuple(producer[m] for m in ex.recvs))
+                order.append((rank, pos[rank]))
+                for part in items[pos[rank]].parts:
                     for m in schedule.sends_of(part):
-                        sent[m] = end
-                clock[rank] = end
+                        producer[m] = len(order) - 1
                 pos[rank] += 1
                 progress = True
     stuck = [r for r, items in enumerate(schedule.actions) if pos[r] < len(items)]
     if stuck:
         where = "; ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in stuck)
         raise DeadlockError(f"simulation stuck: {where}")
-    return result
+    return Program(schedule, tuple(order), tuple(waits))
+
+
+@functools.lru_cache(maxsize=256)
+def program(name: str, num_ranks: int, num_microbatches: int) -> Program:
+    """The compiled ``name`` schedule (``schedules.build``), memoised: searches time one schedule many times."""
+    return compile_schedule(built(name, num_ranks, num_microbatches))
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Time every item of ``schedule`` under ``costs``; DeadlockError if it cannot finish."""
+    return compile_schedule(schedule).run(costs)

@@ -33,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
     ap.add_argument("--device", default=None, metavar="NAME",
                     help="device the dry run checks memory against, e.g. H800 (accel.specs names) or cpu")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="write a Chrome/Perfetto trace (per rank: compute and communication tracks) to FILE")
     ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                     help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
     return ap.parse_args(argv)
@@ -81,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         if under_torchrun():
             from training.run import RunOptions, run_training
 
-            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
+            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace))
             return 0
         from training.run import RunOptions, default_run_dir, run_training
         from training.trainer import check_static
 
         if nproc == 1:
-            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb))
+            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace))
             return 0
         check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         run_dir = ns.run_dir or str(default_run_dir(cfg))

@@ -438,21 +438,20 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
 
 def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[int], list[int]]:
     """Per rank: (peak bytes of the (stage, micro-batch) activations alive at once, how many at that peak),
-    from the simulated timeline of the largest step's schedule."""
+    from the largest step's schedule (each rank's items in order)."""
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
-    from dualpipe import schedules
-    from dualpipe.simulator import simulate
+    from dualpipe.schedules import built
 
     chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
-    result = simulate(schedules.build(par.schedule, par.pp, chunks))
+    schedule = built(par.schedule, par.pp, chunks)  # a rank runs its items in order: no timing needed
     num = len(per_stage)
     peaks, counts = [], []
     for r in range(par.pp):
         live = peak = n = n_at_peak = 0
-        for iv in result.timeline[r]:
-            for act in iv.item.parts:
+        for item in schedule.actions[r]:
+            for act in item.parts:
                 size = per_stage[act.stage % num]
                 if act.kind == "F":
                     live, n = live + size, n + 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from accel.trace import TraceRecorder
 from dualpipe.dualpipe import DualPipe
 from dualpipe.runtime import Pipeline
 from training.config import TrainConfig
@@ -21,7 +22,9 @@ from training.stages import DeepSeekV3Stage
 class PipelineRunner:
     """``step(windows, chunks, criterion)`` runs every micro-batch forward and backward through the schedule."""
 
-    def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState):
+    def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState,
+                 recorder: TraceRecorder | None = None):
+        """``recorder``: the runtime records each action on its compute track (``recipes.train --trace``)."""
         self.schedule, self.pp, self.pp_rank = cfg.parallel.schedule, cfg.parallel.pp, ps.coords.pp_rank
         if self.schedule == "dualpipe":
             self.pipe = DualPipe(tuple(stages), process_group=ps.group("pp"), p2p_timeout=cfg.run.timeout_s)
@@ -30,6 +33,7 @@ class PipelineRunner:
                                  p2p_timeout=cfg.run.timeout_s)
         # parallel.overlap=false runs every paired F&B as F then B (the baseline of bench_overlap)
         self.pipe.overlapped_forward_backward = self.pipe.overlapped_forward_backward and cfg.parallel.overlap
+        self.pipe.recorder = recorder
 
     def step(self, windows: torch.Tensor, chunks: int, criterion: StageLoss | None) -> None:
         """Forward and backward of ``windows`` in ``chunks`` micro-batches; ``criterion`` (on ranks holding

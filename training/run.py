@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from accel.trace import TraceRecorder, write_chrome_trace
 from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
@@ -25,6 +26,7 @@ class RunOptions:
     resume: str | None = None  # None | "auto" | a checkpoint folder
     wandb: str | None = None  # None: WANDB_MODE, else the config
     sample: bool = True
+    trace: str | None = None  # write a Chrome/Perfetto trace of the run (all ranks) to this file
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
@@ -61,7 +63,8 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         print(f"run folder: {run_dir}\n{_layout_line(cfg, world)}", flush=True)
-    trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked)
+    recorder = TraceRecorder(ps.rank) if opts.trace else None
+    trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked, recorder)
     hooks = _attach_checkpointing(trainer, cfg, run_dir, opts)
     summary = trainer.fit()
     manager = None
@@ -72,6 +75,8 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
             summary["final_checkpoint_stall_s"] = time.perf_counter() - t0
         hooks.close()  # waits for the write in flight
         manager = hooks.manager
+    if recorder is not None:
+        _write_trace(opts.trace, recorder, ps)
     sample = None
     if opts.sample and cfg.run.sample_prompt and cfg.run.sample_tokens > 0:
         sample = trainer.generate(cfg.run.sample_prompt, cfg.run.sample_tokens)
@@ -85,6 +90,17 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     if ps.world_size > 1:
         dist.barrier()
     return summary
+
+
+def _write_trace(path: str, recorder: TraceRecorder, ps: ParallelState) -> None:
+    """Every rank's spans gathered to rank 0, which writes one trace (a process per rank)."""
+    states = [recorder.state()]
+    if ps.world_size > 1:
+        gathered = [None] * ps.world_size if ps.rank == 0 else None
+        dist.gather_object(states[0], gathered, dst=0)
+        states = gathered
+    if ps.rank == 0:
+        print(f"trace       : {write_chrome_trace(path, states)} (open in ui.perfetto.dev or chrome://tracing)")
 
 
 def _layout_line(cfg: TrainConfig, world: int) -> str:

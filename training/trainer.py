@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel
+from accel.trace import TraceRecorder
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
@@ -78,16 +79,10 @@ def max_global_batch(cfg: TrainConfig) -> int:
     return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
 
 
-def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
-                 ) -> tuple[ModelArgs, TokenCorpus | None]:
-    """Every check a launch makes before a process group exists, and the one ``--dry-run`` makes too:
-    world size (when ``world`` is given), model arguments, pipeline split, combinations refused by
-    construction, micro-batches of every ramp step, data files, corpus size and vocabulary.
-    Returns (args, corpus).
-
-    ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
-    ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
-    and corpus is None. When they are present, the corpus is checked exactly as at launch."""
+def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
+    """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
+    arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
+    balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
     if world is not None:
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
@@ -106,6 +101,18 @@ def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_da
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     cfg.balance.model_config()  # the model package validates the strategy names
     check_eplb(cfg, args)
+    return args
+
+
+def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
+                 ) -> tuple[ModelArgs, TokenCorpus | None]:
+    """Every check a launch makes before a process group exists, and the one ``--dry-run`` makes too:
+    ``check_layout``, then data files, corpus size and vocabulary. Returns (args, corpus).
+
+    ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
+    ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
+    and corpus is None. When they are present, the corpus is checked exactly as at launch."""
+    args = check_layout(cfg, world)
     if allow_missing_data and missing_data(cfg.data):
         return args, None
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
@@ -135,8 +142,9 @@ class Trainer:
     """Builds this rank's stages, optimizer, data and logger from a validated config, and trains."""
 
     def __init__(self, cfg: TrainConfig, ps: ParallelState, run_dir: str | Path, wandb_mode: str = "disabled",
-                 checked: tuple[ModelArgs, TokenCorpus] | None = None):
+                 checked: tuple[ModelArgs, TokenCorpus] | None = None, recorder: TraceRecorder | None = None):
         self.cfg, self.ps, self.run_dir = cfg, ps, Path(run_dir)
+        self.recorder = recorder  # the --trace timeline: handed to the pipeline and the EP exchanges
         self.device = accel.default_device()
         self.dtype = DTYPES[cfg.run.dtype]
         torch.manual_seed(cfg.run.seed)
@@ -152,8 +160,8 @@ class Trainer:
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
                                                physical_experts=physical)
         self.modules = nn.ModuleList(self.stages)
-        wire_moe_layers(self.stages, cfg, ps)  # expert parallelism and balancing in every MoE layer held here
-        self.pipeline = PipelineRunner(self.stages, cfg, ps) if cfg.parallel.schedule != "none" else None
+        wire_moe_layers(self.stages, cfg, ps, recorder)  # expert parallelism and balancing in every MoE layer here
+        self.pipeline = PipelineRunner(self.stages, cfg, ps, recorder) if cfg.parallel.schedule != "none" else None
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
         self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,

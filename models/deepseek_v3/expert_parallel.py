@@ -55,6 +55,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import accel
 import deep_gemm
+from accel.trace import TraceRecorder
 from models.deepseek_v3.moe import PermuteState, unpermute
 
 T = TypeVar("T")
@@ -119,8 +120,8 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0):
-        ctx.splits, ctx.group, ctx.rows_in = (out_splits, in_splits), group, x.shape[0]
+    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0, recorder=None):
+        ctx.splits, ctx.group, ctx.rows_in, ctx.recorder = (out_splits, in_splits), group, x.shape[0], recorder
         total = sum(out_splits)
         # ``spare_rows`` zero rows after the received ones: the regrouping gathers its pad rows from them
         out = x.new_empty(total + spare_rows, *x.shape[1:])
@@ -133,8 +134,21 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
-        grad_in = _CommThread.run(lambda: _reverse(grad_out, out_splits, in_splits, ctx.rows_in, ctx.group))
-        return grad_in, None, None, None, None, None, None, None
+        grad_in = _CommThread.run(traced(ctx.recorder, "backward all-to-all", lambda: _reverse(
+            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group)))
+        return grad_in, None, None, None, None, None, None, None, None
+
+
+def traced(recorder: TraceRecorder | None, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, recorded as a span of ``recorder``'s comm track when it runs (itself when no recorder)."""
+    if recorder is None:
+        return fn
+
+    def run() -> T:
+        with recorder.span("comm", name):
+            return fn()
+
+    return run
 
 
 def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int], rows_in: int,
@@ -158,15 +172,16 @@ class Exchange:
     rows_sent: int
     received_like: tuple[tuple[int, ...], torch.dtype, torch.device]  # shape/dtype/device of the received tensor
     group: dist.ProcessGroup | None
+    recorder: TraceRecorder | None = None  # records the reverse exchange on its comm track
 
     @classmethod
     def of(cls, sent: torch.Tensor, received: torch.Tensor, sent_splits: list[int], received_splits: list[int],
-           group: dist.ProcessGroup | None) -> Exchange | None:
+           group: dist.ProcessGroup | None, recorder: TraceRecorder | None = None) -> Exchange | None:
         """None when nothing that travelled needs a gradient (no grad mode, or inputs without grad)."""
         if not (sent.requires_grad and received.requires_grad):
             return None
         return cls(get_gradient_edge(sent), get_gradient_edge(received), sent_splits, received_splits,
-                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group)
+                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group, recorder)
 
     def reverse(self, grad_received: torch.Tensor | None) -> CommHandle[torch.Tensor]:
         """Post the gradient of the received rows back to their senders (zeros when none reached them:
@@ -174,8 +189,8 @@ class Exchange:
         if grad_received is None:
             shape, dtype, device = self.received_like
             grad_received = torch.zeros(shape, dtype=dtype, device=device)
-        return CommHandle(_CommThread.submit(lambda: _reverse(grad_received, self.received_splits, self.sent_splits,
-                                                              self.rows_sent, self.group)))
+        return CommHandle(_CommThread.submit(traced(self.recorder, "backward all-to-all", lambda: _reverse(
+            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group))))
 
 
 def _wait_all(works: list) -> None:
@@ -226,13 +241,15 @@ class ExpertParallel:
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, fp8_dispatch: bool = False,
-                 phy2log: torch.Tensor | None = None, alignment: int | None = None) -> None:
+                 phy2log: torch.Tensor | None = None, alignment: int | None = None,
+                 recorder: TraceRecorder | None = None) -> None:
         if not dist.is_initialized():
             raise ValueError("ExpertParallel needs an initialized torch.distributed process group")
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
         self.fp8_dispatch = fp8_dispatch
+        self.recorder = recorder  # records every exchange on its comm track (recipes.train --trace)
         self.alignment = alignment or deep_gemm.get_m_alignment_for_contiguous_layout()
         self.set_plan(phy2log)
 
@@ -317,7 +334,7 @@ class ExpertParallel:
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
                              f"{tuple(indices.shape)}")
-        return CommHandle(_CommThread.submit(lambda: self._dispatch(x, indices)))
+        return CommHandle(_CommThread.submit(traced(self.recorder, "dispatch", lambda: self._dispatch(x, indices))))
 
     def _dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> Dispatched:
         """The exchange, staged so the wire is busy while the host works: the counts travel while the
@@ -342,7 +359,8 @@ class ExpertParallel:
         total = sum(recv_splits)
         works: list = []
         recv_bytes = None if packed is None else packed.new_empty(total, packed.shape[1])
-        received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1)
+        received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1,
+                                   self.recorder)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
         _wait_all(works)
         if recv_bytes is not None:
@@ -351,21 +369,23 @@ class ExpertParallel:
         x_grouped = received.index_select(0, source)
         recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
         return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
-                          num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group))
+                          num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
+                                                      self.recorder))
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j weights[t, j] * y[t, j]``."""
-        return CommHandle(_CommThread.submit(lambda: self._combine(y_grouped, dispatched, weights)))
+        return CommHandle(_CommThread.submit(traced(self.recorder, "combine",
+                                                    lambda: self._combine(y_grouped, dispatched, weights))))
 
     def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
-                               None, None)
+                               None, None, 0, self.recorder)
         _wait_all(works)
         dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
-                                                  self.group)
+                                                  self.group, self.recorder)
         state = dispatched.send_state
         pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
         rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back

@@ -1,0 +1,211 @@
+"""Plan a DeepSeek-V3 training layout: ``python -m recipes.plan --gpu H800 --gpus 2048 ...`` (``dsv3-plan``).
+
+    python -m recipes.plan --model deepseek_v3_671b --gpu H800 --gpus 2048 --gpus-per-node 8 \\
+        --seq-len 4096 --global-batch 15360 --write-config best.toml
+    python -m recipes.plan --model recipes/configs/tiny_cpu.toml --gpu H100 --gpus 8 \\
+        --fix pp=1,dp=8,ep=8,schedule=none,micro_batch=1,microbatches=4,fp8=false
+    python -m recipes.plan calibrate --out system.json      # on a GPU machine
+
+Enumerates the legal layouts (PP, DP, EP over DP, micro-batch size and count, schedule, recompute,
+FP8, EPLB slots), drops those that do not fit (memory from ``training.memory``, as ``recipes.train
+--dry-run``), times the rest with the per-operation model and ``dualpipe.simulator``, and prints them
+ranked. ``--model`` is a preset, a Hugging Face ``config.json`` or a training TOML (whose other
+settings the written config keeps); ``--set`` changes it as ``recipes.train --set`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from dualpipe.timeline import chrome_trace
+from models.deepseek_v3 import ModelArgs
+from training.config import TrainConfig, load_config
+from training.planner.search import (
+    LAYOUT_KEYS,
+    SEARCH_SCHEDULES,
+    Evaluation,
+    Request,
+    Space,
+    evaluate,
+    nearest_misses,
+    search,
+    to_config,
+    tokens_per_step,
+)
+from training.planner.system import System, load_system
+from training.trainer import model_args
+
+_INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb")
+_BOOL_KEYS = ("fp8", "zero1")
+
+
+def parse_fix(text: str | None) -> dict:
+    """``"pp=1,dp=8,fp8=false"`` -> {"pp": 1, "dp": 8, "fp8": False}; ValueError naming a bad key or value."""
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        if "=" not in item:
+            raise ValueError(f"--fix expects key=value pairs separated by commas, got {item!r}")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key not in LAYOUT_KEYS:
+            raise ValueError(f"--fix: unknown layout key {key!r}; expected some of {', '.join(LAYOUT_KEYS)}")
+        if key in _INT_KEYS:
+            if not value.isdigit() or (int(value) < 1 and key != "eplb"):
+                raise ValueError(f"--fix {key}: expected a positive integer, got {value!r}")
+            out[key] = int(value)
+        elif key in _BOOL_KEYS:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--fix {key}: expected true or false, got {value!r}")
+            out[key] = value.lower() == "true"
+        else:
+            out[key] = value
+    return out
+
+
+def base_config(model: str, overrides: list[str]) -> TrainConfig:
+    """The training config the plan starts from: a TOML as given, else defaults with the preset / HF model."""
+    path = Path(model)
+    if path.suffix == ".toml":
+        return load_config(path, overrides)
+    if path.suffix == ".json" or path.is_dir():
+        args = ModelArgs.from_hf_config(path)
+        ref = ModelArgs()
+        changed = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)
+                   if f.name not in ("extra", "fp8", "recompute", "recompute_layers")
+                   and getattr(args, f.name) != getattr(ref, f.name)}
+        table_sets = [f"model.overrides.{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in changed.items()]
+        return load_config(None, ["model.preset=deepseek_v3_671b", "run.autocast_bf16=true", *table_sets, *overrides])
+    return load_config(None, [f"model.preset={model}", *overrides])
+
+
+def _system(ns: argparse.Namespace) -> System:
+    system = load_system(ns.system or ns.gpu)
+    if ns.gpus_per_node is not None:
+        if ns.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {ns.gpus_per_node}")
+        system = dataclasses.replace(system, gpus_per_node=ns.gpus_per_node)
+    for link in ("intra", "inter"):
+        cur = getattr(system, f"{link}_node")
+        bw, lat = getattr(ns, f"{link}_bw"), getattr(ns, f"{link}_latency_us")
+        if bw is not None or lat is not None:
+            if (bw is not None and bw <= 0) or (lat is not None and lat < 0):
+                raise ValueError(f"--{link}-bw must be > 0 and --{link}-latency-us >= 0")
+            system = dataclasses.replace(system, **{f"{link}_node": dataclasses.replace(
+                cur, bandwidth_gb_s=cur.bandwidth_gb_s if bw is None else bw,
+                latency_us=cur.latency_us if lat is None else lat)})
+    return system
+
+
+def format_table(evals: list[Evaluation], top: int) -> str:
+    head = (f"{'#':>3} {'layout':<52} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'bubble':>7} {'exp.comm ms':>11} "
+            f"{'peak GiB':>8}")
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate([e for e in evals if e.status == "ok"][:top], 1):
+        lines.append(f"{i:>3} {str(e.layout):<52} {e.step_time_s * 1e3:>9.1f} {e.tokens_per_s:>10.4g} "
+                     f"{100 * e.mfu:>5.1f}% {100 * e.bubble_fraction:>6.1f}% {e.exposed_comm_s * 1e3:>11.1f} "
+                     f"{e.peak_bytes / 1024**3:>8.1f}")
+    return "\n".join(lines)
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    system = _system(ns)
+    fixed = parse_fix(ns.fix)
+    base = base_config(ns.model, ns.overrides)
+    gpus = ns.gpus if ns.gpus is not None else (fixed["pp"] * fixed["dp"] if {"pp", "dp"} <= set(fixed) else None)
+    if gpus is None:
+        raise ValueError("--gpus is required (or --fix both pp and dp)")
+    seq_len = ns.seq_len or base.data.seq_len
+    global_batch = ns.global_batch
+    if {"dp", "micro_batch", "microbatches"} <= set(fixed):
+        implied = fixed["dp"] * fixed["micro_batch"] * fixed["microbatches"]
+        if global_batch is not None and global_batch != implied:
+            raise ValueError(f"--global-batch {global_batch} != dp x micro_batch x microbatches = {implied} of --fix")
+        global_batch = implied
+    req = Request(base, system, gpus, seq_len, global_batch or base.data.global_batch, ns.expert_imbalance)
+    args = model_args(base)
+    space = Space(micro_batch=tuple(ns.micro_batches), schedules=tuple(ns.schedules), eplb=tuple(ns.eplb_slots),
+                  fixed=fixed)
+    evals = search(req, args, space)
+    fit = [e for e in evals if e.status == "ok"]
+    counts = {s: sum(e.status == s for e in evals) for s in ("ok", "oom", "dominated", "illegal")}
+    print(f"{base.model.preset} on {gpus} x {system.name} ({system.gpus_per_node} per node, system file "
+          f"{'calibrated' if system.calibrated else 'UNCALIBRATED: public peaks x default efficiencies'}); "
+          f"seq {seq_len}, global batch {req.global_batch} ({tokens_per_step(req):,} tokens/step)")
+    print(f"{len(evals)} layouts: {counts['ok']} fit and were timed, {counts['oom']} out of memory, "
+          f"{counts['dominated']} dominated (more recompute than a fitting twin), {counts['illegal']} illegal")
+    if ns.json:
+        text = json.dumps([e.row() for e in evals], indent=1)
+        if ns.json == "-":
+            print(text)
+        else:
+            Path(ns.json).write_text(text)
+    if not fit:
+        misses = nearest_misses(evals)
+        lines = [f"  {e.layout}: {e.peak_bytes / 1024**3:.1f} GiB per rank" for e in misses]
+        if not misses:
+            lines = [f"  {e.layout}: {e.reason}" for e in evals[:5]]
+        raise ValueError(f"no layout fits {system.name} ({system.memory_gib:.1f} GiB per GPU, margin included); "
+                         "nearest misses:\n" + "\n".join(lines))
+    print(format_table(evals, ns.top))
+    best = fit[0]
+    if ns.write_config:
+        Path(ns.write_config).write_text(f"# written by recipes.plan: {best.layout}, predicted "
+                                         f"{best.step_time_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}% on "
+                                         f"{system.name}\n" + to_config(req, best.layout).to_toml())
+        print(f"wrote {ns.write_config}")
+    if ns.trace:
+        timed = evaluate(req, best.layout)
+        Path(ns.trace).write_text(json.dumps(chrome_trace(timed.sim, time_unit_us=1e6)))
+        print(f"wrote {ns.trace} (one pipeline of {best.layout})")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="deepseek_v3_671b", help="preset name, HF config.json, or training TOML")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the model/config as recipes.train does, e.g. model.overrides.n_layers=4")
+    ap.add_argument("--gpu", default="H800", help="shipped system: H800, H100, H200, B200, A100, MTT-S4000, MTT-S5000")
+    ap.add_argument("--system", default=None, help="a system file (JSON) instead of --gpu")
+    ap.add_argument("--gpus", type=int, default=None, help="total GPUs")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the system file's)")
+    ap.add_argument("--intra-bw", type=float, default=None, help="intra-node GB/s per GPU and direction")
+    ap.add_argument("--intra-latency-us", type=float, default=None)
+    ap.add_argument("--inter-bw", type=float, default=None, help="inter-node GB/s per GPU and direction")
+    ap.add_argument("--inter-latency-us", type=float, default=None)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    ap.add_argument("--expert-imbalance", type=float, default=1.0,
+                    help="expert load max/mean without EPLB (1.0 = balanced routing)")
+    ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
+                    help="micro-batch sizes to search (comma-separated)")
+    ap.add_argument("--schedules", type=lambda s: s.split(","), default=list(SEARCH_SCHEDULES))
+    ap.add_argument("--eplb-slots", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                    help="EPLB redundant expert slots to search (0 = off), e.g. 0,32")
+    ap.add_argument("--fix", default=None, help=f"fix layout keys, e.g. pp=16,ep=64 (keys: {', '.join(LAYOUT_KEYS)})")
+    ap.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    ap.add_argument("--write-config", default=None, help="write the best layout as a recipes.train TOML")
+    ap.add_argument("--json", default=None, help="write every evaluated layout as JSON ('-' = stdout)")
+    ap.add_argument("--trace", default=None, help="write the best layout's predicted step as a Chrome/Perfetto trace")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["calibrate"]:
+            from training.planner.calibrate import main as calibrate_main
+
+            return calibrate_main(argv[1:])
+        return run_plan(parser().parse_args(argv))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The time model: per-operation FLOPs and bytes of DeepSeek-V3 layers, roofline durations, communication.
+
+Every operation of a layer (MLA projections, attention core, router, grouped expert GEMMs, shared
+experts, norms, RoPE, SwiGLU, the head and the MTP module) gets forward FLOPs and bytes from the
+model's real shapes and is split into forward (F), input-gradient (I) and weight-gradient (W)
+parts, so zero-bubble schedules can place W on their own:
+
+- a GEMM ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs in each of F, I (dgrad) and W (wgrad);
+- the causal attention core costs ``2 s^2 h (d_qk + d_v) / 2`` per sequence forward and 2.5x that
+  backward (FlashAttention's five GEMMs against two), all in I;
+- memory-bound ops (norms, RoPE, SwiGLU, permutes, cross-entropy) move their bytes forward and
+  twice that backward.
+
+Duration = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) with the system
+file's efficiency for the kernel class (per shape when calibrated). FP8 GEMMs (``model.fp8``: the
+attention projections and every expert/FFN Linear) run at the FP8 peak and pay a quantisation pass
+(read BF16, write E4M3) over their input forward and their output gradient backward; the router,
+the head and the attention core stay BF16 as in V3.
+
+Communication per MoE layer and micro-batch: dispatch (FP8 with ``fp8``, 1 byte + a 4-byte scale per
+128 values) and combine (BF16), the same volumes again backward. Inside a node the volume is
+``tokens x top-k x (ep-1)/ep x dim`` over NVLink; across nodes each token crosses InfiniBand once per
+distinct remote node it is routed to (node-limited routing caps that at ``max_nodes``) and is
+forwarded over NVLink inside the node, both at once, as DeepSeek's dispatch does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.deepseek_v3 import ModelArgs
+from models.deepseek_v3.args import RECOMPUTE_ALIASES
+from training.planner.system import System
+
+BF16 = 2
+FP8_BYTES = 1 + 4 / 128  # E4M3 value plus its fp32 scale per 1x128 tile
+# planner policy -> model.overrides.recompute names ("v3" = every RMSNorm and the MLA up-projections)
+RECOMPUTE_POLICIES = {"none": (), "v3": ("v3",), "block": ("block",)}
+
+
+def recompute_kinds(policy: str) -> tuple[str, ...]:
+    """The ModelArgs.recompute kinds a policy re-runs in backward (aliases expanded)."""
+    return tuple(k for name in RECOMPUTE_POLICIES[policy] for k in RECOMPUTE_ALIASES.get(name, (name,)))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a layer at a given number of tokens."""
+
+    name: str
+    kind: str  # gemm | grouped_gemm | attention | memory
+    flops: float = 0.0  # forward
+    nbytes: float = 0.0  # forward memory traffic
+    shape: str | None = None  # "MxNxK" per group, the calibration key
+    fp8: bool = False
+    quant_bytes: tuple[float, float] = (0.0, 0.0)  # FP8 quantisation traffic forward, backward
+    recompute_kind: str | None = None  # the ModelArgs.recompute kind that re-runs this op in backward
+
+
+def gemm(name: str, m: float, n: int, k: int, fp8: bool = False, groups: int = 1,
+         recompute_kind: str | None = None) -> Op:
+    """``m`` rows (all groups together) times a ``[k, n]`` weight per group."""
+    eb = 1 if fp8 else BF16
+    nbytes = m * k * eb + groups * n * k * eb + m * n * BF16
+    kind = "grouped_gemm" if groups > 1 else "gemm"
+    quant = (m * k * (BF16 + FP8_BYTES), m * n * (BF16 + FP8_BYTES)) if fp8 else (0.0, 0.0)
+    return Op(name, kind, 2.0 * m * n * k, nbytes, f"{max(1, round(m / groups))}x{n}x{k}", fp8, quant, recompute_kind)
+
+
+def memory_op(name: str, nbytes: float, recompute_kind: str | None = None) -> Op:
+    return Op(name, "memory", nbytes=nbytes, recompute_kind=recompute_kind)
+
+
+def attention_ops(args: ModelArgs, tokens: int, fp8: bool) -> list[Op]:
+    """MLA for ``tokens`` tokens: projections, norms, RoPE, the causal core, the output projection."""
+    d, h, t = args.dim, args.n_heads, tokens
+    qk = args.qk_head_dim
+    ops = [memory_op("attn_norm", 2 * t * d * BF16, "norm")]
+    if args.q_lora_rank:
+        ops += [gemm("wq_a", t, args.q_lora_rank, d, fp8),
+                memory_op("q_norm", 2 * t * args.q_lora_rank * BF16, "norm"),
+                gemm("wq_b", t, h * qk, args.q_lora_rank, fp8, recompute_kind="mla_up")]
+    else:
+        ops.append(gemm("wq", t, h * qk, d, fp8))
+    ops += [gemm("wkv_a", t, args.kv_lora_rank + args.qk_rope_head_dim, d, fp8),
+            memory_op("kv_norm", 2 * t * args.kv_lora_rank * BF16, "norm"),
+            gemm("wkv_b", t, h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank, fp8,
+                 recompute_kind="mla_up"),
+            memory_op("rope", 2 * t * (h + 1) * args.qk_rope_head_dim * BF16)]
+    return ops
+
+
+def attention_core(args: ModelArgs, tokens: int, seq_len: int) -> Op:
+    """Causal attention over sequences of ``seq_len``: each token attends to (s+1)/2 keys on average."""
+    h = args.n_heads
+    flops = 2.0 * tokens * (seq_len + 1) / 2 * h * (args.qk_head_dim + args.v_head_dim)
+    nbytes = tokens * h * (2 * args.qk_head_dim + 2 * args.v_head_dim) * BF16
+    return Op("attention", "attention", flops, nbytes, f"{seq_len}x{h}x{args.qk_head_dim}")
+
+
+def ffn_ops(args: ModelArgs, layer_id: int, tokens: int, ep: int, fp8: bool, imbalance: float) -> list[Op]:
+    """The FFN of ``layer_id``: dense SwiGLU, or router + routed experts of this EP rank + shared experts."""
+    d, t = args.dim, tokens
+    ops = [memory_op("ffn_norm", 2 * t * d * BF16, "norm"), memory_op("residual", 6 * t * d * BF16)]
+    if not args.is_moe_layer(layer_id):
+        i = args.inter_dim
+        return ops + [gemm("w13", t, 2 * i, d, fp8), memory_op("swiglu", 3 * t * i * BF16, "swiglu"),
+                      gemm("w2", t, d, i, fp8)]
+    e, k, i = args.n_routed_experts, args.n_activated_experts, args.moe_inter_dim
+    rows = t * k * imbalance  # token copies this rank's experts process (balanced: t x k, the EP average)
+    groups = max(1, e // ep)
+    ops += [gemm("router", t, e, d), memory_op("topk", 3 * t * e * 4),
+            memory_op("permute", 2 * rows * d * BF16),
+            gemm("experts_w13", rows, 2 * i, d, fp8, groups),
+            memory_op("experts_swiglu", 3 * rows * i * BF16, "swiglu"),
+            gemm("experts_w2", rows, d, i, fp8, groups), memory_op("unpermute", 2 * rows * d * BF16)]
+    if args.n_shared_experts:
+        s = args.n_shared_experts * i
+        ops += [gemm("shared_w13", t, 2 * s, d, fp8), memory_op("shared_swiglu", 3 * t * s * BF16, "swiglu"),
+                gemm("shared_w2", t, d, s, fp8)]
+    return ops
+
+
+def head_ops(args: ModelArgs, tokens: int) -> list[Op]:
+    """Final norm, output head (BF16) and cross-entropy (fp32 softmax over the vocabulary)."""
+    d, v = args.dim, args.vocab_size
+    return [memory_op("final_norm", 2 * tokens * d * BF16), gemm("head", tokens, v, d),
+            memory_op("cross_entropy", tokens * v * (BF16 + 2 * 4))]
+
+
+def mtp_extra_ops(args: ModelArgs, tokens: int) -> list[Op]:
+    """One MTP depth besides its block and the shared head: the two norms, the embedding lookup, eh_proj."""
+    d = args.dim
+    return [memory_op("mtp_norms", 4 * tokens * d * BF16), memory_op("mtp_embed", 2 * tokens * d * BF16),
+            gemm("eh_proj", tokens, d, 2 * d)]
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Seconds of one model part (stage) for one micro-batch, compute and exposed communication apart."""
+
+    f: float = 0.0  # forward compute
+    i: float = 0.0  # input-gradient compute (incl. recompute)
+    w: float = 0.0  # weight-gradient compute
+    comm_f: float = 0.0  # forward all-to-all
+    comm_b: float = 0.0  # backward all-to-all (incl. a recomputed block's forward one)
+    flops: float = 0.0  # model FLOPs (F + I + W, no recompute), for MFU
+
+    def __add__(self, o: Durations) -> Durations:
+        return Durations(self.f + o.f, self.i + o.i, self.w + o.w, self.comm_f + o.comm_f, self.comm_b + o.comm_b,
+                         self.flops + o.flops)
+
+
+class OpTimer:
+    """Roofline durations of ops on one system."""
+
+    def __init__(self, system: System):
+        self.system = system
+
+    def _seconds(self, flops: float, nbytes: float, kind: str, shape: str | None, fp8: bool) -> float:
+        s = self.system
+        mem = nbytes / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory"))
+        if kind == "memory" or flops == 0.0:
+            return mem
+        if kind == "attention_bwd" or kind == "attention_fwd":
+            peak = s.bf16_tflops
+        else:
+            peak = s.fp8_tflops if fp8 else s.bf16_tflops
+            kind = f"fp8_{kind}" if fp8 else kind
+        return max(flops / (peak * 1e12 * s.kernel_efficiency(kind, shape)), mem)
+
+    def op(self, op: Op) -> tuple[float, float, float]:
+        """(F, I, W) seconds of ``op``."""
+        if op.kind == "memory":
+            f = self._seconds(0.0, op.nbytes, "memory", None, False)
+            return f, 2 * f, 0.0
+        if op.kind == "attention":
+            return (self._seconds(op.flops, op.nbytes, "attention_fwd", op.shape, False),
+                    self._seconds(2.5 * op.flops, 2 * op.nbytes, "attention_bwd", op.shape, False), 0.0)
+        g = self._seconds(op.flops, op.nbytes, op.kind, op.shape, op.fp8)
+        qf, qb = (self._seconds(0.0, b, "memory", None, False) for b in op.quant_bytes)
+        return g + qf, g + qb, g
+
+
+def _remote_nodes(k: int, nodes: int, max_nodes: int | None) -> float:
+    """Expected distinct nodes other than its own that one token's top-k experts sit on."""
+    if nodes <= 1:
+        return 0.0
+    distinct = nodes * (1.0 - (1.0 - 1.0 / nodes) ** k)
+    if max_nodes:
+        distinct = min(distinct, float(max_nodes))
+    return distinct * (nodes - 1) / nodes
+
+
+def all_to_all_seconds(args: ModelArgs, tokens: int, ep: int, system: System, dispatch_bytes: float,
+                       max_nodes: int | None, imbalance: float) -> float:
+    """One all-to-all (dispatch or combine) of ``tokens`` tokens of this rank over an EP group of ``ep``."""
+    if ep <= 1:
+        return 0.0
+    g = system.gpus_per_node
+    eff = system.collective_efficiency["all_to_all"]
+    k, d = args.n_activated_experts, args.dim
+    copies = tokens * k * imbalance
+    if ep <= g:
+        return system.intra_node.seconds(copies * (ep - 1) / ep * d * dispatch_bytes, eff)
+    nodes = math.ceil(ep / g)
+    ib = system.inter_node.seconds(tokens * imbalance * _remote_nodes(k, nodes, max_nodes) * d * dispatch_bytes, eff)
+    nvlink = system.intra_node.seconds(copies * (g - 1) / g * d * dispatch_bytes, eff)
+    return max(ib, nvlink)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one model part computes per micro-batch: tokens, sequence length and the switches."""
+
+    micro_batch: int
+    seq_len: int
+    ep: int
+    fp8: bool
+    recompute: tuple[str, ...]
+    max_nodes: int | None = None
+    imbalance: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload) -> Durations:
+    """One block (attention + FFN) of ``layer_id`` for one micro-batch, with its all-to-all."""
+    fp8 = w.fp8 and timer.system.fp8_tflops > 0
+    ops = attention_ops(args, w.tokens, fp8) + [attention_core(args, w.tokens, w.seq_len),
+                                                gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
+    ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
+    full_block = "block" in w.recompute
+    f = i = wg = flops = 0.0
+    for op in ops:
+        of, oi, ow = timer.op(op)
+        f, i, wg = f + of, i + oi, wg + ow
+        flops += op.flops * (3.5 if op.kind == "attention" else 3.0 if op.kind != "memory" else 0.0)
+        if full_block or (op.recompute_kind is not None and op.recompute_kind in w.recompute):
+            i += of
+    comm = 0.0
+    if args.is_moe_layer(layer_id):
+        dispatch = FP8_BYTES if fp8 else BF16
+        comm = sum(all_to_all_seconds(args, w.tokens, w.ep, timer.system, b, w.max_nodes, w.imbalance)
+                   for b in (dispatch, BF16))
+    return Durations(f, i, wg, comm, comm * (2 if full_block else 1), flops)
+
+
+def ops_durations(timer: OpTimer, ops: list[Op]) -> Durations:
+    f = i = w = flops = 0.0
+    for op in ops:
+        of, oi, ow = timer.op(op)
+        f, i, w = f + of, i + oi, w + ow
+        flops += 3.0 * op.flops
+    return Durations(f, i, w, flops=flops)
+
+
+def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], first: bool, last: bool,
+                   w: Workload, block_cache: dict) -> Durations:
+    """A pipeline stage: blocks ``[lo, hi)``, the embedding on the first, head + MTP on the last.
+    ``block_cache`` memoises per-block durations by (dense/MoE) and workload: the inner loop of a search."""
+    def block(layer_id: int) -> Durations:
+        key = (args.is_moe_layer(layer_id), w)
+        if key not in block_cache:
+            block_cache[key] = block_durations(timer, args, layer_id, w)
+        return block_cache[key]
+
+    total = Durations()
+    for layer in range(*layers):
+        total = total + block(layer)
+    if first:
+        total = total + ops_durations(timer, [memory_op("embed", 2 * w.tokens * args.dim * BF16)])
+    if last:
+        heads = 1 + args.n_mtp_layers
+        total = total + ops_durations(timer, head_ops(args, w.tokens) * heads)
+        for k in range(args.n_mtp_layers):
+            total = total + block(args.n_layers + k) + ops_durations(timer, mtp_extra_ops(args, w.tokens))
+    return total

@@ -1,0 +1,374 @@
+"""Layouts: enumerate the legal ones, drop those that do not fit, time the rest, rank them.
+
+A layout is the ``[parallel]`` section plus the micro-batching and the memory switches of a training
+config. Each is turned into the very ``TrainConfig`` ``recipes.train`` would run (``to_config``), so
+legality is ``training.config.validate`` + ``training.trainer.check_layout`` and memory is
+``training.memory.estimate``: plan, dry run and launch agree by construction. Time: per-stage
+durations from ``costs`` fed to ``dualpipe.simulator`` for the layout's real schedule (so bubbles are
+the schedule's, not a closed form), then the ZeRO-1 gradient reduce-scatter / parameter all-gather and
+the optimizer step, which our runtime runs after the pipeline.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dualpipe.ir import Overlap
+from dualpipe.simulator import SimResult, program
+from models.deepseek_v3 import ModelArgs
+from training.config import TrainConfig, validate
+from training.memory import RankMemory, estimate
+from training.planner.costs import (
+    BF16,
+    RECOMPUTE_POLICIES,
+    Durations,
+    OpTimer,
+    Workload,
+    part_durations,
+    recompute_kinds,
+)
+from training.planner.system import System
+from training.stages import num_model_stages, split_layers
+from training.trainer import check_layout
+
+SEARCH_SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
+               "zero1")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    ep: int
+    schedule: str
+    micro_batch: int
+    microbatches: int
+    recompute: str = "none"  # a RECOMPUTE_POLICIES key
+    fp8: bool = True
+    moments: str = "bfloat16"  # optim.moments_dtype: bfloat16 (V3) | param (the master weights' dtype)
+    eplb: int = 0  # EPLB redundant expert slots per MoE layer (0 = EPLB off)
+    zero1: bool = True
+
+    def __str__(self) -> str:
+        return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule} mb{self.micro_batch}x{self.microbatches} "
+                f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{'' if self.moments == 'bfloat16' else ' m32'}"
+                f"{f' eplb+{self.eplb}' if self.eplb else ''}"
+                f"{'' if self.zero1 else ' no-zero1'}")
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    status: str  # ok | oom | illegal | dominated
+    reason: str = ""
+    step_time_s: float = math.nan
+    tokens_per_s: float = math.nan
+    mfu: float = math.nan
+    bubble_fraction: float = math.nan
+    exposed_comm_s: float = math.nan
+    peak_bytes: int = 0
+    ranks: list[RankMemory] = field(default_factory=list)
+    sim: SimResult | None = None  # the simulated pipeline (single evaluations only; a search keeps figures)
+
+    def row(self) -> dict:
+        """The JSON record of this layout (``--json``)."""
+        return {"layout": dataclasses.asdict(self.layout), "name": str(self.layout), "status": self.status,
+                "reason": self.reason, "step_time_ms": _num(self.step_time_s * 1e3),
+                "tokens_per_s": _num(self.tokens_per_s), "mfu": _num(self.mfu),
+                "bubble_fraction": _num(self.bubble_fraction), "exposed_comm_ms": _num(self.exposed_comm_s * 1e3),
+                "peak_memory_gib": self.peak_bytes / 1024**3 if self.ranks else None,
+                "memory_gib_per_pp_rank": [r.total_bytes / 1024**3 for r in self.ranks]}
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks for: model (as a base training config), cluster and workload."""
+
+    base: TrainConfig
+    system: System
+    gpus: int
+    seq_len: int
+    global_batch: int
+    imbalance: float = 1.0  # expert load max / mean without EPLB
+
+    def __post_init__(self) -> None:
+        g = self.system.gpus_per_node
+        if self.gpus < 1 or self.gpus % g and self.gpus > g:
+            raise ValueError(f"--gpus {self.gpus} must be a positive multiple of --gpus-per-node {g} "
+                             "(whole nodes), or fewer GPUs than one node")
+        if self.seq_len < 2 or self.global_batch < 1:
+            raise ValueError(f"--seq-len must be >= 2 and --global-batch >= 1, got {self.seq_len}, {self.global_batch}")
+
+
+@dataclass(frozen=True)
+class Space:
+    """The values searched for each free key (a key in ``fixed`` takes only its fixed value)."""
+
+    micro_batch: tuple[int, ...] = (1, 2, 4)
+    schedules: tuple[str, ...] = SEARCH_SCHEDULES
+    recompute: tuple[str, ...] = ("none", "v3", "block")
+    fp8: tuple[bool, ...] = (True, False)
+    moments: tuple[str, ...] = ("bfloat16", "param")
+    eplb: tuple[int, ...] = (0,)
+    zero1: tuple[bool, ...] = (True,)
+    fixed: dict = field(default_factory=dict)
+
+
+def to_config(req: Request, lay: Layout) -> TrainConfig:
+    """The training config of ``lay``: the base config with [parallel], batch, FP8, recompute and EPLB set."""
+    cfg = copy.deepcopy(req.base)
+    cfg.parallel = dataclasses.replace(cfg.parallel, pp=lay.pp, dp=lay.dp, ep=lay.ep, schedule=lay.schedule,
+                                       zero1=lay.zero1)
+    cfg.data = dataclasses.replace(cfg.data, seq_len=req.seq_len, micro_batch=lay.micro_batch,
+                                   global_batch=lay.dp * lay.micro_batch * lay.microbatches)
+    cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
+    recompute = list(RECOMPUTE_POLICIES[lay.recompute])
+    cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
+    cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
+    cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
+    if cfg.data.batch_ramp_start:
+        try:
+            validate(cfg)
+        except ValueError:  # the base's ramp does not suit this layout: plan for the full batch only
+            cfg.data = dataclasses.replace(cfg.data, batch_ramp_start=0, batch_ramp_steps=0)
+    return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
+    """Every layout of ``space`` for the request whose sizes divide (legality is checked later)."""
+    fx = space.fixed
+    units = args.n_layers + args.n_mtp_layers
+    experts = args.n_routed_experts if args.has_moe else 1
+    fp8s = space.fp8 if req.system.fp8_tflops > 0 else (False,)
+    for pp in _divisors(req.gpus):
+        dp = req.gpus // pp
+        if pp > units or fx.get("pp", pp) != pp or fx.get("dp", dp) != dp:
+            continue
+        scheds = ("none",) if pp == 1 else space.schedules
+        for ep in (e for e in _divisors(dp) if experts % e == 0):
+            for schedule in scheds:
+                for mb in space.micro_batch if "micro_batch" not in fx else (fx["micro_batch"],):
+                    if req.global_batch % (dp * mb):
+                        continue
+                    nmb = req.global_batch // (dp * mb)
+                    for rc in space.recompute:
+                        for fp8 in fp8s:
+                                for moments in space.moments:
+                                    for eplb in space.eplb:
+                                        for z in space.zero1:
+                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z)
+                                            if all(getattr(lay, k) == v for k, v in fx.items()):
+                                                yield lay
+
+
+# ---- time -----------------------------------------------------------------------------------
+
+class StageCosts:
+    """``dualpipe.simulator`` costs with per-stage durations: the simulator asks ``of(item)`` and ``p2p``.
+
+    Alone, an F runs its compute then its all-to-all, a B/I its compute then its backward all-to-all
+    (1F1B has nothing to hide them behind). DualPipe's overlapped F&B chunk runs one micro-batch's
+    all-to-all behind the other's compute in both directions: it takes the longer of the compute
+    (slowed by the SMs the communication occupies) and the communication. Every item also pays the
+    runtime's host ``overhead`` per pipeline action (the system file's ``action_overhead_us``).
+    """
+
+    def __init__(self, parts: list[Durations], part_of: list[int], p2p: float, sm_fraction: float,
+                 overhead: float = 0.0):
+        self.parts, self.part_of, self.p2p, self.sm_fraction = parts, part_of, p2p, sm_fraction
+        self.overhead = overhead
+
+    def _split(self, item) -> tuple[float, float]:
+        """(compute, communication) of an item when run alone."""
+        d = self.parts[self.part_of[item.stage]]
+        return {"F": (d.f, d.comm_f), "B": (d.i + d.w, d.comm_b), "I": (d.i, d.comm_b), "W": (d.w, 0.0)}[item.kind]
+
+    def of(self, item) -> float:
+        if isinstance(item, Overlap):
+            (cf, af), (cb, ab) = self._split(item.forward), self._split(item.backward)
+            comm = af + ab
+            compute = (cf + cb) / (1.0 - self.sm_fraction) if comm > 0 else cf + cb
+            return max(compute, comm) + self.overhead
+        compute, comm = self._split(item)
+        return compute + comm + self.overhead
+
+    def exposed(self, item) -> float:
+        """Communication time of ``item`` not hidden behind computation."""
+        if isinstance(item, Overlap):
+            cf, cb = self._split(item.forward)[0], self._split(item.backward)[0]
+            return max(0.0, self.of(item) - self.overhead - (cf + cb))
+        return self._split(item)[1]
+
+    def compute(self, item) -> float:
+        return sum(self._split(a)[0] for a in item.parts)
+
+
+def assemble(schedule: str, pp: int, microbatches: int, parts: list[Durations], p2p: float,
+             sm_fraction: float, overhead: float = 0.0) -> SimResult:
+    """The pipeline part of a step: ``schedule`` over ``pp`` ranks timed by ``dualpipe.simulator`` with the
+    per-stage durations ``parts`` (model stage order) and ``p2p`` seconds per activation/gradient message.
+    ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch."""
+    name = "1f1b" if schedule == "none" else schedule
+    prog = program(name, pp, microbatches)
+    n_stages = prog.schedule.layout.num_stages
+    part_of = [st % pp for st in range(n_stages)] if name == "dualpipe" else list(range(n_stages))
+    return prog.run(StageCosts(parts, part_of, p2p, sm_fraction, overhead))
+
+
+def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, factor: float) -> float:
+    """A ring reduce-scatter (factor 1), all-gather (1) or all-reduce (2) of ``nbytes`` over ``ranks``."""
+    if ranks <= 1 or nbytes == 0:
+        return 0.0
+    link = system.inter_node if span_nodes else system.intra_node
+    eff = system.collective_efficiency["ring"]
+    return factor * ((ranks - 1) / ranks * nbytes / (link.bandwidth_gb_s * 1e9 * eff)
+                     + (ranks - 1) * link.latency_us * 1e-6)
+
+
+def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory]) -> tuple[float, float]:
+    """(DP communication, optimizer step) seconds after the pipeline, on the slowest pipeline rank.
+
+    Dense gradients reduce over the stage's ``dp`` ranks, expert gradients over its ``dp / ep`` replicas
+    (every ``ep``-th rank: on other nodes once ``ep`` fills a node); ZeRO-1 reduce-scatters them and
+    all-gathers the updated parameters, without ZeRO-1 they are all-reduced. The step itself reads
+    parameter, gradient and both moments and writes parameter and moments of its shard.
+    """
+    s, g = req.system, req.system.gpus_per_node
+    pbytes = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.run.dtype]
+    edp = lay.dp // lay.ep
+    comm = step = 0.0
+    for r in ranks:
+        dense, expert = r.params - r.expert_params, r.expert_params
+        spans_dp, spans_edp = lay.dp > g, (edp > 1 and lay.ep * edp > g)
+        if lay.zero1:
+            c = sum(_ring_seconds(s, n * pbytes, lay.dp, spans_dp, 1.0) for n in (dense, dense))
+            c += sum(_ring_seconds(s, n * pbytes, edp, spans_edp, 1.0) for n in (expert, expert))
+            shard = dense / lay.dp + expert / edp
+        else:
+            c = _ring_seconds(s, dense * pbytes, lay.dp, spans_dp, 2.0) + _ring_seconds(s, expert * pbytes, edp,
+                                                                                       spans_edp, 2.0)
+            shard = dense + expert
+        moment_bytes = r.optim_bytes / (2 * shard) if shard else pbytes  # as the memory model stores them
+        traffic = shard * (3 * pbytes + 4 * moment_bytes + pbytes)  # read p, g, m, v + write p, m, v
+        comm = max(comm, c)
+        step = max(step, traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory")))
+    return comm, step
+
+
+def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ranks: list[RankMemory],
+                timer: OpTimer, block_cache: dict, pipeline_cache: dict | None = None) -> Evaluation:
+    """Simulate one step of ``lay`` (memory already known to fit). ``pipeline_cache`` memoises the pipeline
+    figures by everything the simulation sees (layouts differing only in optimizer settings share them); without
+    it the evaluation keeps the simulated timeline (for ``--trace``)."""
+    s = req.system
+    num = num_model_stages(lay.schedule, lay.pp)
+    ranges = split_layers(args, num)
+    work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, recompute_kinds(lay.recompute),
+                    cfg.balance.max_nodes, _imbalance(req, args, lay))
+    parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
+    link = s.inter_node if lay.dp >= s.gpus_per_node else s.intra_node
+    p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
+    key = (lay.schedule, lay.pp, lay.microbatches, tuple(parts), p2p)
+    sim = None
+    if pipeline_cache is None or key not in pipeline_cache:
+        sim = assemble(lay.schedule, lay.pp, lay.microbatches, parts, p2p, s.comm_sm_fraction,
+                       s.action_overhead_us * 1e-6)
+        busiest = max(range(lay.pp), key=sim.busy)
+        figures = (sim.makespan, sim.busy(busiest), sum(sim.costs.exposed(iv.item) for iv in sim.timeline[busiest]))
+        if pipeline_cache is not None:
+            pipeline_cache[key] = figures
+            sim = None
+    else:
+        figures = pipeline_cache[key]
+    makespan, busy, exposed = figures
+    dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
+    step = makespan + dp_comm + opt
+    flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
+    tokens = req.global_batch * req.seq_len
+    return Evaluation(lay, "ok", step_time_s=step, tokens_per_s=tokens / step,
+                      mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),
+                      bubble_fraction=(makespan - busy) / makespan, exposed_comm_s=exposed + dp_comm,
+                      peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim)
+
+
+def _imbalance(req: Request, args: ModelArgs, lay: Layout) -> float:
+    """Expert load max / mean after EPLB: its redundant slots take the hottest experts' overflow, modelled as
+    shrinking the excess by E / (E + slots). 1.0 (the default) is perfectly balanced routing."""
+    if not lay.eplb:
+        return req.imbalance
+    e = args.n_routed_experts
+    return 1.0 + (req.imbalance - 1.0) * e / (e + lay.eplb)
+
+
+# ---- the search -----------------------------------------------------------------------------
+
+def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cache: dict | None = None,
+             pipeline_cache: dict | None = None, timed: bool = True) -> Evaluation:
+    """Legality, memory and (when it fits and ``timed``) the simulated step of one layout."""
+    cfg = to_config(req, lay)
+    try:
+        validate(cfg)
+        args = check_layout(cfg)
+    except ValueError as exc:
+        return Evaluation(lay, "illegal", str(exc))
+    est = estimate(cfg, args, device=req.system.name)  # the dry run's estimate (``--device``), margin included
+    ranks, peak = est.ranks, est.peak_bytes
+    if peak > req.system.capacity_bytes:
+        worst = est.worst
+        big = ", ".join(f"{k} {v / 1024**3:.1f}" for k, v in worst.largest())
+        return Evaluation(lay, "oom", f"pp rank {worst.pp_rank} needs {peak / 1024**3:.1f} GiB > "
+                          f"{req.system.memory_gib:.1f} GiB on {req.system.name} (largest: {big} GiB)",
+                          peak_bytes=peak, ranks=ranks)
+    if not timed:
+        return Evaluation(lay, "ok", peak_bytes=peak, ranks=ranks)
+    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system),
+                       {} if block_cache is None else block_cache, pipeline_cache)
+
+
+def search(req: Request, args: ModelArgs, space: Space) -> list[Evaluation]:
+    """Every layout of ``space``, ranked: fitting ones by step time, then the rest.
+
+    A layout with more recompute than a fitting sibling (same everything else), or with moments in the
+    parameter dtype where its BF16-moment twin fits, is only slower and larger, so it is reported as
+    dominated instead of timed; a fixed ``recompute`` or ``moments`` is always timed.
+    """
+    timer, cache, pipelines = OpTimer(req.system), {}, {}
+    out: list[Evaluation] = []
+    fits: set[tuple] = set()
+    for lay in layouts(req, args, space):
+        key = dataclasses.astuple(dataclasses.replace(lay, recompute="none"))
+        twin = dataclasses.astuple(dataclasses.replace(lay, moments="bfloat16"))
+        if key in fits and "recompute" not in space.fixed and key != dataclasses.astuple(lay):
+            ev = Evaluation(lay, "dominated", "a layout with less recompute fits and is faster")
+        elif lay.moments != "bfloat16" and twin in fits and "moments" not in space.fixed:
+            ev = Evaluation(lay, "dominated", "its twin with BF16 moments fits and is faster")
+        else:
+            ev = evaluate(req, lay, timer, cache, pipelines)
+        if ev.status in ("ok", "dominated"):  # something at least as fast fits: what this dominates is dominated
+            fits.update((key, dataclasses.astuple(lay)))
+        out.append(ev)
+    order = {"ok": 0, "oom": 1, "dominated": 2, "illegal": 3}
+    out.sort(key=lambda e: (order[e.status], e.step_time_s if e.status == "ok" else e.peak_bytes))
+    return out
+
+
+def nearest_misses(evals: list[Evaluation], n: int = 5) -> list[Evaluation]:
+    """The out-of-memory layouts that came closest to fitting."""
+    return sorted((e for e in evals if e.status == "oom"), key=lambda e: e.peak_bytes)[:n]
+
+
+def tokens_per_step(req: Request) -> int:
+    return req.global_batch * req.seq_len

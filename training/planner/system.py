@@ -1,0 +1,160 @@
+"""System files: what the planner knows about a GPU and its links, as JSON.
+
+A system file holds the device's dense peaks and memory, per-class kernel efficiencies (the share of
+the peak a kernel class reaches; optionally per shape, from ``recipes.plan calibrate``), the two
+links (inside a node, between nodes) with bandwidth and latency, collective efficiencies, and the
+share of SMs the all-to-all takes while it overlaps computation. Files shipped in ``systems/`` come
+from public peak figures (``accel.specs``) and are marked ``"calibrated": false``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSTEMS_DIR = Path(__file__).parent / "systems"
+KERNEL_CLASSES = ("gemm", "grouped_gemm", "fp8_gemm", "fp8_grouped_gemm", "attention_fwd", "attention_bwd", "memory")
+COLLECTIVES = ("all_to_all", "ring", "p2p")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gb_s: float  # per GPU, per direction
+    latency_us: float
+
+    def seconds(self, nbytes: float, efficiency: float = 1.0) -> float:
+        """Time to move ``nbytes`` over this link: latency + bytes / (bandwidth x efficiency)."""
+        return self.latency_us * 1e-6 + nbytes / (self.bandwidth_gb_s * 1e9 * efficiency)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    calibrated: bool
+    bf16_tflops: float
+    fp8_tflops: float  # 0: no FP8 tensor cores
+    memory_gbps: float
+    memory_gib: float
+    efficiency: dict[str, float]
+    intra_node: Link
+    inter_node: Link
+    collective_efficiency: dict[str, float]
+    comm_sm_fraction: float
+    gpus_per_node: int
+    shape_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    action_overhead_us: float = 0.0  # host time the runtime adds to each pipeline action (calibrated)
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.memory_gib * 1024**3
+
+    def kernel_efficiency(self, kind: str, shape: str | None = None) -> float:
+        """Measured efficiency of ``kind`` at ``shape`` (``"MxNxK"``) when calibrated, else the class's."""
+        if shape is not None:
+            measured = self.shape_efficiency.get(kind, {}).get(shape)
+            if measured is not None:
+                return measured
+        return self.efficiency[kind]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "calibrated": self.calibrated,
+                "gpu": {"bf16_tflops": self.bf16_tflops, "fp8_tflops": self.fp8_tflops,
+                        "memory_gbps": self.memory_gbps, "memory_gib": self.memory_gib},
+                "efficiency": dict(self.efficiency), "shape_efficiency": self.shape_efficiency,
+                "links": {k: {"bandwidth_gb_s": v.bandwidth_gb_s, "latency_us": v.latency_us}
+                          for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))},
+                "collective_efficiency": dict(self.collective_efficiency), "comm_sm_fraction": self.comm_sm_fraction,
+                "gpus_per_node": self.gpus_per_node, "action_overhead_us": self.action_overhead_us,
+                "sources": self.sources}
+
+
+def known_systems() -> list[str]:
+    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.json"))
+
+
+def _get(table: dict, key: str, where: str, kind: type | tuple[type, ...] = (int, float)):
+    if not isinstance(table, dict) or key not in table:
+        raise ValueError(f"{where}: missing key '{key}'")
+    value = table[key]
+    if kind == (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where}: '{key}' must be a number, got {value!r}")
+    if kind != (int, float) and not isinstance(value, kind):
+        raise ValueError(f"{where}: '{key}' must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _positive(value: float, what: str, upper: float | None = None) -> float:
+    if not value > 0 or (upper is not None and value > upper):
+        bound = f"in (0, {upper}]" if upper is not None else "> 0"
+        raise ValueError(f"{what} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def system_from_json(doc: dict, where: str = "system file") -> System:
+    """Validate a parsed system file; ValueError naming the file and the key for anything malformed."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    gpu = _get(doc, "gpu", where, dict)
+    eff = _get(doc, "efficiency", where, dict)
+    links = _get(doc, "links", where, dict)
+    coll = _get(doc, "collective_efficiency", where, dict)
+    fp8 = float(_get(gpu, "fp8_tflops", f"{where} [gpu]"))
+    efficiency = {}
+    for k in KERNEL_CLASSES:
+        value = float(_get(eff, k, f"{where} [efficiency]"))
+        if k.startswith("fp8") and fp8 == 0.0:
+            efficiency[k] = value
+            continue
+        efficiency[k] = _positive(value, f"{where}: efficiency.{k}", 1.0)
+    shapes = doc.get("shape_efficiency", {})
+    if not isinstance(shapes, dict) or any(k not in KERNEL_CLASSES or not isinstance(v, dict)
+                                           for k, v in shapes.items()):
+        raise ValueError(f"{where}: 'shape_efficiency' must map kernel classes {KERNEL_CLASSES} to {{shape: value}}")
+    link = {}
+    for k in ("intra_node", "inter_node"):
+        t = _get(links, k, f"{where} [links]", dict)
+        bandwidth = _get(t, "bandwidth_gb_s", f"{where} [links.{k}]")
+        link[k] = Link(_positive(bandwidth, f"{where}: links.{k}.bandwidth_gb_s"),
+                       float(_get(t, "latency_us", f"{where} [links.{k}]")))
+    return System(
+        name=str(_get(doc, "name", where, str)),
+        calibrated=bool(_get(doc, "calibrated", where, bool)),
+        bf16_tflops=_positive(_get(gpu, "bf16_tflops", f"{where} [gpu]"), f"{where}: gpu.bf16_tflops"),
+        fp8_tflops=fp8,
+        memory_gbps=_positive(_get(gpu, "memory_gbps", f"{where} [gpu]"), f"{where}: gpu.memory_gbps"),
+        memory_gib=_positive(_get(gpu, "memory_gib", f"{where} [gpu]"), f"{where}: gpu.memory_gib"),
+        efficiency=efficiency,
+        intra_node=link["intra_node"], inter_node=link["inter_node"],
+        collective_efficiency={k: _positive(_get(coll, k, f"{where} [collective_efficiency]"),
+                                            f"{where}: collective_efficiency.{k}", 2.0) for k in COLLECTIVES},
+        comm_sm_fraction=float(_get(doc, "comm_sm_fraction", where)),
+        gpus_per_node=int(_get(doc, "gpus_per_node", where, int)),
+        shape_efficiency={k: {s: float(e) for s, e in v.items()} for k, v in shapes.items()},
+        sources=dict(doc.get("sources", {})),
+        action_overhead_us=float(doc.get("action_overhead_us", 0.0)),
+    )
+
+
+def load_system(name_or_path: str) -> System:
+    """A shipped system by GPU name (``H800``, ``MTT-S5000``, case-insensitive) or a system file path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise ValueError(f"--system: no such file {str(path)!r}")
+        try:
+            doc = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--system {str(path)!r}: not valid JSON: {exc}") from None
+        return system_from_json(doc, f"system file {str(path)!r}")
+    names = {n.upper(): n for n in known_systems()}
+    key = name_or_path.upper().replace(" ", "-").replace("_", "-")
+    if key not in names:
+        close = difflib.get_close_matches(key, list(names), n=1)
+        hint = f"; did you mean {names[close[0]]}?" if close else ""
+        raise ValueError(f"--gpu: unknown GPU {name_or_path!r}; expected one of {', '.join(known_systems())} "
+                         f"or a system file (--system FILE.json){hint}")
+    file = SYSTEMS_DIR / f"{names[key]}.json"
+    return system_from_json(json.loads(file.read_text()), f"system file {file.name!r}")
