@@ -1,7 +1,8 @@
 """The training criterion: next-token and MTP losses on the last pipeline stage, built once per step.
 
 ``StageLoss(stage, mtp_lambda)`` is called by the pipeline (or the trainer) once per micro-batch with
-the last hidden state and the token windows; it returns the micro-batch's total loss and keeps its
+the last hidden state and the token windows (the model's ``lm_losses_from_hidden``: final norm, head
+and MTP, without materialising the logits); it returns the micro-batch's total loss and keeps its
 parts (``parts``: main, MTP per depth, tokens) for the caller to read after the step. The load
 balancing losses ride on the MoE activations (``balancing.attach_aux_loss``) and are reported by the
 balancers. Losses are unscaled: the trainer divides the gradients by the number of micro-batches.
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.deepseek_v3 import lm_losses
-from models.deepseek_v3.mtp import mtp_logits
+from models.deepseek_v3 import lm_losses_from_hidden
 from training.stages import DeepSeekV3Stage, mark_loss
 
 
@@ -44,8 +44,7 @@ class StageLoss:
         """Loss of one micro-batch from the last hidden state ``h [b, s, dim]`` and its windows ``[b, s + 1]``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        logits = st.head(st.norm(h))
-        parts = lm_losses(self.args, logits, mtp_logits(self.args, st.mtp, st.embed, st.head, h, tokens), labels)
+        parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels)
         self.parts.append(LossParts(float(parts["loss"].detach()), float(parts["main"].detach()),
                                     [float(m.detach()) for m in parts["mtp"]], labels.numel()))
         return mark_loss(parts["loss"], h)
