@@ -10,6 +10,12 @@ the loss hold with margin, while a wrong column, row, mask or scale is off by > 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +112,39 @@ def test_kernels_pass_the_verification_harness(op):
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def _compile_for_sm90() -> dict[str, int]:
+    """Compile both kernels for Hopper offline (no GPU): PTX size per kernel, as the JIT would specialise
+    them (fp32 / bf16 logits, int64 targets, the 1024-column block)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fused_ce import kernels
+
+    out = {}
+    for fn, logits in ((kernels._forward_kernel, "*fp32"), (kernels._backward_kernel, "*bf16")):
+        names = fn.arg_names
+        types = {"LOGITS": logits, "TARGETS": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32",
+                 "GRAD": "*fp32", "BLOCK": "constexpr"}
+        src = ASTSource(fn=fn, signature={n: types.get(n, "i32") for n in names},
+                        constexprs={(names.index("BLOCK"),): kernels.BLOCK})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        out[fn.__name__] = len(compiled.asm["ptx"])
+    return out
+
+
+def test_kernels_compile_for_sm90_offline():
+    pytest.importorskip("triton.backends.nvidia")
+    # @triton.jit chose interpreter or compiler at import: compile in a process without TRITON_INTERPRET
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_fused_ce"], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sizes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(sizes) == {"_forward_kernel", "_backward_kernel"} and all(n > 1000 for n in sizes.values())
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_for_sm90()))

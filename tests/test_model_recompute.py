@@ -15,7 +15,7 @@ import torch
 
 import accel.wgrad
 from deep_gemm import calc_diff
-from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses, lm_losses_from_hidden
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume
 from tests.test_model import randomize
@@ -140,3 +140,94 @@ def test_fp8_cached_model_matches_the_uncached_fp8_model():
     for n in fp32:
         assert calc_diff(cached[n], uncached[n]) < 5e-3, n
         assert calc_diff(cached[n], fp32[n]) < 1e-2, n
+
+
+@pytest.mark.parametrize("recompute", [(), ("v3",)])
+def test_losses_from_hidden_equal_lm_losses_of_the_logits(recompute):
+    """Training's loss path (fused_ce, no logits kept; with v3 the final and MTP norms recomputed too) gives
+    lm_losses of the logits and the same gradients: fp32, the logits' rows computed in chunks (GEMM
+    rounding may differ per row) and the log-sum-exp by the reference op: rtol 1e-5 as above."""
+    tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(1)
+        args = ModelArgs.preset("debug_tiny", recompute=recompute)
+        model = randomize(Transformer(args))
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        h = model.run_layers(model.embed_tokens(inputs))
+        if fused:
+            parts = lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs, labels)
+        else:
+            parts = lm_losses(args, model.final(h), model.mtp_logits(h, inputs), labels)
+        parts["loss"].backward()
+        results.append((parts, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, g0), (fused, g1) = results
+    for key in ("loss", "main"):
+        torch.testing.assert_close(fused[key], plain[key], rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.stack(fused["mtp"]), torch.stack(plain["mtp"]), rtol=1e-6, atol=0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _ep_ffn_rank(rank, world):
+    """On each of 2 expert-parallel ranks: a MoE block's FFN half as a pipeline stage runs it (``_ffn_steps``:
+    the norm's output released only after the combine all-to-all) and as ``Block.ffn_residual``, with and
+    without v3 + swiglu recompute; returns the gradients of each."""
+    import torch.distributed as dist
+
+    from models.deepseek_v3 import Block
+    from models.deepseek_v3.moe import MoE
+    from training.stages import _drain, _ffn_steps
+
+    out = {}
+    for recompute in ((), ("v3", "swiglu")):
+        for path in ("stage", "block"):
+            torch.manual_seed(0)
+            args = ModelArgs.preset("debug_tiny", recompute=recompute)
+            block = Block(args, layer_id=1)
+            block.ffn = MoE(args, 1, ep_group=dist.group.WORLD)
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            g = torch.Generator().manual_seed(10 + rank)
+            h = torch.randn(2, 6, args.dim, generator=g).requires_grad_()
+            y = _drain(_ffn_steps(block, h)) if path == "stage" else block.ffn_residual(h)
+            (y * torch.randn(y.shape, generator=g)).sum().backward()
+            grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+            out[(recompute, path)] = (y.detach(), h.grad, grads)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_recompute_with_expert_parallel_all_to_alls():
+    from tests.dist_utils import run_distributed
+
+    for rank_out in run_distributed(_ep_ffn_rank, 2, timeout=150):
+        base = rank_out[((), "block")]
+        for key, (y, gh, grads) in rank_out.items():
+            torch.testing.assert_close(y, base[0], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} y: {m}")
+            torch.testing.assert_close(gh, base[1], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} dh: {m}")
+            assert grads.keys() == base[2].keys(), key
+            for n in grads:
+                torch.testing.assert_close(grads[n], base[2][n], rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, k=key, n=n: f"{k} {n}: {m}")
+
+
+def test_router_keeps_its_bf16_input_not_an_fp32_copy():
+    """The gate's fp32 logits keep x (bf16) for backward, not x.float(): half the bytes; gradients are
+    autograd's of F.linear(x.float(), w.float()) exactly (same ops in the same order)."""
+    from models.deepseek_v3.moe import Gate
+
+    gate = Gate(ModelArgs.preset("debug_tiny", dim=512))  # wide rows: x dominates the per-token routing tensors
+    torch.nn.init.normal_(gate.weight, std=0.3)
+    x = torch.randn(10, gate.dim).to(torch.bfloat16).requires_grad_()
+    routing, nbytes = _saved_bytes(lambda: gate(x), [gate.weight])
+    g = torch.randn_like(routing.logits)
+    routing.logits.backward(g)
+    x2, w2 = x.detach().requires_grad_(), gate.weight.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2.float(), w2.float()).backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(gate.weight.grad, w2.grad)
+    assert x.numel() * 2 <= nbytes < x.numel() * 3  # x in bf16 plus the routing tensors (an fp32 copy: +4 B each)

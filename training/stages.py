@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses_from_hidden
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.recompute import produce
 from models.deepseek_v3.rope import rope_cos_sin
@@ -248,11 +248,9 @@ class DeepSeekV3Stage(nn.Module):
         """Loss of one micro-batch from the last hidden state and its token windows ``[b, s + 1]``,
         scaled by ``loss_scale``; the unscaled main and MTP losses go to ``loss_log``."""
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        logits = self.head(self.norm(h))
-        mtp_logits = _mtp_logits(self, h, tokens)
         args = self.args if self.mtp_lambda == self.args.mtp_loss_weight else self.args.replace(
             mtp_loss_weight=self.mtp_lambda)
-        parts = lm_losses(args, logits, mtp_logits, labels)
+        parts = lm_losses_from_hidden(args, self.norm, self.head, self.mtp, self.embed, h, tokens, labels)
         self.loss_log.main.append(float(parts["main"].detach()))
         if parts["mtp"]:
             self.loss_log.mtp.append(float(torch.stack(parts["mtp"]).detach().mean()))
@@ -300,19 +298,6 @@ def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch
         y = y + z
     normed.release(y)
     return h + y.view(shape)
-
-
-def _mtp_logits(stage: DeepSeekV3Stage, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """``Transformer.mtp_logits`` for a last stage (same computation, the stage's own modules)."""
-    out = []
-    for k, module in enumerate(stage.mtp, start=1):
-        n = tokens.shape[1] - k
-        if n <= 0:
-            break
-        cos, sin = rope_cos_sin(stage.args, torch.arange(n, device=h.device))
-        h = module(h[:, :n], stage.embed(tokens[:, k:]), cos, sin)
-        out.append(stage.head(module.norm(h)))
-    return out
 
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,

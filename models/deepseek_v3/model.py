@@ -8,21 +8,23 @@ holds (``materialize``), then load it with ``load_hf_checkpoint`` or ``init_weig
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fused_ce import linear_cross_entropy
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
-from models.deepseek_v3.mtp import MTPModule, mtp_logits
+from models.deepseek_v3.mtp import MTPModule, mtp_hidden, mtp_logits
+from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
 
-__all__ = ["Block", "Transformer", "lm_losses"]
+__all__ = ["Block", "Transformer", "lm_losses", "lm_losses_from_hidden"]
 
 
 class Transformer(nn.Module):
@@ -124,10 +126,36 @@ def lm_losses(args: ModelArgs, logits: torch.Tensor, mtp_logits: list[torch.Tens
     ``labels[:, i]`` is the target of position i (``tokens[:, 1:]`` for the model run on
     ``tokens[:, :-1]``, or shifted with padding); depth k's targets are ``labels[:, k:]``. Logits longer
     than their targets are cut to them. Computed in fp32; MTP losses are reported separately.
+    ``lm_losses_from_hidden`` computes the same without materialising the logits (training uses it).
     """
     n = labels.shape[1]
     main = F.cross_entropy(logits[:, :n].flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
     mtp = [F.cross_entropy(lg[:, : n - k].flatten(0, 1).float(), labels[:, k:].flatten(), ignore_index=ignore_index)
            for k, lg in enumerate(mtp_logits, start=1) if n > k]
+    return _with_total(args, main, mtp)
+
+
+def _with_total(args: ModelArgs, main: torch.Tensor, mtp: list[torch.Tensor]) -> dict:
     total = main + args.mtp_loss_weight / len(mtp) * torch.stack(mtp).sum() if mtp else main
     return {"loss": total, "main": main, "mtp": mtp}
+
+
+def head_loss(norm: RMSNorm, head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, recompute_norm: bool,
+              ignore_index: int = -100) -> torch.Tensor:
+    """``cross_entropy(head(norm(h)).float(), targets)`` through ``fused_ce.linear_cross_entropy``: the logits
+    are made a chunk of rows at a time and never kept; with ``recompute_norm`` the norm's output is not
+    kept either (``recompute.produce_consume``)."""
+    return produce_consume(norm, lambda y: linear_cross_entropy(y, head.weight, targets, ignore_index), h,
+                           enabled=recompute_norm)
+
+
+def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
+                          embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int = -100) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """``lm_losses`` of the logits ``head(norm(h))`` and ``mtp_logits(...)``, from the last hidden state ``h``
+    (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits."""
+    n = labels.shape[1]
+    main = head_loss(norm, head, h[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
+    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], module.recompute_norm, ignore_index)
+              for k, (module, hk) in enumerate(zip(mtp, mtp_hidden(args, mtp, embed, h, tokens)), start=1) if n > k]
+    return _with_total(args, main, losses)

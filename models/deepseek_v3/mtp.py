@@ -43,13 +43,11 @@ class MTPModule(nn.Module):
         return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
 
 
-def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,
+def mtp_hidden(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, h: torch.Tensor,
                tokens: torch.Tensor) -> list[torch.Tensor]:
-    """MTP logits per depth k = 1..D from the main model's last hidden state ``h`` (before the final norm).
-
-    Depth k's logits ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``. Takes the modules
-    explicitly so that a pipeline's last stage runs exactly this with the modules it holds.
-    """
+    """MTP hidden states per depth k = 1..D (before each depth's ``norm``) from the main model's last
+    hidden state ``h`` (before the final norm); depth k's ``[b, s - k, dim]``. Takes the modules
+    explicitly so that a pipeline's last stage runs exactly this with the modules it holds."""
     out = []
     for k, module in enumerate(modules, start=1):
         n = tokens.shape[1] - k
@@ -57,5 +55,11 @@ def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, 
             break
         cos, sin = rope_cos_sin(args, torch.arange(n, device=h.device))
         h = module(h[:, :n], embed(tokens[:, k:]), cos, sin)
-        out.append(head(module.norm(h)))
+        out.append(h)
     return out
+
+
+def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,
+               tokens: torch.Tensor) -> list[torch.Tensor]:
+    """MTP logits per depth k = 1..D: depth k's ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``."""
+    return [head(module.norm(hk)) for module, hk in zip(modules, mtp_hidden(args, modules, embed, h, tokens))]
