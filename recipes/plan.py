@@ -77,8 +77,13 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
                    if f.name not in ("extra", "fp8", "recompute", "recompute_layers")
                    and getattr(args, f.name) != getattr(ref, f.name)}
         table_sets = [f"model.overrides.{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in changed.items()]
-        return load_config(None, ["model.preset=deepseek_v3_671b", "run.autocast_bf16=true", *table_sets, *overrides])
-    return load_config(None, [f"model.preset={model}", *overrides])
+        return load_config(None, ["model.preset=deepseek_v3_671b", *_CLUSTER_DATA, *table_sets, *overrides])
+    return load_config(None, [f"model.preset={model}", *_CLUSTER_DATA, *overrides])
+
+
+# A preset or HF model plans a cluster job: its written config points at shards to be filled in (the dry run
+# reports them missing, a launch refuses until they exist) instead of the small bundled corpus.
+_CLUSTER_DATA = ["data.source=data/shards/*.bin", "data.bin_dtype=uint32"]
 
 
 def _system(ns: argparse.Namespace) -> System:
@@ -135,7 +140,8 @@ def run_plan(ns: argparse.Namespace) -> int:
           f"{'calibrated' if system.calibrated else 'UNCALIBRATED: public peaks x default efficiencies'}); "
           f"seq {seq_len}, global batch {req.global_batch} ({tokens_per_step(req):,} tokens/step)")
     print(f"{len(evals)} layouts: {counts['ok']} fit and were timed, {counts['oom']} out of memory, "
-          f"{counts['dominated']} dominated (more recompute than a fitting twin), {counts['illegal']} illegal")
+          f"{counts['dominated']} dominated (a fitting twin with less recompute or BF16 moments is faster), "
+          f"{counts['illegal']} illegal")
     if ns.json:
         text = json.dumps([e.row() for e in evals], indent=1)
         if ns.json == "-":
@@ -151,6 +157,10 @@ def run_plan(ns: argparse.Namespace) -> int:
                          "nearest misses:\n" + "\n".join(lines))
     print(format_table(evals, ns.top))
     best = fit[0]
+    if ns.tokens:
+        steps = ns.tokens / tokens_per_step(req)
+        print(f"{ns.tokens:.3g} training tokens = {steps:,.0f} steps: {steps * best.step_time_s / 86400:.1f} days "
+              f"({steps * best.step_time_s * gpus / 3600 / 1e6:.2f}M GPU hours) with the best layout")
     if ns.write_config:
         Path(ns.write_config).write_text(f"# written by recipes.plan: {best.layout}, predicted "
                                          f"{best.step_time_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}% on "
@@ -179,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--inter-latency-us", type=float, default=None)
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    ap.add_argument("--tokens", type=float, default=None, help="training tokens, for the predicted run length")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
     ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],

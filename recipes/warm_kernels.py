@@ -28,8 +28,9 @@ def shard_count() -> int:
     from deep_gemm.kernels import gemm
     from flash_mla.kernels import attention, decode
 
-    return max(len(gemm._fp8_kernel.configs), len(gemm._bf16_kernel.configs), len(decode.DECODE_CONFIGS),
-               len(attention.FWD_CONFIGS), len(attention.DKDV_CONFIGS), len(attention.DQ_CONFIGS))
+    lists = [gemm._fp8_kernel.configs, gemm._bf16_kernel.configs, *decode.DECODE_CONFIGS.values(),
+             attention.FWD_CONFIGS, attention.DKDV_CONFIGS, attention.DQ_CONFIGS]
+    return max(len(c) for c in lists)
 
 
 def main(argv: list[str] | None = None) -> int:

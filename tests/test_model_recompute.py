@@ -223,3 +223,20 @@ def test_recompute_with_expert_parallel_all_to_alls():
             for n in grads:
                 torch.testing.assert_close(grads[n], base[2][n], rtol=1e-5, atol=1e-7,
                                            msg=lambda m, k=key, n=n: f"{k} {n}: {m}")
+
+
+def test_router_keeps_its_bf16_input_not_an_fp32_copy():
+    """The gate's fp32 logits keep x (bf16) for backward, not x.float(): half the bytes; gradients are
+    autograd's of F.linear(x.float(), w.float()) exactly (same ops in the same order)."""
+    from models.deepseek_v3.moe import Gate
+
+    gate = Gate(ModelArgs.preset("debug_tiny", dim=512))  # wide rows: x dominates the per-token routing tensors
+    torch.nn.init.normal_(gate.weight, std=0.3)
+    x = torch.randn(10, gate.dim).to(torch.bfloat16).requires_grad_()
+    routing, nbytes = _saved_bytes(lambda: gate(x), [gate.weight])
+    g = torch.randn_like(routing.logits)
+    routing.logits.backward(g)
+    x2, w2 = x.detach().requires_grad_(), gate.weight.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2.float(), w2.float()).backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(gate.weight.grad, w2.grad)
+    assert x.numel() * 2 <= nbytes < x.numel() * 3  # x in bf16 plus the routing tensors (an fp32 copy: +4 B each)

@@ -54,6 +54,12 @@ def _cast_kernel(
         tl.store(sf_base + pid_r * s_sr + pid_c * s_sc, sf)
 
 
+def cast_warps(tile_rows: int, tile_cols: int) -> int:
+    """Warps per program: a 128x128 tile takes 32 (with 8 or 16 it spills registers on sm_90 in Triton 3.6
+    or 3.9, benchmarks/kernels_compiled.md)."""
+    return 32 if tile_rows > 1 and tile_cols > 1 else 4
+
+
 def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool = False):
     """Triton twin of ``reference.cast_tiles`` for 2-D or 3-D ``x`` (tiles over the last two dims)."""
     if x.dim() not in (2, 3):
@@ -70,7 +76,7 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     _cast_kernel[grid](
         x3, q, sf, rows, cols, *x3.stride(), *q.stride(), *sf.stride(),
         TILE_R=tile_rows, TILE_C=tile_cols, BLOCK_R=block_r, BLOCK_C=block_c,
-        AMAX_FLOOR=1e-4, UE8M0=use_ue8m0, num_warps=4,
+        AMAX_FLOOR=1e-4, UE8M0=use_ue8m0, num_warps=cast_warps(tile_rows, tile_cols),
     )
     if x.dim() == 2:
         return q[0], sf[0]

@@ -39,9 +39,10 @@ def _configs(fp8: bool) -> list[triton.Config]:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=4,
                               num_stages=1)]
     bk = 128 if fp8 else 64
-    shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) - Hopper-sized tiles first
-        (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3),
-    ]
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages), Hopper-sized tiles first: each warp group (4 warps) holds a
+    # 64-row slice, so the fp32 accumulator and one K block's partial product fit in registers. 128 x 256 is
+    # left out: it spills (benchmarks/kernels_compiled.md).
+    shapes = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)]
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
     musa = accel.backend() == "musa"
@@ -104,37 +105,60 @@ def _kernel_body():
             if FP8:  # FP8 groups start on 128-row boundaries: say so, or the loads cannot be vectorised
                 k_lo = tl.multiple_of(k_lo, 128)
 
+        # Addresses: a 64-bit tile base plus row offsets (once, before the loop: a view's row stride may be
+        # huge), 32-bit K offsets, pointers advanced by BLOCK_K per step. Rows / columns past M / N read row
+        # M-1 / column N-1 (FP8) instead of masking the loads: their results are never stored.
         g64 = g.to(tl.int64)
+        if FP8:  # K-major operands: clamping rows keeps the K-contiguous loads vectorised
+            rows = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
+            cols = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
+        else:  # bf16 operands may be MN-major, whose contiguity a clamp would hide: masked loads instead
+            rows = tl.arange(0, BLOCK_M)
+            cols = tl.arange(0, BLOCK_N)
+        m0 = (pid_m * BLOCK_M).to(tl.int64)
+        n0 = (pid_n * BLOCK_N).to(tl.int64)
         if FLAT_K_MAJOR:  # K_GROUPED, DeepGEMM's SM90 layout: group g's A is a K-major [M, K_g] block at k_lo * M
             k_len = tl.multiple_of(k_hi - k_lo, 128)
-            a_base = a_ptr + k_lo.to(tl.int64) * M + offs_m[:, None].to(tl.int64) * k_len
-            b_base = b_ptr + k_lo.to(tl.int64) * N + offs_n[None, :].to(tl.int64) * k_len
-            k_shift = 0  # addresses count K from the group's start
+            a_ptrs = (a_ptr + k_lo.to(tl.int64) * M + m0 * k_len + rows[:, None].to(tl.int64) * k_len
+                      + offs_k[None, :] * s_ak)
+            b_ptrs = (b_ptr + k_lo.to(tl.int64) * N + n0 * k_len + cols[None, :].to(tl.int64) * k_len
+                      + offs_k[:, None] * s_bk)
         else:
-            a_base = a_ptr + g64 * s_ag + offs_m[:, None].to(tl.int64) * s_am
-            b_base = b_ptr + g64 * s_bg + offs_n[None, :].to(tl.int64) * s_bn
-            k_shift = k_lo
-        sfa_base = sfa_ptr + g64 * s_sag + offs_m * s_sam
-        sfb_base = sfb_ptr + g64 * s_sbg + (offs_n // SFB_GRAN_N) * s_sbn
+            a_ptrs = (a_ptr + (g64 * s_ag + m0 * s_am + k_lo.to(tl.int64) * s_ak) + rows[:, None].to(tl.int64) * s_am
+                      + offs_k[None, :] * s_ak)
+            b_ptrs = (b_ptr + (g64 * s_bg + n0 * s_bn + k_lo.to(tl.int64) * s_bk) + cols[None, :].to(tl.int64) * s_bn
+                      + offs_k[:, None] * s_bk)
+        kb0 = k_lo // BLOCK_K
+        sfa_ptrs = sfa_ptr + g64 * s_sag + (pid_m * BLOCK_M + rows) * s_sam + kb0 * s_sak
+        if SFB_GRAN_N >= BLOCK_N:  # the tile lies in one 128-wide weight block: one scalar scale per K block
+            sfb_ptrs = sfb_ptr + g64 * s_sbg + (pid_n * BLOCK_N // SFB_GRAN_N) * s_sbn + kb0 * s_sbk
+        else:
+            sfb_ptrs = sfb_ptr + g64 * s_sbg + ((pid_n * BLOCK_N + cols) // SFB_GRAN_N) * s_sbn + kb0 * s_sbk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # Count iterations from 0 (a canonical loop the software pipeliner accepts for any k_lo).
         for it in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-            kk = k_shift + it * BLOCK_K + offs_k
             if FP8:  # K is a multiple of 128 = BLOCK_K: no K mask
-                a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None], other=0.0)
-                b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :], other=0.0)
-                kb = k_lo // BLOCK_K + it
-                sa = tl.load(sfa_base + kb * s_sak, mask=m_ok, other=0.0)
-                sb = tl.load(sfb_base + kb * s_sbk, mask=n_ok, other=0.0)
-                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+                sa = tl.load(sfa_ptrs)
+                sb = tl.load(sfb_ptrs)
+                if SFB_GRAN_N >= BLOCK_N:
+                    scale = sa[:, None] * sb
+                else:
+                    scale = sa[:, None] * sb[None, :]
+                acc = tl.fma(tl.dot(a, b), scale, acc)  # per-K-block promotion, one FFMA per element
+                sfa_ptrs += s_sak
+                sfb_ptrs += s_sbk
             else:
                 k_ok = it * BLOCK_K + offs_k < k_hi - k_lo
-                a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
                     acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
                 else:
                     acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
 
         d_ptrs = d_ptr + g64 * s_dg + offs_m[:, None].to(tl.int64) * s_dm + offs_n[None, :] * s_dn
         store_ok = m_ok[:, None] & n_ok[None, :]

@@ -186,14 +186,19 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-# (BLOCK_H, BLOCK_N, BLOCK_V, QK_CHUNK, warps, stages). From an AOT sm90 build (ptxas, no GPU): (16,16,128,0)
-# has no register spills; holding a wide Q tile spills (64 rows: ~250-1000 bytes of stack), which reloading Q
-# in 128-column chunks cuts to ~100. Which is fastest is for the autotuner on the GPU to say.
-DECODE_CONFIGS = [(16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
-                   (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2)]
+# (BLOCK_H, BLOCK_N, BLOCK_V, QK_CHUNK, warps, stages), per cache dtype: only configs that compile for sm_90a
+# without register spills (benchmarks/kernels_compiled.md). 64 query rows with the whole 512-wide V tile (the
+# FlashMLA shape, K tile reused as V) fits for bf16 with Q reloaded in 128-column chunks and 16-token steps; for
+# the FP8 cache the dequantised tile on top of the 64 x 512 fp32 accumulator spills at every 64-row tiling
+# tried, so FP8 keeps 16/32-row tiles. Which is fastest is for the autotuner on the GPU to say.
+DECODE_CONFIGS = {
+    False: [(64, 16, 512, 128, 8, 3), (16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
+            (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2)],
+    True: [(32, 32, 512, 128, 8, 3), (16, 16, 128, 0, 4, 2), (32, 32, 512, 128, 8, 2)],
+}
 # the interpreter runs one config (tests swap in others); it exercises sub-page tiles, V slices and Q chunks
 _INTERP_DECODE_CONFIG = [(16, 32, 256, 128, 1, 1)]
-_decode = None
+_decode = None  # {fp8: autotuned kernel}
 
 
 def config_kwargs(config: tuple) -> dict:
@@ -201,16 +206,18 @@ def config_kwargs(config: tuple) -> dict:
     return dict(zip(("BLOCK_H", "BLOCK_N", "BLOCK_V", "QK_CHUNK"), config[:-2]))
 
 
-def _decode_kernel_tuned():
+def _decode_kernel_tuned(fp8: bool):
     global _decode
     if _decode is None:
-        configs = _INTERP_DECODE_CONFIG if interpreted() else DECODE_CONFIGS
-        _decode = triton.autotune(
+        _decode = {}
+    if fp8 not in _decode:
+        configs = _INTERP_DECODE_CONFIG if interpreted() else DECODE_CONFIGS[fp8]
+        _decode[fp8] = triton.autotune(
             autotune.shard([triton.Config(config_kwargs(c), num_warps=c[-2], num_stages=pipeline_stages(c[-1]))
                             for c in configs]),
             key=["rows", "CAUSAL", "FP8"],
         )(_decode_kernel)
-    return _decode
+    return _decode[fp8]
 
 
 def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
@@ -239,7 +246,7 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
     part_lse = torch.empty(slots, h_kv, rows, dtype=torch.float32, device=q.device)
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     if meta.shape[0]:
-        kernel = _decode_kernel_tuned()
+        kernel = _decode_kernel_tuned(bool(is_fp8_kvcache))
         kernel[lambda m: (triton.cdiv(rows, m["BLOCK_H"]) * (D_NOPE // m["BLOCK_V"]), meta.shape[0], h_kv)](
             q, k_nope, k_rope, k_scale, block_table, meta, out, lse, part_out, part_lse,
             q.stride(0), q.stride(1), q.stride(2),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
@@ -50,6 +51,27 @@ class PermuteState:
     tokens_per_expert: torch.Tensor  # [E] int64, unpadded
 
 
+class _Fp32Logits(torch.autograd.Function):
+    """``F.linear(x.float(), weight.float())``, the router's fp32 logits, saving ``x`` itself rather than its
+    fp32 copy (for bf16 activations autograd would keep 4 bytes per value beside the 2-byte ``x``, which
+    under norm recompute is not even kept). Same arithmetic forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.flatten(0, -2).T @ x.flatten(0, -2).float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
 class Gate(nn.Module):
     """DeepSeek-V3 router.
 
@@ -75,7 +97,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, selection_mask=None) -> Routing:
         """x ``[T, dim]`` -> ``Routing``. ``selection_mask(choice) -> [T, E] bool`` limits selection (node limit)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = _Fp32Logits.apply(x, self.weight)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_groups > 1:

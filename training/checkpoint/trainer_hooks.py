@@ -2,17 +2,16 @@
 
 ``attach(trainer, cfg, run_dir, resume)`` is all ``training.run`` calls. It
 
-- resumes (``"auto"``: the newest valid checkpoint, with fallback; or a folder), also under a different
-  data-parallel size: optimizer states are saved by parameter name (ZeRO-1 shards as they are, expert
-  parameters qualified by their expert range) and each rank picks its names from every saved shard;
+- resumes (``"auto"``: the newest valid checkpoint, with fallback; or a folder), also under any other
+  valid layout (pp, dp, ep, schedule, EPLB, ZeRO-1): optimizer states are saved by parameter name (ZeRO-1
+  shards as they are, expert parameters qualified by their expert range), model tensors by global name,
+  and each rank reads what it now owns (``training.checkpoint.reshard``);
 - saves every ``checkpoint.interval`` steps (async by default) and reports the loop's stall as
   ``checkpoint_stall_s``; a failed background write raises at the next step;
 - with ``[fault] enabled``, checks every step's loss and gradient norm before the optimizer step,
   skips the update of a faulty step, rolls every rank back to the last stable checkpoint, skips the
   offending data window, and logs ``rollback`` / ``resume`` / ``restart`` events to the metrics stream.
 
-Only the data-parallel size may change on resume: pipeline and expert-parallel sizes must match
-(the model's stage and expert slices are taken from a saved rank with the same coordinates).
 """
 
 from __future__ import annotations
@@ -22,13 +21,8 @@ from typing import Any
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import CheckpointManager, read_checkpoint, read_metadata
-from training.checkpoint.resume import (
-    gather_named_optimizer_state,
-    load_named_optimizer_state,
-    local_param_names,
-    named_optimizer_state,
-    restart_count,
-)
+from training.checkpoint.reshard import load_resharded
+from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, restart_count
 from training.checkpoint.rng import restore_rng_state
 from training.checkpoint.writer import paused_writer
 from training.fault import FaultPolicy, FaultTolerance, Verdict
@@ -79,38 +73,24 @@ def checkpoint_state(trainer) -> dict[str, Any]:
 
 
 def load_checkpoint(trainer, folder: Path) -> int:
-    """Load ``folder`` into ``trainer`` (same layout, or another DP size); returns the step."""
+    """Load ``folder`` into ``trainer``; returns the step. Under the layout that wrote it this is the rank's
+    own files (bit-exact, RNG included); under any other valid layout ``reshard.load_resharded`` reads what
+    each rank now owns by global name and expert id."""
     from training.config import ParallelConfig
-    from training.parallel import coords
 
     metadata = read_metadata(folder)
-    rank = trainer.ps.rank
-    saved_par = ParallelConfig(**fmt.decode_tree(metadata["full_config"], {})["parallel"]) \
-        if "full_config" in metadata else trainer.cfg.parallel
+    full = fmt.decode_tree(metadata["full_config"], {}) if "full_config" in metadata else None
+    saved_par = ParallelConfig(**full["parallel"]) if full is not None else trainer.cfg.parallel
     par = trainer.cfg.parallel
-    if (saved_par.pp, saved_par.ep, saved_par.schedule) != (par.pp, par.ep, par.schedule):
-        raise fmt.CheckpointMismatchError(
-            f"checkpoint {folder} was written with pp={saved_par.pp} ep={saved_par.ep} schedule={saved_par.schedule}, "
-            f"this run has pp={par.pp} ep={par.ep} schedule={par.schedule}; only parallel.dp may change on resume")
-    same_layout = saved_par.dp == par.dp
-    mine = coords(rank, par)
-    if same_layout:
-        source = rank
-    else:  # a saved rank holding the same pipeline stage and expert slice
-        source = next(r for r in range(saved_par.world_size)
-                      if (coords(r, saved_par).pp_rank, coords(r, saved_par).ep_rank) == (mine.pp_rank, mine.ep_rank))
-    expect = trainer.checkpoint_meta()["config"]
-    if not same_layout and isinstance(expect, dict) and isinstance(expect.get("parallel"), dict):
-        expect = {**expect, "parallel": {**expect["parallel"], "dp": saved_par.dp}}  # the one allowed change
-    loaded = read_checkpoint(folder, source, expect_config=expect)
+    # EPLB on/off needs no resharding: experts and their moments are saved in the logical layout either way
+    if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.schedule, saved_par.zero1) != \
+            (par.pp, par.dp, par.ep, par.schedule, par.zero1):
+        return load_resharded(trainer, folder)
+    loaded = read_checkpoint(folder, trainer.ps.rank, expect_config=trainer.checkpoint_meta()["config"])
     state = loaded.state
     names = param_names(trainer)
     optimizers = trainer.optimizer.optimizers
-    if same_layout:
-        named = state["optimizer"]
-    else:
-        wanted = [n for opt in optimizers for n in local_param_names(opt, names)]
-        named = gather_named_optimizer_state(folder, "optimizer", wanted)
+    named = state["optimizer"]
     if len(named) != len(optimizers):
         raise fmt.CheckpointMismatchError(f"checkpoint {folder} holds {len(named)} optimizers, this run has "
                                           f"{len(optimizers)}")
@@ -120,7 +100,7 @@ def load_checkpoint(trainer, folder: Path) -> int:
         load_named_optimizer_state(opt, names, saved)
     if getattr(trainer, "eplb", None) is not None:  # saved moments are logical: into this plan's slots
         trainer.eplb.optimizer_state_from_logical()
-    if same_layout and loaded.rng is not None:
+    if loaded.rng is not None:
         restore_rng_state(loaded.rng)
     return loaded.step
 

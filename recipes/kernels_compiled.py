@@ -1,0 +1,251 @@
+"""The compile table: every deep_gemm / flash_mla Triton kernel at every autotune config, built for sm_90a on a CPU.
+
+    python -m recipes.kernels_compiled                                  # every case, table on stdout
+    python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md --jobs 2
+    python -m recipes.kernels_compiled --subset default --json out.json # what tests/test_kernel_compile.py runs
+
+Each case is one kernel specialised as the JIT specialises it at the benchmark shapes (16-divisible
+pointers, strides and sizes marked; unit strides and constants folded), compiled with the Triton in
+this environment (``accel.aot``), then read back: registers, spill (stack) bytes, shared memory,
+whether the SASS uses Hopper's warp-group MMAs and TMA, and the size of the main loop. The gates
+(``gate_failures``): no spills, shared memory within an sm_90 block, and wgmma in every MMA kernel
+whose tile allows it (M tile a multiple of 64 rows per warp group).
+Runs without the interpreter: ``TRITON_INTERPRET`` is cleared before any kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402 - @triton.jit decides interpreter-or-compiler at import
+
+import argparse
+import datetime
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accel import aot
+
+
+@dataclass
+class Case:
+    kernel: str  # module.kernel[variant]
+    config: str  # the autotune config, as in the kernel's config list
+    fn: object
+    pointers: dict
+    constexprs: dict
+    divisible: tuple = ()
+    num_warps: int = 4
+    num_stages: int = 2
+    mma_rows: int = 0  # rows of the MMA tile (0: no MMA): wgmma needs >= 64 per warp group
+    default: bool = False  # part of the quick subset the test suite runs
+    extra: dict = field(default_factory=dict)
+
+
+def _cfg_label(kwargs: dict, warps: int, stages: int) -> str:
+    return " ".join(f"{k}={v}" for k, v in kwargs.items()) + f" w{warps} s{stages}"
+
+
+def gemm_cases() -> list[Case]:
+    from deep_gemm.kernels import gemm
+
+    variants = [  # (mode, fp8, flat, split_k, label); SPLIT_K > 1 is one binary per value: 4 stands for all
+        (gemm.DENSE, True, False, 1, "fp8 dense"), (gemm.DENSE, True, False, 4, "fp8 dense split-k"),
+        (gemm.CONTIGUOUS, True, False, 1, "fp8 m-grouped contiguous"), (gemm.MASKED, True, False, 1, "fp8 masked"),
+        (gemm.K_GROUPED, True, False, 1, "fp8 k-grouped"), (gemm.K_GROUPED, True, True, 1, "fp8 k-grouped flat"),
+        (gemm.DENSE, False, False, 1, "bf16 dense"), (gemm.K_GROUPED, False, False, 1, "bf16 k-grouped"),
+    ]
+    cases = []
+    for mode, fp8, flat, split_k, label in variants:
+        kernel = gemm._fp8_kernel if fp8 else gemm._bf16_kernel
+        elem = "*fp8e4nv" if fp8 else "*bf16"
+        fp32_out = mode == gemm.K_GROUPED or split_k > 1
+        pointers = {"a_ptr": elem, "b_ptr": elem, "d_ptr": "*fp32" if fp32_out else "*bf16", "sfa_ptr": "*fp32",
+                    "sfb_ptr": "*fp32", "grp_ptr": "*i32"}
+        # what launch() passes on a GPU: FP8 operands K-major (copied if needed); bf16 k-grouped stays MN-major
+        unit = ("s_am", "s_bn", "s_dn") if (mode == gemm.K_GROUPED and not fp8) else ("s_ak", "s_bk", "s_dn")
+        for i, cfg in enumerate(kernel.configs):
+            consts = {"MODE": mode, "FP8": fp8, "SFB_GRAN_N": 1 if mode == gemm.K_GROUPED else 128,
+                      "ACCUMULATE": mode == gemm.K_GROUPED, "FLAT_K_MAJOR": flat, "SPLIT_K": split_k,
+                      "INTERPRETED": False, **cfg.kwargs, **{n: 1 for n in unit}}
+            names = kernel.fn.arg_names
+            divisible = tuple(n for n in names if n not in consts and (n in pointers or n.startswith("s_")
+                                                                         or n in ("N", "K")))
+            cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(cfg.kwargs, cfg.num_warps, cfg.num_stages),
+                              kernel, pointers, consts, divisible, cfg.num_warps, cfg.num_stages,
+                              mma_rows=cfg.kwargs["BLOCK_M"] // max(1, cfg.num_warps // 4),
+                              default=(i == 0)))
+    from deep_gemm.kernels import cast
+
+    for tile in ((1, 128), (128, 1), (128, 128)):
+        consts = {"TILE_R": tile[0], "TILE_C": tile[1], "BLOCK_R": 32 if tile[0] == 1 else tile[0],
+                  "BLOCK_C": 64 if tile[1] == 1 else tile[1], "AMAX_FLOOR": 1e-4, "UE8M0": False, "s_xc": 1,
+                  "s_qc": 1}
+        warps = cast.cast_warps(*tile)
+        cases.append(Case(f"deep_gemm.cast[{tile[0]}x{tile[1]}]", f"w{warps}", cast._cast_kernel,
+                          {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "sf_ptr": "*fp32"}, consts,
+                          ("x_ptr", "q_ptr", "sf_ptr"), warps, 3, default=True))
+    return cases
+
+
+def decode_cases() -> list[Case]:
+    from flash_mla.kernels import decode
+
+    cases = []
+    for fp8 in (False, True):
+        kv = "*fp8e4nv" if fp8 else "*bf16"
+        pointers = {"Q": "*bf16", "KN": kv, "KR": "*bf16", "KS": "*fp32" if fp8 else "*bf16", "BT": "*i32",
+                    "META": "*i32", "OUT": "*bf16", "LSE": "*fp32", "OACC": "*fp32", "LACC": "*fp32"}
+        # bench shapes: bf16 rows are 576 elements (16-divisible); FP8 rows 656 bytes (16-divisible), their
+        # fp32-scale and bf16-rope views are not
+        kv_strides = ("stride_kn_blk", "stride_kn_tok", "stride_kn_h") + (
+            () if fp8 else ("stride_kr_blk", "stride_kr_tok", "stride_kr_h"))
+        divisible = tuple(pointers) + kv_strides + ("stride_qb", "stride_qs", "stride_qh", "stride_ob", "stride_os",
+                                                    "stride_oh", "stride_pa_slot", "stride_pa_h", "stride_pa_row")
+        for causal, s_q in ((False, 1), (True, 2)):
+            for i, cfg in enumerate(decode.DECODE_CONFIGS[fp8]):
+                meta = decode.config_kwargs(cfg)
+                consts = {"CAUSAL": causal, "FP8": fp8, "D_NOPE": 512, "D_ROPE": 64, "PAGE": 64, "UPCAST": False,
+                          **meta}
+                if s_q == 1:
+                    consts["s_q"] = 1
+                cases.append(Case(f"flash_mla.decode[{'fp8' if fp8 else 'bf16'}{' causal' if causal else ''}]",
+                                  _cfg_label(meta, cfg[-2], cfg[-1]), decode._decode_kernel, pointers, consts,
+                                  divisible, cfg[-2], cfg[-1], mma_rows=meta["BLOCK_H"] // max(1, cfg[-2] // 4),
+                                  default=(i == 0)))
+    cases.append(Case("flash_mla.combine", "BLOCK_R=8 w4", decode._combine_kernel,
+                      {"NSPLITS": "*i32", "OACC": "*fp32", "LACC": "*fp32", "OUT": "*bf16", "LSE": "*fp32"},
+                      {"D_NOPE": 512, "BLOCK_R": 8, "INTERPRETED": False}, ("NSPLITS", "OACC", "LACC", "OUT", "LSE"),
+                      4, 2, default=True))
+    return cases
+
+
+def attention_cases() -> list[Case]:
+    from flash_mla.kernels import attention
+
+    cases = []
+    fwd_ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "CU": "*i32"}
+    bwd_ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
+                "CU": "*i32"}
+    kernels = [("fwd", attention._fwd_kernel, attention.FWD_CONFIGS, {**fwd_ptrs}),
+               ("bwd_dkdv", attention._bwd_dkdv_kernel, attention.DKDV_CONFIGS, {**bwd_ptrs, "DK": "*bf16",
+                                                                                   "DV_": "*bf16"}),
+               ("bwd_dq", attention._bwd_dq_kernel, attention.DQ_CONFIGS, {**bwd_ptrs, "DQ": "*bf16"})]
+    for name, fn, configs, pointers in kernels:
+        divisible = tuple(pointers) + tuple(n for n in fn.arg_names if n.startswith("stride_")) + ("H",)
+        for causal in (True, False):
+            for i, (bm, bn, w, s) in enumerate(configs):
+                consts = {**attention.static_args(192, 128, causal), "UPCAST": False, "BLOCK_M": bm, "BLOCK_N": bn}
+                rows = bn if name == "bwd_dkdv" else bm
+                cases.append(Case(f"flash_mla.attention.{name}[192/128{' causal' if causal else ''}]",
+                                  f"BLOCK_M={bm} BLOCK_N={bn} w{w} s{s}", fn, pointers, consts, divisible, w, s,
+                                  mma_rows=rows // max(1, w // 4), default=(i == 0 and causal)))
+    cases.append(Case("flash_mla.attention.delta", "BLOCK_T=64 w4", attention._delta_kernel,
+                      {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32"},
+                      {"DV": 128, "BLOCK_DV": 128, "BLOCK_T": 64}, ("O", "DO", "DELTA", "stride_ot", "stride_dot"),
+                      4, 2, default=True))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    return gemm_cases() + decode_cases() + attention_cases()
+
+
+def _compile_one(index: int) -> dict:
+    case = all_cases()[index]
+    row = {"kernel": case.kernel, "config": case.config, "mma_rows": case.mma_rows}
+    try:
+        compiled = aot.compile_for(case.fn, case.pointers, case.constexprs, case.divisible, case.num_warps,
+                                   case.num_stages)
+        row.update(aot.kernel_stats(compiled).as_dict())
+    except Exception as exc:  # a config that does not compile is a gate failure, reported as such
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return row
+
+
+def gate_failures(row: dict) -> list[str]:
+    """Why a compiled case fails the gates (empty: it passes)."""
+    if "error" in row:
+        return [f"does not compile: {row['error']}"]
+    bad = []
+    if row["stack_bytes"] or row["spill_stores"]:
+        bad.append(f"spills ({row['stack_bytes']} B stack, {row['spill_stores']} STL)")
+    if row["smem_bytes"] > aot.H100_SMEM_PER_BLOCK:
+        bad.append(f"{row['smem_bytes']} B shared memory > {aot.H100_SMEM_PER_BLOCK}")
+    if row["mma_rows"] >= 64 and not row["wgmma"]:
+        bad.append("no wgmma although the tile has >= 64 rows per warp group")
+    return bad
+
+
+def compile_table(subset: str = "all", jobs: int = 2, match: str = "") -> list[dict]:
+    """Compile the cases (in ``jobs`` processes) and return one row per case, in case order; ``match``: only
+    kernels whose name contains it."""
+    cases = all_cases()
+    picked = [i for i, c in enumerate(cases) if (subset == "all" or c.default) and match in c.kernel]
+    if jobs <= 1:
+        return [_compile_one(i) for i in picked]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_compile_one, picked))
+
+
+COLUMNS = ("kernel", "config", "registers", "stack_bytes", "smem_bytes", "loop_instructions", "loop_global_loads",
+           "loop_mmas", "wgmma", "tma", "gate")
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    import torch
+    import triton
+
+    lines = [f"## {title}", "",
+             f"{datetime.date.today().isoformat()}, Triton {triton.__version__}, torch {torch.__version__}, target "
+             "cuda sm_90a (compiled offline on a CPU: no GPU involved). loop_* = one iteration of the innermost "
+             "MMA loop in the SASS; gate = no spills, shared memory <= 227 KB, wgmma where the tile allows.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [str(r.get(c, "")) for c in COLUMNS[:-1]]
+        cells.append("; ".join(gate_failures(r)) or "ok")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.kernels_compiled", description=__doc__.split("\n\n")[0])
+    p.add_argument("--subset", choices=("all", "default"), default="all")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--match", default="", help="only kernels whose name contains this (e.g. flash_mla.decode)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--write", metavar="MD", help="replace this Markdown file's table for this Triton version")
+    args = p.parse_args(argv)
+    rows = compile_table(args.subset, args.jobs, args.match)
+    import triton
+
+    text = markdown(rows, f"Triton {triton.__version__}")
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.write:
+        _write_section(Path(args.write), f"Triton {triton.__version__}", text)
+    failing = [r for r in rows if gate_failures(r)]
+    for r in failing:
+        print(f"GATE FAIL {r['kernel']} {r['config']}: {'; '.join(gate_failures(r))}", file=sys.stderr)
+    return 1 if failing else 0
+
+
+def _write_section(path: Path, title: str, text: str) -> None:
+    """Replace the ``## title`` section of ``path`` (or append it), keeping the other versions' tables."""
+    old = path.read_text() if path.exists() else "# Kernels compiled for sm_90a\n\n"
+    head = f"## {title}"
+    if head in old:
+        before, rest = old.split(head, 1)
+        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        old = before + text + after.lstrip("\n")
+        path.write_text(old if old.endswith("\n") else old + "\n")
+    else:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
