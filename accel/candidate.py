@@ -390,6 +390,10 @@ def _compare(got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Te
                             "(unwritten? outputs start NaN-poisoned)")
             errors[name] = (math.inf, tol)
             continue
+        if not torch.equal(verify._nonfinite_code(g64), verify._nonfinite_code(w64)):
+            problems.append(f"{name}: NaN/Inf in other places than the reference's")
+            errors[name] = (math.inf, tol)
+            continue
         both = torch.isfinite(g64) & torch.isfinite(w64)
         excess = ((g64 - w64).abs() - (tol + tol * w64.abs()))[both]
         n_bad = int((excess > 0).sum())
@@ -503,7 +507,7 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
     except Exception as exc:
         verdict.fail("compiles", f"building the candidate failed: {_short_error(exc)}")
         return
-    if problem.format == "kernelbench":
+    if problem.format == "kernelbench" and fn.copied_weights:
         verdict.notes.append(f"{fn.copied_weights} parameter/buffer tensor(s) copied from Model into ModelNew")
     reference_fn = problem.build_reference(device)
     try:
@@ -598,6 +602,11 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
         if problem.build_vendor is not None:
             vendor_fn = problem.build_vendor(device)
             verdict.vendor_ms = do_bench(lambda: vendor_fn(*inputs), **verify.GPU_BENCH)
+    with _no_grad():  # unrecorded, like the timed calls: a candidate that cheats only when not watched shows here
+        problems, _ = _compare(_outputs(fn(*inputs)), _outputs(reference_fn(*inputs)), override)
+    if problems:
+        verdict.gates["faster"] = Gate(FAIL, f"an unrecorded call (as timed) gives a different result: {problems[0]}")
+        return
     tampered = integrity.check()
     if tampered:
         verdict.fail("no_fallback", f"the candidate replaced {', '.join(tampered)} while being timed")

@@ -155,7 +155,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = op_name(func)
         kind = self._classify(func, name)
-        self.record.ops[name] += 1
+        if not self.in_launch:
+            self.record.ops[name] += 1
         allowed = kind in ("allocation", "view") or name in self.allow or "*" in self.allow
         if self.in_launch:
             if kind == "compute" and name not in self.allow and "*" not in self.allow:
