@@ -602,6 +602,11 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
         if problem.build_vendor is not None:
             vendor_fn = problem.build_vendor(device)
             verdict.vendor_ms = do_bench(lambda: vendor_fn(*inputs), **verify.GPU_BENCH)
+    with _no_grad():  # unrecorded, like the timed calls: a candidate that cheats only when not watched shows here
+        problems, _ = _compare(_outputs(fn(*inputs)), _outputs(reference_fn(*inputs)), override)
+    if problems:
+        verdict.gates["faster"] = Gate(FAIL, f"an unrecorded call (as timed) gives a different result: {problems[0]}")
+        return
     tampered = integrity.check()
     if tampered:
         verdict.fail("no_fallback", f"the candidate replaced {', '.join(tampered)} while being timed")

@@ -21,7 +21,7 @@ class DualPipe(Pipeline):
     As upstream, rank 0 and rank PP-1 both pass their inputs; labels on rank 0 belong to the
     inputs of rank PP-1 and vice versa, and each returns the loss of the other's inputs. The two
     copies of each part must start equal; call ``sync_mirrored_grads()`` after ``step`` so both
-    hold the summed gradient.
+    hold the summed gradient (a parameter shared by the two parts of a rank is summed once).
     """
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
@@ -67,12 +67,17 @@ class DualPipe(Pipeline):
                dist.P2POp(dist.irecv, theirs[1], partner, self.group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait(self.p2p.timeout)
+        # A parameter both parts hold (a shared embedding: the first part's input, the last part's MTP) is one
+        # tensor here and one on the partner, whose gradient already sums both uses: add it once.
+        done: set[int] = set()
         for module, extra in zip(self.module, theirs):
             offset = 0
             for p in module.parameters():
                 n = p.numel()
-                add = extra[offset: offset + n].view_as(p)
-                p.grad = add.clone() if p.grad is None else p.grad + add
+                if id(p) not in done:
+                    add = extra[offset: offset + n].view_as(p)
+                    p.grad = add.clone() if p.grad is None else p.grad + add
+                    done.add(id(p))
                 offset += n
 
 

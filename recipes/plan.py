@@ -157,6 +157,10 @@ def run_plan(ns: argparse.Namespace) -> int:
                          "nearest misses:\n" + "\n".join(lines))
     print(format_table(evals, ns.top))
     best = fit[0]
+    if ns.tokens:
+        steps = ns.tokens / tokens_per_step(req)
+        print(f"{ns.tokens:.3g} training tokens = {steps:,.0f} steps: {steps * best.step_time_s / 86400:.1f} days "
+              f"({steps * best.step_time_s * gpus / 3600 / 1e6:.2f}M GPU hours) with the best layout")
     if ns.write_config:
         Path(ns.write_config).write_text(f"# written by recipes.plan: {best.layout}, predicted "
                                          f"{best.step_time_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}% on "
@@ -185,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--inter-latency-us", type=float, default=None)
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    ap.add_argument("--tokens", type=float, default=None, help="training tokens, for the predicted run length")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
     ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],

@@ -2,7 +2,6 @@
 (kernel tests ask for Triton explicitly), GPU tests skip without a GPU."""
 
 import os
-import sys
 
 
 def _gpu_visible() -> bool:
@@ -38,13 +37,3 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-@pytest.fixture(autouse=True)
-def _reset_aux_loss_scale():
-    """The aux-loss gradient scale is process-global (as Megatron's MoEAuxLossAutoScaler); a Trainer run
-    in-process sets it to 1/micro-batches, which must not leak into the next test's reference."""
-    yield
-    balancing = sys.modules.get("models.deepseek_v3.balancing")
-    if balancing is not None:
-        balancing.MoEAuxLossAutoScaler.set_loss_scale(1.0)

@@ -57,12 +57,7 @@ FP8_UPDATE_DIFF = 0.02
 # Combinations that are not impossible by construction but refused by check_static until the work
 # named lands (issue 13, H13a). Each is asserted to be refused today; when support lands, that
 # assertion fails and the entry must go (the combination then runs in the matrix).
-PENDING = {
-    "MTP with dualpipe (the shared embedding's gradient summed across the mirrored copies)":
-        lambda c: c["mtp"] and c["schedule"] == "dualpipe",
-    "EPLB with dualpipe (one expert plan for the two mirrored copies of a stage)":
-        lambda c: c["eplb"] and c["schedule"] == "dualpipe",
-}
+PENDING: dict = {}  # (none left: MTP and EPLB with dualpipe run since H13a's mirrored-copy support)
 
 
 def pending(c: matrix.Combo) -> str | None:

@@ -171,14 +171,16 @@ def test_losses_from_hidden_equal_lm_losses_of_the_logits(recompute):
 
 
 def _ep_ffn_rank(rank, world):
-    """On each of 2 expert-parallel ranks: a MoE block's FFN half as a pipeline stage runs it (``_ffn_steps``:
-    the norm's output released only after the combine all-to-all) and as ``Block.ffn_residual``, with and
-    without v3 + swiglu recompute; returns the gradients of each."""
+    """On each of 2 expert-parallel ranks: a MoE block as a pipeline stage runs it (``Block.steps`` with its
+    exchanges recorded, the norm's output released only after the combine all-to-all, then the backward
+    piece by piece with the reverse all-to-alls posted asynchronously) and as ``attention_residual`` +
+    ``ffn_residual``, with and without v3 + swiglu recompute; returns the gradients of each."""
     import torch.distributed as dist
 
     from models.deepseek_v3 import Block
     from models.deepseek_v3.moe import MoE
-    from training.stages import _drain, _ffn_steps
+    from models.deepseek_v3.rope import rope_cos_sin
+    from models.deepseek_v3.steps import Cuts, backward_steps, drain
 
     out = {}
     for recompute in ((), ("v3", "swiglu")):
@@ -193,8 +195,15 @@ def _ep_ffn_rank(rank, world):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             g = torch.Generator().manual_seed(10 + rank)
             h = torch.randn(2, 6, args.dim, generator=g).requires_grad_()
-            y = _drain(_ffn_steps(block, h)) if path == "stage" else block.ffn_residual(h)
-            (y * torch.randn(y.shape, generator=g)).sum().backward()
+            cos, sin = rope_cos_sin(args, torch.arange(6))
+            if path == "stage":
+                cuts = Cuts(h)
+                y = drain(block.steps(h, cos, sin, cuts=cuts))
+                assert len(cuts.marks) == 2  # dispatch and combine
+                drain(backward_steps(cuts, [(y, torch.randn(y.shape, generator=g))]))
+            else:
+                y = block.ffn_residual(block.attention_residual(h, cos, sin))
+                (y * torch.randn(y.shape, generator=g)).sum().backward()
             grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
             out[(recompute, path)] = (y.detach(), h.grad, grads)
     return out

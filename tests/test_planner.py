@@ -313,8 +313,9 @@ def test_cli_takes_a_hf_config_and_prints_json(tmp_path, capsys):
     ModelArgs.preset("debug", n_mtp_layers=0).save_hf_config(tmp_path / "config.json")
     fix = "pp=2,dp=4,ep=4,schedule=zb1p,micro_batch=1,microbatches=8,fp8=false,recompute=none,moments=bfloat16"
     assert plan.main(["--model", str(tmp_path / "config.json"), "--gpu", "H100", "--seq-len", "128", "--fix", fix,
-                      "--json", "-", "--write-config", str(tmp_path / "w.toml")]) == 0
+                      "--json", "-", "--write-config", str(tmp_path / "w.toml"), "--tokens", "1e9"]) == 0
     out = capsys.readouterr().out
+    assert "1e+09 training tokens = 244,141 steps" in out  # 1e9 / (32 sequences x 128 tokens per step)
     rows = json.loads(out[out.index("["):out.rindex("]") + 1])
     assert rows[0]["status"] == "ok" and rows[0]["name"].startswith("pp2 dp4 ep4 zb1p")
     cfg = load_config(tmp_path / "w.toml")

@@ -45,16 +45,18 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     yields while tokens are in flight). Both runs do F(b), F(a), B(b), B(a); the overlapped run pairs
     F(a) on stage 0 with B(b) on the last stage (the loss path), then F(a) on the last stage with
     B(b) through stage 0 (the output-gradient path)."""
+    from training.loss import StageLoss
     from training.stages import DeepSeekV3Stage
 
     first, last = _build("dualpipev")
+    criterion = StageLoss(last, last.args.mtp_loss_weight)
     torch.manual_seed(100 + rank)  # each rank its own tokens
     a, b = (torch.randint(0, 256, (2, 33)) for _ in range(2))
 
     def forward(mb):  # stage 0 then the last stage, as the pipeline hands activations on one rank
         h0 = first(mb[:, :-1])
         x1 = h0.detach().requires_grad_()
-        return h0, x1, last.compute_loss(last(x1), mb)
+        return h0, x1, criterion(last(x1), mb)
 
     hb, xb, lb = forward(b)
     ha, xa, la = forward(a)
@@ -68,13 +70,13 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     hb, xb, lb = forward(b)
     ha, none = DeepSeekV3Stage.overlapped_forward_backward(first, [a[:, :-1]], None, [], last, lb, [], [])
     xa = ha.detach().requires_grad_()
-    out_a, la = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], last.compute_loss, [a], first, None,
+    out_a, la = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], criterion, [a], first, None,
                                                             [hb], [xb.grad])
     la.backward()
     ha.backward(xa.grad)
     got = _grads([first, last])
     worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
-    yields = sum(1 for _ in first._forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
+    yields = sum(1 for _ in first.forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
 
     # An expert rank that receives no token at all (every token prefers rank 0's experts 0..3) still
     # takes part in both all-to-alls forward and backward: no hang, finite loss, zero expert grads there.
@@ -82,14 +84,15 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
 
     for moe in moe_layers([first, last]):
         moe.gate.e_score_correction_bias[:4] = 10.0
+    # ... here through the piece-by-piece backward, whose reverse exchanges then carry no rows on rank 1
     _zero([first, last])
     h0, x1, lz = forward(a)
-    lz.backward()
-    h0.backward(x1.grad)
+    back_yields = [sum(1 for _ in DeepSeekV3Stage.backward_steps(lz, [], [])),
+                   sum(1 for _ in DeepSeekV3Stage.backward_steps(None, [h0], [x1.grad]))]
     starved = [m.experts.w13.grad for m in moe_layers([first, last])]
     zero_ok = all((g is None or not g.any()) if rank == 1 else (g is not None and g.any()) for g in starved)
     return {"worst_rel": worst, "n": len(ref), "same_keys": set(got) == set(ref), "none": none is None,
-            "yields": yields, "zero_ok": zero_ok, "zero_loss": float(lz)}
+            "yields": yields, "back_yields": back_yields, "zero_ok": zero_ok, "zero_loss": float(lz)}
 
 
 @pytest.mark.dist
@@ -100,6 +103,9 @@ def test_overlapped_forward_backward_gradients_equal_plain():
         assert r["same_keys"] and r["none"] and r["n"] > 20
         assert r["zero_ok"] and 0 < r["zero_loss"] < 20
         assert r["yields"] == 2 * 1  # stage 0 holds one MoE layer (layer 1; layer 0 is dense): two all-to-alls
+        # the backward yields while each reverse all-to-all is posted: one MoE layer per stage (the MTP block's
+        # exchanges run inside the loss piece)
+        assert r["back_yields"] == [2, 2], r["back_yields"]
         # float32; the only difference is the order in which per-segment contributions are summed
         # into .grad (and one subtraction of a repeated pass), so ~1e-6 relative
         assert r["worst_rel"] < 1e-5, r

@@ -39,8 +39,6 @@ def _train(run_dir: Path, nproc: int, overrides: list[str]) -> list[dict]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="MTP with parallel.schedule='dualpipe' is refused until H13a's mirrored-"
-                   "embedding support lands (issue 13); strict: remove this mark then")
 def test_v3_layout_on_8_processes_matches_one_process(tmp_path):
     eight = _train(tmp_path / "eight", 8, [])
     one = _train(tmp_path / "one", 1, SINGLE)

@@ -100,6 +100,15 @@ def test_shape_specific_kernel_fails_on_other_shapes():
 
 
 @pytest.mark.gpu
+def test_faster_gate_measures_and_decides_on_a_gpu():
+    v = _verify("matmul_good", MATMUL, device=torch.device("cuda"), min_speedup=0.0)
+    assert v.gates["faster"].status == PASS and v.speedup > 0 and v.candidate_ms > 0 and v.reference_ms > 0
+    v = _verify("matmul_good", MATMUL, device=torch.device("cuda"), min_speedup=1e9)
+    assert v.gates["faster"].status == FAIL and "needs >= 1e+09x" in v.gates["faster"].message
+    assert v.exit_code == 1
+
+
+@pytest.mark.gpu
 def test_side_stream_is_caught():
     v = _verify("hack_side_stream", device=torch.device("cuda"))
     assert v.gates["no_fallback"].status == FAIL

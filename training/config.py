@@ -432,9 +432,6 @@ def validate_eplb(cfg: TrainConfig) -> None:
         raise ValueError(f"eplb.enabled needs expert parallelism: parallel.ep must be > 1, got {p.ep} (with one EP "
                          "rank every expert is local and there is no per-GPU load to balance); set parallel.ep > 1 "
                          "or eplb.enabled=false")
-    if p.schedule == "dualpipe":
-        raise ValueError("eplb.enabled is not supported with parallel.schedule='dualpipe' (each stage is held by two "
-                         "pipeline ranks whose expert layouts would have to be planned together); use dualpipev")
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:

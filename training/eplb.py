@@ -8,7 +8,8 @@ several). Around the library pieces of ``models.deepseek_v3.eplb`` this module k
   (it is computed from all-reduced loads, deterministically), wired into each layer's
   ``ExpertParallel`` (``set_plan``) and ``Experts.expert_ids``;
 - the loads: the logical expert counts the balancer records (``counts_total``, also what the
-  aux-loss-free bias uses) since the last plan, summed over the stage's ``dp`` group;
+  aux-loss-free bias uses) since the last plan, summed over the stage's ``dp`` group (and, under
+  DualPipe, over the two pipeline ranks holding the stage, so both copies make the same plan);
 - ``after_step``: every ``interval`` optimizer steps the loads update an ``ExpertLoadEMA`` (one
   update per interval), a new plan is made, and for each layer whose plan changed the weights and
   the optimizer moments (AdamW ``exp_avg``/``exp_avg_sq``, anything of the parameter's shape) move
@@ -86,8 +87,12 @@ class EplbRuntime:
     """This rank's plan, load tracker and plan application (see the module docstring)."""
 
     def __init__(self, stages: list[nn.Module], cfg: TrainConfig, args: ModelArgs, ep_group: dist.ProcessGroup,
-                 dp_group: dist.ProcessGroup | None, optimizers: list[torch.optim.Optimizer]) -> None:
+                 dp_group: dist.ProcessGroup | None, optimizers: list[torch.optim.Optimizer],
+                 mirror_group: dist.ProcessGroup | None = None) -> None:
+        """``mirror_group``: under DualPipe, the pipeline group, whose two ranks holding a stage each see half
+        of its micro-batches: their loads are summed, so both copies make the same plan."""
         self.cfg, self.args = cfg, args
+        self.mirror_group = mirror_group
         self.layers = moe_layers(stages)
         self.num_physical, self.num_groups, self.num_nodes, self.ep = plan_shape(cfg, args)
         self.num_experts = args.n_routed_experts
@@ -160,6 +165,13 @@ class EplbRuntime:
         self._seen = now
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(loads, group=self.dp_group)
+        if self.mirror_group is not None:  # rows by global MoE layer id: exactly the two copies fill each row
+            table = torch.zeros(self.args.n_layers + self.args.n_mtp_layers, self.num_experts, dtype=loads.dtype,
+                                device=loads.device)
+            ids = torch.tensor([m.layer_id for m in self.layers], device=loads.device)
+            table[ids] = loads
+            dist.all_reduce(table, group=self.mirror_group)
+            loads = table[ids]
         return loads.cpu()
 
     def after_step(self, steps_done: int) -> dict[str, float]:

@@ -10,20 +10,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from accel.trace import TraceRecorder
+from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import ExpertBalancer, collect_load_metrics, max_violation, update_expert_biases
+from models.deepseek_v3.expert_parallel import ExpertParallel
 from models.deepseek_v3.moe import MoE
 from training.config import TrainConfig
 from training.parallel import ParallelState
-
-if TYPE_CHECKING:
-    from training.trainer import Trainer
 
 
 def moe_layers(modules: list[nn.Module]) -> list[MoE]:
@@ -42,43 +41,51 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
     for moe in moe_layers(stages):
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
         if cfg.parallel.ep > 1:
-            from models.deepseek_v3.expert_parallel import ExpertParallel
-
             # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8
             moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8,
                                     recorder=recorder)
 
 
-def update_biases(trainer: Trainer, gamma: float) -> None:
-    cfg = trainer.cfg.balance
-    if "aux_free" not in cfg.model_config().parts:
+def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs, gamma: float,
+                  device: torch.device) -> None:
+    """The aux-loss-free bias update after an optimizer step, from the loads of the whole global batch."""
+    if "aux_free" not in cfg.balance.model_config().parts:
         return
-    if trainer.cfg.parallel.schedule == "dualpipe":
-        _sum_mirrored_counts(trainer)
-    if not moe_layers(trainer.stages):
+    if cfg.parallel.schedule == "dualpipe":
+        sum_mirrored_counts(stages, ps.group("pp"), args, device)
+    if not moe_layers(stages):
         return
-    update_expert_biases(nn.ModuleList(trainer.stages), gamma, cfg.recenter, group=trainer.ps.group("dp"))
+    update_expert_biases(nn.ModuleList(stages), gamma, cfg.balance.recenter, group=ps.group("dp"))
 
 
 @torch.no_grad()
-def _sum_mirrored_counts(trainer: Trainer) -> None:
-    """DualPipe holds each stage on two pipeline ranks, each seeing half of the micro-batches: sum
-    the expert loads of the two copies (over the pp group, a zero row where a rank lacks the stage)
-    so both copies apply the same bias update as one process would."""
-    par, args = trainer.cfg.parallel, trainer.args
-    n_moe = args.n_layers + args.n_mtp_layers
-    table = torch.zeros(par.pp, n_moe, args.n_routed_experts, device=trainer.device)
-    slots = []
-    for st in trainer.stages:
-        for m in moe_layers([st]):
-            slots.append((st.stage_id, m.layer_id, m.balancer))
-            table[st.stage_id, m.layer_id] = m.balancer.counts_for_update.to(table.device)
-    dist.all_reduce(table, group=trainer.ps.group("pp"))
-    for stage_id, layer_id, balancer in slots:
-        balancer.counts_for_update.copy_(table[stage_id, layer_id].to(balancer.counts_for_update.device))
+def mirror_sum(rows: torch.Tensor, layer_ids: list[int], pp_group: dist.ProcessGroup | None,
+               n_moe: int) -> torch.Tensor:
+    """DualPipe holds each stage on two pipeline ranks, each seeing half of the micro-batches: the sum of
+    per-layer ``rows [len(layer_ids), E]`` over the two copies (a table by global MoE layer id, all-reduced
+    over the pp group: exactly the two copies fill each row). Collective over ``pp_group``."""
+    table = torch.zeros(n_moe, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    ids = torch.tensor(layer_ids, dtype=torch.long, device=rows.device)
+    table[ids] = rows
+    dist.all_reduce(table, group=pp_group)
+    return table[ids]
 
 
-def load_metrics(trainer: Trainer) -> dict[str, Any]:
+@torch.no_grad()
+def sum_mirrored_counts(stages: list[nn.Module], pp_group: dist.ProcessGroup | None, args: ModelArgs,
+                        device: torch.device) -> None:
+    """The expert loads of a stage's two DualPipe copies summed (``mirror_sum``), so both copies apply the
+    same bias update as one process would."""
+    layers = moe_layers(stages)
+    rows = torch.stack([m.balancer.counts_for_update.to(device) for m in layers]) if layers else torch.zeros(
+        0, args.n_routed_experts, device=device)
+    summed = mirror_sum(rows, [m.layer_id for m in layers], pp_group, args.n_layers + args.n_mtp_layers)
+    for m, row in zip(layers, summed):
+        m.balancer.counts_for_update.copy_(row.to(m.balancer.counts_for_update.device))
+
+
+def load_metrics(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs,
+                 device: torch.device) -> dict[str, Any]:
     """``max_vio`` over the global batch (mean over this rank's layers, then over ranks holding MoE
     layers), balance losses, and the per-layer loads of this rank (for the JSONL file). With expert
     parallelism also ``ep_imbalance``: max / mean rows received per EP rank (the per-GPU load EPLB
@@ -86,25 +93,28 @@ def load_metrics(trainer: Trainer) -> dict[str, Any]:
 
     Collective on every rank (world all-reduce), whether or not it holds MoE layers.
     """
-    layers = moe_layers(trainer.stages)
+    layers = moe_layers(stages)
     out: dict[str, Any] = {}
     vio, weight = 0.0, 0.0
-    imbalance = rank_imbalance(layers, trainer.ps.group("ep"), trainer.device) if trainer.cfg.parallel.ep > 1 else None
+    imbalance = rank_imbalance(layers, ps.group("ep"), device) if cfg.parallel.ep > 1 else None
+    counts = torch.stack([m.balancer.counts_for_metrics.float().to(device) for m in layers]) if layers else None
+    if cfg.parallel.schedule == "dualpipe":  # collective on every pp rank, with or without MoE layers
+        counts = mirror_sum(counts if counts is not None else torch.zeros(0, args.n_routed_experts, device=device),
+                            [m.layer_id for m in layers], ps.group("pp"), args.n_layers + args.n_mtp_layers)
     if layers:
-        counts = torch.stack([m.balancer.counts_for_metrics.float() for m in layers])
-        group = trainer.ps.group("dp")
+        group = ps.group("dp")
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)  # every rank of a dp group holds the same layers
         vio, weight = float(torch.stack([max_violation(c) for c in counts]).mean()), 1.0
-        local = collect_load_metrics(nn.ModuleList(trainer.stages), reset=True)
+        local = collect_load_metrics(nn.ModuleList(stages), reset=True)
         for k in ("loss_seq_aux", "loss_aux", "loss_z_loss"):
             if f"moe/{k}" in local:
                 out[f"balance_{k[5:]}"] = local[f"moe/{k}"]
         out["expert_load"] = counts.tolist()
     held = 1.0 if imbalance is not None else 0.0
     imbalance = imbalance or 0.0
-    if trainer.ps.world_size > 1:
-        t = torch.tensor([vio * weight, weight, imbalance * held, held], dtype=torch.float64, device=trainer.device)
+    if ps.world_size > 1:
+        t = torch.tensor([vio * weight, weight, imbalance * held, held], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         vio, weight = float(t[0] / t[1]) if t[1] > 0 else 0.0, float(t[1])
         imbalance, held = float(t[2] / t[3]) if t[3] > 0 else 0.0, float(t[3])

@@ -9,15 +9,15 @@ inside MoE layers pair up. The training schedule is not involved: this works for
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from training.stages import num_model_stages, stage_ids
-
-if TYPE_CHECKING:
-    from training.trainer import Trainer
+from training.config import ParallelConfig
+from training.data import TokenCorpus
+from training.parallel import ParallelState
+from training.stages import DeepSeekV3Stage, num_model_stages, stage_ids
 
 
 def stage_owner(schedule: str, pp: int) -> dict[int, int]:
@@ -28,29 +28,29 @@ def stage_owner(schedule: str, pp: int) -> dict[int, int]:
 
 
 @contextlib.contextmanager
-def eval_mode(trainer: Trainer):
+def eval_mode(stages: list[DeepSeekV3Stage]) -> Iterator[None]:
     """Modules in eval mode (balancers stop counting loads) for the block, then back to train."""
-    for st in trainer.stages:
+    for st in stages:
         st.eval()
     try:
         yield
     finally:
-        for st in trainer.stages:
+        for st in stages:
             st.train()
 
 
 @torch.no_grad()
-def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
+def pipeline_hidden(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: ParallelState,
+                    tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Last hidden state (before the final norm) for ``tokens [b, s]`` on the rank holding the last
     stage; None elsewhere. Every rank must call it with the same shapes."""
-    par, ps = trainer.cfg.parallel, trainer.ps
     owner = stage_owner(par.schedule, par.pp)
     me = ps.coords.pp_rank
-    local = {st.stage_id: st for st in trainer.stages}
+    local = {st.stage_id: st for st in stages}
     pp_ranks = ps.ranks["pp"]
     h: torch.Tensor | None = None
-    shape = (*tokens.shape, trainer.args.dim)
-    with eval_mode(trainer):
+    shape = (*tokens.shape, stages[0].args.dim)
+    with eval_mode(stages):
         for s in range(num_model_stages(par.schedule, par.pp)):
             if owner[s] != me:
                 continue
@@ -59,7 +59,7 @@ def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | No
             elif owner[s - 1] == me:
                 x = h
             else:
-                x = torch.empty(shape, dtype=trainer.dtype, device=trainer.device)
+                x = torch.empty(shape, dtype=dtype, device=tokens.device)
                 dist.recv(x, src=pp_ranks[owner[s - 1]], group=ps.group("pp"))
             h = local[s](x)
             nxt = s + 1
@@ -70,33 +70,32 @@ def pipeline_hidden(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | No
 
 
 @torch.no_grad()
-def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, companions: int = 3,
-                      temperature: float = 0.0, seed: int = 0) -> str:
+def pipeline_generate(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: ParallelState, tokenizer,
+                      corpus: TokenCorpus, prompt: str, max_new_tokens: int, seq_len: int, dtype: torch.dtype,
+                      device: torch.device, companions: int = 3, temperature: float = 0.0, seed: int = 0) -> str:
     """Continuation of ``prompt``: greedy, or sampled at ``temperature`` from a generator seeded by
     ``seed`` on the rank holding the head (the token is then broadcast). The context is cut to
-    ``data.seq_len`` tokens.
+    ``seq_len`` tokens. ``tokenizer`` has ``encode``/``decode``.
 
     The prompt is decoded in a batch with ``companions`` held-out text prefixes of the same length,
     so a short prompt still spreads tokens over the expert-parallel ranks (a rank that receives
     none is handled, but wastes its turn in the all-to-all).
     """
-    par, ps = trainer.cfg.parallel, trainer.ps
-    ids = trainer.tokenizer.encode(prompt) or [0]
+    ids = tokenizer.encode(prompt) or [0]
     rows = [ids]
-    corpus = trainer.corpus
     for c in range(companions if corpus.num_valid else 0):
         window = corpus.window(corpus.num_train + c % corpus.num_valid)
         rows.append(window[: len(ids)].tolist())
-    tokens = torch.tensor(rows, dtype=torch.long, device=trainer.device)
+    tokens = torch.tensor(rows, dtype=torch.long, device=device)
     holder = stage_owner(par.schedule, par.pp)[num_model_stages(par.schedule, par.pp) - 1]
-    gen = torch.Generator(device=trainer.device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     for _ in range(max_new_tokens):
-        ctx = tokens[:, -trainer.cfg.data.seq_len:]
-        h = pipeline_hidden(trainer, ctx)
-        nxt = torch.zeros(len(rows), dtype=torch.long, device=trainer.device)
+        ctx = tokens[:, -seq_len:]
+        h = pipeline_hidden(stages, par, ps, ctx, dtype)
+        nxt = torch.zeros(len(rows), dtype=torch.long, device=device)
         if h is not None:
-            st = trainer.loss_stage
-            with eval_mode(trainer):
+            st = next(s for s in stages if s.is_last)
+            with eval_mode(stages):
                 logits = st.head(st.norm(h[:, -1])).float()
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1)
@@ -106,4 +105,4 @@ def pipeline_generate(trainer: Trainer, prompt: str, max_new_tokens: int, compan
         if ps.size("pp") > 1:
             dist.broadcast(nxt, src=ps.ranks["pp"][holder], group=ps.group("pp"))
         tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-    return trainer.tokenizer.decode(tokens[0, len(ids):].tolist())
+    return tokenizer.decode(tokens[0, len(ids):].tolist())

@@ -27,6 +27,7 @@ balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the gr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -479,26 +480,40 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
-    from dualpipe.schedules import built
-
     chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
-    schedule = built(par.schedule, par.pp, chunks)  # a rank runs its items in order: no timing needed
-    num = len(per_stage)
     peaks, counts = [], []
-    for r in range(par.pp):
-        live = peak = n = n_at_peak = 0
-        for item in schedule.actions[r]:
-            for act in item.parts:
-                size = per_stage[act.stage % num]
-                if act.kind == "F":
-                    live, n = live + size, n + 1
-                    if live > peak:
-                        peak, n_at_peak = live, n
-                elif act.kind in ("B", "W"):
-                    live, n = live - size, n - 1
+    for states in _live_states(par.schedule, par.pp, chunks, len(per_stage)):
+        peak = n_at_peak = 0
+        for state in states:
+            live = sum(c * per_stage[s] for s, c in state)
+            if live > peak:
+                peak, n_at_peak = live, sum(c for _, c in state)
         peaks.append(peak)
         counts.append(n_at_peak)
     return peaks, counts
+
+
+@functools.lru_cache(maxsize=256)
+def _live_states(schedule: str, pp: int, chunks: int, num: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    """Per rank, the distinct (model stage, live count) states right after each forward, in order of first
+    appearance: the peak of any per-stage sizes is among them. Memoised: a planner asks for thousands of
+    layouts of the same few schedules."""
+    from dualpipe.schedules import built
+
+    out = []
+    for items in built(schedule, pp, chunks).actions:  # a rank runs its items in order: no timing needed
+        live: dict[int, int] = {}
+        seen: dict[tuple[tuple[int, int], ...], None] = {}
+        for item in items:
+            for act in item.parts:
+                s = act.stage % num
+                if act.kind == "F":
+                    live[s] = live.get(s, 0) + 1
+                    seen.setdefault(tuple(sorted(live.items())), None)
+                elif act.kind in ("B", "W"):
+                    live[s] -= 1
+        out.append(tuple(seen))
+    return tuple(out)
 
 
 def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:

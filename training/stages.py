@@ -3,8 +3,9 @@
 The whole ``Transformer`` is constructed on the ``meta`` device (no memory, even at 671B); each
 rank then keeps the stages the schedule gives it and materialises only their modules, holding
 only its expert-parallel slice of the routed experts. A stage is a contiguous run of blocks; the
-first also embeds tokens, the last also applies the final norm, the output head and the MTP
-modules, so the loss is computed where the logits are. Parameter names inside a stage are the
+first also embeds tokens; the last holds the final norm, the output head and the MTP modules, which
+the step's criterion (``training.loss``) runs, so the loss is computed where the logits are. A
+stage runs the blocks' own ``steps``: the forward is written once, in the model. Parameter names inside a stage are the
 ``Transformer``'s (``layers.3.attn.wq_a.weight``), so checkpoints of any layout line up.
 
 Which stages a pipeline rank holds (``stage_ids``): one (``1f1b``, ``zb1p``), two in a V
@@ -19,16 +20,15 @@ Initialisation does not depend on the layout: every tensor is drawn from a gener
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from models.deepseek_v3 import ModelArgs, Transformer, lm_losses_from_hidden
+from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.moe import Experts, MoE
-from models.deepseek_v3.recompute import produce
 from models.deepseek_v3.rope import rope_cos_sin
+from models.deepseek_v3.steps import Cuts, Steps, backward_piece, backward_steps, drain, interleave
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
@@ -109,28 +109,16 @@ class _Leaf(nn.Module):
         return iter(self._m)
 
 
-@dataclass
-class LossLog:
-    """Detached per-micro-batch loss parts, read by the trainer after a step (the pipeline returns only totals)."""
-
-    main: list[float] = field(default_factory=list)
-    mtp: list[float] = field(default_factory=list)
-
-    def clear(self) -> None:
-        self.main.clear()
-        self.mtp.clear()
-
-
 class DeepSeekV3Stage(nn.Module):
-    """Stage ``stage_id``: [embedding] -> blocks ``[start, end)`` -> [final norm, head, MTP].
+    """Stage ``stage_id``: [embedding] -> blocks ``[start, end)``, a slice of the ``Transformer``.
 
     ``forward(x)`` takes tokens ``[b, s]`` on the first stage, hidden states ``[b, s, dim]`` after it,
-    and returns hidden states (the last stage returns the state before the final norm; the loss,
-    head and MTP run in ``criterion``, which DualPipe calls on the last stage).
+    and returns hidden states (the last stage returns the state before the final norm; the final
+    norm, head and MTP run in the step's criterion, ``training.loss.StageLoss``). The blocks run their
+    own ``steps`` (``models.deepseek_v3.steps``); a stage only strings them together.
     """
 
-    def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int],
-                 loss_log: LossLog | None = None):
+    def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int]):
         super().__init__()
         self.args = model.args
         self.stage_id, self.num_stages = stage_id, num_stages
@@ -140,9 +128,6 @@ class DeepSeekV3Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(self.start, self.end)})
         if self.is_last:
             self.norm, self.head, self.mtp = model.norm, model.head, model.mtp
-        self.loss_log = loss_log if loss_log is not None else LossLog()
-        self.loss_scale = 1.0  # 1 / micro-batches: the pipeline sums the micro-batch losses' gradients
-        self.mtp_lambda = model.args.mtp_loss_weight
 
     def owned_modules(self) -> dict[str, nn.Module]:
         """Name -> module for everything this stage holds (what gets materialised)."""
@@ -154,150 +139,56 @@ class DeepSeekV3Stage(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _drain(self._forward_steps(x))
+        return drain(self.forward_steps(x))
 
-    def _forward_steps(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """The forward as a generator that yields while an expert all-to-all is in flight, so the
-        overlapped schedule can run another micro-batch's backward there. Returns the output with
-        its segment boundaries attached (``_SEGMENTS``), for a segment-by-segment backward later."""
-        segments: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
-        if self.is_first:
-            # A segment's backward also runs the node that produced its input boundary (harmless for
-            # the residual adds, which save nothing); the clone keeps the embedding's own backward,
-            # which saves the token ids, for the embedding segment itself.
-            h = self.embed(x).clone()
-            segments.append((h, [self.embed.weight]))
-        else:
-            h = x
+    def forward_steps(self, x: torch.Tensor) -> Steps[torch.Tensor]:
+        """The stage's forward as the blocks' steps, yielding where their all-to-alls are in flight.
+
+        The exchanges are recorded (``Cuts``, autograd edges only) on the output, for ``backward_steps``.
+        """
+        cuts = Cuts(x)
+        h = self.embed(x) if self.is_first else x
         if self.end > self.start:
             cos, sin = rope_cos_sin(self.args, torch.arange(h.shape[1], device=h.device))
             for i in range(self.start, self.end):
-                block = self.layers[str(i)]
-                if block.recompute_block:  # checkpointed as a whole: one segment, no yield inside
-                    h = block(h, cos, sin)
-                    segments.append((h, _params(block)))
-                    continue
-                h = block.attention_residual(h, cos, sin)
-                segments.append((h, _params(block.attn_norm, block.attn)))
-                h = yield from _ffn_steps(block, h)
-                segments.append((h, _params(block.ffn_norm, block.ffn)))
-        if not self.is_first and self.end == self.start:
+                h = yield from self.layers[str(i)].steps(h, cos, sin, cuts=cuts)
+        if h is x:
             h = h.clone()  # a stage never returns its input (a view / alias of a pipeline buffer)
-            segments.append((h, []))
-        setattr(h, _SEGMENTS, (x if not self.is_first else None, segments))
+        setattr(h, _CUTS, cuts)
         return h
+
+    @staticmethod
+    def backward_steps(loss: torch.Tensor | None, outputs: list, grads: list) -> Steps[None]:
+        """Backward of one micro-batch (from its loss on the last stage, else from the output gradients),
+        yielding while each reverse all-to-all is in flight (``steps.backward_steps``)."""
+        if loss is not None:
+            hidden = getattr(loss, _HIDDEN)
+            yield from backward_steps(getattr(hidden, _CUTS), [(loss, torch.ones_like(loss))],
+                                      first=lambda pending: backward_piece(pending, [hidden]))
+            loss.detach_()
+        elif outputs:
+            yield from backward_steps(getattr(outputs[0], _CUTS), list(zip(outputs, grads)))
 
     @classmethod
     def overlapped_forward_backward(cls, module0: DeepSeekV3Stage, inputs0: list, criterion0, labels0: list,
                                     module1: DeepSeekV3Stage, loss1: torch.Tensor | None, outputs1: list,
                                     output_grads1: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward of one micro-batch on ``module0`` interleaved with the backward of another on
-        ``module1`` (dualpipe's contract, as upstream DualPipe): while micro-batch 0's tokens are in
-        an expert all-to-all (dispatch, then combine), micro-batch 1's backward runs its next
-        segment (a block's MoE part or attention part). Gradients equal a plain F then B."""
-        forward = module0._forward_steps(*inputs0)
-        backward = module1._backward_steps(loss1, outputs1, output_grads1)
-        outputs0 = None
-        while outputs0 is None:
-            try:
-                next(forward)
-            except StopIteration as stop:
-                outputs0 = stop.value
-                break
-            next(backward, None)  # one backward segment while the all-to-all is in flight
-        for _ in backward:
-            pass
+        ``module1`` (DualPipe's contract): while one's all-to-all is in flight (the forward's dispatch or
+        combine, the backward's reverse exchanges), the other computes. Gradients equal a plain F then B."""
+        outputs0 = interleave(module0.forward_steps(*inputs0), module1.backward_steps(loss1, outputs1, output_grads1))
         loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
         return outputs0, loss0
 
-    def _backward_steps(self, loss: torch.Tensor | None, outputs: list, grads: list) -> Iterator[None]:
-        """Backward of one micro-batch, one segment at a time (yielding between segments).
 
-        Each segment's backward is restricted (``inputs=``) to its own parameters and its input
-        boundary, so autograd stops there and the next segment picks up the boundary's gradient.
-        """
-        if loss is not None:
-            hidden = getattr(loss, _HIDDEN)
-            torch.autograd.backward(loss, inputs=[hidden, *_params(*self.loss_modules())])
-            loss.detach_()
-            root, grad = hidden, hidden.grad
-            hidden.grad = None
-        elif outputs:
-            root, grad = outputs[0], grads[0]
-        else:
-            return
-        stage_input, segments = getattr(root, _SEGMENTS)
-        for k in range(len(segments) - 1, -1, -1):
-            out, params = segments[k]
-            prev = segments[k - 1][0] if k > 0 else stage_input
-            wanted = [p for p in params if p.requires_grad]
-            if prev is not None and prev.requires_grad:
-                wanted.append(prev)
-            if wanted:
-                torch.autograd.backward(out, grad, inputs=wanted)
-            if k > 0:
-                grad, prev.grad = prev.grad, None  # an intermediate: hand its gradient on, keep no copy
-            yield
-
-    def loss_modules(self) -> list[nn.Module]:
-        """Modules the criterion uses (the last stage): final norm, head, MTP and its embedding."""
-        mods = [self.norm, self.head, self.mtp]
-        return mods + [self.embed] if self.embed is not None and self.args.n_mtp_layers else mods
-
-    def compute_loss(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch from the last hidden state and its token windows ``[b, s + 1]``,
-        scaled by ``loss_scale``; the unscaled main and MTP losses go to ``loss_log``."""
-        tokens, labels = windows[:, :-1], windows[:, 1:]
-        args = self.args if self.mtp_lambda == self.args.mtp_loss_weight else self.args.replace(
-            mtp_loss_weight=self.mtp_lambda)
-        parts = lm_losses_from_hidden(args, self.norm, self.head, self.mtp, self.embed, h, tokens, labels)
-        self.loss_log.main.append(float(parts["main"].detach()))
-        if parts["mtp"]:
-            self.loss_log.mtp.append(float(torch.stack(parts["mtp"]).detach().mean()))
-        loss = parts["loss"] * self.loss_scale
-        setattr(loss, _HIDDEN, h)  # where the segment-by-segment backward starts
-        return loss
-
-
-_SEGMENTS = "_dsv3_segments"  # tensor attribute: (stage input, [(boundary, params that produced it)])
+_CUTS = "_dsv3_cuts"  # stage output attribute: the Cuts its forward recorded
 _HIDDEN = "_dsv3_hidden"  # loss attribute: the last hidden state the criterion started from
 
 
-def _params(*modules: nn.Module) -> list[nn.Parameter]:
-    return [p for m in modules for p in m.parameters()]
-
-
-def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
-
-
-def _ffn_steps(block: nn.Module, h: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-    """``block.ffn_residual(h)``; an expert-parallel MoE is run step by step (``MoE.forward``'s EP
-    branch), yielding while the dispatch and then the combine all-to-all are in flight."""
-    ffn = block.ffn
-    if not isinstance(ffn, MoE) or ffn.ep is None:
-        return block.ffn_residual(h)
-    normed = produce(block.ffn_norm, h, enabled=block.recompute_norm)  # released once the combine is done
-    (x,) = normed.outputs
-    shape = x.shape
-    flat = x.reshape(-1, ffn.dim)
-    routing = ffn.route(flat, seq_len=shape[-2])
-    handle = ffn.ep.dispatch(flat, routing.indices)
-    z = ffn.shared(flat)
-    yield
-    d = handle.wait()
-    # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
-    handle = ffn.ep.combine(ffn.run_dispatched(d), d, routing.weights)
-    yield
-    y = handle.wait()
-    if z is not None:
-        y = y + z
-    normed.release(y)
-    return h + y.view(shape)
+def mark_loss(loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Tie a criterion's loss to the stage output it was computed from (where ``backward_steps`` starts)."""
+    setattr(loss, _HIDDEN, hidden)
+    return loss
 
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,
@@ -321,8 +212,7 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.experts = Experts(args, physical_experts, recompute_swiglu=m.experts.recompute_swiglu)
-    log = LossLog()
-    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], log) for s in stage_ids(schedule, pp, pp_rank)]
+    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s]) for s in stage_ids(schedule, pp, pp_rank)]
     owned: dict[str, nn.Module] = {}
     for st in stages:
         owned.update(st.owned_modules())

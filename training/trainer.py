@@ -20,6 +20,7 @@ sampler, step and tokens seen; RNG states are captured by the checkpoint manager
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -35,13 +36,18 @@ from torch import nn
 import accel
 from accel.trace import TraceRecorder
 from models.deepseek_v3 import ModelArgs
+from models.deepseek_v3.eplb import local_physical_experts
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
+from training.experts import load_metrics, update_biases, wire_moe_layers
+from training.inference import pipeline_generate, pipeline_hidden
+from training.loss import StageLoss
 from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
-from training.stages import DeepSeekV3Stage, build_stages, num_model_stages, stage_ids
+from training.pipeline import PipelineRunner
+from training.stages import DeepSeekV3Stage, build_stages, expert_range, num_model_stages, split_layers, stage_ids
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -77,8 +83,6 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
     arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
     balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
-    from training.stages import expert_range, split_layers
-
     if world is not None:
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
@@ -86,10 +90,6 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     split_layers(args, num_model_stages(par.schedule, par.pp))
     if par.ep > 1:
         expert_range(args, 0, par.ep)
-    if args.n_mtp_layers and par.schedule == "dualpipe":
-        raise ValueError("model: MTP with parallel.schedule='dualpipe' is not supported yet (the embedding it shares "
-                         "with stage 0 would be summed twice across the mirrored copies); use dualpipev or set "
-                         "model.overrides.n_mtp_layers=0")
     if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
         raise ValueError(f"model.overrides.n_mtp_layers={args.n_mtp_layers} with parallel.schedule={par.schedule!r} "
                          f"and parallel.pp={par.pp}: MTP shares the embedding, which this schedule puts on another "
@@ -130,6 +130,14 @@ def missing_data(data: DataConfig) -> list[str]:
     return missing
 
 
+@torch.no_grad()
+def scale_grads(module: nn.Module, factor: float) -> None:
+    """Multiply every gradient of ``module`` (each shared parameter once) by ``factor``."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
 class Trainer:
     """Builds this rank's stages, optimizer, data and logger from a validated config, and trains."""
 
@@ -147,19 +155,18 @@ class Trainer:
         self.sampler = ResumableSampler(self.corpus.num_train, cfg.run.seed, c.dp_rank, cfg.parallel.dp)
         physical = None
         if cfg.eplb.enabled:  # this rank's physical expert slots under the plan used until loads are measured
-            from models.deepseek_v3.eplb import local_physical_experts
-
             physical = local_physical_experts(initial_plan(cfg, self.args), c.ep_rank, cfg.parallel.ep).tolist()
         self.model, self.stages = build_stages(self.args, cfg.parallel.schedule, cfg.parallel.pp, c.pp_rank,
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
                                                physical_experts=physical)
         self.modules = nn.ModuleList(self.stages)
-        self._wire_experts()
-        self.pipeline = self._build_pipeline()
+        wire_moe_layers(self.stages, cfg, ps, recorder)  # expert parallelism and balancing in every MoE layer here
+        self.pipeline = PipelineRunner(self.stages, cfg, ps, recorder) if cfg.parallel.schedule != "none" else None
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
-        self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"),
-                                self.optimizer.optimizers) if cfg.eplb.enabled else None
+        self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
+                                mirror_group=ps.group("pp") if cfg.parallel.schedule == "dualpipe" else None
+                                ) if cfg.eplb.enabled else None
         self.step, self.tokens_seen = 0, 0
         self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
         self.step_end_hooks: list[Callable[[Trainer, dict[str, Any]], None]] = []
@@ -169,19 +176,6 @@ class Trainer:
         self.holds_loss = self._holds_loss()
 
     # ---- construction helpers -----------------------------------------------------------------
-    def _wire_experts(self) -> None:
-        """Expert parallelism and balancing inside every MoE layer this rank holds."""
-        from training.experts import wire_moe_layers
-
-        wire_moe_layers(self.stages, self.cfg, self.ps, self.recorder)
-
-    def _build_pipeline(self):
-        if self.cfg.parallel.schedule == "none":
-            return None
-        from training.pipeline import build_pipeline
-
-        return build_pipeline(self.stages, self.cfg, self.ps, self.recorder)
-
     def _holds_loss(self) -> bool:
         """Whether this rank computes the loss (holds the last stage of the first replica)."""
         par = self.cfg.parallel
@@ -252,31 +246,27 @@ class Trainer:
         m = self.cfg.model
         return m.mtp_lambda_late if m.mtp_lambda_switch_step and self.step >= m.mtp_lambda_switch_step else m.mtp_lambda
 
-    def _forward_backward(self, windows: torch.Tensor, chunks: int) -> float:
-        """Run every micro-batch's forward and backward; returns the summed scaled loss (loss ranks)."""
-        for st in self.stages:
-            st.loss_scale = 1.0 / chunks
-            st.mtp_lambda = self._mtp_lambda()
-        from models.deepseek_v3.balancing import MoEAuxLossAutoScaler
+    def _forward_backward(self, windows: torch.Tensor, chunks: int) -> StageLoss | None:
+        """Run every micro-batch's forward and backward; the gradients end as the micro-batches' mean.
 
-        MoEAuxLossAutoScaler.set_loss_scale(1.0 / chunks)
+        Returns the step's criterion (its ``parts``: each micro-batch's losses) on ranks holding the loss.
+        """
+        last = self.loss_stage
+        criterion = StageLoss(last, self._mtp_lambda()) if last is not None else None
         if self.pipeline is not None:
-            return self.pipeline.step(windows, chunks)
-        total = 0.0
-        stage = self.stages[0]
-        for mb in windows.chunk(chunks):
-            with self._autocast():
-                h = stage(mb[:, :-1])
-                loss = stage.compute_loss(h, mb)
-            loss.backward()
-            total += float(loss.detach())
-        return total
+            self.pipeline.step(windows, chunks, criterion)
+        else:
+            stage = self.stages[0]
+            for mb in windows.chunk(chunks):
+                with self._autocast():
+                    loss = criterion(stage(mb[:, :-1]), mb)
+                loss.backward()
+        scale_grads(self.modules, 1.0 / chunks)  # every loss (main, MTP, balance) entered backward unscaled
+        return criterion
 
-    def _autocast(self):
+    def _autocast(self) -> contextlib.AbstractContextManager:
         if accel.backend() != "cpu" and self.cfg.run.autocast_bf16 and self.dtype != torch.float64:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        import contextlib
-
         return contextlib.nullcontext()
 
     def _global_mean(self, value: float, count: int, group: dist.ProcessGroup | None = None) -> float:
@@ -294,10 +284,8 @@ class Trainer:
         chunks = cfg.microbatches_at(step)
         ids = self.sampler.next_batch(global_batch)
         windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
-        log = self.stages[0].loss_log
-        log.clear()
         self.optimizer.zero_grad()
-        loss_sum = self._forward_backward(windows, chunks)
+        criterion = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
         grad_sync_s = None
         if self.eplb is not None:  # replicas of one expert take the same (summed) step
@@ -307,10 +295,9 @@ class Trainer:
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
                                    stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
                                    expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None)
-        holds = 1 if self.holds_loss else 0
-        loss = self._global_mean(loss_sum, holds)
-        main = self._global_mean(sum(log.main) / len(log.main) if log.main else 0.0, holds if log.main else 0)
-        mtp = self._global_mean(sum(log.mtp) / len(log.mtp) if log.mtp else 0.0, holds if log.mtp else 0)
+        parts = {name: criterion.mean(name) if criterion is not None and self.holds_loss else None
+                 for name in ("total", "main", "mtp")}
+        loss, main, mtp = (self._global_mean(v or 0.0, 0 if v is None else 1) for v in parts.values())
         metrics: dict[str, Any] = {"loss": main, "total_loss": loss, "grad_norm": grad_norm,
                                    "lr": self.lr_scheduler.get_last_lr(), "global_batch": global_batch,
                                    "microbatches": chunks}
@@ -338,29 +325,24 @@ class Trainer:
         return metrics
 
     def _update_expert_biases(self) -> None:
-        from training.experts import update_biases
-
-        update_biases(self, self.cfg.balance.gamma if not (
-            self.cfg.balance.gamma_stop_step and self.step >= self.cfg.balance.gamma_stop_step) else 0.0)
+        bal = self.cfg.balance
+        update_biases(self.stages, self.cfg, self.ps, self.args, gamma=bal.gamma if not (
+            bal.gamma_stop_step and self.step >= bal.gamma_stop_step) else 0.0, device=self.device)
 
     def _load_metrics(self) -> dict[str, Any]:
-        from training.experts import load_metrics
-
-        return load_metrics(self)
+        return load_metrics(self.stages, self.cfg, self.ps, self.args, self.device)
 
     # ---- evaluation and sampling -------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean validation loss (main next-token loss) over ``batches`` held-out batches."""
-        from training.inference import pipeline_hidden
-
         if self.corpus.num_valid == 0:
             return float("nan")
         size = self.cfg.data.micro_batch
         total, n = 0.0, 0
         for b in range(batches):
             inputs, labels = self.corpus.valid_batch(b * self.cfg.parallel.dp + self.ps.coords.dp_rank, size)
-            h = pipeline_hidden(self, inputs.to(self.device))
+            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
             if h is not None:
                 st = self.loss_stage
                 logits = st.head(st.norm(h))
@@ -373,10 +355,9 @@ class Trainer:
     def generate(self, prompt: str, max_new_tokens: int) -> str:
         """Continuation of ``prompt`` through the pipeline (every rank must call it), sampled at
         ``run.sample_temperature`` (0 = greedy)."""
-        from training.inference import pipeline_generate
-
-        return pipeline_generate(self, prompt, max_new_tokens, temperature=self.cfg.run.sample_temperature,
-                                 seed=self.cfg.run.seed)
+        return pipeline_generate(self.stages, self.cfg.parallel, self.ps, self.tokenizer, self.corpus, prompt,
+                                 max_new_tokens, self.cfg.data.seq_len, self.dtype, self.device,
+                                 temperature=self.cfg.run.sample_temperature, seed=self.cfg.run.seed)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def start_logging(self, total_steps: int) -> None:

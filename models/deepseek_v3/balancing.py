@@ -146,14 +146,13 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output`` whose backward also sends gradient ``loss_scale`` into ``aux_loss``.
+    """Identity on ``output`` whose backward also sends gradient 1 into ``aux_loss``.
 
-    Same contract as Megatron-Core's class of this name: a loss computed inside a layer gets its
-    gradient when the layer's activation is back-propagated, so pipeline schedules never carry it.
-    ``set_loss_scale`` matches the scale applied to the main loss (e.g. 1 / micro-batches).
+    Megatron-Core's trick under its name: a loss computed inside a layer gets its gradient when the
+    layer's activation is back-propagated, so pipeline schedules never carry it. The gradient is 1,
+    as for the main loss: a trainer that averages micro-batches scales every gradient afterwards
+    (``training.trainer``), so no scale is kept here (Megatron keeps a process-global one).
     """
-
-    main_loss_backward_scale: torch.Tensor | float = 1.0
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -163,12 +162,7 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        return grad_output, torch.ones_like(aux_loss) * scale
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor | float) -> None:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+        return grad_output, torch.ones_like(aux_loss)
 
 
 def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

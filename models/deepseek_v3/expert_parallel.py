@@ -28,7 +28,10 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - Autograd: dispatch and combine are differentiable; the backward of each is the reverse
   all-to-all (queued on the comm thread behind any exchange in flight, and waited for). The
   routing weights never travel: the weighted sum happens on the token's own rank, so their
-  gradient is local.
+  gradient is local. Each exchange is also described by an ``Exchange`` (the autograd edges on
+  both sides and the split sizes, no activations): ``Exchange.reverse(grad)`` posts the reverse
+  all-to-all asynchronously, so a backward run piece by piece (``steps.backward_steps``) hides it
+  behind other compute exactly as the forward hides its own.
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
@@ -48,6 +51,7 @@ from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import accel
 import deep_gemm
@@ -130,10 +134,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
-        grad_in = grad_out.new_empty(ctx.rows_in, *grad_out.shape[1:])
-        send = grad_out[:sum(out_splits)].contiguous()
-        _CommThread.run(traced(ctx.recorder, "backward all-to-all", lambda: dist.all_to_all_single(
-            grad_in, send, in_splits, out_splits, group=ctx.group)))
+        grad_in = _CommThread.run(traced(ctx.recorder, "backward all-to-all", lambda: _reverse(
+            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group)))
         return grad_in, None, None, None, None, None, None, None, None
 
 
@@ -147,6 +149,48 @@ def traced(recorder: TraceRecorder | None, name: str, fn: Callable[[], T]) -> Ca
             return fn()
 
     return run
+
+
+def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int], rows_in: int,
+             group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The reverse of an all-to-all that sent ``in_splits`` rows and received ``out_splits``: the gradient
+    of the received rows (spare rows after them ignored) back to the ``rows_in`` sent rows."""
+    grad_in = grad_out.new_empty(rows_in, *grad_out.shape[1:])
+    dist.all_to_all_single(grad_in, grad_out[:sum(out_splits)].contiguous(), in_splits, out_splits, group=group)
+    return grad_in
+
+
+@dataclass
+class Exchange:
+    """One all-to-all as the backward sees it: autograd edges of the sent and received tensors and the
+    split sizes (no activations are kept). ``reverse(grad)`` posts the reverse exchange on the comm thread."""
+
+    sent: GradientEdge
+    received: GradientEdge
+    sent_splits: list[int]  # rows sent to each rank
+    received_splits: list[int]  # rows received from each rank
+    rows_sent: int
+    received_like: tuple[tuple[int, ...], torch.dtype, torch.device]  # shape/dtype/device of the received tensor
+    group: dist.ProcessGroup | None
+    recorder: TraceRecorder | None = None  # records the reverse exchange on its comm track
+
+    @classmethod
+    def of(cls, sent: torch.Tensor, received: torch.Tensor, sent_splits: list[int], received_splits: list[int],
+           group: dist.ProcessGroup | None, recorder: TraceRecorder | None = None) -> Exchange | None:
+        """None when nothing that travelled needs a gradient (no grad mode, or inputs without grad)."""
+        if not (sent.requires_grad and received.requires_grad):
+            return None
+        return cls(get_gradient_edge(sent), get_gradient_edge(received), sent_splits, received_splits,
+                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group, recorder)
+
+    def reverse(self, grad_received: torch.Tensor | None) -> CommHandle[torch.Tensor]:
+        """Post the gradient of the received rows back to their senders (zeros when none reached them:
+        the peers still take part); ``wait()`` gives the gradient of the sent rows."""
+        if grad_received is None:
+            shape, dtype, device = self.received_like
+            grad_received = torch.zeros(shape, dtype=dtype, device=device)
+        return CommHandle(_CommThread.submit(traced(self.recorder, "backward all-to-all", lambda: _reverse(
+            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group))))
 
 
 def _wait_all(works: list) -> None:
@@ -183,6 +227,8 @@ class Dispatched:
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     num_sent: int  # assignments that travelled (the rest were dropped)
+    exchange: Exchange | None = None  # the token all-to-all (None without autograd)
+    combine_exchange: Exchange | None = None  # the combine's all-to-all, set when ``combine`` has landed
 
 
 class ExpertParallel:
@@ -323,7 +369,8 @@ class ExpertParallel:
         x_grouped = received.index_select(0, source)
         recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
         return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
-                          num_sent)
+                          num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
+                                                      self.recorder))
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor) -> CommHandle[torch.Tensor]:
@@ -337,6 +384,8 @@ class ExpertParallel:
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
                                None, None, 0, self.recorder)
         _wait_all(works)
+        dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
+                                                  self.group, self.recorder)
         state = dispatched.send_state
         pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
         rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back

@@ -29,6 +29,7 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, recomputing
 from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
 from models.deepseek_v3.recompute import produce_consume
+from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
 @dataclass
@@ -225,7 +226,7 @@ class MoE(nn.Module):
         super().__init__()
         self.ep = None
         if ep_group is not None:
-            from models.deepseek_v3.expert_parallel import ExpertParallel
+            from models.deepseek_v3.expert_parallel import ExpertParallel  # (it imports this module)
 
             self.ep = ExpertParallel(args.n_routed_experts, ep_group, fp8_dispatch=fp8_dispatch)
             mine = range(self.ep.rank * self.ep.local, (self.ep.rank + 1) * self.ep.local)
@@ -288,19 +289,40 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x)
 
     # ---- all together -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def steps(self, x: torch.Tensor, cuts: Cuts | None = None,
+              residual: torch.Tensor | None = None) -> Steps[torch.Tensor]:
+        """The forward as steps (``residual + moe(x)`` when a residual is given): with expert parallelism it
+        yields once the dispatch is posted (the shared experts run before the yield, overlapping it) and
+        once the combine is posted; ``cuts`` records both exchanges for a backward run piece by piece
+        (``steps.backward_steps``)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         routing = self.route(x, seq_len=shape[-2] if len(shape) == 3 else None)
+        weights = routing.weights
         if self.ep is None:
             x_grouped, m_indices, state = self.permute(x, routing)
-            y = self.unpermute(self.experts(x_grouped, m_indices), state, routing.weights)
+            y = self.unpermute(self.experts(x_grouped, m_indices), state, weights)
             z = self.shared(x)
         else:
             handle = self.ep.dispatch(x, routing.indices)
-            z = self.shared(x)  # overlaps the token all-to-all
+            z = self.shared(x)
+            yield
             d = handle.wait()
-            y = self.ep.combine(self.run_dispatched(d), d, routing.weights).wait()
+            live = (weights, z, residual)
+            if cuts is not None and d.exchange is not None:  # each exchange: what crosses it, as fresh aliases
+                live = cuts.alias(*live)
+                cuts.exchange(d.exchange, *live)
+                live = cuts.alias(*live)  # the combine's weighted sum runs after its exchange: alias before
+            weights, z, residual = live
+            # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
+            handle = self.ep.combine(self.run_dispatched(d), d, weights)
+            yield
+            y = handle.wait()
+            if cuts is not None and d.combine_exchange is not None:
+                cuts.exchange(d.combine_exchange, *live)
         if z is not None:
             y = y + z
-        return y.view(shape)
+        return y.view(shape) if residual is None else residual + y.view(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drain(self.steps(x))
