@@ -44,7 +44,6 @@ FP8_BYTES = 1 + 4 / 128  # e4m3 value + one fp32 scale per 1x128 tile
 INDEX_BYTES = 8  # int64 indices
 ALIGNMENT = 128  # rows per expert block of the contiguous grouped GEMM layout (deep_gemm)
 ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
-LOGIT_CHUNK = 1024  # tokens per chunk of a fused cross-entropy (its live logits are [chunk, vocab])
 
 
 @dataclass(frozen=True)
@@ -260,17 +259,18 @@ def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int
 
 def criterion_working_set(args: ModelArgs, fused: bool, p: Precision, tokens: int) -> float:
     """Bytes per token alive on top of the saved ones around the loss: the logits of every head and
-    their fp32 copy in forward, a logits gradient and its input in backward; a fused loss keeps
-    ``LOGIT_CHUNK`` tokens' logits at a time."""
+    their fp32 copy in forward, a logits gradient and its input in backward; a fused loss keeps one
+    chunk of logits (no larger than the hidden states) at a time."""
     v = args.vocab_size
-    if fused:
-        return 3 * min(tokens, LOGIT_CHUNK) * v * 4 / tokens
+    if fused:  # a chunk of logits and of their gradient, each no larger than the hidden states (fused_ce)
+        return 3 * args.dim * 4
     heads = 1 + args.n_mtp_layers
     return max(heads * v * p.act, 2 * v * 4)  # forward: every head's logits; backward: dlogp and dlogits
 
 
 def fused_cross_entropy(args: ModelArgs) -> bool:
-    return bool(getattr(args, "fused_cross_entropy", False))
+    """The trainer's loss is ``fused_ce.linear_cross_entropy`` (logits made a chunk of rows at a time)."""
+    return True
 
 
 # ---- parameters ---------------------------------------------------------------------------------------
