@@ -141,3 +141,26 @@ def test_bf16_moments_halve_the_optimizer_item_and_ema_lives_on_the_host():
         assert b.host["ema"] == pytest.approx(a.items["optimizer"], rel=1e-9)
         assert "ema" not in b.items
     assert math.isclose(sum(r.items["weights"] for r in v3), sum(r.items["weights"] for r in base))
+
+
+@pytest.mark.timeout(300)
+def test_trainer_checkpoint_resume_with_bf16_moments_and_ema_is_bit_exact(tmp_path):
+    """Through the trainer's checkpoint hooks (the moments and the EMA live in the optimizer's state, saved by
+    parameter name): stop at step 3, resume, and the losses, weights, BF16 moments and host EMA equal a straight
+    run's bit for bit."""
+    from tests.test_checkpoint_trainer import _cfg, _train
+
+    extra = ["optim.moments_dtype=\"bfloat16\"", "optim.ema_decay=0.9"]
+    straight, a = _train(tmp_path / "a", _cfg(5, extra))
+    first, _ = _train(tmp_path / "b", _cfg(5, extra), stop_at=3)
+    second, b = _train(tmp_path / "b", _cfg(5, extra), resume="auto")
+    assert {**first, **second} == {k: v for k, v in straight.items() if k != 3}
+    for pa, pb in zip(a.modules.parameters(), b.modules.parameters()):
+        assert torch.equal(pa, pb)
+    (oa,), (ob,) = a.optimizer.optimizers[:1], b.optimizer.optimizers[:1]
+    for pa, pb in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"]):
+        sa, sb = oa.state[pa], ob.state[pb]
+        assert sb["exp_avg"].dtype == torch.bfloat16 and torch.equal(sa["exp_avg"], sb["exp_avg"])
+        assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        oa.wait_ema(), ob.wait_ema()
+        assert sb["ema"].device.type == "cpu" and torch.equal(sa["ema"], sb["ema"])
