@@ -18,6 +18,7 @@ from deep_gemm import calc_diff
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses, lm_losses_from_hidden
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume
+from recipes.bench_memory import saved_bytes
 from tests.test_model import randomize
 
 POLICIES = [("norm",), ("mla_up",), ("v3",), ("swiglu",), ("v3", "swiglu"), ("block",), ("v3", "block")]
@@ -72,23 +73,6 @@ def test_every_policy_gives_the_gradients_of_no_recompute(segmented):
                                        msg=lambda m, n=n, p=policy: f"{p} {n}: {m}")
 
 
-def _saved_bytes(fn, exclude) -> int:
-    """Bytes of the distinct storages autograd saved while ``fn`` ran, measured after it returned (a
-    released storage counts 0), parameters excluded."""
-    skip = {p.untyped_storage().data_ptr() for p in exclude}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages.setdefault(s._cdata, s)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(s.nbytes() for s in storages.values())
-
-
 def test_the_consumer_keeps_the_producer_input_not_its_output():
     """norm -> Linear: without recompute both x and norm(x) are kept; with it only x (the Linear saved a
     view of norm(x), whose storage is released and refilled before the Linear's backward)."""
@@ -99,8 +83,8 @@ def test_the_consumer_keeps_the_producer_input_not_its_output():
     grads, kept = [], []
     for enabled in (False, True):
         x.grad = lin.weight.grad = norm.weight.grad = None
-        y, nbytes = _saved_bytes(lambda e=enabled: produce_consume(norm, lin, x, enabled=e),
-                                 [norm.weight, lin.weight])
+        nbytes, y = saved_bytes(lambda e=enabled: produce_consume(norm, lin, x, enabled=e),
+                                torch.nn.ModuleList([norm, lin]))
         y.square().sum().backward()
         kept.append(nbytes)
         grads.append([x.grad, lin.weight.grad, norm.weight.grad])
@@ -233,7 +217,7 @@ def test_router_keeps_its_bf16_input_not_an_fp32_copy():
     gate = Gate(ModelArgs.preset("debug_tiny", dim=512))  # wide rows: x dominates the per-token routing tensors
     torch.nn.init.normal_(gate.weight, std=0.3)
     x = torch.randn(10, gate.dim).to(torch.bfloat16).requires_grad_()
-    routing, nbytes = _saved_bytes(lambda: gate(x), [gate.weight])
+    nbytes, routing = saved_bytes(lambda: gate(x), gate)
     g = torch.randn_like(routing.logits)
     routing.logits.backward(g)
     x2, w2 = x.detach().requires_grad_(), gate.weight.detach().clone().requires_grad_()
