@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from recipes.train import use_reference_kernels_on_cpu
 from training.config import check_world_size, load_config
 from training.launch import relaunch, strip_option, under_torchrun
 
@@ -138,8 +139,6 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parse_args(argv)
-    from recipes.train import use_reference_kernels_on_cpu
-
     use_reference_kernels_on_cpu()
     try:
         cfg = load_config(ns.config, ns.overrides)
