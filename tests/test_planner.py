@@ -210,9 +210,20 @@ def test_nothing_fits_lists_the_nearest_misses(capsys):
     (["--gpu", "Z100", "--gpus", "8"], "unknown GPU 'Z100'"),
     (["--gpus", "8", "--fix", "tp=2"], "unknown layout key 'tp'"),
     (["--gpus", "8", "--fix", "pp=two"], "--fix pp: expected a positive integer"),
+    (["--gpus", "8", "--fix", "schedule=gpipe"], "--fix schedule: expected one of none, 1f1b, zb1p"),
+    (["--gpus", "8", "--fix", "recompute=full"], "--fix recompute: expected one of none, v3, block, got 'full'"),
+    (["--gpus", "8", "--fix", "ep=3"], "no layout of 8 GPUs matches: global batch 32 must be dp x micro_batch"),
+    (["--gpus", "8", "--global-batch", "7"], "no layout of 8 GPUs matches: global batch 7"),
+    (["--gpus", "8", "--expert-imbalance", "0.5"], "--expert-imbalance is the busiest expert's load over the mean"),
+    (["--gpus", "8", "--schedules", "1f1b,gpipe"], "argument --schedules: unknown schedule(s) ['gpipe']"),
+    (["--gpus", "8", "--micro-batches", "1,x"], "argument --micro-batches: expected comma-separated integers"),
 ])
 def test_cli_bad_input(argv, message, capsys):
-    assert plan.main(["--model", "recipes/configs/tiny_cpu.toml", "--global-batch", "32", *argv]) == 2
+    try:
+        code = plan.main(["--model", "recipes/configs/tiny_cpu.toml", "--global-batch", "32", *argv])
+    except SystemExit as exc:  # argparse's own type errors
+        code = exc.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 
@@ -334,3 +345,19 @@ def test_cli_takes_a_hf_config_and_prints_json(tmp_path, capsys):
     assert rows[0]["status"] == "ok" and rows[0]["name"].startswith("pp2 dp4 ep4 zb1p")
     cfg = load_config(tmp_path / "w.toml")
     assert model_args(cfg).dim == ModelArgs.preset("debug").dim and model_args(cfg).n_mtp_layers == 0
+
+
+def test_written_config_trains(tmp_path, capsys):
+    """The plan's winner, written with --write-config, is a config recipes.train runs as written (two steps here:
+    the step count and the run folder are the only settings given on the command line)."""
+    from recipes import train
+
+    out = tmp_path / "best.toml"
+    assert plan.main(["--model", "recipes/configs/tiny_cpu.toml", "--gpu", "H100", "--gpus", "1", "--global-batch",
+                      "4", "--write-config", str(out)]) == 0
+    capsys.readouterr()
+    assert train.main(["--config", str(out), "--set", "run.steps=2", "--set", "run.sample_tokens=0", "--set",
+                       "logging.eval_batches=0", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

@@ -107,6 +107,9 @@ class Request:
                              "(whole nodes), or fewer GPUs than one node")
         if self.seq_len < 2 or self.global_batch < 1:
             raise ValueError(f"--seq-len must be >= 2 and --global-batch >= 1, got {self.seq_len}, {self.global_batch}")
+        if not self.imbalance >= 1.0:
+            raise ValueError(f"--expert-imbalance is the busiest expert's load over the mean, so >= 1.0; "
+                             f"got {self.imbalance}")
 
 
 @dataclass(frozen=True)
