@@ -292,14 +292,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.runs = runs
             return out
         valid = (m_indices >= 0).unsqueeze(1)
-        x = x * valid.to(x.dtype)  # padding rows contribute nothing, whatever they hold
         owners = _block_owners(m_indices)
         w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
-        x_q = per_token_cast_to_fp8(_pad(x, BLOCK))
+        x_q = per_token_cast_to_fp8(_pad(x * valid.to(x.dtype), BLOCK))  # padding rows give 0, whatever they hold
         d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
         m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
         out = d[:, :n].to(x.dtype)
-        # as in _LinearFunction: the FP8 weights are cast again in backward, not saved
+        # as in _LinearFunction: the FP8 weights are cast again in backward, not saved. Without caching x itself
+        # is kept (masked again in backward), not a masked copy: under recompute it is the producer's output,
+        # released and refilled, which a copy would not be.
         ctx.save_for_backward(*(x_q if fp8_cache else (x,)), m_indices)
         ctx.owners = owners
         return out
@@ -324,7 +325,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> None:
-                x = dequantize(*saved_x) if cached else saved_x[0]  # the forward's 1x128 cast, or x itself
+                # the forward's 1x128 cast (padding rows 0), or x itself with its padding rows zeroed
+                x = dequantize(*saved_x) if cached else saved_x[0] * valid.to(x_dtype)
                 order, ks = _k_grouped_rows(owners, num_groups, x.device)
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
                 dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))

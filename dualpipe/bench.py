@@ -3,14 +3,14 @@
     python -m dualpipe.bench [--ranks 8] [--microbatches 24] [--F 0.05 --B 0.1 --W 0.05] [--FB 0.12]
                              [--schedules dualpipe,1f1b,zb1p] [--json out.json]
 
-Each rank's stages compute nothing: a forward sleeps F seconds, a backward sleeps I = B - W and
-defers a W-second sleep through ``accel.wgrad.defer`` (so zero-bubble I/W splitting is real, and
-a full B sleeps I + W). With ``--FB`` the stages define ``overlapped_forward_backward`` and an
+Each rank's stages compute nothing: a forward sleeps F seconds, an I sleeps I = B - W and
+defers a W-second sleep through ``accel.wgrad.defer`` (so zero-bubble I/W splitting is real), and
+a full B sleeps B. With ``--FB`` the stages define ``overlapped_forward_backward`` and an
 overlapped F&B sleeps FB (< F + B models DualPipe's compute/communication overlap). Sleeping ranks
 need no CPU, so 8 ranks fit on 2 cores. The simulator is
-fed the measured duration of each action kind (sleep plus the runtime's own overhead, without time
-blocked on neighbours; median over ranks) and the P2P latency of a ping-pong, and its makespan is
-compared with the measured step time.
+fed the measured duration of each action kind (sleep plus the runtime's own overhead and sends;
+median over ranks), the P2P latency of a ping-pong and the measured host time to take one message
+(``host_costs``), and its makespan is compared with the measured step time.
 The bubble is the step time minus the busiest rank's compute time.
 Processes are launched with torch's elastic launcher (torchrun's engine).
 """
@@ -24,6 +24,7 @@ import socket
 import statistics
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,10 +35,10 @@ import accel.wgrad
 from dualpipe.calculator import closed_form
 from dualpipe.dualpipe import DualPipe
 from dualpipe.dualpipev import DualPipeV
-from dualpipe.ir import Overlap
+from dualpipe.ir import Action, Overlap
 from dualpipe.runtime import Pipeline
 from dualpipe.schedules import build
-from dualpipe.simulator import Costs, simulate
+from dualpipe.simulator import Costs, compile_schedule, simulate
 
 
 class _Sleep(torch.autograd.Function):
@@ -52,14 +53,20 @@ class _Sleep(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN205
         _, backward_s, weight_s = ctx.costs
         scale = ctx.scale
-        time.sleep(backward_s - weight_s)
+
+        def accumulate() -> None:
+            scale.grad = torch.ones_like(scale) if scale.grad is None else scale.grad + 1
 
         def weight_grad() -> None:
             time.sleep(weight_s)
-            scale.grad = torch.ones_like(scale) if scale.grad is None else scale.grad + 1
+            accumulate()
 
-        if not accel.wgrad.defer(weight_grad):
-            weight_grad()
+        if accel.wgrad.active():  # an I action: the W sleep waits for its W action
+            time.sleep(backward_s - weight_s)
+            accel.wgrad.defer(weight_grad)
+        else:  # a full B is one backward pass: one sleep, like every other pass
+            time.sleep(backward_s)
+            accumulate()
         return grad * scale.detach(), None, None
 
 
@@ -125,6 +132,24 @@ def _ping(rank: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / (2 * reps)
 
 
+def _build_run(name: str, args: argparse.Namespace, rank: int, world: int) -> tuple:
+    """(pipeline, inputs, labels) of this rank for schedule ``name`` over sleep stages."""
+    n_stages = 2 if name in ("zbv", "dualpipe", "dualpipev") else 1
+    mods = [SleepStage(args.F, args.B, args.W) if args.FB is None else
+            OverlappedSleepStage(args.F, args.B, args.W, args.FB) for _ in range(n_stages)]
+    cls = {"dualpipe": DualPipe, "dualpipev": DualPipeV}.get(name)
+    pipe = cls(tuple(mods)) if cls else Pipeline(mods, name)
+    lay = pipe.schedule(args.microbatches).layout
+    rows = 2 * args.microbatches // (2 if name == "dualpipe" else 1)
+    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+    if name == "dualpipe":
+        feeds = takes_loss = rank in (0, world - 1)
+    else:
+        feeds = rank == lay.stage_rank[0]
+        takes_loss = rank == lay.stage_rank[lay.num_stages - 1]
+    return pipe, x if feeds else None, (y,) if takes_loss else (None,)
+
+
 def _worker(args: argparse.Namespace) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -134,38 +159,68 @@ def _worker(args: argparse.Namespace) -> dict:
         dist.broadcast(latency, 0)
         measured = {k: _measured_sleep(v) for k, v in (("F", args.F), ("I", args.B - args.W), ("W", args.W))}
         out: dict = {"latency": latency.item(), "sleep": measured, "runs": {}}
-        for name in args.schedules:
-            n_stages = 2 if name in ("zbv", "dualpipe", "dualpipev") else 1
-            mods = [SleepStage(args.F, args.B, args.W) if args.FB is None else
-                    OverlappedSleepStage(args.F, args.B, args.W, args.FB) for _ in range(n_stages)]
-            cls = {"dualpipe": DualPipe, "dualpipev": DualPipeV}.get(name)
-            pipe = cls(tuple(mods)) if cls else Pipeline(mods, name)
-            lay = pipe.schedule(args.microbatches).layout
-            rows = 2 * args.microbatches // (2 if name == "dualpipe" else 1)
-            x, y = torch.randn(rows, 8), torch.randn(rows, 8)
-            if name == "dualpipe":
-                feeds = takes_loss = rank in (0, world - 1)
-            else:
-                feeds = rank == lay.stage_rank[0]
-                takes_loss = rank == lay.stage_rank[lay.num_stages - 1]
-            x = x if feeds else None
-            labels = (y,) if takes_loss else (None,)
-            times = []
-            for _ in range(args.repeats + 1):  # the first step warms up (and builds the schedule)
+        runs = {name: _build_run(name, args, rank, world) for name in args.schedules}
+        for rep in range(args.repeats + 1):  # round-robin, so a change of machine load hits every schedule alike
+            for name, (pipe, x, labels) in runs.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 pipe.step(x, num_chunks=args.microbatches, criterion=_mse, labels=labels)
                 elapsed = torch.tensor(time.perf_counter() - t0)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the last rank ends
-                times.append(elapsed.item())
-            durations: dict[str, list[float]] = {}
-            for item, start, end, overhead in pipe.last_step_timeline:
-                kind = "FB" if isinstance(item, Overlap) else item.kind
-                durations.setdefault(kind, []).append(end - start + overhead)
-            out["runs"][name] = {"step": statistics.median(times[1:]), "steps": times[1:], "durations": durations}
+                if rep == 0:  # the first step warms up (and builds the schedule)
+                    continue
+                run = out["runs"].setdefault(name, {"steps": [], "durations": {}, "timelines": []})
+                run["steps"].append(elapsed.item())
+                run["timelines"].append([(start, end) for _, start, end, _ in pipe.last_step_timeline])
+                for item, start, end, _ in pipe.last_step_timeline:
+                    kind = "FB" if isinstance(item, Overlap) else item.kind
+                    run["durations"].setdefault(kind, []).append(end - start)
+        for run in out["runs"].values():
+            run["step"] = statistics.median(run["steps"])
         return out
     finally:
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """The runtime's host time around the stages' own (slept) time, in seconds: ``overhead`` per computation
+    pass (an overlapped F&B is two), ``send`` per message an action posts, ``recv`` per message a rank takes
+    once it has arrived (the header and payload hand-shakes of ``dualpipe.comm``; ``dualpipe.simulator``'s
+    ``Costs.send`` / ``Costs.recv``)."""
+
+    overhead: float
+    send: float
+    recv: float
+
+
+def host_costs(per_rank: dict, name: str, args: argparse.Namespace, repeat: int | None = None) -> HostCosts:
+    """Measure ``HostCosts`` on the ``name`` run of ``launch(args)``, from every rank's timeline of every repeat
+    (or of the one numbered ``repeat``):
+    ``overhead`` is the median of (duration - slept) over actions that post no message, ``send`` that over
+    actions posting one, minus ``overhead``; ``recv`` the median over items taking one message of the gap between
+    the later of (the rank's previous item ending, the message's arrival = its producer's end + the ping
+    latency) and the item's start. Timelines are ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for
+    all processes of the machine), so a producer's end on one rank compares with a start on another."""
+    schedule = build(name, args.ranks, args.microbatches)
+    prog = compile_schedule(schedule)
+    slept = {"F": args.F, "B": args.B, "I": args.B - args.W, "W": args.W}
+    latency = per_rank[0]["latency"]
+    alone: list[float] = []
+    sending: list[float] = []
+    taking: list[float] = []
+    reps = range(len(per_rank[0]["runs"][name]["timelines"])) if repeat is None else (repeat,)
+    for rep in reps:
+        rows = [per_rank[r]["runs"][name]["timelines"][rep] for r in range(args.ranks)]
+        ends = [rows[r][i][1] for r, i in prog.order]
+        for pos, (r, i) in enumerate(prog.order):
+            item, (start, end) = schedule.actions[r][i], rows[r][i]
+            if isinstance(item, Action) and prog.sends[pos] <= 1:
+                (sending if prog.sends[pos] else alone).append(end - start - slept[item.kind])
+            if i and len(prog.waits[pos]) == 1:
+                taking.append(start - max(rows[r][i - 1][1], ends[prog.waits[pos][0]] + latency))
+    overhead = max(statistics.median(alone), 0.0)
+    return HostCosts(overhead, max(statistics.median(sending) - overhead, 0.0), max(statistics.median(taking), 0.0))
 
 
 def _free_port() -> int:
@@ -210,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         i_cost = med.get("I", sleep["I"])
         w_cost = med.get("W", sleep["W"])
         costs = Costs(F=med["F"], B=med.get("B", i_cost + w_cost), W=w_cost, I=i_cost, FB=med.get("FB"),
-                      p2p=res["latency"])
+                      p2p=res["latency"], recv=host_costs(per_rank, name, args).recv)
         sim = simulate(build(name, args.ranks, args.microbatches), costs)
         measured = res["runs"][name]["step"]
         busy = max(sim.busy(r) for r in range(args.ranks))

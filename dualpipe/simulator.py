@@ -3,6 +3,10 @@
 The simulation follows the runtime's communication model (``ir.comm_plan``): before each item
 a rank posts the sends of its previous item and waits for the messages its item needs, taking
 each link's messages in the sender's order; a message arrives ``p2p`` after its producer ends.
+Host time spent on messages is charged where the runtime spends it: ``send`` per message an item
+posts (after its computation, before the message leaves) and ``recv`` per message a rank takes,
+one after the other, once each has arrived. An item that moves two messages each way (DualPipe's
+overlapped F&B) pays them twice.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ class Costs:
     I: float | None = None  # noqa: E741 - the pipelining notation's name
     FB: float | None = None
     p2p: float = 0.0
+    send: float = 0.0  # host time to post one message
+    recv: float = 0.0  # host time to take one arrived message
 
     def __post_init__(self) -> None:
-        for name in ("F", "B", "W", "p2p"):
+        for name in ("F", "B", "W", "p2p", "send", "recv"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
         if self.W > self.B:
@@ -105,16 +111,19 @@ class Program:
 
     ``order`` lists (rank, index) of every item in an order where each item comes after the
     items it waits for; ``waits[i]`` holds the order positions of the producers of the messages
-    item ``i`` takes before it starts (``ir.comm_plan``'s receives, buffered ones included).
+    item ``i`` takes before it starts (``ir.comm_plan``'s receives, buffered ones included, in the
+    order the runtime takes them); ``sends[i]`` counts the messages item ``i`` posts.
     """
 
     schedule: Schedule
     order: tuple[tuple[int, int], ...]
     waits: tuple[tuple[int, ...], ...]
+    sends: tuple[int, ...]
 
     def run(self, costs: Costs | None = None) -> SimResult:
-        """Time every item: it starts when its rank is free and its messages have arrived (``p2p`` after
-        their producers end)."""
+        """Time every item: its rank takes its messages in order, each once it has arrived (``p2p`` after its
+        producer ends) at ``recv`` apiece; then it computes (``costs.of``) and posts its sends at ``send`` apiece.
+        ``costs`` is a ``Costs`` or anything with its ``of``, ``p2p``, ``send`` and ``recv``."""
         costs = costs or Costs()
         actions = self.schedule.actions
         end = [0.0] * len(self.order)
@@ -124,8 +133,8 @@ class Program:
             item = actions[rank][idx]
             start = clock[rank]
             for j in self.waits[i]:
-                start = max(start, end[j] + costs.p2p)
-            end[i] = clock[rank] = start + costs.of(item)
+                start = max(start, end[j] + costs.p2p) + costs.recv
+            end[i] = clock[rank] = start + costs.of(item) + self.sends[i] * costs.send
             result.timeline[rank].append(Interval(item, start, end[i]))
         return result
 
@@ -137,6 +146,7 @@ def compile_schedule(schedule: Schedule) -> Program:
     pos = [0] * schedule.num_ranks
     order: list[tuple[int, int]] = []
     waits: list[tuple[int, ...]] = []
+    sends: list[int] = []
     progress = True
     while progress:
         progress = False
@@ -147,16 +157,18 @@ def compile_schedule(schedule: Schedule) -> Program:
                     break
                 waits.append(tuple(producer[m] for m in ex.recvs))
                 order.append((rank, pos[rank]))
+                sends.append(0)
                 for part in items[pos[rank]].parts:
                     for m in schedule.sends_of(part):
                         producer[m] = len(order) - 1
+                        sends[-1] += 1
                 pos[rank] += 1
                 progress = True
     stuck = [r for r, items in enumerate(schedule.actions) if pos[r] < len(items)]
     if stuck:
         where = "; ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in stuck)
         raise DeadlockError(f"simulation stuck: {where}")
-    return Program(schedule, tuple(order), tuple(waits))
+    return Program(schedule, tuple(order), tuple(waits), tuple(sends))
 
 
 @functools.lru_cache(maxsize=256)

@@ -174,6 +174,13 @@ mla_attention_backward_op = registry.register(
 )
 
 
+def keeps_output(device: torch.device) -> bool:
+    """Whether ``mla_attention`` on ``device`` keeps its output for backward: the Triton (flash) kernel does
+    (``delta = rowsum(dO * O)``), the reference recomputes it. A consumer of the output that needs it in
+    backward (the Linear after attention) can then save that same tensor instead of a copy of its own."""
+    return registry.implementation(OP_NAME, device) == "triton"
+
+
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                   softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                   max_seqlen: int | None = None) -> torch.Tensor:

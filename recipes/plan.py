@@ -24,6 +24,7 @@ from pathlib import Path
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, load_config
+from training.planner.costs import RECOMPUTE_POLICIES
 from training.planner.search import (
     LAYOUT_KEYS,
     SEARCH_SCHEDULES,
@@ -41,6 +42,8 @@ from training.trainer import model_args
 
 _INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb")
 _BOOL_KEYS = ("fp8", "zero1")
+_STR_KEYS = {"schedule": ("none", *SEARCH_SCHEDULES), "recompute": tuple(RECOMPUTE_POLICIES),
+             "moments": ("bfloat16", "param")}
 
 
 def parse_fix(text: str | None) -> dict:
@@ -61,8 +64,31 @@ def parse_fix(text: str | None) -> dict:
                 raise ValueError(f"--fix {key}: expected true or false, got {value!r}")
             out[key] = value.lower() == "true"
         else:
+            choices = _STR_KEYS[key]
+            if value not in choices:
+                raise ValueError(f"--fix {key}: expected one of {', '.join(choices)}, got {value!r}")
             out[key] = value
     return out
+
+
+def _int_list(text: str) -> list[int]:
+    """argparse type of ``--micro-batches`` / ``--eplb-slots``: comma-separated integers >= 0."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
+def _schedule_list(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in SEARCH_SCHEDULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad or text!r}; expected some of "
+                                         f"{', '.join(SEARCH_SCHEDULES)}")
+    return names
 
 
 def base_config(model: str, overrides: list[str]) -> TrainConfig:
@@ -133,7 +159,15 @@ def run_plan(ns: argparse.Namespace) -> int:
     args = model_args(base)
     space = Space(micro_batch=tuple(ns.micro_batches), schedules=tuple(ns.schedules), eplb=tuple(ns.eplb_slots),
                   fixed=fixed)
+    if 0 in ns.micro_batches:
+        raise ValueError("--micro-batches: sizes must be >= 1, got 0")
     evals = search(req, args, space)
+    if not evals:
+        raise ValueError(f"no layout of {gpus} GPUs matches: global batch {req.global_batch} must be dp x "
+                         f"micro_batch x microbatches with dp = GPUs / pp, micro_batch in {list(space.micro_batch)}, "
+                         f"ep dividing dp and the {args.n_routed_experts} routed experts, "
+                         f"pp <= {args.n_layers + args.n_mtp_layers} (layers + MTP)"
+                         + (f", and --fix {ns.fix}" if ns.fix else ""))
     fit = [e for e in evals if e.status == "ok"]
     counts = {s: sum(e.status == s for e in evals) for s in ("ok", "oom", "dominated", "illegal")}
     print(f"{base.model.preset} on {gpus} x {system.name} ({system.gpus_per_node} per node, system file "
@@ -192,10 +226,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=float, default=None, help="training tokens, for the predicted run length")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
-    ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
+    ap.add_argument("--micro-batches", type=_int_list, default=[1, 2, 4],
                     help="micro-batch sizes to search (comma-separated)")
-    ap.add_argument("--schedules", type=lambda s: s.split(","), default=list(SEARCH_SCHEDULES))
-    ap.add_argument("--eplb-slots", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+    ap.add_argument("--schedules", type=_schedule_list, default=list(SEARCH_SCHEDULES),
+                    help=f"schedules to search at pp > 1 (comma-separated; default {','.join(SEARCH_SCHEDULES)})")
+    ap.add_argument("--eplb-slots", type=_int_list, default=[0],
                     help="EPLB redundant expert slots to search (0 = off), e.g. 0,32")
     ap.add_argument("--fix", default=None, help=f"fix layout keys, e.g. pp=16,ep=64 (keys: {', '.join(LAYOUT_KEYS)})")
     ap.add_argument("--top", type=int, default=10, help="rows of the ranked table")

@@ -199,3 +199,26 @@ def test_dispatch_and_combine_return_before_the_peer_joins():
         assert_reorder_close(res["y_no_grad"], y.detach(), reduction=16, depth=2)
         assert_reorder_close(res["x_grad"], x.grad, reduction=16, depth=2)
         assert not res["no_grad_has_grad_fn"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_routing_weights_travel_as_row_columns_with_their_gradient(dtype):
+    """``_weight_columns``: the fp32 routing weights as columns of the rows' dtype. fp32/fp64 rows carry them
+    exactly; 2-byte rows carry a rounded value plus its remainder, whose sum is within one rounding of the
+    remainder (<= eps^2 of the weight: 2^-14 in bf16, 2^-20 in fp16, plus fp16's subnormal spacing). The
+    gradient that comes back through the columns is the received one, rounded once to the rows' dtype
+    (2^-8 relative in bf16)."""
+    from models.deepseek_v3.expert_parallel import _weight_columns
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(257, generator=g) * 2.5).requires_grad_()
+    cols = _weight_columns(w, dtype)
+    assert cols.dtype == dtype and cols.shape == (257, 1 if torch.finfo(dtype).eps <= torch.finfo(w.dtype).eps else 2)
+    back = cols.float().sum(1)
+    eps = torch.finfo(dtype).eps
+    bound = 0.0 if cols.shape[1] == 1 else eps * eps
+    subnormal = torch.finfo(dtype).smallest_normal * eps  # an fp16 remainder of a small weight may be subnormal
+    assert ((back - w).abs() <= bound * w.abs() + subnormal).all()
+    grad = torch.randn(257, generator=g)
+    back.backward(grad)
+    assert ((w.grad - grad).abs() <= eps * grad.abs()).all()

@@ -164,3 +164,39 @@ def test_trainer_checkpoint_resume_with_bf16_moments_and_ema_is_bit_exact(tmp_pa
         assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
         oa.wait_ema(), ob.wait_ema()
         assert sb["ema"].device.type == "cpu" and torch.equal(sa["ema"], sb["ema"])
+
+
+# option sets whose saved tensors differ: each recompute kind, FP8 with and without caching, whole-block recompute
+SAVED_OPTIONS = {
+    "none": {}, "v3": {"recompute": ("v3",)}, "swiglu": {"recompute": ("swiglu",)},
+    "fp8, no caching": {"fp8": True, "fp8_cache_activations": False},
+    "fp8, no caching, swiglu": {"fp8": True, "fp8_cache_activations": False, "recompute": ("swiglu",)},
+    "v3 + fp8 caching": {"fp8": True, "recompute": ("v3",)}, "block": {"recompute": ("block",)},
+    "block + fp8 caching": {"fp8": True, "recompute": ("block",)},
+}
+
+
+@pytest.mark.parametrize("name", list(SAVED_OPTIONS))
+def test_saved_bytes_per_block_equal_autograds(name):
+    """``block_saved`` (the memory model's per-tensor count) equals the bytes autograd's saved-tensor hooks see
+    for a dense and a MoE block, exactly: both are byte counts of the same tensors. 64 tokens over 8 experts
+    top-2: 16 rows per expert on average, so each expert fills one 128-row block as the balanced model assumes."""
+    from models.deepseek_v3 import Block, ModelArgs
+    from models.deepseek_v3.rope import rope_cos_sin
+    from recipes.bench_memory import saved_bytes
+    from training.memory import Precision, block_saved
+
+    args = ModelArgs.preset("debug", **SAVED_OPTIONS[name])
+    p = Precision(act=4, param=4, moment=4, moments=2, attention="reference")  # fp32 on a CPU
+    seq = 64
+    cos, sin = rope_cos_sin(args, torch.arange(seq))
+    for layer in (0, 1):
+        torch.manual_seed(layer)
+        block = Block(args, layer)
+        with torch.no_grad():
+            for w in block.parameters():
+                w.normal_(std=0.3)
+        x = torch.randn(1, seq, args.dim, requires_grad=True)
+        kept, y = saved_bytes(lambda b=block, x=x: b(x, cos, sin), block)
+        y.square().sum().backward()  # the recomputed parts must run backward too
+        assert kept == block_saved(args, layer, seq, 1, p) * seq, (name, layer)

@@ -119,28 +119,24 @@ def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: i
     else:
         out["rotated rope key"] = rope * a
     out["rope cos/sin"] = (1 if up else 2) * rope * 4 / micro_batch  # complex64 [s, rope/2] per rotation
-    if p.attention == "flash":
+    if p.attention == "flash":  # wo saves this same output (``flash_mla.keeps_output``): no copy of its own
         out["attention out + lse"] = h * v * a + h * 4
-    if cache:
-        out["wo input"] = fp8_cached_row(h * v)
-    elif p.attention == "reference":
-        out["wo input"] = h * v * a
+    else:
+        out["wo input"] = fp8_cached_row(h * v) if cache else h * v * a
     return out
 
 
 def _mlp_saved(args: ModelArgs, rows: float, inter: int, a: float, recompute_swiglu: bool,
                grouped: bool = False) -> dict[str, float]:
-    """Bytes a SwiGLU MLP keeps for ``rows`` rows after ``w13``'s input (counted by the caller)."""
+    """Bytes a SwiGLU MLP keeps for ``rows`` rows after ``w13``'s input (counted by the caller). The SwiGLU
+    keeps only its input (``layers.swiglu``); the routed experts' also keeps each row's routing weight."""
+    out = {"routing weight per row": rows * 4} if grouped else {}
     if args.fp8 and _fp8_cache(args):  # SwiGLU input stashed in FP8, its output recomputed for w2
-        out = {"SwiGLU input (fp8)": rows * fp8_stash_row(2 * inter)}
-        if grouped:  # the grouped FP8 GEMM keeps its masked (padding rows zeroed) input copy
-            out["w2 masked input"] = rows * inter * a
+        out["SwiGLU input (fp8)"] = rows * fp8_stash_row(2 * inter)
         return out
-    out = {"w13 out": rows * linear_out_cols(args, 2 * inter, grouped, a) * a}  # SiLU's and the product's input
+    out["w13 out"] = rows * linear_out_cols(args, 2 * inter, grouped, a) * a  # the SwiGLU's input
     if not recompute_swiglu:
-        out["SiLU out + w2 input"] = 2 * rows * inter * a
-    elif grouped and args.fp8:
-        out["w2 masked input"] = rows * inter * a
+        out["w2 input"] = rows * inter * a
     return out
 
 
@@ -175,12 +171,11 @@ def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: 
     if not norm:  # the router and the shared experts' w13 read it (the latter as its FP8 copy when caching)
         out["ffn_norm out + rstd"] = d * a + 4 + (fp8_cached_row(d) if cache and args.n_shared_experts else 0)
     groups = args.n_expert_groups if args.n_expert_groups > 1 else 0
-    # scores; top-k weights, their sum, the combine weights; top-k and row indices; group top-2 and mask
-    out["router"] = e * 4 + (2 * k + 1) * 4 + 3 * k * INDEX_BYTES + groups * (2 * INDEX_BYTES + 1)
+    # scores; top-k weights and their sum; top-k and row indices; group top-2 and mask
+    out["router"] = e * 4 + (k + 1) * 4 + 3 * k * INDEX_BYTES + groups * (2 * INDEX_BYTES + 1)
     # the grouped rows (as w13's FP8 copy when caching), their source index and expert id
     out["expert rows in"] = rows * ((fp8_cached_row(d) if cache else d * a) + INDEX_BYTES + 4)
     add("experts", _mlp_saved(args, rows, args.moe_inter_dim, a, swiglu, grouped=True))
-    out["combine"] = k * d * a  # gathered expert outputs for the weighted sum (the routing weights' gradient)
     if args.n_shared_experts:
         add("shared", _mlp_saved(args, 1, args.n_shared_experts * args.moe_inter_dim, a, swiglu))
     return out

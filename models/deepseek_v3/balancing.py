@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.deepseek_v3.recompute import recomputing
+
 STRATEGY_PARTS = ("none", "aux_free", "seq_aux", "aux", "z_loss")
 DROP_POLICIES = ("probs", "position")
 
@@ -250,12 +252,6 @@ def load_entropy(counts: torch.Tensor) -> torch.Tensor:
     p = counts / counts.sum(-1, keepdim=True).clamp_min(1e-12)
     ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
     return ent / math.log(counts.shape[-1]) if counts.shape[-1] > 1 else torch.zeros_like(ent)
-
-
-def recomputing() -> bool:
-    """Whether this forward runs inside backward (activation recomputation): its routing was counted once."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
 
 
 class ExpertBalancer(nn.Module):

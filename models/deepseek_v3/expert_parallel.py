@@ -3,13 +3,13 @@
 One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` holding the block
 ``[r * local, (r + 1) * local)``. A forward is::
 
-    handle = ep.dispatch(x, indices)          # counts exchanged, then tokens in flight
+    handle = ep.dispatch(x, indices, weights) # counts exchanged, then tokens (and their weights) in flight
     ...                                       # other compute (another micro-batch) overlaps here
     d = handle.wait()                         # d.x_grouped / d.m_indices: deep_gemm contiguous layout
-    y_grouped = experts(d.x_grouped, d.m_indices)
-    handle = ep.combine(y_grouped, d, weights)
+    y_grouped = experts(d.x_grouped, d.m_indices, d.weights)  # rows scaled by their weight before w2
+    handle = ep.combine(y_grouped, d)
     ...                                       # overlap again
-    y = handle.wait()                         # [T, dim], weighted sum over the top-k in token order
+    y = handle.wait()                         # [T, dim], sum over the top-k in token order
 
 - Asynchrony: ``dispatch``/``combine`` return at once; the exchange and all host work around it run
   on the process's one communication thread (``_CommThread``, the CPU analogue of a comm stream),
@@ -25,13 +25,18 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - Overlap: a pipelined caller (micro-batch B's dispatch in flight while A's experts run, as in
   DualPipe) hides the exchange as far as the machine has a free core for the comm thread and the
   transport; see ``recipes/bench_ep_overlap.py``.
+- Routing weights: ``dispatch(x, indices, weights)`` sends each row's fp32 weight with it, as extra
+  columns of the same all-to-all (``_weight_columns``: one column in fp32/fp64 rows, a rounded +
+  remainder pair in bf16/fp16 rows), so the experts scale their SwiGLU output before ``w2`` and the
+  combine is a plain sum: nothing ``[tokens * top-k, dim]`` is kept for the weights' gradient, which
+  comes back with the rows' in the reverse exchange. ``combine(y, d, weights)`` (weights after the
+  exchange, on the token's rank) remains for rows that were not scaled.
 - Autograd: dispatch and combine are differentiable; the backward of each is the reverse
-  all-to-all (queued on the comm thread behind any exchange in flight, and waited for). The
-  routing weights never travel: the weighted sum happens on the token's own rank, so their
-  gradient is local. Each exchange is also described by an ``Exchange`` (the autograd edges on
-  both sides and the split sizes, no activations): ``Exchange.reverse(grad)`` posts the reverse
-  all-to-all asynchronously, so a backward run piece by piece (``steps.backward_steps``) hides it
-  behind other compute exactly as the forward hides its own.
+  all-to-all (queued on the comm thread behind any exchange in flight, and waited for). Each exchange
+  is also described by an ``Exchange`` (the autograd edges on both sides and the split sizes, no
+  activations): ``Exchange.reverse(grad)`` posts the reverse all-to-all asynchronously, so a
+  backward run piece by piece (``steps.backward_steps``) hides it behind other
+  compute exactly as the forward hides its own.
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
@@ -210,9 +215,19 @@ def _pack_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def _unpack_fp8(packed: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     x_fp8 = packed[:, :dim].contiguous().view(torch.float8_e4m3fn)
-    scales = packed[:, dim:].contiguous().view(torch.float32)
+    scales = packed[:, dim:dim + 4 * -(-dim // 128)].contiguous().view(torch.float32)
     full = scales.repeat_interleave(128, dim=1)[:, :dim]
     return (x_fp8.float() * full).to(dtype)
+
+
+def _weight_columns(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Routing weights ``[n]`` as ``[n, c]`` columns of the rows' ``dtype``, to travel with the rows: one column
+    where ``dtype`` holds the weight exactly, else the weight rounded plus the rounding's remainder (their sum
+    keeps 16 mantissa bits in bf16). Differentiable: the pair's gradients add up to the weight's."""
+    if torch.finfo(dtype).eps <= torch.finfo(weights.dtype).eps:
+        return weights.to(dtype).unsqueeze(1)
+    rounded = weights.to(dtype)
+    return torch.stack([rounded, (weights - rounded.to(weights.dtype)).to(dtype)], dim=1)
 
 
 @dataclass
@@ -229,6 +244,7 @@ class Dispatched:
     num_sent: int  # assignments that travelled (the rest were dropped)
     exchange: Exchange | None = None  # the token all-to-all (None without autograd)
     combine_exchange: Exchange | None = None  # the combine's all-to-all, set when ``combine`` has landed
+    weights: torch.Tensor | None = None  # [M] fp32 routing weight of each row (0 on pad rows), if sent
 
 
 class ExpertParallel:
@@ -324,19 +340,25 @@ class ExpertParallel:
             .repeat_interleave(flat)
         return source, m_indices, rows, per_expert
 
-    def dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> CommHandle[Dispatched]:
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> CommHandle[Dispatched]:
         """Send every (token, expert) assignment to the rank hosting (a replica of) the expert.
 
-        x [T, dim]; indices [T, k] logical expert ids, -1 = dropped. Returns at once with a handle;
-        its ``wait()`` gives ``Dispatched`` with the received rows in the contiguous grouped layout.
-        The whole exchange (gathers, counts, tokens, regrouping) runs on the comm thread.
+        x [T, dim]; indices [T, k] logical expert ids, -1 = dropped; weights [T, k] (optional) routing
+        weights, sent with the rows (``Dispatched.weights``). Returns at once with a handle; its ``wait()``
+        gives ``Dispatched`` with the received rows in the contiguous grouped layout. The whole exchange
+        (gathers, counts, tokens, regrouping) runs on the comm thread.
         """
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
                              f"{tuple(indices.shape)}")
-        return CommHandle(_CommThread.submit(traced(self.recorder, "dispatch", lambda: self._dispatch(x, indices))))
+        if weights is not None and weights.shape != indices.shape:
+            raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
+                             f"got {tuple(weights.shape)}")
+        return CommHandle(_CommThread.submit(traced(self.recorder, "dispatch",
+                                                    lambda: self._dispatch(x, indices, weights))))
 
-    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor) -> Dispatched:
+    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None) -> Dispatched:
         """The exchange, staged so the wire is busy while the host works: the counts travel while the
         send rows are gathered, the tokens while the regrouping's index plan is computed."""
         num_tokens, k = indices.shape
@@ -352,8 +374,14 @@ class ExpertParallel:
         send_state = PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
         num_sent = int(send_counts.sum())
         send_rows = x.index_select(0, order[:num_sent] // k)
-        send_splits = send_counts.view(self.world, self.local).sum(1).tolist()
+        dim = x.shape[1]
         packed = _pack_fp8(send_rows) if self.fp8_dispatch else None
+        if weights is not None:  # each row's weight as extra columns of the same exchange
+            columns = _weight_columns(weights.reshape(-1).index_select(0, order[:num_sent]), x.dtype)
+            send_rows = torch.cat([send_rows, columns], dim=1)
+            if packed is not None:
+                packed = torch.cat([packed, columns.detach().contiguous().view(torch.uint8)], dim=1)
+        send_splits = send_counts.view(self.world, self.local).sum(1).tolist()
         count_work[0].wait()
         recv_splits = recv_counts.sum(1).tolist()
         total = sum(recv_splits)
@@ -365,20 +393,27 @@ class ExpertParallel:
         _wait_all(works)
         if recv_bytes is not None:
             with torch.no_grad():
-                received[:total].copy_(_unpack_fp8(recv_bytes, x.shape[1], x.dtype))
-        x_grouped = received.index_select(0, source)
+                received[:total, :dim].copy_(_unpack_fp8(recv_bytes, dim, x.dtype))
+                if weights is not None:
+                    width = packed.shape[1] - (received.shape[1] - dim) * x.element_size()
+                    received[:total, dim:].copy_(recv_bytes[:, width:].contiguous().view(x.dtype))
+        x_grouped = received[:, :dim].index_select(0, source)
+        row_weights = None
+        if weights is not None:  # the spare zero rows give the pad rows weight 0
+            row_weights = received[:, dim:].to(weights.dtype).sum(1).index_select(0, source)
         recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
         return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
                           num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
-                                                      self.recorder))
+                                                self.recorder), weights=row_weights)
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
-                weights: torch.Tensor) -> CommHandle[torch.Tensor]:
-        """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j weights[t, j] * y[t, j]``."""
+                weights: torch.Tensor | None = None) -> CommHandle[torch.Tensor]:
+        """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j y[t, j]``, or
+        ``sum_j weights[t, j] * y[t, j]`` with ``weights`` [T, k] (rows not scaled before ``w2``)."""
         return CommHandle(_CommThread.submit(traced(self.recorder, "combine",
                                                     lambda: self._combine(y_grouped, dispatched, weights))))
 
-    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor) -> torch.Tensor:
+    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor | None) -> torch.Tensor:
         y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
@@ -387,6 +422,6 @@ class ExpertParallel:
         dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
                                                   self.group, self.recorder)
         state = dispatched.send_state
-        pad = state.num_tokens * weights.shape[1] - dispatched.num_sent  # dropped assignments give 0
+        pad = state.rows.numel() - dispatched.num_sent  # dropped assignments give 0
         rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
         return unpermute(rows, state, weights)

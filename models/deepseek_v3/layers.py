@@ -99,10 +99,47 @@ class Linear(deep_gemm.Fp8Linear):
         super().__init__(in_features, out_features, bias=False, fp8=fp8, fp8_cache=fp8 and fp8_cache)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for the fused ``[..., 2 * inter]`` gate/up projection output."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+class _SwiGLUFunction(torch.autograd.Function):
+    """``silu(gate) * up``, times a per-row ``weights`` when given, saving only ``gate_up`` (and ``weights``).
+
+    Autograd's graph of the same ops would also keep ``silu(gate)`` and, with weights, the unweighted
+    product (one ``[rows, inter]`` tensor each). Backward in at least fp32:
+    ``d gate = g up sigmoid(gate) (1 + gate (1 - sigmoid(gate)))``, ``d up = g silu(gate)`` with
+    ``g = grad * weights``, and ``d weights = sum(grad * silu(gate) * up)`` over the row.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+        if weights is not None:
+            out = (out * weights.unsqueeze(-1)).to(out.dtype)
+        ctx.save_for_backward(gate_up, weights)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        gate_up, weights = ctx.saved_tensors
+        compute = torch.promote_types(gate_up.dtype, torch.float32)
+        gate, up = gate_up.to(compute).chunk(2, dim=-1)
+        g = grad.to(compute)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_weights = None
+        if weights is not None:
+            if ctx.needs_input_grad[1]:
+                grad_weights = torch.linalg.vecdot(g, silu * up).to(weights.dtype)
+            g = g * weights.unsqueeze(-1).to(compute)
+        grad_gate = g * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([grad_gate, g * silu], dim=-1).to(gate_up.dtype), grad_weights
+
+
+def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused ``[..., 2 * inter]`` gate/up projection output; with ``weights``
+    (``[...]``, one per row: the MoE's routing weights) each row is scaled by its weight, so the expert
+    outputs need no weighted sum afterwards (and nothing ``[rows, dim]`` is kept for the weights' gradient)."""
+    return _SwiGLUFunction.apply(gate_up, weights)
 
 
 def _fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 import flash_mla
+from deep_gemm import linear
+from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume
@@ -110,7 +112,9 @@ class MLA(nn.Module):
         c_kv, k_pe = self._kv_latent(x, cos, sin)
         out = produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend, q_latent, c_kv,
                               k_pe, enabled=self.recompute_up)
-        return self.wo(out)
+        # the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an FP8 copy beside it
+        cache = self.wo.fp8_cache and not keeps_output(out.device)
+        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache)
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

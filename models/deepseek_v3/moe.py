@@ -6,9 +6,15 @@ another micro-batch's compute::
 
     routing = moe.route(x)                                  # Gate: fp32 scores, top-k, weights
     x_grouped, m_indices, state = moe.permute(x, routing)   # rows grouped by expert, padded
-    y_grouped = moe.experts(x_grouped, m_indices)           # two grouped GEMMs + SwiGLU
-    y = moe.unpermute(y_grouped, state, routing.weights)    # back to token order, weighted sum
+    w = group_weights(routing.weights, state, len(m_indices))  # each row's routing weight (0 on pad rows)
+    y_grouped = moe.experts(x_grouped, m_indices, w)        # w13, SwiGLU scaled by w, w2
+    y = moe.unpermute(y_grouped, state)                     # back to token order, summed over the top-k
     y = y + moe.shared(x)
+
+The routing weights scale the SwiGLU output before ``w2`` (as DeepSeek-V3 and Megatron-Core do), not
+the expert outputs after it: the same sum, since ``w2`` is linear, but backward then needs only the
+per-row weight and the SwiGLU input (kept anyway) instead of the ``[tokens * top-k, dim]`` expert
+outputs for the weights' gradient.
 
 The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one block padded to
 ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows, pad rows carry expert index -1.
@@ -26,9 +32,9 @@ from torch.autograd.function import once_differentiable
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, recomputing
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
 from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
-from models.deepseek_v3.recompute import produce_consume
+from models.deepseek_v3.recompute import produce_consume, recomputing
 from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
@@ -165,13 +171,17 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return len(self.expert_ids)
 
-    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
-        """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1."""
+    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1;
+        ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights)."""
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
         down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8)  # noqa: E731 (its input is recomputed)
-        return produce_consume(swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        if weights is None:
+            return produce_consume(swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
@@ -206,9 +216,19 @@ def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int,
     return x_grouped, m_indices, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
 
 
-def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
-    """Gather each assignment's expert output and sum them per token weighted by ``weights [T, k]``."""
-    y = y_grouped[state.rows].view(state.num_tokens, weights.shape[-1], y_grouped.shape[-1])  # k explicit: T may be 0
+def group_weights(weights: torch.Tensor, state: PermuteState, num_rows: int) -> torch.Tensor:
+    """The routing weights ``[T, k]`` of each assignment at its row of the grouped layout: ``[num_rows]``,
+    0 on padding rows (differentiable; backward gathers the rows' gradients back)."""
+    return weights.new_zeros(num_rows).index_put((state.rows,), weights.reshape(-1))
+
+
+def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather each assignment's expert output and sum them per token, weighted by ``weights [T, k]`` when
+    given (None: the rows are already weighted, see ``Experts.forward``)."""
+    k = state.rows.numel() // max(state.num_tokens, 1) if weights is None else weights.shape[-1]
+    y = y_grouped[state.rows].view(state.num_tokens, k, y_grouped.shape[-1])  # k explicit: T may be 0
+    if weights is None:
+        return y.sum(dim=1)
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # 2x faster than a [T] batch of 1xk bmm on CPU
 
 
@@ -275,15 +295,17 @@ class MoE(nn.Module):
         m_indices = m_indices.masked_fill(m_indices == dropped, -1)
         return x_grouped, m_indices, replace(state, tokens_per_expert=state.tokens_per_expert[:dropped])
 
-    def unpermute(self, y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor) -> torch.Tensor:
+    def unpermute(self, y_grouped: torch.Tensor, state: PermuteState,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
         return unpermute(y_grouped, state, weights)
 
     def run_dispatched(self, dispatched) -> torch.Tensor:
-        """This rank's experts on the rows ``ExpertParallel.dispatch`` delivered (``Dispatched``); counts them."""
+        """This rank's experts on the rows ``ExpertParallel.dispatch`` delivered (``Dispatched``), scaled by the
+        routing weights that travelled with them; counts them."""
         if self.training and not recomputing():
             rows = dispatched.tokens_per_expert.sum().double()
             self.received_rows = rows if self.received_rows is None else self.received_rows + rows
-        return self.experts(dispatched.x_grouped, dispatched.m_indices)
+        return self.experts(dispatched.x_grouped, dispatched.m_indices, dispatched.weights)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_experts is None else self.shared_experts(x)
@@ -301,21 +323,22 @@ class MoE(nn.Module):
         weights = routing.weights
         if self.ep is None:
             x_grouped, m_indices, state = self.permute(x, routing)
-            y = self.unpermute(self.experts(x_grouped, m_indices), state, weights)
+            y = self.unpermute(self.experts(x_grouped, m_indices, group_weights(weights, state, len(m_indices))),
+                               state)
             z = self.shared(x)
         else:
-            handle = self.ep.dispatch(x, routing.indices)
+            handle = self.ep.dispatch(x, routing.indices, weights)  # the weights travel with the rows
             z = self.shared(x)
             yield
             d = handle.wait()
-            live = (weights, z, residual)
+            live = (z, residual)
             if cuts is not None and d.exchange is not None:  # each exchange: what crosses it, as fresh aliases
                 live = cuts.alias(*live)
                 cuts.exchange(d.exchange, *live)
-                live = cuts.alias(*live)  # the combine's weighted sum runs after its exchange: alias before
-            weights, z, residual = live
+                live = cuts.alias(*live)  # the sum after the combine runs after its exchange: alias before
+            z, residual = live
             # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
-            handle = self.ep.combine(self.run_dispatched(d), d, weights)
+            handle = self.ep.combine(self.run_dispatched(d), d)
             yield
             y = handle.wait()
             if cuts is not None and d.combine_exchange is not None:

@@ -38,7 +38,8 @@ class Stash:
     """How the producer's inputs are kept for backward: ``pack(x) -> tensors``, ``unpack(tensors, dtype) -> x``.
 
     The default (no stash) keeps the inputs themselves. ``layers.FP8_STASH`` keeps them as e4m3 +
-    1x128 scales (the SwiGLU input under FP8 activation caching).
+    1x128 scales (the SwiGLU input under FP8 activation caching). ``produce``/``produce_consume`` take
+    one stash for every input, or a tuple of one stash (or None) per input.
     """
 
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
@@ -49,10 +50,13 @@ class _Produce(torch.autograd.Function):
     """``producer(*inputs)`` with only the (stashed) inputs saved; see ``_recompute`` for the backward graph."""
 
     @staticmethod
-    def forward(ctx, producer, stash: Stash | None, *inputs: torch.Tensor):
-        ctx.producer, ctx.stash = producer, stash
+    def forward(ctx, producer, stash: Stash | tuple[Stash | None, ...] | None, *inputs: torch.Tensor):
+        stashes = stash if isinstance(stash, tuple) else (stash,) * len(inputs)
+        if len(stashes) != len(inputs):
+            raise ValueError(f"produce_consume: {len(stashes)} stashes for {len(inputs)} inputs")
+        ctx.producer, ctx.stashes = producer, stashes
         ctx.dtypes = [x.dtype for x in inputs]
-        packed = [stash.pack(x) if stash is not None else (x,) for x in inputs]
+        packed = [s.pack(x) if s is not None else (x,) for s, x in zip(stashes, inputs)]
         ctx.counts = [len(p) for p in packed]
         ctx.save_for_backward(*(t for p in packed for t in p))
         ctx.storages = None  # [(storage, nbytes)] of the released outputs, set by ``Dropped.release``
@@ -77,8 +81,8 @@ def _recompute(ctx) -> None:
     if ctx.graph is not None:
         return
     saved, inputs, i = ctx.saved_tensors, [], 0
-    for count, dtype, needs_grad in zip(ctx.counts, ctx.dtypes, ctx.needs_input_grad[2:]):
-        x = ctx.stash.unpack(saved[i:i + count], dtype) if ctx.stash is not None else saved[i]
+    for stash, count, dtype, needs_grad in zip(ctx.stashes, ctx.counts, ctx.dtypes, ctx.needs_input_grad[2:]):
+        x = stash.unpack(saved[i:i + count], dtype) if stash is not None else saved[i]
         inputs.append(x.detach().requires_grad_(needs_grad))
         i += count
     with torch.enable_grad():
@@ -105,6 +109,12 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside backward (activation recomputation, e.g. a checkpointed block)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class Dropped:
     """The producer's outputs (``outputs``), to be released with ``release(consumer_result)`` once every
     consumer has run. A no-op when recompute is off or no gradient flows."""
@@ -115,7 +125,9 @@ class Dropped:
     def release(self, result) -> None:
         """Free the outputs' storage; refill it before the backward of any tensor in ``result`` runs."""
         node = self._node
-        if node is None:
+        if node is None or recomputing():
+            # inside a backward (a checkpointed block's recomputation) the outputs are kept: what the consumer
+            # saved is read by this same backward, and the checkpoint may stop recomputing before any refill
             return
         self._node = None
         kept = {t.untyped_storage().data_ptr() for t in _tensors(result)}
@@ -137,7 +149,8 @@ class Dropped:
                 t.grad_fn.register_prehook(lambda grads, node=node: _recompute(node))
 
 
-def produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True, stash: Stash | None = None) -> Dropped:
+def produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True,
+            stash: Stash | tuple[Stash | None, ...] | None = None) -> Dropped:
     """Run ``producer(*inputs)`` keeping only its inputs; ``Dropped.outputs`` feed the consumer, then
     ``Dropped.release(result)``. For consumers that cannot be one call (e.g. a generator that yields
     while an all-to-all is in flight); otherwise use ``produce_consume``."""
@@ -149,7 +162,7 @@ def produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True, sta
 
 
 def produce_consume(producer: Callable, consumer: Callable, *inputs: torch.Tensor, enabled: bool = True,
-                    stash: Stash | None = None):
+                    stash: Stash | tuple[Stash | None, ...] | None = None):
     """``consumer(*producer(*inputs))``, keeping ``inputs`` instead of the producer's outputs for backward
     when ``enabled`` (see the module docstring)."""
     dropped = produce(producer, *inputs, enabled=enabled, stash=stash)
@@ -158,4 +171,4 @@ def produce_consume(producer: Callable, consumer: Callable, *inputs: torch.Tenso
     return result
 
 
-__all__ = ["Dropped", "Stash", "produce", "produce_consume"]
+__all__ = ["Dropped", "Stash", "produce", "produce_consume", "recomputing"]

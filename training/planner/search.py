@@ -107,6 +107,9 @@ class Request:
                              "(whole nodes), or fewer GPUs than one node")
         if self.seq_len < 2 or self.global_batch < 1:
             raise ValueError(f"--seq-len must be >= 2 and --global-batch >= 1, got {self.seq_len}, {self.global_batch}")
+        if not self.imbalance >= 1.0:
+            raise ValueError(f"--expert-imbalance is the busiest expert's load over the mean, so >= 1.0; "
+                             f"got {self.imbalance}")
 
 
 @dataclass(frozen=True)
@@ -183,13 +186,15 @@ class StageCosts:
     (1F1B has nothing to hide them behind). DualPipe's overlapped F&B chunk runs one micro-batch's
     all-to-all behind the other's compute in both directions: it takes the longer of the compute
     (slowed by the SMs the communication occupies) and the communication. Every item also pays the
-    runtime's host ``overhead`` per pipeline action (the system file's ``action_overhead_us``).
+    runtime's host ``overhead`` per computation pass (the system file's ``action_overhead_us``; an overlapped
+    F&B runs two passes), and the simulator charges ``send`` / ``recv`` per P2P message posted / taken
+    (``send_overhead_us`` / ``recv_overhead_us``).
     """
 
     def __init__(self, parts: list[Durations], part_of: list[int], p2p: float, sm_fraction: float,
-                 overhead: float = 0.0):
+                 overhead: float = 0.0, send: float = 0.0, recv: float = 0.0):
         self.parts, self.part_of, self.p2p, self.sm_fraction = parts, part_of, p2p, sm_fraction
-        self.overhead = overhead
+        self.overhead, self.send, self.recv = overhead, send, recv
 
     def _split(self, item) -> tuple[float, float]:
         """(compute, communication) of an item when run alone."""
@@ -201,7 +206,7 @@ class StageCosts:
             (cf, af), (cb, ab) = self._split(item.forward), self._split(item.backward)
             comm = af + ab
             compute = (cf + cb) / (1.0 - self.sm_fraction) if comm > 0 else cf + cb
-            return max(compute, comm) + self.overhead
+            return max(compute, comm) + 2 * self.overhead
         compute, comm = self._split(item)
         return compute + comm + self.overhead
 
@@ -209,7 +214,7 @@ class StageCosts:
         """Communication time of ``item`` not hidden behind computation."""
         if isinstance(item, Overlap):
             cf, cb = self._split(item.forward)[0], self._split(item.backward)[0]
-            return max(0.0, self.of(item) - self.overhead - (cf + cb))
+            return max(0.0, self.of(item) - 2 * self.overhead - (cf + cb))
         return self._split(item)[1]
 
     def compute(self, item) -> float:
@@ -217,15 +222,16 @@ class StageCosts:
 
 
 def assemble(schedule: str, pp: int, microbatches: int, parts: list[Durations], p2p: float,
-             sm_fraction: float, overhead: float = 0.0) -> SimResult:
+             sm_fraction: float, overhead: float = 0.0, send: float = 0.0, recv: float = 0.0) -> SimResult:
     """The pipeline part of a step: ``schedule`` over ``pp`` ranks timed by ``dualpipe.simulator`` with the
-    per-stage durations ``parts`` (model stage order) and ``p2p`` seconds per activation/gradient message.
+    per-stage durations ``parts`` (model stage order), ``p2p`` seconds per activation/gradient message in flight
+    and the runtime's host seconds per pass (``overhead``) and per message posted (``send``) and taken (``recv``).
     ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch."""
     name = "1f1b" if schedule == "none" else schedule
     prog = program(name, pp, microbatches)
     n_stages = prog.schedule.layout.num_stages
     part_of = [st % pp for st in range(n_stages)] if name == "dualpipe" else list(range(n_stages))
-    return prog.run(StageCosts(parts, part_of, p2p, sm_fraction, overhead))
+    return prog.run(StageCosts(parts, part_of, p2p, sm_fraction, overhead, send, recv))
 
 
 def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, factor: float) -> float:
@@ -285,7 +291,7 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     sim = None
     if pipeline_cache is None or key not in pipeline_cache:
         sim = assemble(lay.schedule, lay.pp, lay.microbatches, parts, p2p, s.comm_sm_fraction,
-                       s.action_overhead_us * 1e-6)
+                       s.action_overhead_us * 1e-6, s.send_overhead_us * 1e-6, s.recv_overhead_us * 1e-6)
         busiest = max(range(lay.pp), key=sim.busy)
         figures = (sim.makespan, sim.busy(busiest), sum(sim.costs.exposed(iv.item) for iv in sim.timeline[busiest]))
         if pipeline_cache is not None:

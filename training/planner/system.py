@@ -45,7 +45,9 @@ class System:
     gpus_per_node: int
     shape_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
-    action_overhead_us: float = 0.0  # host time the runtime adds to each pipeline action (calibrated)
+    action_overhead_us: float = 0.0  # host time the runtime adds to each computation pass (calibrated)
+    send_overhead_us: float = 0.0  # host time to post one P2P message
+    recv_overhead_us: float = 0.0  # host time to take one arrived P2P message
 
     @property
     def capacity_bytes(self) -> float:
@@ -68,6 +70,7 @@ class System:
                           for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))},
                 "collective_efficiency": dict(self.collective_efficiency), "comm_sm_fraction": self.comm_sm_fraction,
                 "gpus_per_node": self.gpus_per_node, "action_overhead_us": self.action_overhead_us,
+                "send_overhead_us": self.send_overhead_us, "recv_overhead_us": self.recv_overhead_us,
                 "sources": self.sources}
 
 
@@ -90,6 +93,12 @@ def _positive(value: float, what: str, upper: float | None = None) -> float:
     if not value > 0 or (upper is not None and value > upper):
         bound = f"in (0, {upper}]" if upper is not None else "> 0"
         raise ValueError(f"{what} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def _non_negative(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{what} must be a number >= 0, got {value!r}")
     return float(value)
 
 
@@ -134,7 +143,8 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
         gpus_per_node=int(_get(doc, "gpus_per_node", where, int)),
         shape_efficiency={k: {s: float(e) for s, e in v.items()} for k, v in shapes.items()},
         sources=dict(doc.get("sources", {})),
-        action_overhead_us=float(doc.get("action_overhead_us", 0.0)),
+        **{k: _non_negative(doc.get(k, 0.0), f"{where}: {k}")
+           for k in ("action_overhead_us", "send_overhead_us", "recv_overhead_us")},
     )
 
 
