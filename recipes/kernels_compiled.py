@@ -108,8 +108,8 @@ def decode_cases() -> list[Case]:
         for causal, s_q in ((False, 1), (True, 2)):
             for i, cfg in enumerate(decode.DECODE_CONFIGS[fp8]):
                 meta = decode.config_kwargs(cfg)
-                consts = {"CAUSAL": causal, "FP8": fp8, "D_NOPE": 512, "D_ROPE": 64, "PAGE": 64, "UPCAST": False,
-                          **meta}
+                consts = {"CAUSAL": causal, "FP8": fp8, "D_NOPE": 512, "D_ROPE": 64, "PAGE": 64,
+                          "PAGE_IDS": decode.PAGE_IDS, "UPCAST": False, **meta}
                 if s_q == 1:
                     consts["s_q"] = 1
                 cases.append(Case(f"flash_mla.decode[{'fp8' if fp8 else 'bf16'}{' causal' if causal else ''}]",

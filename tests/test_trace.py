@@ -63,3 +63,21 @@ def test_overlapped_chunks_hold_their_all_to_alls(tmp_path):
                 assert c["ts"] + c["dur"] <= end + 1.0, (rank, chunk["name"], c)  # 1 us: float rounding
             directions |= {"backward" if c["name"].startswith("backward") else "forward" for c in posted}
         assert directions == {"forward", "backward"}, (rank, directions)
+
+
+def test_a_run_without_pipeline_records_its_micro_batches_on_the_compute_track(tmp_path):
+    """schedule none (one process): each micro-batch's forward and backward is a compute span, in order."""
+    from training.config import load_config
+    from training.parallel import single_process
+    from training.trainer import Trainer
+
+    cfg = load_config("recipes/configs/tiny_cpu.toml", [
+        "parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none", "run.steps=1", "run.threads=1",
+        "model.fp8=false", "model.overrides.n_layers=2", "data.seq_len=16", "data.global_batch=4",
+        "data.micro_batch=2", "logging.wandb=disabled", "logging.progress=false", "checkpoint.interval=0"])
+    recorder = TraceRecorder(0)
+    Trainer(cfg, single_process(cfg.parallel), tmp_path, recorder=recorder).train_step()
+    spans = [(name, start, end) for track, name, start, end in recorder.spans if track == "compute"]
+    assert [name for name, _, _ in spans] == ["0F0", "0B0", "0F1", "0B1"]
+    assert all(start <= end for _, start, end in spans)
+    assert all(a[2] <= b[1] for a, b in zip(spans, spans[1:]))

@@ -40,6 +40,17 @@ def _zero(stages) -> None:
             p.grad = None
 
 
+def _count_yields(steps):
+    """(number of yields, returned value) of a step generator."""
+    n = 0
+    while True:
+        try:
+            next(steps)
+            n += 1
+        except StopIteration as stop:
+            return n, stop.value
+
+
 def _overlap_matches_plain(rank: int, world: int) -> dict:
     """Two stages of a V on one pipeline rank, EP=2 across the two processes (so the forward really
     yields while tokens are in flight). Both runs do F(b), F(a), B(b), B(a); the overlapped run pairs
@@ -77,6 +88,9 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     got = _grads([first, last])
     worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
     yields = sum(1 for _ in first.forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
+    with torch.no_grad():  # the last stage's layer, then the criterion's MTP block: both yield at their exchanges
+        stage_yields, h_last = _count_yields(last.forward_steps(xa.detach()))
+        loss_yields, _ = _count_yields(criterion.steps(h_last, a))
 
     # An expert rank that receives no token at all (every token prefers rank 0's experts 0..3) still
     # takes part in both all-to-alls forward and backward: no hang, finite loss, zero expert grads there.
@@ -92,7 +106,8 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     starved = [m.experts.w13.grad for m in moe_layers([first, last])]
     zero_ok = all((g is None or not g.any()) if rank == 1 else (g is not None and g.any()) for g in starved)
     return {"worst_rel": worst, "n": len(ref), "same_keys": set(got) == set(ref), "none": none is None,
-            "yields": yields, "back_yields": back_yields, "zero_ok": zero_ok, "zero_loss": float(lz)}
+            "yields": yields, "last_yields": (stage_yields, loss_yields),
+            "back_yields": back_yields, "zero_ok": zero_ok, "zero_loss": float(lz)}
 
 
 @pytest.mark.dist
@@ -103,9 +118,10 @@ def test_overlapped_forward_backward_gradients_equal_plain():
         assert r["same_keys"] and r["none"] and r["n"] > 20
         assert r["zero_ok"] and 0 < r["zero_loss"] < 20
         assert r["yields"] == 2 * 1  # stage 0 holds one MoE layer (layer 1; layer 0 is dense): two all-to-alls
-        # the backward yields while each reverse all-to-all is posted: one MoE layer per stage (the MTP block's
-        # exchanges run inside the loss piece)
-        assert r["back_yields"] == [2, 2], r["back_yields"]
+        assert r["last_yields"] == (2, 2), r["last_yields"]  # layer 2, then the MTP block (in the criterion)
+        # the backward yields while each reverse all-to-all is posted: the last stage's MTP block and layer 2,
+        # stage 0's layer 1
+        assert r["back_yields"] == [4, 2], r["back_yields"]
         # float32; the only difference is the order in which per-segment contributions are summed
         # into .grad (and one subtraction of a repeated pass), so ~1e-6 relative
         assert r["worst_rel"] < 1e-5, r

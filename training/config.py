@@ -31,6 +31,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+from dualpipe.schedules import check_sizes
+from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
+
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
 SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
@@ -125,9 +128,7 @@ class BalanceConfig:
     drop_policy: str = "probs"
 
     def model_config(self):
-        """The model package's BalanceConfig (imported here so config loading needs no model)."""
-        from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
-
+        """The model package's BalanceConfig."""
         return ModelBalanceConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelBalanceConfig)})
 
 
@@ -335,8 +336,6 @@ def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None
     """ValueError unless ``num_chunks`` micro-batches suit the schedule (``where`` names the source)."""
     if par.schedule == "none":
         return
-    from dualpipe.schedules import check_sizes
-
     try:
         check_sizes(par.schedule, par.pp, num_chunks)
     except ValueError as exc:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
 
 def under_torchrun() -> bool:
     """Whether this process is a torchrun worker (torchrun sets these for every worker)."""
@@ -34,9 +37,6 @@ def strip_option(argv: Sequence[str], name: str, takes_value: bool = True) -> li
 
 def relaunch(module: str, nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     """Run ``python -m module *argv`` as ``nproc`` torchrun workers on this machine; returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers on a few cores: no thread oversubscription
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          f"--max-restarts={max_restarts}", "--module", module, *argv])

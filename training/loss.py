@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models.deepseek_v3 import lm_losses_from_hidden
-from training.stages import DeepSeekV3Stage, mark_loss
+from models.deepseek_v3.model import lm_losses_from_hidden_steps
+from models.deepseek_v3.steps import Steps, drain
+from training.stages import DeepSeekV3Stage, cuts_of, mark_loss
 
 
 @dataclass
@@ -42,9 +43,15 @@ class StageLoss:
 
     def __call__(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch from the last hidden state ``h [b, s, dim]`` and its windows ``[b, s + 1]``."""
+        return drain(self.steps(h, windows))
+
+    def steps(self, h: torch.Tensor, windows: torch.Tensor) -> Steps[torch.Tensor]:
+        """``__call__`` as steps: the MTP blocks yield while their all-to-alls travel, so a pipeline hides them
+        behind another micro-batch; their exchanges join the stage's (``cuts_of(h)``) for the backward."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels)
+        parts = yield from lm_losses_from_hidden_steps(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens,
+                                                       labels, cuts=cuts_of(h))
         self.parts.append(LossParts(float(parts["loss"].detach()), float(parts["main"].detach()),
                                     [float(m.detach()) for m in parts["mtp"]], labels.numel()))
         return mark_loss(parts["loss"], h)

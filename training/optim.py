@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+import accel
 from training.config import OptimConfig
 
 STEP_CHUNK = 1 << 24  # elements ``AdamW`` updates at once: its fp32 temporaries stay at 3 x 64 MiB
@@ -151,8 +152,6 @@ class AdamW(torch.optim.Optimizer):
 
 def _copy_done_event():
     """A device event after the snapshot copies (None on a CPU, where they are synchronous)."""
-    import accel
-
     if accel.backend() == "cpu":
         return None
     event = accel.device_module().Event()

@@ -15,9 +15,11 @@ from typing import Any
 import torch.distributed as dist
 
 from accel.trace import TraceRecorder, write_chrome_trace
+from training.checkpoint.trainer_hooks import attach
 from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
+from training.trainer import Trainer, check_static
 
 
 @dataclass
@@ -45,15 +47,11 @@ def _agree_run_dir(cfg: TrainConfig, opts: RunOptions, ps: ParallelState) -> Pat
 def _attach_checkpointing(trainer, cfg: TrainConfig, run_dir: Path, opts: RunOptions):
     """Checkpoints under ``run_dir/checkpoints`` (``training.checkpoint.trainer_hooks``): resume (also with
     another DP size), periodic async saves with the stall metric, and rollback on faults when enabled."""
-    from training.checkpoint.trainer_hooks import attach
-
     return attach(trainer, cfg, run_dir, opts.resume)
 
 
 def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     """Train this rank's part of ``cfg``; returns the summary (every rank); rank 0 prints and writes it."""
-    from training.trainer import Trainer, check_static
-
     rank, world = world_from_env()
     checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)

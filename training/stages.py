@@ -28,7 +28,7 @@ from torch import nn
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
-from models.deepseek_v3.steps import Cuts, Steps, backward_piece, backward_steps, drain, interleave
+from models.deepseek_v3.steps import Cuts, Steps, backward_steps, drain, interleave
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
@@ -162,9 +162,7 @@ class DeepSeekV3Stage(nn.Module):
         """Backward of one micro-batch (from its loss on the last stage, else from the output gradients),
         yielding while each reverse all-to-all is in flight (``steps.backward_steps``)."""
         if loss is not None:
-            hidden = getattr(loss, _HIDDEN)
-            yield from backward_steps(getattr(hidden, _CUTS), [(loss, torch.ones_like(loss))],
-                                      first=lambda pending: backward_piece(pending, [hidden]))
+            yield from backward_steps(getattr(getattr(loss, _HIDDEN), _CUTS), [(loss, torch.ones_like(loss))])
             loss.detach_()
         elif outputs:
             yield from backward_steps(getattr(outputs[0], _CUTS), list(zip(outputs, grads)))
@@ -176,13 +174,23 @@ class DeepSeekV3Stage(nn.Module):
         """Forward of one micro-batch on ``module0`` interleaved with the backward of another on
         ``module1`` (DualPipe's contract): while one's all-to-all is in flight (the forward's dispatch or
         combine, the backward's reverse exchanges), the other computes. Gradients equal a plain F then B."""
-        outputs0 = interleave(module0.forward_steps(*inputs0), module1.backward_steps(loss1, outputs1, output_grads1))
-        loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
-        return outputs0, loss0
+        def forward_and_loss() -> Steps[tuple[torch.Tensor, torch.Tensor | None]]:
+            h = yield from module0.forward_steps(*inputs0)
+            if criterion0 is None:
+                return h, None
+            steps = getattr(criterion0, "steps", None)  # a criterion with steps (StageLoss) interleaves too
+            return h, ((yield from steps(h, *labels0)) if steps is not None else criterion0(h, *labels0))
+
+        return interleave(forward_and_loss(), module1.backward_steps(loss1, outputs1, output_grads1))
 
 
 _CUTS = "_dsv3_cuts"  # stage output attribute: the Cuts its forward recorded
 _HIDDEN = "_dsv3_hidden"  # loss attribute: the last hidden state the criterion started from
+
+
+def cuts_of(h: torch.Tensor) -> Cuts | None:
+    """The exchanges recorded by the forward that made stage output ``h`` (None for a plain forward's)."""
+    return getattr(h, _CUTS, None)
 
 
 def mark_loss(loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

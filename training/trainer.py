@@ -257,12 +257,17 @@ class Trainer:
             self.pipeline.step(windows, chunks, criterion)
         else:
             stage = self.stages[0]
-            for mb in windows.chunk(chunks):
-                with self._autocast():
+            for i, mb in enumerate(windows.chunk(chunks)):
+                with self._span(f"0F{i}"), self._autocast():
                     loss = criterion(stage(mb[:, :-1]), mb)
-                loss.backward()
+                with self._span(f"0B{i}"):
+                    loss.backward()
         scale_grads(self.modules, 1.0 / chunks)  # every loss (main, MTP, balance) entered backward unscaled
         return criterion
+
+    def _span(self, name: str) -> contextlib.AbstractContextManager:
+        """A compute span of the ``--trace`` timeline (named like the pipeline's actions), when recording."""
+        return self.recorder.span("compute", name) if self.recorder is not None else contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if accel.backend() != "cpu" and self.cfg.run.autocast_bf16 and self.dtype != torch.float64:

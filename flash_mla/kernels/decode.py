@@ -2,9 +2,13 @@
 
 One program handles one work item of the plan (a range of 64-token pages of one sequence) for one
 KV head and a tile of query rows (the ``s_q x h_q / h_kv`` heads that share the KV head, so each
-page is read once per tile, not once per head). Scores use the 512 latent + 64 RoPE columns; the
-same latent tile is V. A sequence planned as one chunk writes ``out``/``lse`` directly; otherwise
-each chunk writes an fp32 partial and its lse, and ``_combine_kernel`` merges them.
+page is read once per tile, not once per head), FlashMLA's shape: the whole Q tile and each K tile
+sit in shared memory (the wgmma operands), scores use the 512 latent + 64 RoPE columns, and the same
+latent K tile is V, at its full 512 width (no V slices, no second read). An FP8 tile is dequantised
+to bf16 once and serves both products. The block-table entries of the chunk are read up front,
+``PAGE_IDS`` pages per load, before the tiles that use them. A sequence planned as one chunk writes
+``out``/``lse`` directly; otherwise each chunk writes an fp32 partial and its lse, and
+``_combine_kernel`` merges them.
 """
 
 from __future__ import annotations
@@ -22,13 +26,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dequant_fp8(x, KS, page_tok_base, col0, n_ok, WIDTH: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr):
-    """e4m3 tile [ROWS, WIDTH] starting at latent column ``col0`` -> bf16 values (fp32 under the interpreter),
-    times its per-token scale of each 128-column tile."""
-    scale = tl.load(KS + page_tok_base[:, None] + col0 // 128 + tl.arange(0, WIDTH // 128)[None, :],
-                    mask=n_ok[:, None], other=0.0)
-    x = tl.reshape(tl.reshape(x.to(tl.float32), (ROWS, WIDTH // 128, 128)) * scale[:, :, None], (ROWS, WIDTH))
-    return round_to_bf16_grid(x) if UPCAST else x.to(tl.bfloat16)  # FlashMLA feeds bf16 MMAs too
+def _dequant_fp8(x, scale, ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """e4m3 tile [ROWS, 512] times its per-token scales [ROWS, 4] (one per 128 columns) -> bf16 values (fp32 on
+    the bf16 grid under the interpreter): FlashMLA dequantises each K tile to bf16 for bf16 MMAs too."""
+    x = tl.reshape(tl.reshape(x.to(tl.float32), (ROWS, 4, 128)) * scale[:, :, None], (ROWS, 512))
+    return round_to_bf16_grid(x) if UPCAST else x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -40,22 +42,17 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
                    stride_pa_slot, stride_pa_h, stride_pa_row, stride_pl_slot, stride_pl_h,
                    rows, ngroups, s_q, qk_scale_log2,
                    CAUSAL: tl.constexpr, FP8: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
-                   PAGE: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, QK_CHUNK: tl.constexpr):
-    # axis 0: (row tile, V slice) with the V slice fastest, so the programs sharing a page run together
-    # and the second read of the page comes from L2
-    n_v: tl.constexpr = D_NOPE // BLOCK_V
-    v_part = tl.program_id(0) % n_v
-    tile = tl.program_id(0) // n_v
+                   PAGE: tl.constexpr, PAGE_IDS: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
     item = tl.program_id(1)
     g = tl.program_id(2)
     splits = tl.load(META + item * 6 + 5)
     if splits == 0:  # padding row of the plan
         return
-    b = tl.load(META + item * 6).to(tl.int64)  # 64-bit: page * stride passes 2^31 from ~58K pages (4 GB)
+    b = tl.load(META + item * 6)
     first = tl.load(META + item * 6 + 1)
     end = tl.load(META + item * 6 + 2)
-    slot = tl.load(META + item * 6 + 3).to(tl.int64)
     seqlen = tl.load(META + item * 6 + 4)
 
     offs_r = tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -64,86 +61,74 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     head = g * ngroups + offs_r % ngroups
     cols = tl.arange(0, D_NOPE)
     cols_r = tl.arange(0, D_ROPE)
-    cols_v = v_part * BLOCK_V + tl.arange(0, BLOCK_V)
-    q_ptr = Q + b * stride_qb + tok * stride_qs + head * stride_qh
+    q_ptr = Q + b.to(tl.int64) * stride_qb + tok * stride_qs + head * stride_qh
+    q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
     q_r = tl.load(q_ptr[:, None] + D_NOPE + cols_r[None, :], mask=r_ok[:, None], other=0.0)
     if UPCAST:
+        q_n = q_n.to(tl.float32)
         q_r = q_r.to(tl.float32)
-    if QK_CHUNK == 0:  # hold the whole latent Q tile for the loop (else reload QK_CHUNK columns at a time)
-        q_n = tl.load(q_ptr[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
-        if UPCAST:
-            q_n = q_n.to(tl.float32)
     last_visible = seqlen - s_q + tok  # bottom-right causal: query token i sees keys <= seqlen - s_q + i
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     tiles_per_page: tl.constexpr = PAGE // BLOCK_N
-    for t in range(first * tiles_per_page, end * tiles_per_page):
-        page = tl.load(BT + b * stride_bt + t // tiles_per_page).to(tl.int64)
-        offs_t = (t % tiles_per_page) * BLOCK_N + tl.arange(0, BLOCK_N)  # token slots within the page
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # token positions within the sequence
-        n_ok = offs_n < seqlen
-        kn_rows = KN + page * stride_kn_blk + g * stride_kn_h + offs_t * stride_kn_tok
-        k_r = tl.load(KR + page * stride_kr_blk + g * stride_kr_h + offs_t[:, None] * stride_kr_tok
-                      + cols_r[None, :], mask=n_ok[:, None], other=0.0)
-        if UPCAST:
-            k_r = k_r.to(tl.float32)
-        s = tl.dot(q_r, tl.trans(k_r))
-        if FP8:
-            scale_rows = page * stride_ks_blk + g * stride_ks_h + offs_t * stride_ks_tok
-        if QK_CHUNK == 0:
-            k_n = tl.load(kn_rows[:, None] + cols[None, :], mask=n_ok[:, None], other=0.0)
+    kn_head = KN + g * stride_kn_h
+    kr_head = KR + g * stride_kr_h
+    ks_head = KS + g * stride_ks_h
+    slots = tl.arange(0, PAGE_IDS)
+    for p0 in range(first, end, PAGE_IDS):
+        # the next PAGE_IDS page ids of the block-table row in one load, ahead of the tiles that use them
+        ids = tl.load(BT + b * stride_bt + p0 + slots, mask=p0 + slots < end, other=0)
+        for t in range(p0 * tiles_per_page, tl.minimum(end, p0 + PAGE_IDS) * tiles_per_page):
+            page = tl.sum(tl.where(slots == t // tiles_per_page - p0, ids, 0), 0).to(tl.int64)  # ids[t's page]
+            offs_t = (t % tiles_per_page) * BLOCK_N + tl.arange(0, BLOCK_N)  # token slots within the page
+            offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # token positions within the sequence
+            n_ok = offs_n < seqlen
+            k_n = tl.load(kn_head + page * stride_kn_blk + offs_t[:, None] * stride_kn_tok + cols[None, :],
+                          mask=n_ok[:, None], other=0.0)
+            k_r = tl.load(kr_head + page * stride_kr_blk + offs_t[:, None] * stride_kr_tok + cols_r[None, :],
+                          mask=n_ok[:, None], other=0.0)
             if FP8:
-                k_n = _dequant_fp8(k_n, KS, scale_rows, 0, n_ok, D_NOPE, BLOCK_N, UPCAST)
+                scale = tl.load(ks_head + page * stride_ks_blk + offs_t[:, None] * stride_ks_tok
+                                + tl.arange(0, D_NOPE // 128)[None, :], mask=n_ok[:, None], other=0.0)
+                k_n = _dequant_fp8(k_n, scale, BLOCK_N, UPCAST)
             if UPCAST:
                 k_n = k_n.to(tl.float32)
-            s += tl.dot(q_n, tl.trans(k_n))
-        else:  # fewer live registers: Q comes back from L1 chunk by chunk
-            for c in tl.static_range(D_NOPE // QK_CHUNK):
-                cc = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
-                q_c = tl.load(q_ptr[:, None] + cc[None, :], mask=r_ok[:, None], other=0.0)
-                k_c = tl.load(kn_rows[:, None] + cc[None, :], mask=n_ok[:, None], other=0.0)
-                if FP8:
-                    k_c = _dequant_fp8(k_c, KS, scale_rows, c * QK_CHUNK, n_ok, QK_CHUNK, BLOCK_N, UPCAST)
-                if UPCAST:
-                    q_c = q_c.to(tl.float32)
-                    k_c = k_c.to(tl.float32)
-                s += tl.dot(q_c, tl.trans(k_c))
-        keep = n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= last_visible[:, None])
-        s = tl.where(keep, s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if BLOCK_V == D_NOPE and QK_CHUNK == 0:
-            v = k_n  # V is the latent part of the same cache row
-        else:  # this program's V columns, reloaded (an L1/L2 hit) rather than sliced out of registers
-            v = tl.load(kn_rows[:, None] + cols_v[None, :], mask=n_ok[:, None], other=0.0)
-            if FP8:
-                v = _dequant_fp8(v, KS, scale_rows, v_part * BLOCK_V, n_ok, BLOCK_V, BLOCK_N, UPCAST)
-            if UPCAST:
-                v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+                k_r = k_r.to(tl.float32)
+            s = tl.dot(q_n, tl.trans(k_n), tl.dot(q_r, tl.trans(k_r)))
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= last_visible[:, None])
+            s = tl.where(keep, s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(k_n.dtype), k_n, acc * alpha[:, None])  # V is the latent K tile, already on chip
+            m_i = m_new
 
     live = l_i > 0
+    # The store's indices are derived afresh (b and slot reloaded, rows in 64 bits) rather than kept from before
+    # the loop: values live across the loop cost registers the 64 x 512 accumulator needs (spills otherwise).
+    b = tl.load(META + item * 6, volatile=True).to(tl.int64)
+    slot = tl.load(META + item * 6 + 3, volatile=True).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_H).to(tl.int64) + tile * BLOCK_H
+    r_ok = offs_r < rows
+    tok = offs_r // ngroups
+    head = g * ngroups + offs_r % ngroups
     o = tl.where(live[:, None], acc / tl.where(live, l_i, 1.0)[:, None], 0.0)
     lse = (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453
     if splits == 1:
         o_ptr = OUT + b * stride_ob + tok * stride_os + head * stride_oh
-        tl.store(o_ptr[:, None] + cols_v[None, :], cast_out(o, OUT.dtype.element_ty, UPCAST), mask=r_ok[:, None])
-        if v_part == 0:
-            tl.store(LSE + b * stride_lb + head * stride_lh + tok, tl.where(live, lse, float("inf")), mask=r_ok)
+        tl.store(o_ptr[:, None] + cols[None, :], cast_out(o, OUT.dtype.element_ty, UPCAST), mask=r_ok[:, None])
+        tl.store(LSE + b * stride_lb + head * stride_lh + tok, tl.where(live, lse, float("inf")), mask=r_ok)
     else:
         pa = OACC + slot * stride_pa_slot + g * stride_pa_h + offs_r * stride_pa_row
-        tl.store(pa[:, None] + cols_v[None, :], o, mask=r_ok[:, None])
-        if v_part == 0:
-            tl.store(LACC + slot * stride_pl_slot + g * stride_pl_h + offs_r, tl.where(live, lse, float("-inf")),
-                     mask=r_ok)
+        tl.store(pa[:, None] + cols[None, :], o, mask=r_ok[:, None])
+        tl.store(LACC + slot * stride_pl_slot + g * stride_pl_h + offs_r, tl.where(live, lse, float("-inf")),
+                 mask=r_ok)
 
 
 @triton.jit
@@ -186,24 +171,28 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-# (BLOCK_H, BLOCK_N, BLOCK_V, QK_CHUNK, warps, stages), per cache dtype: only configs that compile for sm_90a
-# without register spills (benchmarks/kernels_compiled.md). 64 query rows with the whole 512-wide V tile (the
-# FlashMLA shape, K tile reused as V) fits for bf16 with Q reloaded in 128-column chunks and 16-token steps; for
-# the FP8 cache the dequantised tile on top of the 64 x 512 fp32 accumulator spills at every 64-row tiling
-# tried, so FP8 keeps 16/32-row tiles. Which is fastest is for the autotuner on the GPU to say.
-DECODE_CONFIGS = {
-    False: [(64, 16, 512, 128, 8, 3), (16, 16, 128, 0, 4, 2), (16, 32, 512, 0, 4, 2), (32, 32, 512, 128, 8, 2),
-            (64, 32, 256, 128, 8, 2), (64, 32, 128, 0, 8, 2)],
-    True: [(32, 32, 512, 128, 8, 3), (16, 16, 128, 0, 4, 2), (32, 32, 512, 128, 8, 2)],
-}
-# the interpreter runs one config (tests swap in others); it exercises sub-page tiles, V slices and Q chunks
-_INTERP_DECODE_CONFIG = [(16, 32, 256, 128, 1, 1)]
+# (BLOCK_H, BLOCK_N, warps, stages) per cache dtype: only configs that compile for sm_90a without register spills
+# (tests/test_kernel_compile.py, benchmarks/kernels_compiled.md). FlashMLA's shape comes first: 64 query rows on two
+# warp groups, each holding half of the 512-wide fp32 accumulator, Q and the K tile in shared memory, the K tile
+# reused as V. It fits in Triton 3.6 (the H200 image's), which keeps the wgmma shared-memory descriptors in uniform
+# registers; Triton 3.9 computes them per thread (the 36 K steps of Q K^T hold ~70 more registers across the loop)
+# and every 64-row tile spills there, so 3.9 gets the 32/16-row tiles (mma.sync) that fit.
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    DECODE_CONFIGS = {False: [(64, 16, 8, 3), (64, 32, 8, 2), (32, 16, 8, 3)],
+                      True: [(64, 16, 8, 3), (64, 16, 8, 2), (16, 16, 8, 2)]}
+else:
+    DECODE_CONFIGS = {False: [(32, 16, 8, 3), (32, 32, 8, 3), (16, 16, 4, 2)], True: [(16, 16, 8, 2), (16, 16, 4, 2)]}
+# the interpreter runs one config (tests swap in others) and reads page ids in windows of 2 pages, so that
+# sub-page tiles and several windows per chunk are exercised
+_INTERP_DECODE_CONFIG = [(16, 32, 1, 1)]
+PAGE_IDS = 16  # block-table entries read ahead in one load (1024 tokens)
+_INTERP_PAGE_IDS = 2
 _decode = None  # {fp8: autotuned kernel}
 
 
 def config_kwargs(config: tuple) -> dict:
     """The meta-parameters of one ``DECODE_CONFIGS`` entry (its last two fields are warps and stages)."""
-    return dict(zip(("BLOCK_H", "BLOCK_N", "BLOCK_V", "QK_CHUNK"), config[:-2]))
+    return dict(zip(("BLOCK_H", "BLOCK_N"), config[:-2]))
 
 
 def _decode_kernel_tuned(fp8: bool):
@@ -247,14 +236,14 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     if meta.shape[0]:
         kernel = _decode_kernel_tuned(bool(is_fp8_kvcache))
-        kernel[lambda m: (triton.cdiv(rows, m["BLOCK_H"]) * (D_NOPE // m["BLOCK_V"]), meta.shape[0], h_kv)](
+        kernel[lambda m: (triton.cdiv(rows, m["BLOCK_H"]), meta.shape[0], h_kv)](
             q, k_nope, k_rope, k_scale, block_table, meta, out, lse, part_out, part_lse,
             q.stride(0), q.stride(1), q.stride(2),
             *k_nope.stride()[:3], *k_rope.stride()[:3], *k_scale.stride()[:3], block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *part_strides,
             rows, ngroups, s_q, scale * LOG2E,
             CAUSAL=bool(causal), FP8=bool(is_fp8_kvcache), D_NOPE=D_NOPE, D_ROPE=D_ROPE, PAGE=BLOCK_SIZE,
-            UPCAST=interpreted(),
+            PAGE_IDS=_INTERP_PAGE_IDS if interpreted() else PAGE_IDS, UPCAST=interpreted(),
         )
     block_r = 16 if interpreted() else 8
     _combine_kernel[(b, h_kv, triton.cdiv(rows, block_r))](

@@ -20,9 +20,10 @@ from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
-from models.deepseek_v3.mtp import MTPModule, mtp_hidden, mtp_logits
+from models.deepseek_v3.mtp import MTPModule, mtp_hidden_steps, mtp_logits
 from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
+from models.deepseek_v3.steps import Cuts, Steps, drain
 
 __all__ = ["Block", "Transformer", "lm_losses", "lm_losses_from_hidden"]
 
@@ -154,8 +155,18 @@ def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: 
                           ignore_index: int = -100) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """``lm_losses`` of the logits ``head(norm(h))`` and ``mtp_logits(...)``, from the last hidden state ``h``
     (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits."""
+    return drain(lm_losses_from_hidden_steps(args, norm, head, mtp, embed, h, tokens, labels, ignore_index))
+
+
+def lm_losses_from_hidden_steps(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
+                                embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                                ignore_index: int = -100, cuts: Cuts | None = None) -> Steps[dict]:
+    """``lm_losses_from_hidden`` as steps: the MTP blocks yield while their all-to-alls travel (recorded in
+    ``cuts`` for a backward run piece by piece); the heads run after the last MTP exchange."""
     n = labels.shape[1]
-    main = head_loss(norm, head, h[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
+    h_main = h if cuts is None else cuts.carry(h)
+    hidden = yield from mtp_hidden_steps(args, mtp, embed, h, tokens, cuts)
+    main = head_loss(norm, head, h_main[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
     losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], module.recompute_norm, ignore_index)
-              for k, (module, hk) in enumerate(zip(mtp, mtp_hidden(args, mtp, embed, h, tokens)), start=1) if n > k]
+              for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
     return _with_total(args, main, losses)

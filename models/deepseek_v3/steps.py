@@ -17,7 +17,7 @@ nodes, with a blocking reverse exchange).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -87,12 +87,22 @@ class Cuts:
     output, the block's residual) takes fresh ``alias``es of them that only the code after the
     exchange reads, and names those in ``exchange(ex, *aliases)`` once the exchange has landed. The
     backward takes their gradients at the aliases, so it stops there instead of running into the
-    code before the exchange (which the exchange's own path also reaches).
+    code before the exchange (which the exchange's own path also reaches). A tensor read again only
+    after *every* later exchange (the hidden states the loss heads read after the MTP blocks) is
+    ``carry``-ed instead: its alias crosses each exchange recorded from then on.
     """
 
     def __init__(self, stage_input: torch.Tensor | None = None) -> None:
         self.stage_input = stage_input if stage_input is not None and stage_input.requires_grad else None
         self.marks: list[_Mark] = []
+        self.carried: list[GradientEdge] = []
+
+    def carry(self, t: torch.Tensor) -> torch.Tensor:
+        """A fresh alias of ``t`` for code that runs after all exchanges still to be recorded."""
+        (alias,) = self.alias(t)
+        if alias.requires_grad:
+            self.carried.append(get_gradient_edge(alias))
+        return alias
 
     @staticmethod
     def alias(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -100,7 +110,8 @@ class Cuts:
         return tuple(t.view_as(t) if t is not None and t.requires_grad else t for t in tensors)
 
     def exchange(self, ex: Reversible, *live: torch.Tensor | None) -> None:
-        self.marks.append(_Mark(ex, tuple(get_gradient_edge(t) for t in live if t is not None and t.requires_grad)))
+        edges = tuple(get_gradient_edge(t) for t in live if t is not None and t.requires_grad)
+        self.marks.append(_Mark(ex, edges + tuple(self.carried)))
 
 
 def _leaves(roots: Sequence[GradientEdge], stops: set[tuple[int, int]]) -> list[torch.Tensor]:
@@ -149,18 +160,14 @@ def _backward_piece(pending: dict[tuple[int, int], tuple[GradientEdge, torch.Ten
     return out
 
 
-def backward_steps(cuts: Cuts, roots: Sequence[tuple[torch.Tensor | GradientEdge, torch.Tensor]],
-                   first: Callable[[dict], dict] | None = None) -> Steps[None]:
+def backward_steps(cuts: Cuts, roots: Sequence[tuple[torch.Tensor | GradientEdge, torch.Tensor]]) -> Steps[None]:
     """The backward of the forward ``cuts`` recorded, from ``roots`` = [(output, its gradient)].
 
     Between exchanges it is one restricted autograd pass; at each exchange (last first) the reverse
     all-to-all is posted and the generator yields until it is waited for. The stage input's
-    gradient lands in its ``.grad``, like a plain backward's. ``first`` (optional) maps the pending
-    gradients before anything else runs (the criterion's piece: loss -> hidden state).
+    gradient lands in its ``.grad``, like a plain backward's.
     """
     pending = {_key(e): (e, g) for e, g in ((_edge(t), g) for t, g in roots) if g is not None}
-    if first is not None:
-        pending = first(pending)
     for mark in reversed(cuts.marks):
         ex = mark.exchange
         pending = _backward_piece(pending, [ex.received, *mark.live])
@@ -173,12 +180,3 @@ def backward_steps(cuts: Cuts, roots: Sequence[tuple[torch.Tensor | GradientEdge
     pending = _backward_piece(pending, stops)
     if x is not None and stops and _key(stops[0]) in pending:
         accumulate_grad(x, pending[_key(stops[0])][1])
-
-
-def backward_piece(pending: dict, stops: Sequence[torch.Tensor]) -> dict:
-    """``_backward_piece`` with tensor stops (for a caller's own piece, such as a loss head)."""
-    return _backward_piece(pending, [get_gradient_edge(t) for t in stops])
-
-
-def edge_key(t: torch.Tensor) -> tuple[int, int]:
-    return _key(get_gradient_edge(t))

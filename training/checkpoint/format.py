@@ -19,11 +19,14 @@ import base64
 import hashlib
 import json
 import os
+import platform
 import re
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 import torch
 
 FORMAT_VERSION = 1
@@ -225,15 +228,9 @@ def write_pointer(root: Path, name: str, step: int) -> None:
 
 
 def software_versions() -> dict[str, str]:
-    import platform
-
-    import safetensors
-
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "safetensors": safetensors.__version__, "numpy": np.__version__, "format_version": str(FORMAT_VERSION)}
     try:
-        from importlib.metadata import version
-
         versions["dsv3-toolkit"] = version("dsv3-toolkit")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         pass

@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,8 +91,6 @@ class CheckpointManager:
         ``layout`` and anything JSON-able. The RNG states of this rank are captured here. Async mode returns
         once the snapshot is in CPU memory; errors of an earlier background write are raised here.
         """
-        import time
-
         t0 = time.perf_counter()
         if not isinstance(state, dict) or not state:
             raise ValueError(f"state must be a non-empty dict of sections, got {type(state).__name__}")

@@ -29,6 +29,12 @@ from safetensors import safe_open
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import check_config, read_metadata
+from training.checkpoint.resume import load_named_optimizer_state, param_names, split_zero
+from training.checkpoint.rng import restore_rng_state
+from training.config import ParallelConfig
+from training.optim import is_expert_param
+from training.parallel import coords
+from training.stages import expert_range
 
 EXPERT_SEP = "@"
 
@@ -46,10 +52,6 @@ class CheckpointIndex:
     """The saved layout of a checkpoint folder and lazy, sliced reads of its shards."""
 
     def __init__(self, folder: Path, args) -> None:
-        from training.config import ParallelConfig
-        from training.parallel import coords
-        from training.stages import expert_range
-
         self.folder = Path(folder)
         self.metadata = read_metadata(self.folder)
         full = fmt.decode_tree(self.metadata["full_config"], {})
@@ -213,12 +215,6 @@ def optimizer_state(index: CheckpointIndex, param_groups: list[list[str]]) -> di
 
 def load_resharded(trainer, folder: Path) -> int:
     """Load ``folder`` into ``trainer`` whatever layout wrote it; returns the step."""
-    from training.checkpoint.resume import load_named_optimizer_state, split_zero
-    from training.checkpoint.rng import restore_rng_state
-    from training.checkpoint.trainer_hooks import param_names
-    from training.optim import is_expert_param
-    from training.stages import expert_range
-
     index = CheckpointIndex(folder, trainer.args)
     expect = trainer.checkpoint_meta()["config"]
     saved_config = fmt.decode_tree(index.metadata.get("config"), {}) if "config" in index.metadata else None

@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
+from training.optim import is_expert_param
+from training.stages import expert_range
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +164,33 @@ def gather_named_optimizer_state(folder: str | Path, section: str, wanted: Itera
 def restart_count() -> int:
     """How many times torchrun (``--max-restarts``) has restarted this job (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def param_names(trainer) -> dict[int, str]:
+    """``id(param) -> name`` that is the same on every rank holding the same tensor, whatever the DP size.
+
+    Model-level names (``layers.3.attn.wq_a.weight``); routed-expert tensors hold one expert range per
+    EP rank, so their names carry it (``...experts.w1@0-4``). Under EPLB a rank holds physical slots,
+    but checkpoints keep the logical layout, so the name carries the rank's logical range as without EPLB.
+    """
+    names: dict[int, str] = {}
+    for st in trainer.stages:
+        for name, p in st.named_parameters():
+            if id(p) in names:
+                continue
+            if is_expert_param(name):
+                ids = _expert_ids(st, name)
+                if ids is not None and not isinstance(ids, range):  # EPLB slots: saved as the logical range
+                    ids = expert_range(trainer.args, trainer.ps.coords.ep_rank, trainer.cfg.parallel.ep)
+                name = f"{name}@{ids.start}-{ids.stop}" if ids is not None else name
+            names[id(p)] = name
+    return names
+
+
+def _expert_ids(stage, param_name: str) -> range | None:
+    module = stage
+    for part in param_name.split(".")[:-1]:
+        module = getattr(module, part)
+        if hasattr(module, "expert_ids"):
+            return module.expert_ids
+    return None

@@ -22,43 +22,12 @@ from typing import Any
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import CheckpointManager, read_checkpoint, read_metadata
 from training.checkpoint.reshard import load_resharded
-from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, restart_count
+from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names, restart_count
 from training.checkpoint.rng import restore_rng_state
 from training.checkpoint.writer import paused_writer
+from training.config import ParallelConfig
 from training.fault import FaultPolicy, FaultTolerance, Verdict
-
-
-def param_names(trainer) -> dict[int, str]:
-    """``id(param) -> name`` that is the same on every rank holding the same tensor, whatever the DP size.
-
-    Model-level names (``layers.3.attn.wq_a.weight``); routed-expert tensors hold one expert range per
-    EP rank, so their names carry it (``...experts.w1@0-4``). Under EPLB a rank holds physical slots,
-    but checkpoints keep the logical layout, so the name carries the rank's logical range as without EPLB.
-    """
-    from training.optim import is_expert_param
-    from training.stages import expert_range
-
-    names: dict[int, str] = {}
-    for st in trainer.stages:
-        for name, p in st.named_parameters():
-            if id(p) in names:
-                continue
-            if is_expert_param(name):
-                ids = _expert_ids(st, name)
-                if ids is not None and not isinstance(ids, range):  # EPLB slots: saved as the logical range
-                    ids = expert_range(trainer.args, trainer.ps.coords.ep_rank, trainer.cfg.parallel.ep)
-                name = f"{name}@{ids.start}-{ids.stop}" if ids is not None else name
-            names[id(p)] = name
-    return names
-
-
-def _expert_ids(stage, param_name: str) -> range | None:
-    module = stage
-    for part in param_name.split(".")[:-1]:
-        module = getattr(module, part)
-        if hasattr(module, "expert_ids"):
-            return module.expert_ids
-    return None
+from training.metrics import NullLogger
 
 
 def checkpoint_state(trainer) -> dict[str, Any]:
@@ -76,8 +45,6 @@ def load_checkpoint(trainer, folder: Path) -> int:
     """Load ``folder`` into ``trainer``; returns the step. Under the layout that wrote it this is the rank's
     own files (bit-exact, RNG included); under any other valid layout ``reshard.load_resharded`` reads what
     each rank now owns by global name and expert id."""
-    from training.config import ParallelConfig
-
     metadata = read_metadata(folder)
     full = fmt.decode_tree(metadata["full_config"], {}) if "full_config" in metadata else None
     saved_par = ParallelConfig(**full["parallel"]) if full is not None else trainer.cfg.parallel
@@ -189,8 +156,6 @@ class CheckpointHooks:
 
     def _logger(self):
         """The trainer's metrics logger once ``fit`` started it (rank 0), else None."""
-        from training.metrics import NullLogger
-
         logger = getattr(self.trainer, "logger", None)
         return None if logger is None or isinstance(logger, NullLogger) else logger
 

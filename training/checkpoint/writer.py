@@ -18,6 +18,8 @@ in the training loop by the next :meth:`CheckpointWriter.poll`, ``submit`` or ``
 from __future__ import annotations
 
 import concurrent.futures
+import copy
+import json
 import os
 import shutil
 import time
@@ -108,8 +110,6 @@ def paused_writer(delay_s: float, on_pause: Callable[[Path], None] | None = None
 
 
 def _deepcopy_leaf(x: Any) -> Any:
-    import copy
-
     return copy.deepcopy(x)
 
 
@@ -266,8 +266,6 @@ class CheckpointWriter:
             self.after_commit(job.step)
 
     def _await_marker(self, staging: Path, rank: int, step: int) -> dict[str, Any]:
-        import json
-
         path = staging / fmt.done_marker_filename(rank)
         deadline = time.monotonic() + self.commit_timeout_s
         while not path.exists():
