@@ -147,3 +147,14 @@ def test_fp8_cache_layout_and_error():
     bound = x[..., :512].abs() * (2 ** -4 + 2 ** -8) + tile_scale * 2 ** -10 * 1.01
     assert torch.all((back[..., :512] - x[..., :512]).abs() <= bound)
     assert torch.all(back[0, 0, 0, :128] == 0)
+
+
+def test_triton_decode_refuses_misaligned_rope_rows():
+    """The kernel declares the RoPE rows 16-byte aligned; a cache view whose rows are not must go elsewhere."""
+    from flash_mla.kernels.decode import flash_mla_decode_triton
+
+    q, cache, table, lens, meta, splits = _case([70], h_q=4, seed=2)
+    wide = torch.zeros(*cache.shape[:-1], 580, dtype=cache.dtype)  # rows of 1160 bytes: not 16-byte multiples
+    wide[..., :576] = cache
+    with pytest.raises(registry.Unsupported, match="16 bytes"):
+        flash_mla_decode_triton(q, wide[..., :576], table, lens, 512, meta, splits, None, False, False)
