@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from models.deepseek_v3.expert_parallel import _CommThread
 from recipes.train import use_reference_kernels_on_cpu
 from training.config import check_world_size, load_config
 from training.launch import relaunch, strip_option, under_torchrun
@@ -87,8 +88,11 @@ def measure_rank(cfg, steps: int) -> dict:
 
     checked = check_static(cfg)
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
-    meter = CpuPeak() if accel.backend() == "cpu" else DevicePeak()
-    with tempfile.TemporaryDirectory() as run_dir, meter.measure():
+    cpu = accel.backend() == "cpu"
+    meter = CpuPeak() if cpu else DevicePeak()
+    # on a CPU the expert all-to-alls run on the calling thread: the profiler sees no other thread's tensors
+    inline = _CommThread.inline() if cpu else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as run_dir, inline, meter.measure():
         trainer = Trainer(cfg, ps, run_dir, "disabled", checked)
         for _ in range(steps):
             trainer.train_step()

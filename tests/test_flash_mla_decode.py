@@ -94,13 +94,15 @@ def test_triton_decode_matches_reference(seqlens, s_q, h_q, h_kv, fp8, causal):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", [(16, 64, 1, 1), (64, 16, 1, 1)], ids=["page-per-step", "64-rows"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_triton_decode_whole_page_tiling(monkeypatch, fp8):
-    """The interpreter's default config walks pages in 32-token tiles; run one whole 64-token page per step
-    (BLOCK_N = PAGE) as well."""
+def test_triton_decode_other_tilings(monkeypatch, fp8, config):
+    """The interpreter's default config walks pages in 32-token tiles with 16-row tiles; run one whole
+    64-token page per step (BLOCK_N = PAGE), and the GPU's FlashMLA-shaped 64-row tile with 16-token steps
+    (here 16 rows of 64 are real, the rest masked)."""
     from flash_mla.kernels import decode as kernels
 
-    monkeypatch.setattr(kernels, "_INTERP_DECODE_CONFIG", [(16, 64, 1, 1)])
+    monkeypatch.setattr(kernels, "_INTERP_DECODE_CONFIG", [config])
     monkeypatch.setattr(kernels, "_decode", None)  # rebuild the autotuned kernel with that config
     q, cache, table, lens, meta, splits = _case([100, 0, 260], s_q=2, h_q=8, fp8=fp8, seed=11)
     with registry.force("triton"), registry.poisoned_outputs():
@@ -145,3 +147,14 @@ def test_fp8_cache_layout_and_error():
     bound = x[..., :512].abs() * (2 ** -4 + 2 ** -8) + tile_scale * 2 ** -10 * 1.01
     assert torch.all((back[..., :512] - x[..., :512]).abs() <= bound)
     assert torch.all(back[0, 0, 0, :128] == 0)
+
+
+def test_triton_decode_refuses_misaligned_rope_rows():
+    """The kernel declares the RoPE rows 16-byte aligned; a cache view whose rows are not must go elsewhere."""
+    from flash_mla.kernels.decode import flash_mla_decode_triton
+
+    q, cache, table, lens, meta, splits = _case([70], h_q=4, seed=2)
+    wide = torch.zeros(*cache.shape[:-1], 580, dtype=cache.dtype)  # rows of 1160 bytes: not 16-byte multiples
+    wide[..., :576] = cache
+    with pytest.raises(registry.Unsupported, match="16 bytes"):
+        flash_mla_decode_triton(q, wide[..., :576], table, lens, 512, meta, splits, None, False, False)

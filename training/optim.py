@@ -94,7 +94,10 @@ class AdamW(torch.optim.Optimizer):
                         if value is not store:
                             store.copy_(value)
                 if self.ema_decay:
-                    snapshots.append((p, self._snapshot(p)))
+                    snap = self._snapshot(p)
+                    # a first EMA buffer is allocated here, on the caller's thread, where allocator-level
+                    # accounting (the CPU profiler of recipes.memory_report) sees it; the worker fills it
+                    snapshots.append((p, snap, torch.empty_like(snap) if "ema" not in self.state[p] else None))
         if snapshots:
             self._ema_job = self._ema_pool.submit(self._update_ema, snapshots, _copy_done_event())
         return loss
@@ -109,14 +112,14 @@ class AdamW(torch.optim.Optimizer):
         buf.copy_(p.detach(), non_blocking=p.device.type != "cpu")
         return buf
 
-    def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor]], event) -> None:
+    def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], event) -> None:
         if event is not None:
             event.synchronize()
-        for p, snap in snapshots:
+        for p, snap, fresh in snapshots:
             state = self.state[p]
             ema = state.get("ema")
             if ema is None:
-                state["ema"] = snap.clone()
+                state["ema"] = fresh.copy_(snap)
             else:
                 if ema.device.type != "cpu":
                     state["ema"] = ema = ema.to("cpu", torch.float32)

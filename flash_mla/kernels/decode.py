@@ -74,7 +74,6 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
     acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     tiles_per_page: tl.constexpr = PAGE // BLOCK_N
     kn_head = KN + g * stride_kn_h
-    kr_head = KR + g * stride_kr_h
     ks_head = KS + g * stride_ks_h
     slots = tl.arange(0, PAGE_IDS)
     for p0 in range(first, end, PAGE_IDS):
@@ -87,7 +86,9 @@ def _decode_kernel(Q, KN, KR, KS, BT, META, OUT, LSE, OACC, LACC,
             n_ok = offs_n < seqlen
             k_n = tl.load(kn_head + page * stride_kn_blk + offs_t[:, None] * stride_kn_tok + cols[None, :],
                           mask=n_ok[:, None], other=0.0)
-            k_r = tl.load(kr_head + page * stride_kr_blk + offs_t[:, None] * stride_kr_tok + cols_r[None, :],
+            # RoPE rows start on 16 bytes (checked by the launcher; FP8 rows are 656 B, bf16 1152 B): vector copies
+            kr_rows = tl.multiple_of(g * stride_kr_h + page * stride_kr_blk + offs_t * stride_kr_tok, 8)
+            k_r = tl.load(KR + kr_rows[:, None] + cols_r[None, :],
                           mask=n_ok[:, None], other=0.0)
             if FP8:
                 scale = tl.load(ks_head + page * stride_ks_blk + offs_t[:, None] * stride_ks_tok
@@ -181,7 +182,7 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
     DECODE_CONFIGS = {False: [(64, 16, 8, 3), (64, 32, 8, 2), (32, 16, 8, 3)],
                       True: [(64, 16, 8, 3), (64, 16, 8, 2), (16, 16, 8, 2)]}
 else:
-    DECODE_CONFIGS = {False: [(32, 16, 8, 3), (32, 32, 8, 3), (16, 16, 4, 2)], True: [(16, 16, 8, 2), (16, 16, 4, 2)]}
+    DECODE_CONFIGS = {False: [(32, 16, 8, 3), (32, 32, 8, 3), (16, 16, 4, 2)], True: [(16, 16, 8, 3), (16, 16, 8, 2)]}
 # the interpreter runs one config (tests swap in others) and reads page ids in windows of 2 pages, so that
 # sub-page tiles and several windows per chunk are exercised
 _INTERP_DECODE_CONFIG = [(16, 32, 1, 1)]
@@ -228,6 +229,8 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
         if k_cache.stride(-1) != 1:
             raise registry.Unsupported("k_cache's last dim must be contiguous")
         k_nope, k_rope, k_scale = k_cache[..., :D_NOPE], k_cache[..., D_NOPE:], k_cache
+    if any(st % 8 for st in k_rope.stride()[:3]) or k_rope.data_ptr() % 16:  # the kernel's 16-byte RoPE rows
+        raise registry.Unsupported(f"k_cache rows must start on 16 bytes, got strides {tuple(k_cache.stride())}")
     out = registry.empty(b, s_q, h_q, D_NOPE, dtype=q.dtype, device=q.device)
     lse = registry.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     slots = max(1, meta.shape[0])
