@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accel import specs
+from dualpipe.schedules import built
 from models.deepseek_v3 import ModelArgs, Transformer
 from training.config import TrainConfig
-from training.optim import is_expert_param
+from training.optim import STEP_CHUNK, is_expert_param
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
+from training.trainer import model_args
 
 GiB = 1024**3
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
@@ -426,8 +429,6 @@ def precision(cfg: TrainConfig, accelerator: bool) -> Precision:
 
 def _device(device: str | None) -> tuple[str, int | None, bool]:
     """(name, capacity bytes or None, is an accelerator) for a device name from ``accel.specs`` or "cpu"."""
-    from accel import specs
-
     if device is None or device.lower() == "cpu":
         return "cpu", None, False
     spec = specs.lookup(device)
@@ -493,8 +494,6 @@ def _live_states(schedule: str, pp: int, chunks: int, num: int) -> tuple[tuple[t
     """Per rank, the distinct (model stage, live count) states right after each forward, in order of first
     appearance: the peak of any per-stage sizes is among them. Memoised: a planner asks for thousands of
     layouts of the same few schedules."""
-    from dualpipe.schedules import built
-
     out = []
     for items in built(schedule, pp, chunks).actions:  # a rank runs its items in order: no timing needed
         live: dict[int, int] = {}
@@ -533,8 +532,6 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
 def _optimizer_step_transient(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
     """Temporaries of the optimizer step: three fp32 tensors of the largest parameter (torch's AdamW and
     SGD update one tensor at a time), or of one ``training.optim.STEP_CHUNK`` chunk for ``AdamW``."""
-    from training.optim import STEP_CHUNK
-
     largest = _module_param_counts(args, cfg.parallel.ep)["largest tensor"][0]
     if cfg.optim.moments_dtype == "bfloat16" or cfg.optim.ema_decay:
         largest = min(largest, STEP_CHUNK)
@@ -548,8 +545,6 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     ``args`` defaults to the config's model arguments (``training.trainer.model_args``).
     """
     if args is None:
-        from training.trainer import model_args
-
         args = model_args(cfg)
     name, capacity, accelerator = _device(device)
     p = precision(cfg, accelerator)
