@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import tokenizers
 import torch
 
 from training.config import DataConfig
@@ -77,17 +78,12 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer read from a ``tokenizer.json`` file."""
 
     def __init__(self, path: str | Path):
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as exc:  # pragma: no cover - tokenizers ships with transformers
-            raise ValueError("data.tokenizer: a tokenizer.json needs the 'tokenizers' package (pip install "
-                             "tokenizers)") from exc
         path = Path(path)
         path = tokenizer_file(path)
         if not path.is_file():
             raise ValueError(f"data.tokenizer: no tokenizer file at {str(path)!r} "
                              "(expected 'byte' or a tokenizer.json)")
-        self._tok = _Tokenizer.from_file(str(path))
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 import accel
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -72,12 +74,10 @@ class MetricsLogger:
         self.history: list[dict[str, Any]] = []
         self._bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, unit="step", dynamic_ncols=True)
         self._wandb = None
         if wandb_mode != "disabled":
-            import wandb
+            import wandb  # here: it takes seconds to import, and most runs do not log to it
 
             self._wandb = wandb.init(project=project, name=run_name, dir=str(self.run_dir), config=config,
                                      mode=wandb_mode, reinit="finish_previous")
@@ -115,7 +115,7 @@ class MetricsLogger:
         """PNG of the training loss (and MTP / validation loss where logged) against the step."""
         if not self.history:
             return None
-        import matplotlib
+        import matplotlib  # here: slow to import, and the Agg backend must be chosen before pyplot loads
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
