@@ -5,7 +5,7 @@
 
 Trains the demo model (4 layers + MTP, FP8 off) with DualPipeV's two stages in a V on each rank, EP 2 over
 DP 2 (2 processes: one core each on a 2-core machine, as one GPU per rank; ``--nproc 4 --set
-parallel.pp=2`` gives the demo's PP 2 layout, oversubscribed here), 16 micro-batches per rank, on
+parallel.pp=2`` gives the demo's PP 2 layout, oversubscribed here), 8 micro-batches per rank, on
 gloo processes, every ``all_to_all_single`` held back by a fixed delay (``DelayedAllToAll``: a serial wire
 that is busy while the host is free; whoever waits for the exchange sleeps, using no CPU). Per rank,
 comm = (all-to-alls per step) x delay is what the exchanges cost when nothing hides them; compute = the
