@@ -23,22 +23,17 @@ Target (issue 13): overlapped <= 1.15x max(comm, compute).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from accel.trace import TraceRecorder, write_chrome_trace
-from recipes.benchutil import print_report
+from recipes.benchutil import print_report, spawn_gloo
 from training.config import load_config
 from training.parallel import init_parallel
 from training.trainer import Trainer, check_static
@@ -187,27 +182,9 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> dict | None:
     return {"rows": rows, "all_to_alls_per_step": calls_per_step}
 
 
-def _spawned(rank: int, world: int, port: int, ns: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        result = _bench(rank, world, ns)
-        if result is not None:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned, args=(ns.nproc, port, ns, out), nprocs=ns.nproc, join=True)
-        result = json.loads(Path(out).read_text())
+    result = spawn_gloo(_bench, ns.nproc, ns)
     print_report("expert all-to-all hidden behind compute (fixed delay per exchange)", result["rows"],
                  json_path=ns.json,
                  notes=[f"comm = {result['all_to_alls_per_step']:.0f} all-to-alls per step on rank 0 (counts + "

@@ -35,11 +35,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from recipes.benchutil import spawn_gloo
 
 TARGET = 1.2
 
@@ -229,20 +229,6 @@ def _report(rows: list[dict], ns: argparse.Namespace) -> None:
     print_report("expert-parallel all-to-all overlap", rows, json_path=ns.json, notes=notes)
 
 
-def _spawned(rank: int, world: int, port: int, ns: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        rows = _bench(rank, world, ns)
-        if rows is not None:
-            import json
-
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
     if ns.experts % max(ns.nproc, 1) and "WORLD_SIZE" not in os.environ:
@@ -259,18 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if rows is not None:
             _report(rows, ns)
         return 0
-    import json
-    import socket
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.spawn(_spawned, args=(ns.nproc, port, ns, out), nprocs=ns.nproc, join=True)
-        rows = json.loads(Path(out).read_text())
-    _report(rows, ns)
+    _report(spawn_gloo(_bench, ns.nproc, ns, timeout_s=300.0), ns)
     return 0
 
 

@@ -7,17 +7,48 @@ through them too); they are re-exported here so recipes keep importing ``recipes
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 from accel.report import CPU_TIMING_NOTE, context, format_table
 
-__all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink"]
+__all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink", "spawn_gloo"]
+
+
+def spawn_gloo(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0) -> Any:
+    """Run ``fn(rank, world, *args)`` in ``nproc`` fresh gloo processes on this machine (a free local port) and
+    return what rank 0's call returned (JSON-able). ``fn`` must be a module-level function (it is pickled)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_gloo_rank, args=(nproc, port, timeout_s, fn, args, out), nprocs=nproc, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def _gloo_rank(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple,
+               out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
 
 
 def row_sink(json_path: str | Path | None, table: str):
