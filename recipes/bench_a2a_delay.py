@@ -125,9 +125,9 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> dict | None:
     patched = DelayedAllToAll(dist.all_to_all_single)
     dist.all_to_all_single = patched  # the models' exchanges look it up on the module at each call
     trainers = {}
-    settings = [None] + (ns.comm_ratio if ns.delay_ms is None else [f"{ns.delay_ms} ms"])
+    settings = 1 + (1 if ns.delay_ms is not None else len(ns.comm_ratio))  # no delay, then each delay
     for overlap in (True, False):
-        cfg = load_config(ns.config, BASE + [f"run.steps={len(settings) * ns.steps * 2 + 8}",
+        cfg = load_config(ns.config, BASE + [f"run.steps={settings * ns.steps * 2 + 8}",
                                              f"parallel.overlap={str(overlap).lower()}", *ns.overrides])
         ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
         recorder = TraceRecorder(rank) if overlap and ns.trace else None
@@ -170,7 +170,7 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> dict | None:
                     for i in range(ns.steps)]
         for overlap in (True, False):
             step = statistics.median(walls[(overlap, d)])
-            row = {"comm/compute": settings[d] if isinstance(settings[d], str) else f"{comm / compute[True]:.2f}",
+            row = {"comm/compute": f"{comm / compute[True]:.2f}",
                    "mode": "overlapped F&B" if overlap else "F then B", "delay_ms": round(delays[d] * 1e3, 2),
                    "compute_s": round(compute[overlap], 4), "comm_s": round(comm, 4), "step_s": round(step, 4),
                    "x_max": round(step / max(comm, compute[overlap]), 3),
