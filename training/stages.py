@@ -178,8 +178,7 @@ class DeepSeekV3Stage(nn.Module):
             h = yield from module0.forward_steps(*inputs0)
             if criterion0 is None:
                 return h, None
-            steps = getattr(criterion0, "steps", None)  # a criterion with steps (StageLoss) interleaves too
-            return h, ((yield from steps(h, *labels0)) if steps is not None else criterion0(h, *labels0))
+            return h, (yield from criterion0.steps(h, *labels0))  # the criterion (StageLoss) interleaves too
 
         return interleave(forward_and_loss(), module1.backward_steps(loss1, outputs1, output_grads1))
 
