@@ -6,9 +6,9 @@
 Runs ``--steps`` real training steps of the config (the trainer, its schedule, optimizer and
 expert parallelism as ``recipes.train`` builds them; no checkpoints, no logging) and takes each
 rank's peak of live tensor bytes from building the model to the last step: on a GPU the caching
-allocator's ``max_memory_allocated``; on a CPU the profiler's allocation events
-(``profile_memory``), summed in time order (every tensor the c10 allocator hands out or frees, in
-any thread). The prediction is the model's total without the allocator margin (which neither
+allocator's ``max_memory_allocated``; on a CPU the c10 CPU allocator's process-wide count of live
+bytes (every tensor it hands out or frees, in any thread), read from the profiler's allocation events
+(``CpuPeak``). The prediction is the model's total without the allocator margin (which neither
 measurement sees). Rank 0 prints one line per rank and, with ``--json``, writes them.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import sys
 import tempfile
@@ -42,7 +43,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class CpuPeak:
-    """Peak of live CPU tensor bytes from the profiler's allocation events (``.peak`` after the block)."""
+    """Peak of live CPU tensor bytes over the block, counted in every thread (``.peak`` after the block).
+
+    torch's profiler records allocation events on the profiled thread only, and a tensor freed on
+    another thread (gloo's workers drop the last reference to the buffers a collective sent or
+    received; the comm thread) gives no event, so summing events counts such tensors as live forever.
+    The c10 CPU allocator's reporter keeps a process-wide count of live bytes whenever its
+    ``caffe2_report_cpu_memory_usage`` flag is set (no Python binding; set through libc10's exported
+    symbol), and every profiler event carries that count: the peak is its maximum over the events.
+    Allocations on other threads are in the count from the next event on; the expert all-to-alls run
+    inline meanwhile (``measure_rank``) so that none is transient between two events.
+    """
 
     def __init__(self) -> None:
         self.peak = 0
@@ -51,15 +62,43 @@ class CpuPeak:
     def measure(self) -> Iterator[CpuPeak]:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            yield self
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                  and e.device_type().name == "CPU"]
-        live = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            live += e.nbytes()
-            peak = max(peak, live)
-        self.peak = peak
+        flag = _report_cpu_memory_flag()
+        before, flag.value = flag.value, True
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                yield self
+        finally:
+            flag.value = before
+        events = [e for _, e in sorted(_allocation_events(prof), key=lambda te: te[0]) if e.device.type == "cpu"]
+        if events:  # the count may include tensors allocated (while the flag was set) before the block
+            base = events[0].total_allocated - events[0].alloc_size
+            self.peak = max(e.total_allocated for e in events) - base
+
+
+def _report_cpu_memory_flag() -> ctypes.c_bool:
+    """libc10's ``FLAGS_caffe2_report_cpu_memory_usage`` (``c10/core/CPUAllocator.cpp``), writable."""
+    import torch
+
+    libs = sorted((Path(torch.__file__).parent / "lib").glob("*c10.*"))  # libc10.so / libc10.dylib / c10.dll
+    for lib in libs:
+        with contextlib.suppress(OSError, ValueError):
+            return ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
+    raise RuntimeError(f"recipes.memory_report: no c10 library exporting FLAGS_caffe2_report_cpu_memory_usage "
+                       f"among {[str(p) for p in libs]}: a CPU peak cannot count frees made on other threads")
+
+
+def _allocation_events(prof) -> list:
+    """(time, record) of every allocation and free of a finished profile; a record has ``alloc_size`` (negative
+    for a free), ``total_allocated`` (the reporter's count after it) and ``device``."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            out.append((node.start_time_ns, node.extra_fields))
+        stack.extend(node.children)
+    return out
 
 
 class DevicePeak:
