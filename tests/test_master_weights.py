@@ -223,3 +223,27 @@ def test_checkpoint_resume_with_master_weights_is_bit_exact_and_export_takes_the
         assert sb["ema"].dtype == torch.float32 and sb["ema"].device.type == "cpu"
         for key in ("master", "exp_avg", "exp_avg_sq", "ema"):
             assert torch.equal(sa[key], sb[key]), key
+
+
+def test_memory_model_counts_bf16_weights_fp32_grads_and_sharded_masters():
+    """Per rank of the 671B layout: weights 2 B/param instead of 4, gradients still 4 B/param, and the optimizer
+    item grows by exactly the 4 B/param master over its ZeRO-1 shards (dense / dp, experts / (dp / ep)); the
+    dry run's header says so, and every rank fits the H800 with the allocator margin included."""
+    from training.memory import estimate, format_estimate
+    from training.trainer import model_args
+
+    path = "recipes/configs/deepseek_v3_671b.toml"
+    v3 = load_config(path)
+    assert (v3.run.dtype, v3.optim.master_dtype) == ("bfloat16", "float32")
+    fp32 = load_config(path, ["run.dtype=\"float32\"", "optim.master_dtype=\"param\""])
+    ours, base = estimate(v3, device="H800"), estimate(fp32, device="H800")
+    par = v3.parallel
+    for a, b in zip(base, ours):
+        dense = a.params - a.expert_params
+        assert b.items["weights"] * 2 == a.items["weights"] == 4 * a.params
+        assert b.items["gradients"] == a.items["gradients"]
+        master = 4 * (dense / par.dp + a.expert_params / (par.dp // par.ep))
+        assert b.items["optimizer"] - a.items["optimizer"] == pytest.approx(master, abs=2)
+    assert ours.fits and all(r.total_bytes <= ours.capacity_bytes for r in ours)
+    text = format_estimate(v3, model_args(v3), ours)
+    assert "weights bfloat16 2 B/param, grads float32 4 B/param, float32 master weights 4 B/param" in text
