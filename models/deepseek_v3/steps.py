@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from deep_gemm.linear import accumulate_grad
+from accel.grads import accumulate_grad
 
 T = TypeVar("T")
 Steps = Generator[None, None, T]
@@ -137,7 +137,8 @@ def _leaves(roots: Sequence[GradientEdge], stops: set[tuple[int, int]]) -> list[
 
 def _backward_piece(pending: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]],
                     stops: Sequence[GradientEdge]) -> dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]]:
-    """Back-propagate the ``pending`` gradients down to ``stops``; parameters reached accumulate ``.grad``.
+    """Back-propagate the ``pending`` gradients down to ``stops``; parameters reached accumulate their gradient
+    (``accel.grads``).
 
     Returns the gradients at the stops (a pending edge that is also a stop passes through).
     """
