@@ -25,7 +25,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import accel.wgrad
-from deep_gemm.linear import accumulate_grad
+from accel.grads import accumulate_grad
 
 T = TypeVar("T")
 
@@ -189,7 +189,8 @@ def _leaves(roots: Sequence[GradientEdge], stops: set[tuple[int, int]]) -> list[
 
 def _backward_piece(pending: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]],
                     stops: Sequence[GradientEdge]) -> dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]]:
-    """Back-propagate the ``pending`` gradients down to ``stops``; parameters reached accumulate ``.grad``.
+    """Back-propagate the ``pending`` gradients down to ``stops``; parameters reached accumulate their gradient
+    (``accel.grads``).
 
     Returns the gradients at the stops (a pending edge that is also a stop passes through).
     """
