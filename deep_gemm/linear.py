@@ -4,9 +4,10 @@ With ``fp8=True`` all three GEMMs of a linear layer run in FP8 as in the DeepSee
   forward  Y  = X @ W^T    X per 1x128 tile (per token),     W per 128x128 block   (``fp8_gemm_nt``)
   dgrad    dX = dY @ W     dY per 1x128 tile (per token),    W's forward blocks    (``fp8_gemm_nn``)
   wgrad    dW = dY^T @ X   dY and X per 1x128 tile along the token dimension      (``fp8_gemm_tn``)
-Master weights and weight gradients stay in the weight's dtype (fp32 or bf16). Dimensions that
-are not multiples of 128 are zero-padded internally. On a CPU the ops run their references
-(quantize, then exact fp32 arithmetic), so FP8 training can be studied without a GPU.
+Weight gradients are in the weight's dtype (fp32 or bf16), or fp32 for a bf16 weight with a
+``main_grad``. Dimensions that are not multiples of 128 are zero-padded internally. On a CPU the
+ops run their references (quantize, then exact fp32 arithmetic), so FP8 training can be studied
+without a GPU.
 
 Memory (DeepSeek-V3 report, 3.3.3): with ``fp8_cache`` the input is kept for backward only as the
 forward's e4m3 + 1x128-scale cast (dequantized and re-tiled to 128x1 for the wgrad), not in its
@@ -14,9 +15,10 @@ own precision. The FP8 weights are never saved: backward casts the weight again 
 read) instead of holding a copy per in-flight micro-batch.
 
 Zero-bubble: backward computes the input gradient at once and hands the weight gradient to
-``accel.wgrad.defer`` as a closure that accumulates into ``weight.grad`` exactly as autograd
-would (runs at once when nothing collects). The weight's gradient therefore never flows through
-autograd: ``torch.autograd.grad(..., weight)`` sees None; use ``weight.grad``.
+``accel.wgrad.defer`` as a closure that accumulates into the weight's gradient exactly as autograd
+would (``accel.grads.accumulate_grad``: ``.grad``, or the fp32 ``main_grad`` of a bf16 weight; runs at
+once when nothing collects). The weight's gradient therefore never flows through autograd:
+``torch.autograd.grad(..., weight)`` sees None; read ``accel.grads.grad(weight)``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 import accel.wgrad
 from accel import registry
+from accel.grads import accumulate_grad
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
 from deep_gemm.gemm import fp8_gemm_nn, fp8_gemm_nt, fp8_gemm_tn
 from deep_gemm.grouped import (
@@ -51,20 +54,6 @@ def _pad(x: torch.Tensor, *multiples: int) -> torch.Tensor:
 
 def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` as autograd accumulates (a new tensor when there is none yet).
-
-    Runs under no_grad on a detached gradient: a deferred closure may run while grad mode is on,
-    and ``.grad`` must never join a graph (a later in-place add would then fail).
-    """
-    with torch.no_grad():
-        grad = grad.detach().to(param.dtype)
-        if param.grad is None:
-            param.grad = grad.contiguous()
-        else:
-            param.grad.add_(grad)
 
 
 def _run_or_defer(closure) -> None:
@@ -95,7 +84,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             out = x @ weight.to(x.dtype).T
             ctx.save_for_backward(x)
-        # The weight itself, not a saved-tensor copy: its .grad is what the wgrad closure accumulates
+        # The weight itself, not a saved-tensor copy: its gradient is what the wgrad closure accumulates
         # into, which must be the real parameter even under non-reentrant checkpointing or offload hooks.
         ctx.weight = weight
         if bias is not None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.grads import accumulate_grad, grad
 from dualpipe.runtime import DEFAULT_P2P_TIMEOUT, Pipeline
 from dualpipe.utils import scatter
 
@@ -76,10 +77,14 @@ class DualPipe(Pipeline):
                 n = p.numel()
                 if id(p) not in done:
                     add = extra[offset: offset + n].view_as(p)
-                    p.grad = add.clone() if p.grad is None else p.grad + add
+                    accumulate_grad(p, add)
                     done.add(id(p))
                 offset += n
 
 
 def _flat_grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in module.parameters()])
+    flat = []
+    for p in module.parameters():
+        g = grad(p)
+        flat.append((g if g is not None else torch.zeros_like(p)).reshape(-1))
+    return torch.cat(flat)

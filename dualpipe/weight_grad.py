@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accel.wgrad
+from accel.grads import accumulate_grad
 
 
 class WeightGradStore:
@@ -71,10 +72,9 @@ class _LinearDeferredWGrad(torch.autograd.Function):
         def weight_grad() -> None:
             g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
             gw = g2.t() @ x2
-            weight.grad = gw if weight.grad is None else weight.grad + gw
+            accumulate_grad(weight, gw)
             if bias is not None:
-                gb = g2.sum(0)
-                bias.grad = gb if bias.grad is None else bias.grad + gb
+                accumulate_grad(bias, g2.sum(0))
 
         if not accel.wgrad.defer(weight_grad):
             weight_grad()
@@ -86,7 +86,7 @@ class LinearWithDeferredWGrad(nn.Linear):
 
     The reference for how a layer takes part in I/W splitting: the input gradient is returned
     to autograd at once, the weight (and bias) gradient is wrapped in a closure given to
-    ``accel.wgrad.defer`` and accumulated into ``.grad`` when the pipeline's W action runs it.
+    ``accel.wgrad.defer`` and accumulated into the gradient (``accel.grads``) when the pipeline's W action runs it.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

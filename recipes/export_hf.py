@@ -7,8 +7,10 @@ The per-rank ``model`` shards of a PP x EP x DP run are stitched into one whole 
 pipeline stages contribute their layers, expert-parallel ranks their slice of every stacked expert
 tensor (``training.parallel.coords`` + ``training.stages.expert_range`` say which), data-parallel
 replicas are read once. Every tensor of the model must be covered, shapes must agree, else a
-ValueError names the key. ``models.deepseek_v3.save_hf_checkpoint`` then writes the HF layout that
-``load_hf_checkpoint``, transformers and the reference inference code read.
+ValueError names the key. A run with BF16 working weights (``optim.master_dtype = "float32"``) keeps the
+model's true weights as the optimizer's FP32 ``master`` states: those replace the BF16 parameters.
+``models.deepseek_v3.save_hf_checkpoint`` then writes the HF layout that ``load_hf_checkpoint``,
+transformers and the reference inference code read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from models.deepseek_v3.checkpoint import save_hf_checkpoint
 from training.checkpoint import CheckpointManager, CheckpointMismatchError
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
-from training.checkpoint.resume import LazyShard
+from training.checkpoint.resume import LazyShard, gather_named_optimizer_state
 
 
 def train_config_of(metadata: dict[str, Any]):
@@ -45,7 +47,9 @@ def train_config_of(metadata: dict[str, Any]):
 
 
 def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Transformer:
-    """The whole model of checkpoint ``folder``, on the CPU, from every rank's ``model`` shard."""
+    """The whole model of checkpoint ``folder``, on the CPU, from every rank's ``model`` shard, with the FP32
+    master weights in place of BF16 working weights when the run kept them (then in float32 by default)."""
+    from training.checkpoint.reshard import split_expert_name
     from training.parallel import coords
     from training.stages import expert_range
     from training.trainer import DTYPES, model_args
@@ -54,7 +58,8 @@ def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Tran
     metadata = read_metadata(folder)
     cfg = train_config_of(metadata)
     args = model_args(cfg)
-    model = Transformer(args).to(dtype or DTYPES[cfg.run.dtype])
+    masters = cfg.optim.master_dtype != "param"
+    model = Transformer(args).to(dtype or (DTYPES[cfg.optim.master_dtype] if masters else DTYPES[cfg.run.dtype]))
     full = model.state_dict(keep_vars=False)
     covered: dict[str, torch.Tensor] = {k: torch.zeros(v.shape[0] if v.dim() else 1, dtype=torch.bool)
                                         for k, v in full.items()}
@@ -67,18 +72,24 @@ def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Tran
         experts = expert_range(args, coords(record["rank"], par).ep_rank, par.ep) if par.ep > 1 else None
         tensors = fmt.decode_tree(skeleton, LazyShard(folder / name))
         for key, value in tensors.items():
-            _place(full, covered, key, value, experts, record["rank"])
+            _place(full, covered, key, value, experts, f"rank {record['rank']}'s model shard")
     missing = [k for k, c in covered.items() if not bool(c.all())]
     if missing:
         raise CheckpointMismatchError(f"checkpoint {folder} does not cover {len(missing)} model tensors, e.g. "
                                       f"{missing[:4]}; expected every pipeline stage and expert slice to be saved")
+    # (a checkpoint taken before the first optimizer step has no masters: the BF16 weights are the masters then)
+    if masters and any("optimizer" in r["sections"] for r in metadata["ranks"]):
+        for part in gather_named_optimizer_state(folder, "optimizer", state_keys=["master"]):
+            for fqn, state in part["state"].items():
+                key, rows = split_expert_name(fqn)
+                _place(full, covered, key, state["master"], rows, "the optimizer's master weights")
     return model
 
 
 def _place(full: dict[str, torch.Tensor], covered: dict[str, torch.Tensor], key: str, value: torch.Tensor,
-           experts: range | None, rank: int) -> None:
+           experts: range | None, source: str) -> None:
     if key not in full:
-        raise CheckpointMismatchError(f"rank {rank}'s model shard has {key!r}, which this model config lacks")
+        raise CheckpointMismatchError(f"{source} has {key!r}, which this model config lacks")
     target = full[key]
     if value.shape == target.shape:
         with torch.no_grad():
@@ -90,7 +101,7 @@ def _place(full: dict[str, torch.Tensor], covered: dict[str, torch.Tensor], key:
             target[experts.start:experts.stop].copy_(value)
         covered[key][experts.start:experts.stop] = True
     else:
-        raise CheckpointMismatchError(f"rank {rank}'s {key!r} has shape {tuple(value.shape)}, the model "
+        raise CheckpointMismatchError(f"{source}: {key!r} has shape {tuple(value.shape)}, the model "
                                       f"expects {tuple(target.shape)} (or an expert slice of it)")
 
 

@@ -132,8 +132,10 @@ def test_estimate_public_api_and_verdict():
 
 
 def test_bf16_moments_halve_the_optimizer_item_and_ema_lives_on_the_host():
-    base = estimate(load_config(CONFIG_671B, ["optim.moments_dtype=\"param\"", "optim.ema_decay=0"]), device="H800")
-    cfg = load_config(CONFIG_671B, ["optim.moments_dtype=\"bfloat16\"", "optim.ema_decay=0.999"])
+    fp32 = ["run.dtype=\"float32\"", "optim.master_dtype=\"param\""]  # the parameters are the fp32 masters
+    base = estimate(load_config(CONFIG_671B, fp32 + ["optim.moments_dtype=\"param\"", "optim.ema_decay=0"]),
+                    device="H800")
+    cfg = load_config(CONFIG_671B, fp32 + ["optim.moments_dtype=\"bfloat16\"", "optim.ema_decay=0.999"])
     v3 = estimate(cfg, device="H800")
     for a, b in zip(base, v3):
         assert b.items["optimizer"] * 2 == pytest.approx(a.items["optimizer"], rel=1e-9)

@@ -3,9 +3,9 @@
 CPU, one process, the debug model at 2 micro-batches of 1 x 128 tokens (32 rows per expert on
 average, so every expert fills exactly one 128-row block and the balanced-routing assumption is exact).
 The peak is the profiler's live-tensor bytes over model build + 2 steps (the optimizer states exist from
-the first step); the prediction must be within 10% of it for each of six layouts/options. Each layout runs
+the first step); the prediction must be within 10% of it for each of seven layouts/options. Each layout runs
 in a fresh process (a second run in the same process misses allocations its predecessor already made);
-the six run at once, so the test costs about one run's wall time per core.
+the seven run at once, so the test costs about one run's wall time per core.
 Known gap (benchmarks/memory.md): multi-process layouts with expert parallelism (DualPipeV/DualPipe with
 EP) are not within 10%, so they are not asserted here.
 """
@@ -29,6 +29,8 @@ LAYOUTS = {
     "recompute v3 + FP8 caching": ["model.overrides.recompute=[\"v3\"]"],
     "recompute block": ["model.overrides.recompute=[\"block\"]"],
     "BF16 moments + host EMA": ["optim.moments_dtype=\"bfloat16\"", "optim.ema_decay=0.99"],
+    "V3 precision: BF16 weights, FP32 masters + grads, BF16 moments": [
+        "run.dtype=\"bfloat16\"", "optim.master_dtype=\"float32\"", "optim.moments_dtype=\"bfloat16\""],
 }
 
 

@@ -36,6 +36,7 @@ from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
+MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
 # Schedules whose ranks each hold two stages (so the model is cut into 2 x pp stages).
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev", "dualpipe")
@@ -47,7 +48,8 @@ class RunConfig:
     seed: int = 1234
     steps: int = 100
     nproc: int = 1  # world size that `--nproc` defaults to (single machine)
-    dtype: str = "float32"  # master weights and (on CPU) compute: float32 | float64 | bfloat16
+    dtype: str = "float32"  # the parameters (master weights unless optim.master_dtype) and, on CPU, compute:
+    # float32 | float64 | bfloat16
     autocast_bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
     runs_root: str = "runs"
     sample_prompt: str = "The "  # prompt of the generated sample printed at the end ("" = none)
@@ -109,6 +111,9 @@ class OptimConfig:
     clip_grad: float = 1.0  # 0 = no clipping
     name: str = "adamw"  # adamw | sgd (momentum = betas[0]; one moment)
     moments_dtype: str = "param"  # param (the master weights' dtype) | bfloat16 (V3: AdamW moments in BF16)
+    # param: the parameters are the master weights | float32: with run.dtype = "bfloat16", BF16 working weights,
+    # an FP32 master copy in the (ZeRO-1 sharded) optimizer state and FP32 gradient accumulation (V3)
+    master_dtype: str = "param"
     ema_decay: float = 0.0  # > 0: keep an EMA of the parameters in host memory, updated asynchronously (V3)
 
 
@@ -400,6 +405,15 @@ def validate(cfg: TrainConfig) -> None:
     if o.moments_dtype == "bfloat16" and o.name != "adamw":
         raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' (the optimizer with BF16 moments); "
                          f"optim.name={o.name!r} cannot take them (choices for it: {', '.join(OPTIMIZERS)})")
+    if o.master_dtype not in MASTER_DTYPES:
+        raise ValueError(f"optim.master_dtype must be one of {', '.join(MASTER_DTYPES)}, got {o.master_dtype!r}")
+    if o.master_dtype == "float32" and r.dtype != "bfloat16":
+        raise ValueError(f"optim.master_dtype='float32' keeps an FP32 master copy of BF16 working weights: it needs "
+                         f"run.dtype='bfloat16', got run.dtype={r.dtype!r} (with float32 the parameters are already "
+                         f"the master weights; choices for optim.master_dtype: {', '.join(MASTER_DTYPES)})")
+    if o.master_dtype == "float32" and o.name != "adamw":
+        raise ValueError(f"optim.master_dtype='float32' needs optim.name='adamw' (the optimizer that keeps the master "
+                         f"copy); optim.name={o.name!r} cannot (choices for it: {', '.join(OPTIMIZERS)})")
     if not 0.0 <= o.ema_decay < 1.0:
         raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
     if o.ema_decay and o.name != "adamw":

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.grads import grad
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.eplb import (
     ExpertLoadEMA,
@@ -217,8 +218,8 @@ class EplbRuntime:
         grads, plans = [], []
         for i, layer in enumerate(self.layers):
             for p in (layer.experts.w13, layer.experts.w2):
-                if p.grad is not None:
-                    grads.append(p.grad)
+                if grad(p) is not None:
+                    grads.append(grad(p))
                     plans.append(self.phy2log[i])
         sync_replica_grads_(grads, plans, self.num_experts, self.ep_group)  # one all-reduce for every layer
 

@@ -5,10 +5,13 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
 
 - **weights** and **gradients**: ``numel x bytes(run.dtype)`` of the stages the schedule puts there
   (DualPipe holds two mirrored stages, DualPipeV/ZBV two stages of a V), counted on a ``meta`` model
-  built with one expert-parallel slice of the routed experts (EPLB's redundant slots included);
-- **optimizer**: AdamW's two moments in ``optim.moments_dtype`` (fp32, or bf16 as V3), sharded by
-  ZeRO-1 over the stage's ``dp`` ranks (dense parameters) and the ``dp / ep`` expert replicas (experts),
-  as an even split (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
+  built with one expert-parallel slice of the routed experts (EPLB's redundant slots included); with
+  ``optim.master_dtype = "float32"`` (V3) the weights are BF16 (2 B) and the gradients FP32 (4 B,
+  ``main_grad`` buffers);
+- **optimizer**: AdamW's two moments in ``optim.moments_dtype`` (fp32, or bf16 as V3), plus the FP32
+  master copy (4 B) when ``optim.master_dtype = "float32"``, sharded by ZeRO-1 over the stage's ``dp``
+  ranks (dense parameters) and the ``dp / ep`` expert replicas (experts), as an even split
+  (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
 - **activations**: the bytes each (stage, micro-batch) keeps for backward (``saved_per_token``: every
   tensor autograd saves, item by item, under the recompute policy, FP8 activation caching, the
   attention implementation and the criterion), summed over the (stage, micro-batch) pairs alive at
@@ -52,13 +55,20 @@ ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) 
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of what a step keeps: ``act`` activations (bf16 under autocast on an accelerator,
-    else ``run.dtype``), ``param`` weights/gradients, ``moment`` each of the ``moments`` optimizer states."""
+    else ``run.dtype``), ``param`` weights, ``moment`` each of the ``moments`` optimizer states, ``master`` the
+    optimizer's master copy (0: the parameters are the master weights)."""
 
     act: float
     param: int
     moment: int
     moments: int  # optimizer states per parameter (AdamW 2, SGD with momentum 1)
     attention: str  # "flash" (saves q, k, v, out, lse) or "reference" (the CPU path: keeps block probabilities)
+    master: int = 0
+
+    @property
+    def grad(self) -> int:
+        """Gradient bytes per parameter: the master's (FP32 ``main_grad`` buffers) when there is a master copy."""
+        return self.master or self.param
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -420,11 +430,12 @@ class MemoryEstimate:
 
 def precision(cfg: TrainConfig, accelerator: bool) -> Precision:
     pbytes = _BYTES[cfg.run.dtype]
+    master = _BYTES[cfg.optim.master_dtype] if cfg.optim.master_dtype != "param" else 0
     act = 2 if (accelerator and cfg.run.autocast_bf16 and cfg.run.dtype != "float64") else pbytes
-    moment = 2 if cfg.optim.moments_dtype == "bfloat16" else pbytes
+    moment = 2 if cfg.optim.moments_dtype == "bfloat16" else master or pbytes
     moments = 1 if cfg.optim.name == "sgd" else 2
     return Precision(act=act, param=pbytes, moment=moment, moments=moments,
-                     attention="flash" if accelerator else "reference")
+                     attention="flash" if accelerator else "reference", master=master)
 
 
 def _device(device: str | None) -> tuple[str, int | None, bool]:
@@ -533,7 +544,7 @@ def _optimizer_step_transient(args: ModelArgs, cfg: TrainConfig, p: Precision) -
     """Temporaries of the optimizer step: three fp32 tensors of the largest parameter (torch's AdamW and
     SGD update one tensor at a time), or of one ``training.optim.STEP_CHUNK`` chunk for ``AdamW``."""
     largest = _module_param_counts(args, cfg.parallel.ep)["largest tensor"][0]
-    if cfg.optim.moments_dtype == "bfloat16" or cfg.optim.ema_decay:
+    if cfg.optim.moments_dtype == "bfloat16" or cfg.optim.ema_decay or cfg.optim.master_dtype != "param":
         largest = min(largest, STEP_CHUNK)
     return int(3 * 4 * largest)
 
@@ -563,8 +574,8 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
         expert = sum(counts[s][1] for s in mine)
         items = {
             "weights": (dense + expert) * p.param,
-            "gradients": (dense + expert) * p.param,
-            "optimizer": int(p.moments * p.moment * (dense / shard_dense + expert / shard_expert)),
+            "gradients": (dense + expert) * p.grad,
+            "optimizer": int((p.moments * p.moment + p.master) * (dense / shard_dense + expert / shard_expert)),
             "activations": peaks[r],
         }
         items["transient"] = max(max(work[s] for s in mine), step_transient - items["activations"], 0)
@@ -585,11 +596,14 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
     p = est.precision
     act = {2: "bf16", 4: "fp32", 8: "fp64"}[int(p.act)]
     moments = {2: "bf16", 4: "fp32", 8: "fp64"}[p.moment]
+    weights = (f"weights {cfg.run.dtype} {p.param} B/param, grads {cfg.optim.master_dtype} {p.grad} B/param, "
+               f"{cfg.optim.master_dtype} master weights {p.master} B/param in the optimizer (/ZeRO-1 shards)"
+               if p.master else f"weights/grads {cfg.run.dtype}")
     lines = [f"model {cfg.model.preset}: {counts['total'] / 1e9:.1f}B parameters, "
              f"{counts['activated'] / 1e9:.1f}B activated per token (MTP excluded, as published)",
              f"device: {est.device}" + (f" ({est.capacity_bytes / GiB:.1f} GiB)" if est.capacity_bytes else
                                         " (no capacity: pass --device, e.g. --device H800)"),
-             f"per-rank memory (weights/grads {cfg.run.dtype}, AdamW moments {moments} ZeRO-1 "
+             f"per-rank memory ({weights}, AdamW moments {moments} ZeRO-1 "
              f"{'on' if cfg.parallel.zero1 else 'off'}, activations {act}, recompute {list(args.recompute) or 'none'}, "
              f"fp8 {args.fp8} (activation caching {_fp8_cache(args)}), fused CE {fused_cross_entropy(args)}, "
              f"micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} tokens; GiB):",

@@ -1,9 +1,15 @@
 """Optimizer, LR schedule, gradient reduction and clipping for PP x EP x DP training.
 
 - AdamW as DeepSeek-V3 (betas 0.9/0.95, weight decay 0.1); no decay on 1-D parameters (norm
-  scales), as is standard. Master weights and gradients stay fp32 (or fp64 for tests); the moments
-  are in the parameters' dtype (``torch.optim.AdamW``) or, with ``optim.moments_dtype = "bfloat16"``,
-  in BF16 as V3 keeps them (``AdamW`` below: fp32 math, moments rounded to nearest when stored).
+  scales), as is standard. By default the parameters are the master weights (fp32, or fp64 for tests)
+  and the moments are in their dtype (``torch.optim.AdamW``); with ``optim.moments_dtype = "bfloat16"``
+  the moments are BF16 as V3 keeps them (``AdamW`` below: fp32 math, moments rounded to nearest when
+  stored).
+- BF16 working weights (``run.dtype = "bfloat16"`` with ``optim.master_dtype = "float32"``, V3 report
+  3.3, Megatron-Core's distributed optimizer): the model's parameters are BF16, ``AdamW`` keeps an FP32
+  ``master`` copy of each parameter in its per-parameter state (so ZeRO-1 shards it like the moments),
+  updates it and writes bf16(master), rounded to nearest, into the parameter; gradients accumulate in
+  FP32 ``main_grad`` buffers (``accel.grads``), which every function here reads.
 - Parameter EMA (``optim.ema_decay``): kept in host memory in the optimizer's per-parameter state
   (so it is ZeRO-1 sharded, checkpointed by name and re-partitioned like the moments), updated on a
   worker thread from a host snapshot taken right after each update (V3 keeps it on the CPU).
@@ -28,32 +34,43 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import accel
+from accel import grads
 from training.config import OptimConfig
 
 STEP_CHUNK = 1 << 24  # elements ``AdamW`` updates at once: its fp32 temporaries stay at 3 x 64 MiB
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW with its moments stored in ``moments_dtype`` (None: the parameter's) and an optional host EMA.
+    """AdamW with its moments stored in ``moments_dtype``, an optional FP32 master copy and an optional host EMA.
 
     The update is ``torch.optim.AdamW``'s (same operations in the same order; with fp32 moments and
     fp32 parameters the results are bitwise equal), computed in fp32 on chunks of ``STEP_CHUNK``
     elements: each chunk's moments are widened, updated, used, and stored back rounded to nearest.
-    ``load_state_dict`` keeps the moments in ``moments_dtype`` and the EMA on the host (torch casts
-    loaded states to the parameter's dtype and device; the round trip bf16 -> fp32 -> bf16 is exact).
+    With ``master_dtype`` the update applies to the ``master`` state (initialised from the parameter
+    at the first step) and the parameter receives its rounding to the parameter's dtype; the gradient
+    is ``accel.grads.grad(p)`` (the fp32 ``main_grad`` of a bf16 parameter). ``moments_dtype`` None:
+    the master's dtype (the parameter's without a master). ``load_state_dict`` keeps every state in its
+    own dtype (torch would cast them to the parameter's: a bf16 parameter would round its fp32 master
+    and moments) and the EMA on the host.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, moments_dtype: torch.dtype | None = torch.bfloat16,
-                 ema_decay: float = 0.0):
+                 ema_decay: float = 0.0, master_dtype: torch.dtype | None = None):
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"AdamW: ema_decay must be in [0, 1), got {ema_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.moments_dtype, self.ema_decay = moments_dtype, ema_decay
+        self.moments_dtype, self.ema_decay, self.master_dtype = moments_dtype, ema_decay, master_dtype
         self._staging: dict[int, torch.Tensor] = {}  # host snapshots of the parameters for the EMA
         self._ema_job: Future | None = None
         self._ema_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema") if ema_decay else None
-        self.register_load_state_dict_post_hook(AdamW._after_load)
+
+    def _state_placement(self, p: torch.Tensor, key: str) -> dict:
+        """Device and dtype of the per-parameter state ``key`` of ``p``."""
+        if key == "ema":
+            return dict(device="cpu", dtype=torch.float32)
+        master = self.master_dtype or p.dtype
+        return dict(device=p.device, dtype=master if key == "master" else self.moments_dtype or master)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,35 +83,43 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
+                g = grads.grad(p)
+                if g is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
+                    if self.master_dtype is not None:
+                        state["master"] = p.detach().to(**self._state_placement(p, "master"), copy=True)
                     for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                        state[key] = torch.zeros_like(p, **self._state_placement(p, key),
+                                                      memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = float(state["step"])
                 bias_correction1 = 1 - beta1**step
                 bias_correction2_sqrt = math.sqrt(1 - beta2**step)
                 step_size = lr / bias_correction1
-                flat = [p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
-                math_dtype = torch.promote_types(p.dtype, torch.float32)
+                has_master = "master" in state
+                target = state["master"] if has_master else p  # what the update applies to
+                flat = [target.view(-1), g.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                        p.view(-1)]
+                math_dtype = torch.promote_types(target.dtype, torch.float32)
                 for lo in range(0, p.numel(), STEP_CHUNK):
-                    param, grad, m_store, v_store = (t[lo:lo + STEP_CHUNK] for t in flat)
+                    master, grad, m_store, v_store, param = (t[lo:lo + STEP_CHUNK] for t in flat)
                     grad = grad.to(math_dtype)
-                    work = param.to(math_dtype)
+                    work = master.to(math_dtype)
                     m, v = m_store.to(math_dtype), v_store.to(math_dtype)
                     work.mul_(1 - lr * wd)
                     m.lerp_(grad, 1 - beta1)
                     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                     denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
                     work.addcdiv_(m, denom, value=-step_size)
-                    for store, value in ((param, work), (m_store, m), (v_store, v)):
+                    stores = ((master, work), (m_store, m), (v_store, v)) + (((param, work),) if has_master else ())
+                    for store, value in stores:
                         if value is not store:
-                            store.copy_(value)
+                            store.copy_(value)  # rounded to nearest into a narrower store
                 if self.ema_decay:
-                    snap = self._snapshot(p)
+                    snap = self._snapshot(p, target)  # the EMA of the master weights
                     # a first EMA buffer is allocated here, on the caller's thread, where allocator-level
                     # accounting (the CPU profiler of recipes.memory_report) sees it; the worker fills it
                     snapshots.append((p, snap, torch.empty_like(snap) if "ema" not in self.state[p] else None))
@@ -102,14 +127,15 @@ class AdamW(torch.optim.Optimizer):
             self._ema_job = self._ema_pool.submit(self._update_ema, snapshots, _copy_done_event())
         return loss
 
-    def _snapshot(self, p: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``p`` as it is now (queued on the current stream: later updates come after it)."""
+    def _snapshot(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``value`` (``p`` or its master) as it is now (queued on the current stream: later
+        updates come after it)."""
         buf = self._staging.get(id(p))
         if buf is None:
             buf = torch.empty(p.shape, dtype=torch.float32, pin_memory=p.device.type != "cpu"
                               and torch.cuda.is_available())
             self._staging[id(p)] = buf
-        buf.copy_(p.detach(), non_blocking=p.device.type != "cpu")
+        buf.copy_(value.detach(), non_blocking=p.device.type != "cpu")
         return buf
 
     def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], event) -> None:
@@ -135,14 +161,18 @@ class AdamW(torch.optim.Optimizer):
         self.wait_ema()
         return super().state_dict()
 
-    @staticmethod
-    def _after_load(self: AdamW) -> None:
-        for p, state in self.state.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(self.moments_dtype or p.dtype)
-            if "ema" in state:
-                state["ema"] = state["ema"].to("cpu", torch.float32)
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts every floating state but "step" to the parameter's dtype: hold the tensors back and
+        # place them afterwards in their own dtype (the bf16 -> fp32 -> bf16 round trip of moments is exact)
+        held = {i: {k: v for k, v in s.items() if k != "step" and torch.is_tensor(v)}
+                for i, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in s.items() if k not in held[i]}
+                                                         for i, s in state_dict["state"].items()}})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in held.get(i, {}).items():
+                self.state[p][key] = value.to(**self._state_placement(p, key))
 
     def ema_state(self) -> dict[torch.Tensor, torch.Tensor]:
         """Parameter -> its host EMA, for the parameters this optimizer (shard) updates."""
@@ -186,21 +216,28 @@ def _param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) ->
 
 def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """(optimizer class, its keyword arguments but the parameters) for ``cfg``: PyTorch's AdamW unless the
-    moments are BF16 or an EMA is kept (then ``AdamW`` above), PyTorch's SGD with momentum ``betas[0]``."""
+    moments are BF16, an EMA is kept or FP32 master weights are (then ``AdamW`` above), PyTorch's SGD with
+    momentum ``betas[0]``."""
     if cfg.name == "sgd":
-        if cfg.moments_dtype != "param" or cfg.ema_decay:
-            raise ValueError(f"optim.name='sgd' cannot take optim.moments_dtype={cfg.moments_dtype!r} or "
-                             f"optim.ema_decay={cfg.ema_decay}: they need optim.name='adamw'")
+        if cfg.moments_dtype != "param" or cfg.ema_decay or cfg.master_dtype != "param":
+            raise ValueError(f"optim.name='sgd' cannot take optim.moments_dtype={cfg.moments_dtype!r}, "
+                             f"optim.ema_decay={cfg.ema_decay} or optim.master_dtype={cfg.master_dtype!r}: "
+                             "they need optim.name='adamw'")
         return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.betas[0])
     kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if cfg.moments_dtype == "param" and not cfg.ema_decay:
+    if cfg.moments_dtype == "param" and not cfg.ema_decay and cfg.master_dtype == "param":
         return torch.optim.AdamW, kw
     dtype = torch.bfloat16 if cfg.moments_dtype == "bfloat16" else None
-    return AdamW, {**kw, "moments_dtype": dtype, "ema_decay": cfg.ema_decay}
+    master = torch.float32 if cfg.master_dtype == "float32" else None
+    return AdamW, {**kw, "moments_dtype": dtype, "ema_decay": cfg.ema_decay, "master_dtype": master}
 
 
 class Optimizers:
-    """The dense and expert AdamW optimizers (ZeRO-1 sharded when asked), stepped together."""
+    """The dense and expert AdamW optimizers (ZeRO-1 sharded when asked), stepped together.
+
+    With ``optim.master_dtype = "float32"`` every parameter gets an fp32 gradient buffer
+    (``accel.grads.keep_main_grads``) before anything accumulates into it.
+    """
 
     def __init__(self, modules: list[nn.Module], cfg: OptimConfig, dp_group: dist.ProcessGroup | None,
                  edp_group: dist.ProcessGroup | None, zero1: bool):
@@ -208,6 +245,8 @@ class Optimizers:
         self.dense_params = [p for _, p in dense]
         self.expert_params = [p for _, p in expert]
         optimizer_class, kw = optimizer_spec(cfg)
+        if cfg.master_dtype == "float32":
+            grads.keep_main_grads(self.dense_params + self.expert_params, torch.float32)
         self.optimizers: list[torch.optim.Optimizer] = []
         for named, group in ((dense, dp_group), (expert, edp_group)):
             if not named:
@@ -227,19 +266,11 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
-    @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every gradient in place, allocating it first if needed.
-
-        Gradients always exist as ordinary tensors, so layers that accumulate deferred weight
-        gradients themselves (``accel.wgrad`` W passes run outside autograd) add into them in
-        place instead of installing a view made inside a backward pass.
-        """
+        """Zero every gradient in place, allocating it first if needed (``accel.grads.zero_grad``: layers that
+        accumulate deferred weight gradients outside autograd add into them in place)."""
         for p in self.dense_params + self.expert_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+            grads.zero_grad(p)
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -294,18 +325,18 @@ class LRScheduler:
 
 
 def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    present = [g for g in map(grads.grad, params) if g is not None]
+    if not present:
         return
     if group is not None and dist.get_world_size(group) > 1:
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in present])
         dist.all_reduce(flat, group=group)
         offset = 0
-        for g in grads:
+        for g in present:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
     if scale != 1.0:
-        for g in grads:
+        for g in present:
             g.mul_(scale)
 
 
@@ -314,8 +345,8 @@ def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_gr
                      dp_size: int) -> None:
     """Average dense gradients over dp; sum expert gradients over edp and divide by dp."""
     for p in opt.dense_params + opt.expert_params:
-        if p.grad is None:  # a parameter this step never reached
-            p.grad = torch.zeros_like(p)
+        if grads.grad(p) is None:  # a parameter this step never reached
+            grads.zero_grad(p)
     _flat_all_reduce(opt.dense_params, dp_group, 1.0 / dp_size)
     _flat_all_reduce(opt.expert_params, edp_group, 1.0 / dp_size)
 
@@ -334,13 +365,13 @@ def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int,
     weights = expert_row_weights or {}
 
     def expert_square(p: nn.Parameter) -> torch.Tensor:
-        sq = p.grad.double().square()
+        sq = grads.grad(p).double().square()
         w = weights.get(id(p))
         return sq.sum() if w is None else (sq.reshape(sq.shape[0], -1).sum(1) * w).sum()
 
-    dense_sq = sum((p.grad.double().square().sum() for p in opt.dense_params if p.grad is not None),
+    dense_sq = sum((grads.grad(p).double().square().sum() for p in opt.dense_params if grads.grad(p) is not None),
                    torch.zeros((), dtype=torch.float64))
-    expert_sq = sum((expert_square(p) for p in opt.expert_params if p.grad is not None),
+    expert_sq = sum((expert_square(p) for p in opt.expert_params if grads.grad(p) is not None),
                     torch.zeros((), dtype=torch.float64))
     total = (dense_sq / dp_size + expert_sq / (dp_size // ep_size)) / stage_copies
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -348,7 +379,7 @@ def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int,
     norm = float(total.sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
-        for p in opt.dense_params + opt.expert_params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for g in map(grads.grad, opt.dense_params + opt.expert_params):
+            if g is not None:
+                g.mul_(coef)
     return norm

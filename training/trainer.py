@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel
+from accel import grads
 from accel.trace import TraceRecorder
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
@@ -133,9 +134,9 @@ def missing_data(data: DataConfig) -> list[str]:
 @torch.no_grad()
 def scale_grads(module: nn.Module, factor: float) -> None:
     """Multiply every gradient of ``module`` (each shared parameter once) by ``factor``."""
-    for p in module.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    for g in map(grads.grad, module.parameters()):
+        if g is not None:
+            g.mul_(factor)
 
 
 class Trainer:

@@ -92,7 +92,7 @@ class Linear(deep_gemm.Fp8Linear):
     """Bias-free ``deep_gemm.Fp8Linear``: bf16/fp32 GEMMs, or block-scaled FP8 ones when ``fp8``.
 
     The weight is the plain ``[out_features, in_features]`` master weight, as in HF checkpoints; its
-    gradient is deferred through ``accel.wgrad`` (accumulated into ``weight.grad`` directly).
+    gradient is deferred through ``accel.wgrad`` (accumulated into its gradient directly, ``accel.grads``).
     """
 
     def __init__(self, in_features: int, out_features: int, fp8: bool = False, fp8_cache: bool = False):

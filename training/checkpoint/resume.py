@@ -129,8 +129,10 @@ class LazyShard(Mapping):
         return len(self._keys)
 
 
-def gather_named_optimizer_state(folder: str | Path, section: str, wanted: Iterable[str] | None = None) -> Any:
-    """Merge a name-keyed optimizer section over every saved rank, reading only the ``wanted`` names.
+def gather_named_optimizer_state(folder: str | Path, section: str, wanted: Iterable[str] | None = None,
+                                 state_keys: Iterable[str] | None = None) -> Any:
+    """Merge a name-keyed optimizer section over every saved rank, reading only the ``wanted`` names (and of
+    their per-parameter states only ``state_keys``, e.g. ``["master"]``; parameters without any are left out).
 
     The section may hold one named state or a list of them (one per optimizer); the result has the
     same shape. Use it when the data-parallel size (or any partitioning) changed since the save.
@@ -152,7 +154,9 @@ def gather_named_optimizer_state(folder: str | Path, section: str, wanted: Itera
             merged = [{"state": {}, "param_groups": None} for _ in parts]
         for out, part in zip(merged, parts):
             for fqn, s in part["state"].items():
-                if wanted_set is None or fqn in wanted_set:
+                if state_keys is not None:
+                    s = {k: v for k, v in s.items() if k in state_keys}
+                if (wanted_set is None or fqn in wanted_set) and s:
                     out["state"][fqn] = fmt.decode_tree(s, shard)
             if out["param_groups"] is None:
                 out["param_groups"] = fmt.decode_tree(part["param_groups"], {})
