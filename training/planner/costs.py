@@ -138,18 +138,44 @@ def mtp_extra_ops(args: ModelArgs, tokens: int) -> list[Op]:
 
 @dataclass(frozen=True)
 class Durations:
-    """Seconds of one model part (stage) for one micro-batch, compute and exposed communication apart."""
+    """Seconds of one model part (stage) for one micro-batch, compute and exposed communication apart.
+
+    ``head_*`` / ``tail_*``: the compute before the part's first and after its last all-to-all, forward
+    (``f``) and full backward (``b``, I + W, in backward order). No exchange hides them: an overlapped F&B
+    chunk is bound below by a head, its exchanges end to end on the wire, and a tail (``StageCosts``).
+    """
 
     f: float = 0.0  # forward compute
     i: float = 0.0  # input-gradient compute (incl. recompute)
     w: float = 0.0  # weight-gradient compute
-    comm_f: float = 0.0  # forward all-to-all
+    comm_f: float = 0.0  # forward all-to-all (counts, dispatch, combine)
     comm_b: float = 0.0  # backward all-to-all (incl. a recomputed block's forward one)
     flops: float = 0.0  # model FLOPs (F + I + W, no recompute), for MFU
+    head_f: float = 0.0  # forward compute before the first exchange
+    tail_f: float = 0.0  # forward compute after the last exchange
+    head_b: float = 0.0  # backward compute before its first exchange (the forward's last, reversed)
+    tail_b: float = 0.0  # backward compute after its last exchange
+
+    @property
+    def exchanges(self) -> bool:
+        return self.comm_f > 0 or self.comm_b > 0
 
     def __add__(self, o: Durations) -> Durations:
-        return Durations(self.f + o.f, self.i + o.i, self.w + o.w, self.comm_f + o.comm_f, self.comm_b + o.comm_b,
-                         self.flops + o.flops)
+        """``self`` then ``o`` in forward order (so ``o``'s backward runs first): totals add; a head or tail
+        reaches into the neighbour when the part on that side has no exchange."""
+        a, b = self, o
+        if not a.exchanges or not b.exchanges:
+            lone, other = (a, b) if not a.exchanges else (b, a)
+            if not other.exchanges:  # no exchange anywhere: heads and tails stay 0
+                head_f = tail_f = head_b = tail_b = 0.0
+            elif lone is a:  # a runs before b's first exchange and after b's backward's last
+                head_f, tail_f, head_b, tail_b = a.f + b.head_f, b.tail_f, b.head_b, b.tail_b + a.i + a.w
+            else:
+                head_f, tail_f, head_b, tail_b = a.head_f, a.tail_f + b.f, b.i + b.w + a.head_b, a.tail_b
+        else:
+            head_f, tail_f, head_b, tail_b = a.head_f, b.tail_f, b.head_b, a.tail_b
+        return Durations(a.f + b.f, a.i + b.i, a.w + b.w, a.comm_f + b.comm_f, a.comm_b + b.comm_b,
+                         a.flops + b.flops, head_f, tail_f, head_b, tail_b)
 
 
 class OpTimer:
@@ -227,26 +253,44 @@ class Workload:
         return self.micro_batch * self.seq_len
 
 
+# Where each op of a MoE block runs relative to its exchanges (``MoE.steps``): before the dispatch is posted,
+# while it travels (the shared experts), between dispatch and combine (the routed experts), after the combine.
+_PHASE = {"shared_w13": "hidden", "shared_swiglu": "hidden", "shared_w2": "hidden", "experts_w13": "mid",
+          "experts_swiglu": "mid", "experts_w2": "mid", "unpermute": "post"}
+
+
 def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload) -> Durations:
-    """One block (attention + FFN) of ``layer_id`` for one micro-batch, with its all-to-all."""
+    """One block (attention + FFN) of ``layer_id`` for one micro-batch, with its all-to-alls: per MoE layer the
+    count exchange (a latency), dispatch and combine forward, their two reverses backward. Heads and tails
+    (``Durations``) from where each op runs: before the dispatch (attention, router, permute: the forward's head,
+    and with the shared experts the backward's tail) or after the combine (unpermute)."""
     fp8 = w.fp8 and timer.system.fp8_tflops > 0
     ops = attention_ops(args, w.tokens, fp8) + [attention_core(args, w.tokens, w.seq_len),
                                                 gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
     ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
     full_block = "block" in w.recompute
     f = i = wg = flops = 0.0
+    phase_f, phase_b = dict.fromkeys(("pre", "hidden", "mid", "post"), 0.0), dict.fromkeys(("pre", "hidden", "mid",
+                                                                                             "post"), 0.0)
     for op in ops:
         of, oi, ow = timer.op(op)
+        if full_block or (op.recompute_kind is not None and op.recompute_kind in w.recompute):
+            oi += of
         f, i, wg = f + of, i + oi, wg + ow
         flops += op.flops * (3.5 if op.kind == "attention" else 3.0 if op.kind != "memory" else 0.0)
-        if full_block or (op.recompute_kind is not None and op.recompute_kind in w.recompute):
-            i += of
-    comm = 0.0
-    if args.is_moe_layer(layer_id):
-        dispatch = FP8_BYTES if fp8 else BF16
-        comm = sum(all_to_all_seconds(args, w.tokens, w.ep, timer.system, b, w.max_nodes, w.imbalance)
-                   for b in (dispatch, BF16))
-    return Durations(f, i, wg, comm, comm * (2 if full_block else 1), flops)
+        phase = _PHASE.get(op.name, "pre")
+        phase_f[phase] += of
+        phase_b[phase] += oi + ow - (of if full_block else 0.0)  # a block's re-run forward runs before its backward
+    if not (args.is_moe_layer(layer_id) and w.ep > 1):
+        return Durations(f, i, wg, flops=flops)
+    dispatch = FP8_BYTES if fp8 else BF16
+    comm = sum(all_to_all_seconds(args, w.tokens, w.ep, timer.system, b, w.max_nodes, w.imbalance)
+               for b in (dispatch, BF16))
+    link = timer.system.intra_node if w.ep <= timer.system.gpus_per_node else timer.system.inter_node
+    comm_f = link.latency_us * 1e-6 + comm  # the per-expert counts travel first: a latency, their bytes are few
+    head_b = phase_f["pre"] if full_block else phase_b["post"]
+    return Durations(f, i, wg, comm_f, comm + (comm_f if full_block else 0.0), flops, head_f=phase_f["pre"],
+                     tail_f=phase_f["post"], head_b=head_b, tail_b=phase_b["pre"] + phase_b["hidden"])
 
 
 def ops_durations(timer: OpTimer, ops: list[Op]) -> Durations:
@@ -269,13 +313,12 @@ def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], fir
         return block_cache[key]
 
     total = Durations()
-    for layer in range(*layers):
-        total = total + block(layer)
     if first:
         total = total + ops_durations(timer, [memory_op("embed", 2 * w.tokens * args.dim * BF16)])
-    if last:
-        heads = 1 + args.n_mtp_layers
-        total = total + ops_durations(timer, head_ops(args, w.tokens) * heads)
+    for layer in range(*layers):
+        total = total + block(layer)
+    if last:  # the criterion runs the MTP depths first, then the shared head for the trunk and each depth
         for k in range(args.n_mtp_layers):
-            total = total + block(args.n_layers + k) + ops_durations(timer, mtp_extra_ops(args, w.tokens))
+            total = total + ops_durations(timer, mtp_extra_ops(args, w.tokens)) + block(args.n_layers + k)
+        total = total + ops_durations(timer, head_ops(args, w.tokens) * (1 + args.n_mtp_layers))
     return total

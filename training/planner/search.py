@@ -182,12 +182,16 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
 class StageCosts:
     """``dualpipe.simulator`` costs with per-stage durations: the simulator asks ``of(item)`` and ``p2p``.
 
-    Alone, an F runs its compute then its all-to-all, a B/I its compute then its backward all-to-all
-    (1F1B has nothing to hide them behind). DualPipe's overlapped F&B chunk runs one micro-batch's
-    all-to-all behind the other's compute in both directions: it takes the longer of the compute
-    (slowed by the SMs the communication occupies) and the communication. Every item also pays the
-    runtime's host ``overhead`` per computation pass (the system file's ``action_overhead_us``; an overlapped
-    F&B runs two passes), and the simulator charges ``send`` / ``recv`` per P2P message posted / taken
+    Alone, an F runs its compute then its all-to-alls, a B/I likewise: each exchange waits on what came
+    before it, and nothing else is there to hide it (1F1B, and every schedule's warm-up and cool-down).
+    DualPipe's overlapped F&B chunk runs one micro-batch's exchanges behind the other's compute in both
+    directions, but the exchanges share one wire and some compute has no exchange to hide behind: the chunk
+    takes the longer of its compute (slowed by the SMs the communication occupies) and
+    ``head + comm + tail``, with ``comm`` both actions' exchanges end to end, ``head`` the shorter of the two
+    computes before a first exchange and ``tail`` the shorter after a last one (``Durations.head_*`` /
+    ``tail_*``): a bound any interleave of the two obeys. Every item also pays the runtime's host
+    ``overhead`` per computation pass (the system file's ``action_overhead_us``; an overlapped F&B runs two
+    passes), and the simulator charges ``send`` / ``recv`` per P2P message posted / taken
     (``send_overhead_us`` / ``recv_overhead_us``).
     """
 
@@ -201,12 +205,24 @@ class StageCosts:
         d = self.parts[self.part_of[item.stage]]
         return {"F": (d.f, d.comm_f), "B": (d.i + d.w, d.comm_b), "I": (d.i, d.comm_b), "W": (d.w, 0.0)}[item.kind]
 
+    def _ends(self, item) -> tuple[float, float]:
+        """(head, tail) of an item: its compute before its first exchange and after its last. An I's share of
+        the backward's head and tail is its share of the backward (W runs later, in its own action)."""
+        d = self.parts[self.part_of[item.stage]]
+        if item.kind == "F":
+            return d.head_f, d.tail_f
+        share = 1.0 if item.kind == "B" else d.i / (d.i + d.w) if d.i + d.w else 0.0
+        return d.head_b * share, d.tail_b * share
+
     def of(self, item) -> float:
         if isinstance(item, Overlap):
             (cf, af), (cb, ab) = self._split(item.forward), self._split(item.backward)
             comm = af + ab
-            compute = (cf + cb) / (1.0 - self.sm_fraction) if comm > 0 else cf + cb
-            return max(compute, comm) + 2 * self.overhead
+            if comm == 0:
+                return cf + cb + 2 * self.overhead
+            (hf, tf), (hb, tb) = self._ends(item.forward), self._ends(item.backward)
+            wire = min(hf if af else cf, hb if ab else cb) + comm + min(tf if af else cf, tb if ab else cb)
+            return max((cf + cb) / (1.0 - self.sm_fraction), wire) + 2 * self.overhead
         compute, comm = self._split(item)
         return compute + comm + self.overhead
 
