@@ -11,9 +11,12 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
     ...                                       # overlap again
     y = handle.wait()                         # [T, dim], sum over the top-k in token order
 
-- Asynchrony: ``dispatch``/``combine`` return at once; the exchange and all host work around it run
-  on the process's one communication thread (``_CommThread``, the CPU analogue of a comm stream),
-  in submission order, on the caller's device stream. The caller's thread only waits in ``wait()``.
+- Asynchrony: ``dispatch``/``combine`` return at once. The host work that must precede the transfer
+  (routing-order gathers, the count exchange) and the posting run on the process's one communication
+  thread (``_CommThread``, the CPU analogue of a comm stream), in submission order, on the caller's
+  device stream; that thread does not wait for the transfer, so it stages the next exchange while
+  this one travels. ``wait()`` blocks until the transfer has landed and then finishes it (FP8
+  unpacking, the regrouping gather, the combine's weighted sum) on the caller's thread.
 - Variable splits: each rank first learns, with one small ``all_to_all_single`` of per-expert
   counts (posted asynchronously; the send rows are gathered while it travels), how many rows it
   will receive from every peer for every local expert; the token all-to-all follows.
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -68,18 +71,18 @@ T = TypeVar("T")
 
 
 class _CommThread:
-    """The process's one communication thread: every EP exchange runs on it, in submission order.
+    """The process's one communication thread: every EP exchange is staged and posted on it, in order.
 
-    The CPU analogue of a communication stream. The host work around a transfer (routing-order
-    gathers, the count exchange and its wait, regrouping, the weighted combine) runs here, so the
-    caller's thread goes on with other compute (ATen releases the GIL) until it needs the result.
-    One thread for all layers and groups keeps each rank's collectives in program order, which is
-    what makes them match across ranks; the backward all-to-alls queue here for the same reason.
+    The CPU analogue of a communication stream. What must happen before a transfer can start (the
+    routing-order gathers, the count exchange and its wait) runs here, so the caller's thread goes on
+    with other compute (ATen releases the GIL); the thread then posts the transfer and moves on to the
+    next exchange without waiting for it to land (``Posted``: the waiter finishes it). One thread for
+    all layers and groups keeps each rank's collectives in program order, which is what makes them
+    match across ranks; the backward all-to-alls queue here for the same reason.
     """
 
     _executor: ThreadPoolExecutor | None = None
     _pid: int | None = None
-    _thread_ident: int | None = None
     _inline = False
 
     @classmethod
@@ -105,35 +108,72 @@ class _CommThread:
             return done
         if cls._pid != os.getpid():  # first use, or a forked child: threads do not survive fork
             cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv3-ep-comm")
-            cls._pid, cls._thread_ident = os.getpid(), None
+            cls._pid = os.getpid()
         grad, stream = torch.is_grad_enabled(), accel.current_stream()
 
         def task() -> T:
-            cls._thread_ident = threading.get_ident()
             with torch.set_grad_enabled(grad), accel.stream_guard(stream):
                 return fn()
 
         return cls._executor.submit(task)
 
-    @classmethod
-    def run(cls, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the comm thread and wait for it (inline when already on it)."""
-        if threading.get_ident() == cls._thread_ident and cls._pid == os.getpid():
-            return fn()
-        return cls.submit(fn).result()
+
+
+@dataclass
+class Posted(Generic[T]):
+    """An exchange the comm thread has posted: the collectives in flight (and the buffers that must outlive
+    them) and ``finish``, which builds the result once they have landed."""
+
+    works: list
+    finish: Callable[[], T]
+    posted_at: float = 0.0  # when the comm thread began staging it (``time.perf_counter``)
+
+
+def stage(fn: Callable[[], Posted[T]]) -> Callable[[], Posted[T]]:
+    """``fn`` stamped with the time it starts (on the comm thread), for the trace."""
+    def run() -> Posted[T]:
+        start = time.perf_counter()
+        posted = fn()
+        posted.posted_at = start
+        return posted
+
+    return run
 
 
 class CommHandle(Generic[T]):
-    """A communication in flight on the comm thread. ``wait()`` blocks until it lands and returns the result."""
+    """A communication in flight: staged and posted on the comm thread. ``wait()`` blocks until it has
+    landed, finishes it on the caller's thread and returns the result (the same one on a second call).
 
-    def __init__(self, future: Future) -> None:
-        self._future = future
+    With a ``recorder`` the exchange is recorded on its comm track from the start of its staging until
+    it has landed for the waiter.
+    """
+
+    def __init__(self, future: Future, recorder: TraceRecorder | None = None, name: str = "") -> None:
+        self._future, self._recorder, self._name = future, recorder, name
+        self._result: tuple[T] | None = None
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        """Whether it has landed (``wait()`` would not block)."""
+        if self._result is not None:
+            return True
+        if not self._future.done():
+            return False
+        posted = self._future.result()
+        return all(w.is_completed() for w in posted.works if not isinstance(w, torch.Tensor))
 
     def wait(self) -> T:
-        return self._future.result()
+        if self._result is None:
+            posted = self._future.result()
+            _wait_all(posted.works)
+            if self._recorder is not None:
+                self._recorder.add("comm", self._name, posted.posted_at, time.perf_counter())
+            self._result = (posted.finish(),)
+        return self._result[0]
+
+
+def post(recorder: TraceRecorder | None, name: str, fn: Callable[[], Posted[T]]) -> CommHandle[T]:
+    """Stage and post ``fn``'s exchange on the comm thread; the handle to wait for it."""
+    return CommHandle(_CommThread.submit(stage(fn)), recorder, name)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -159,30 +199,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
-        grad_in = _CommThread.run(traced(ctx.recorder, "backward all-to-all", lambda: _reverse(
-            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group)))
+        grad_in = post(ctx.recorder, "backward all-to-all", lambda: _reverse(
+            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group)).wait()
         return grad_in, None, None, None, None, None, None, None, None
 
 
-def traced(recorder: TraceRecorder | None, name: str, fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, recorded as a span of ``recorder``'s comm track when it runs (itself when no recorder)."""
-    if recorder is None:
-        return fn
-
-    def run() -> T:
-        with recorder.span("comm", name):
-            return fn()
-
-    return run
-
-
 def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int], rows_in: int,
-             group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The reverse of an all-to-all that sent ``in_splits`` rows and received ``out_splits``: the gradient
-    of the received rows (spare rows after them ignored) back to the ``rows_in`` sent rows."""
+             group: dist.ProcessGroup | None) -> Posted[torch.Tensor]:
+    """Post the reverse of an all-to-all that sent ``in_splits`` rows and received ``out_splits``: the
+    gradient of the received rows (spare rows after them ignored) back to the ``rows_in`` sent rows."""
     grad_in = grad_out.new_empty(rows_in, *grad_out.shape[1:])
-    dist.all_to_all_single(grad_in, grad_out[:sum(out_splits)].contiguous(), in_splits, out_splits, group=group)
-    return grad_in
+    send = grad_out[:sum(out_splits)].contiguous()
+    work = dist.all_to_all_single(grad_in, send, in_splits, out_splits, group=group, async_op=True)
+    return Posted([work, send], lambda: grad_in)
 
 
 @dataclass
@@ -214,8 +243,8 @@ class Exchange:
         if grad_received is None:
             shape, dtype, device = self.received_like
             grad_received = torch.zeros(shape, dtype=dtype, device=device)
-        return CommHandle(_CommThread.submit(traced(self.recorder, "backward all-to-all", lambda: _reverse(
-            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group))))
+        return post(self.recorder, "backward all-to-all", lambda: _reverse(
+            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group))
 
 
 def _wait_all(works: list) -> None:
@@ -366,8 +395,8 @@ class ExpertParallel:
 
         x [T, dim]; indices [T, k] logical expert ids, -1 = dropped; weights [T, k] (optional) routing
         weights, sent with the rows (``Dispatched.weights``). Returns at once with a handle; its ``wait()``
-        gives ``Dispatched`` with the received rows in the contiguous grouped layout. The whole exchange
-        (gathers, counts, tokens, regrouping) runs on the comm thread.
+        gives ``Dispatched`` with the received rows in the contiguous grouped layout. The comm thread
+        gathers the rows, exchanges the counts and posts the tokens; ``wait()`` regroups what landed.
         """
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
@@ -375,10 +404,9 @@ class ExpertParallel:
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
-        return CommHandle(_CommThread.submit(traced(self.recorder, "dispatch",
-                                                    lambda: self._dispatch(x, indices, weights))))
+        return post(self.recorder, "dispatch", lambda: self._dispatch(x, indices, weights))
 
-    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None) -> Dispatched:
+    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None) -> Posted[Dispatched]:
         """The exchange, staged so the wire is busy while the host works: the counts travel while the
         send rows are gathered, the tokens while the regrouping's index plan is computed."""
         num_tokens, k = indices.shape
@@ -410,38 +438,44 @@ class ExpertParallel:
         received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1,
                                    self.recorder)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
-        _wait_all(works)
-        if recv_bytes is not None:
-            with torch.no_grad():
-                received[:total, :dim].copy_(_unpack_fp8(recv_bytes, dim, x.dtype))
-                if weights is not None:
-                    width = packed.shape[1] - (received.shape[1] - dim) * x.element_size()
-                    received[:total, dim:].copy_(recv_bytes[:, width:].contiguous().view(x.dtype))
-        x_grouped = received[:, :dim].index_select(0, source)
-        row_weights = None
-        if weights is not None:  # the spare zero rows give the pad rows weight 0
-            row_weights = received[:, dim:].to(weights.dtype).sum(1).index_select(0, source)
-        recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
-        return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
-                          num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
-                                                self.recorder), weights=row_weights)
+
+        def regroup() -> Dispatched:
+            if recv_bytes is not None:
+                with torch.no_grad():
+                    received[:total, :dim].copy_(_unpack_fp8(recv_bytes, dim, x.dtype))
+                    if weights is not None:
+                        width = packed.shape[1] - (received.shape[1] - dim) * x.element_size()
+                        received[:total, dim:].copy_(recv_bytes[:, width:].contiguous().view(x.dtype))
+            x_grouped = received[:, :dim].index_select(0, source)
+            row_weights = None
+            if weights is not None:  # the spare zero rows give the pad rows weight 0
+                row_weights = received[:, dim:].to(weights.dtype).sum(1).index_select(0, source)
+            recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
+            return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
+                              num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
+                                                    self.recorder), weights=row_weights)
+
+        return Posted(works, regroup)
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor | None = None) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j y[t, j]``, or
         ``sum_j weights[t, j] * y[t, j]`` with ``weights`` [T, k] (rows not scaled before ``w2``)."""
-        return CommHandle(_CommThread.submit(traced(self.recorder, "combine",
-                                                    lambda: self._combine(y_grouped, dispatched, weights))))
+        return post(self.recorder, "combine", lambda: self._combine(y_grouped, dispatched, weights))
 
-    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor | None) -> torch.Tensor:
+    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
+                 weights: torch.Tensor | None) -> Posted[torch.Tensor]:
         y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
                                None, None, 0, self.recorder)
-        _wait_all(works)
-        dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
-                                                  self.group, self.recorder)
-        state = dispatched.send_state
-        pad = state.rows.numel() - dispatched.num_sent  # dropped assignments give 0
-        rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
-        return unpermute(rows, state, weights)
+
+        def unpermute_landed() -> torch.Tensor:
+            dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
+                                                      self.group, self.recorder)
+            state = dispatched.send_state
+            pad = state.rows.numel() - dispatched.num_sent  # dropped assignments give 0
+            rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
+            return unpermute(rows, state, weights)
+
+        return Posted(works, unpermute_landed)
