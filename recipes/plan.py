@@ -108,8 +108,10 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
 
 
 # A preset or HF model plans a cluster job: its written config points at shards to be filled in (the dry run
-# reports them missing, a launch refuses until they exist) instead of the small bundled corpus.
-_CLUSTER_DATA = ["data.source=data/shards/*.bin", "data.bin_dtype=uint32"]
+# reports them missing, a launch refuses until they exist) instead of the small bundled corpus, and trains in
+# V3's precision: BF16 working weights with FP32 master weights in the (ZeRO-1 sharded) optimizer.
+_CLUSTER_DATA = ["data.source=data/shards/*.bin", "data.bin_dtype=uint32", "run.dtype=bfloat16",
+                 "optim.master_dtype=float32"]
 
 
 def _system(ns: argparse.Namespace) -> System:

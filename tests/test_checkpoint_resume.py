@@ -17,6 +17,7 @@ from training.checkpoint.resume import (
     load_named_optimizer_state,
     named_optimizer_state,
 )
+from training.optim import AdamW
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,10 +32,18 @@ def test_resume_is_bit_exact(tmp_path):
     assert {**first, **second} == straight  # float equality: bit-identical losses
 
 
-def _adamw_with_state(shapes, seed):
+def _adamw(groups, masters: bool):
+    """torch's AdamW, or (``masters``) ours with FP32 master weights and BF16 moments for BF16 parameters."""
+    if masters:
+        return AdamW(groups, moments_dtype=torch.bfloat16, master_dtype=torch.float32)
+    return torch.optim.AdamW(groups)
+
+
+def _adamw_with_state(shapes, seed, masters: bool = False):
     torch.manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    opt = torch.optim.AdamW([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "weight_decay": 0.0}])
+    dtype = torch.bfloat16 if masters else torch.float32
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    opt = _adamw([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "weight_decay": 0.0}], masters)
     for _ in range(3):
         sum((p * torch.randn_like(p)).sum() for p in params).backward()
         opt.step()
@@ -44,9 +53,11 @@ def _adamw_with_state(shapes, seed):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("saved_world,new_world", [(2, 1), (2, 3), (1, 2), (3, 2)])
-def test_optimizer_states_repartition_exactly(tmp_path, saved_world, new_world):
+@pytest.mark.parametrize("masters", [False, True], ids=["torch", "bf16+fp32 masters"])
+def test_optimizer_states_repartition_exactly(tmp_path, saved_world, new_world, masters):
+    """Also with FP32 master weights of BF16 parameters (their masters and BF16 moments keep their dtypes)."""
     shapes = [(5, 3), (7,), (2, 2, 2), (4,), (6, 1)]
-    params, full_opt, names = _adamw_with_state(shapes, seed=saved_world * 10 + new_world)
+    params, full_opt, names = _adamw_with_state(shapes, seed=saved_world * 10 + new_world, masters=masters)
     full = named_optimizer_state(full_opt, names)
 
     def owned(world, rank):  # ZeRO-1 style: whole parameters dealt round-robin
@@ -56,7 +67,7 @@ def test_optimizer_states_repartition_exactly(tmp_path, saved_world, new_world):
         mine = owned(world, rank)
         groups = [{"params": [p for p in params[:2] if any(p is m for m in mine)], "lr": 0.1},
                   {"params": [p for p in params[2:] if any(p is m for m in mine)], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups)
+        return _adamw(groups, masters)
 
     # save: each "rank" writes the states of the parameters it owns; rank 0 commits (written last here).
     # All managers exist before any save, as in a real job (rank 0 sweeps leftover staging folders at start).
@@ -80,7 +91,8 @@ def test_optimizer_states_repartition_exactly(tmp_path, saved_world, new_world):
         assert set(got["state"]) == set(wanted)
         for n in wanted:
             for k, v in full["state"][n].items():
-                assert torch.equal(got["state"][n][k], v), (n, k)
+                assert got["state"][n][k].dtype == v.dtype and torch.equal(got["state"][n][k], v), (n, k)
+            assert not masters or got["state"][n]["master"].dtype == torch.float32
         assert [g["lr"] for g in got["param_groups"]] == [0.1, 0.001]
 
 

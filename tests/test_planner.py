@@ -512,8 +512,8 @@ def _a2a_parts(steps: list[dict], delay: float) -> list[Durations]:
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("DSV3_PLANNER_A2A"),
-                    reason="opt-in (2-3 min on 2 cores; target not met yet, see benchmarks/planner.md): "
-                           "DSV3_PLANNER_A2A=1")
+                    reason="opt-in: DSV3_PLANNER_A2A=1 (1-3 min on 2 cores, over the default run's budget; it times "
+                           "real CPU compute, so it skips on a machine loaded above its core count)")
 def test_predicted_exposed_all_to_all_matches_the_delay_benchmark(tmp_path):
     """recipes.bench_a2a_delay's layout (tiny_cpu model, EP 2 over 2 ranks, pp 1) with its serial-wire delay in
     every all-to-all, sized so a step's delays add up to its undelayed pipeline time, for DualPipeV (two stages
@@ -521,7 +521,14 @@ def test_predicted_exposed_all_to_all_matches_the_delay_benchmark(tmp_path):
     (``search.assemble`` / ``StageCosts``), fed each stage's compute, head and tail measured on its items that
     ran alone without delay and the delays its items post, must predict the delayed pipeline time within 15%,
     and its exposed all-to-all (delayed time - compute) within 15% too. The measured time is the fastest
-    delayed step (load only adds time)."""
+    delayed step (load only adds time). Unlike dualpipe.bench's sleeping stages this times real compute on
+    the CPU: above a load of one process per core the ranks' compute and wake-ups stretch by whatever the
+    other processes take (steps 2-5x slower, varying within a run), so the test skips there."""
+    import os
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        pytest.skip(f"load average {load:.1f} > {cores} cores: the compute timings would measure the other processes")
     import socket
 
     schedules, microbatches = ["dualpipev", "1f1b"], 8

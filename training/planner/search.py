@@ -265,26 +265,31 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
 
     Dense gradients reduce over the stage's ``dp`` ranks, expert gradients over its ``dp / ep`` replicas
     (every ``ep``-th rank: on other nodes once ``ep`` fills a node); ZeRO-1 reduce-scatters them and
-    all-gathers the updated parameters, without ZeRO-1 they are all-reduced. The step itself reads
-    parameter, gradient and both moments and writes parameter and moments of its shard.
+    all-gathers the updated parameters, without ZeRO-1 they are all-reduced; with FP32 masters
+    (``optim.master_dtype``) the gradients travel in FP32, the gathered BF16 working weights in BF16. The step
+    reads gradient, moments (and master) and writes parameter, moments (and master) of its shard.
     """
     s, g = req.system, req.system.gpus_per_node
     pbytes = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.run.dtype]
+    master = 4 if cfg.optim.master_dtype == "float32" else 0  # FP32 masters beside BF16 working weights
+    gbytes = master or pbytes  # gradients accumulate in the masters' dtype
     edp = lay.dp // lay.ep
     comm = step = 0.0
     for r in ranks:
         dense, expert = r.params - r.expert_params, r.expert_params
         spans_dp, spans_edp = lay.dp > g, (edp > 1 and lay.ep * edp > g)
-        if lay.zero1:
-            c = sum(_ring_seconds(s, n * pbytes, lay.dp, spans_dp, 1.0) for n in (dense, dense))
-            c += sum(_ring_seconds(s, n * pbytes, edp, spans_edp, 1.0) for n in (expert, expert))
+        if lay.zero1:  # reduce-scatter the gradients, all-gather the updated working weights
+            c = sum(_ring_seconds(s, n * b, lay.dp, spans_dp, 1.0) for n, b in ((dense, gbytes), (dense, pbytes)))
+            c += sum(_ring_seconds(s, n * b, edp, spans_edp, 1.0) for n, b in ((expert, gbytes), (expert, pbytes)))
             shard = dense / lay.dp + expert / edp
         else:
-            c = _ring_seconds(s, dense * pbytes, lay.dp, spans_dp, 2.0) + _ring_seconds(s, expert * pbytes, edp,
+            c = _ring_seconds(s, dense * gbytes, lay.dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
                                                                                        spans_edp, 2.0)
             shard = dense + expert
-        moment_bytes = r.optim_bytes / (2 * shard) if shard else pbytes  # as the memory model stores them
-        traffic = shard * (3 * pbytes + 4 * moment_bytes + pbytes)  # read p, g, m, v + write p, m, v
+        # as the memory model stores them: the optimizer item holds both moments (and the masters, if any)
+        moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
+        # read g, (master), m, v; write p, (master), m, v
+        traffic = shard * (gbytes + 2 * master + 4 * moment_bytes + pbytes + (0 if master else 2 * pbytes))
         comm = max(comm, c)
         step = max(step, traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory")))
     return comm, step
