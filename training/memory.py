@@ -517,7 +517,8 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int], held: list[int
     An overlapped F&B chunk (``parallel.overlap``) defers its backward's weight gradients to fill the
     exchanges' waits, running what is left at the chunk's end (``models.deepseek_v3.steps.interleave``):
     without an exchange to wait on, or when each has landed by then, all of them. So within the chunk
-    the backward micro-batch also holds ``held[stage]``, its GEMMs' output gradients."""
+    the backward micro-batch also holds ``held[stage]``, its GEMMs' output gradients (the caller passes
+    zeros where that does not happen)."""
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
@@ -602,6 +603,14 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     par = cfg.parallel
     counts = stage_param_counts(args, cfg)
     saved, work, detail, held = stage_activation_bytes(args, cfg, p)
+    if accelerator:
+        # On a CPU every kernel runs on the host, so an exchange posted after them has landed when the
+        # interleave checks it and the deferred weight gradients wait for the chunk's end (measured:
+        # benchmarks/memory.md). On an accelerator the host runs ahead of the device, a posted exchange is
+        # still queued when checked, and the closures run (are enqueued, releasing their gradients) at each
+        # wait; only those of the backward's last segment, after its last exchange, stay until the chunk's
+        # end. That remainder is not counted here (unmeasured: no GPU run yet; see docs/memory.md).
+        held = [0] * len(held)
     peaks, live = _live_activation_peak(cfg, saved, held)
     comm = _comm_bytes(args, cfg, p)
     step_transient = _optimizer_step_transient(args, cfg, p)
