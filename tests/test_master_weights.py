@@ -255,8 +255,9 @@ def test_memory_model_counts_bf16_weights_fp32_grads_and_sharded_masters():
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not os.environ.get("DSV3_MASTER_DIST"), reason="~2-4 min on 2 cores: set DSV3_MASTER_DIST=1")
 def test_two_process_run_with_master_weights_matches_one_process(tmp_path):
-    """DualPipeV dp 2 x EP 2 (2 processes, ZeRO-1 sharding the masters and BF16 moments) against one process of
-    the same model, data and seed, both with BF16 weights and FP32 masters, 4 steps (FP8 off: CPU time).
+    """DualPipeV dp 2 x EP 2 (2 processes, ZeRO-1 sharding the masters and BF16 moments), and the same with EPLB
+    re-planning every step (masters move with the expert rows, replicas' FP32 gradients are summed), against one
+    process of the same model, data and seed, all with BF16 weights and FP32 masters, 4 steps (FP8 off: CPU time).
 
     The runs differ in bf16 rounding only: expert GEMMs group other tokens, each micro-batch's weight gradient
     is a bf16 GEMM output whose rounding (~2^-8 relative per element) depends on that grouping, and the fp32
@@ -277,23 +278,26 @@ def test_two_process_run_with_master_weights_matches_one_process(tmp_path):
               "checkpoint.async_save=false", "optim.warmup_steps=2", "data.seq_len=32", "data.global_batch=16",
               "data.micro_batch=2", *V3_PRECISION[:3]]
     two_procs = ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=dualpipev"]
-    one, two = ([r for r in _train(tmp_path, name, n, common + extra)[0] if "grad_norm" in r]
-                for name, n, extra in (("one", 1, SINGLE), ("two", 2, two_procs)))
-    tokens = 16 * 32
-    first = one[0]["loss"]
-    for a, b in zip(one, two, strict=True):
-        tol = 2**-8 * first / math.sqrt(tokens) + 2 * 2**-8 * abs(first - a["loss"])
-        assert abs(a["loss"] - b["loss"]) <= tol, (a["step"], a["loss"], b["loss"], tol)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2**-6)
-    m1, m2 = (assemble_model(tmp_path / n / "checkpoints" / "step_000000004").state_dict() for n in ("one", "two"))
+    eplb = ["eplb.enabled=true", "eplb.redundant_experts=2", "eplb.interval=1"]
+    runs = {name: [r for r in _train(tmp_path, name, n, common + extra)[0] if "grad_norm" in r]
+            for name, n, extra in (("one", 1, SINGLE), ("two", 2, two_procs), ("eplb", 2, two_procs + eplb))}
+    assert any(r.get("eplb_moved_slots", 0) > 0 for r in runs["eplb"])  # experts (and their masters) moved
     cfg = load_config("recipes/configs/tiny_cpu.toml", SINGLE)
     _, stages = build_stages(model_args(cfg), "none", 1, 0, 0, 1, torch.device("cpu"), torch.bfloat16, cfg.run.seed)
     init = {k: v for st in stages for k, v in st.state_dict().items()}
-    moved = diff = 0.0
-    for key, start in init.items():
-        if key.endswith("e_score_correction_bias") or not start.is_floating_point():  # buffers: not the optimizer's
-            continue
-        assert m1[key].dtype == torch.float32
-        moved += float((m1[key].double() - start.double()).square().sum())
-        diff += float((m2[key].double() - m1[key].double()).square().sum())
-    assert 0 < diff and math.sqrt(diff) <= 0.25 * math.sqrt(moved), math.sqrt(diff / moved)
+    masters = {n: assemble_model(tmp_path / n / "checkpoints" / "step_000000004").state_dict() for n in runs}
+    tokens, one, m1 = 16 * 32, runs["one"], masters["one"]
+    first = one[0]["loss"]
+    for name in ("two", "eplb"):
+        for a, b in zip(one, runs[name], strict=True):
+            tol = 2**-8 * first / math.sqrt(tokens) + 2 * 2**-8 * abs(first - a["loss"])
+            assert abs(a["loss"] - b["loss"]) <= tol, (name, a["step"], a["loss"], b["loss"], tol)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2**-6), name
+        moved = diff = 0.0
+        for key, start in init.items():
+            if key.endswith("e_score_correction_bias") or not start.is_floating_point():  # buffers: not optimized
+                continue
+            assert masters[name][key].dtype == torch.float32
+            moved += float((m1[key].double() - start.double()).square().sum())
+            diff += float((masters[name][key].double() - m1[key].double()).square().sum())
+        assert 0 < diff and math.sqrt(diff) <= 0.25 * math.sqrt(moved), (name, math.sqrt(diff / moved))
