@@ -432,6 +432,11 @@ def _a2a_worker(rank: int, world: int, port: int, schedules: list[str], microbat
                 self.span[1] = self.span[1] or time.perf_counter()
                 return True
 
+            def is_completed(self) -> bool:
+                if self.work.is_completed():
+                    self.span[1] = self.span[1] or time.perf_counter()
+                return self.span[1] > 0
+
         def recorded(*args, async_op=False, **kwargs):
             span = [time.perf_counter(), 0.0]
             spans.append(span)
@@ -488,8 +493,12 @@ def _a2a_parts(steps: list[dict], delay: float) -> list[Durations]:
             item = parse_item(text)
             if isinstance(item, Overlap):
                 continue
-            inside = [(p, d) for p, d in run["exchanges"] if start <= p < end]
-            compute = (end - start) - sum(d - p for p, d in inside)
+            inside = sorted((p, d) for p, d in run["exchanges"] if start <= p < end)
+            covered, reach = 0.0, start  # time some exchange of the item is in flight (their union)
+            for p, d in inside:
+                covered += max(0.0, d - max(p, reach))
+                reach = max(reach, d)
+            compute = (end - start) - covered
             head = inside[0][0] - start if inside else 0.0
             tail = end - max(d for _, d in inside) if inside else 0.0
             per.setdefault((item.kind, item.stage), []).append((compute, head, tail, len(inside)))
@@ -513,31 +522,35 @@ def _a2a_parts(steps: list[dict], delay: float) -> list[Durations]:
 
 @pytest.mark.skipif(not __import__("os").environ.get("DSV3_PLANNER_A2A"),
                     reason="opt-in: DSV3_PLANNER_A2A=1 (1-3 min on 2 cores, over the default run's budget; it times "
-                           "real CPU compute, so it skips on a machine loaded above its core count)")
+                           "real CPU compute, so it skips on a machine loaded above twice its core count)")
 def test_predicted_exposed_all_to_all_matches_the_delay_benchmark(tmp_path):
     """recipes.bench_a2a_delay's layout (tiny_cpu model, EP 2 over 2 ranks, pp 1) with its serial-wire delay in
     every all-to-all, sized so a step's delays add up to its undelayed pipeline time, for DualPipeV (two stages
     in a V, overlapped F&B chunks) and 1F1B (nothing overlaps): the planner's overlap rule and assembly
     (``search.assemble`` / ``StageCosts``), fed each stage's compute, head and tail measured on its items that
     ran alone without delay and the delays its items post, must predict the delayed pipeline time within 15%,
-    and its exposed all-to-all (delayed time - compute) within 15% too. The measured time is the fastest
-    delayed step (load only adds time). Unlike dualpipe.bench's sleeping stages this times real compute on
-    the CPU: above a load of one process per core the ranks' compute and wake-ups stretch by whatever the
-    other processes take (steps 2-5x slower, varying within a run), so the test skips there."""
+    and its exposed all-to-all (delayed time - compute) within 15% too. Load only adds time, so the inputs are
+    the fastest step's figures and the measured time is the fastest delayed step. Unlike dualpipe.bench's
+    sleeping stages this times real compute on the CPU: above a load of two processes per core the ranks'
+    compute and wake-ups stretch by whatever the other processes take (steps 2-5x slower, varying within a
+    run), so the test skips there. The chunk rule is a bound every interleave obeys; today's (backward first
+    and last) also exposes the backward's tail, which puts the measured DualPipeV step a few % above it."""
     import os
 
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cores:
-        pytest.skip(f"load average {load:.1f} > {cores} cores: the compute timings would measure the other processes")
+    if load > 2 * cores:
+        pytest.skip(f"load average {load:.1f} > 2 x {cores} cores: the compute timings would measure the other "
+                    "processes")
     import socket
+
+    import torch.multiprocessing as mp
 
     schedules, microbatches = ["dualpipev", "1f1b"], 8
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "a2a.json"
-    mp = pytest.importorskip("torch.multiprocessing")
-    mp.spawn(_a2a_worker, args=(2, port, schedules, microbatches, 1.0, 3, str(out)), nprocs=2, join=True)
+    mp.spawn(_a2a_worker, args=(2, port, schedules, microbatches, 1.0, 4, str(out)), nprocs=2, join=True)
     got = json.loads(out.read_text())
     delay, report = got["delay"], {}
     for name in schedules:
@@ -550,5 +563,5 @@ def test_predicted_exposed_all_to_all_matches_the_delay_benchmark(tmp_path):
         report[name] = {"step": (measured - predicted) / measured,
                         "exposed": (measured - predicted) / (measured - compute),
                         "predicted_s": predicted, "measured_s": measured, "compute_s": compute}
-    print(json.dumps({"delay_s": delay, **report}, indent=1))
+    print(json.dumps({"delay_s": delay, "load": os.getloadavg(), **report}, indent=1))
     assert all(abs(r["step"]) < 0.15 and abs(r["exposed"]) < 0.15 for r in report.values()), (report, delay)
