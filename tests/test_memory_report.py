@@ -4,7 +4,7 @@ CPU, the debug model at micro-batches of 1 x 128 tokens (32 rows per expert on a
 fills exactly one 128-row block and the balanced-routing assumption is exact). The peak is the c10 CPU
 allocator's live bytes over model build + 2 steps (the optimizer states exist from the first step),
 counted in every thread (``CpuPeak``); the prediction must be within 10% of it on every rank for each of
-nine layouts/options: seven in one process (2 micro-batches), DualPipeV over dp 2 with EP 2 (2 processes,
+eight layouts/options: six in one process (2 micro-batches), DualPipeV over dp 2 with EP 2 (2 processes,
 2 micro-batches per rank; BF16 moments and the host EMA, ZeRO-1 sharded) and DualPipe over pp 2 x dp 2
 with EP 2 (4 processes, 4 micro-batches per rank). Each layout runs in fresh processes (a second run in the
 same process misses allocations its predecessor already made); all run at once, so the test costs about

@@ -88,8 +88,10 @@ class _CommThread:
     @classmethod
     @contextlib.contextmanager
     def inline(cls) -> Iterator[None]:
-        """Run every exchange on the calling thread, in the same order (no overlap), within the block: for a
-        memory measurement, as torch's profiler counts CPU allocations and frees on the profiled thread only."""
+        """Run every exchange on the calling thread to completion, in the same order (no overlap), within the
+        block: for a memory measurement (``recipes.memory_report`` on a CPU), which then sees each exchange's
+        tensors between two of the thread's own allocations, and the schedule's most memory: every exchange has
+        landed when the interleave checks it, so a chunk's deferred weight gradients all wait for its end."""
         cls._inline = True
         try:
             yield
@@ -102,7 +104,10 @@ class _CommThread:
         if cls._inline:
             done: Future = Future()
             try:
-                done.set_result(fn())
+                result = fn()
+                if isinstance(result, Posted):
+                    _wait_all(result.works)
+                done.set_result(result)
             except BaseException as exc:  # delivered at wait(), as from the thread
                 done.set_exception(exc)
             return done
