@@ -90,9 +90,6 @@ class _LateWork:
     def __init__(self, work, lands_at: float) -> None:
         self.work, self.lands_at = work, lands_at
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed() and time.perf_counter() >= self.lands_at
-
     def wait(self, *args) -> bool:
         self.work.wait(*args)
         time.sleep(max(self.lands_at - time.perf_counter(), 0.0))

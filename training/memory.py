@@ -221,28 +221,6 @@ def gemm_backward_working_set(args: ModelArgs, rows: float, n: int, k: int, grou
     return ws
 
 
-def block_wgrad_held(args: ModelArgs, layer_id: int, tokens: int, ep: int = 1, slots: int | None = None,
-                     act: float = 4) -> float:
-    """Bytes per token a block's deferred weight-gradient closures hold until they run: each GEMM's output
-    gradient (``deep_gemm.linear``: the dense ones keep ``grad_out`` itself, the grouped ones a masked copy of
-    the padded expert rows). Their inputs are among the saved bytes already."""
-    d, h = args.dim, args.n_heads
-    cols = [h * args.qk_head_dim, args.kv_lora_rank + args.qk_rope_head_dim,
-            h * (args.qk_nope_head_dim + args.v_head_dim), d]  # wq (or wq_b), wkv_a, wkv_b, wo
-    if args.q_lora_rank:
-        cols.append(args.q_lora_rank)  # wq_a
-    if args.is_moe_layer(layer_id):
-        slots = args.n_routed_experts // ep if slots is None else slots
-        rows = expert_rows(args, tokens, slots) / tokens
-        out = rows * (2 * args.moe_inter_dim + d) * act
-        if args.n_shared_experts:
-            cols += [2 * args.n_shared_experts * args.moe_inter_dim, d]
-    else:
-        out = 0.0
-        cols += [2 * args.inter_dim, d]
-    return out + sum(cols) * act
-
-
 def block_working_set(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
                       slots: int | None = None) -> float:
     """Bytes per token alive on top of the saved ones while one block runs backward: the largest GEMM
@@ -471,10 +449,8 @@ def _device(device: str | None) -> tuple[str, int | None, bool]:
     return spec.name, int(spec.memory_gib * GiB) if spec.memory_gib else None, True
 
 
-def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision
-                           ) -> tuple[list[int], list[int], dict, list[int]]:
-    """(bytes one micro-batch keeps on each stage, the stage's working set on top, per-item detail, the output
-    gradients its backward's deferred weight-gradient closures hold: ``block_wgrad_held`` over its blocks)."""
+def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:
+    """(bytes one micro-batch keeps on each stage, the stage's working set on top, per-item detail)."""
     par, data = cfg.parallel, cfg.data
     seq, mb = data.seq_len, data.micro_batch
     tokens = seq * mb
@@ -483,14 +459,10 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision
     if cfg.eplb.enabled:
         slots = (args.n_routed_experts + cfg.eplb.redundant_experts) // par.ep
     fused = fused_cross_entropy(args)
-    saved, work, held = [], [], []
+    saved, work = [], []
     detail: dict[str, float] = {}
     for s, (lo, hi) in enumerate(split_layers(args, num)):
         per_token = sum(block_saved(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi))
-        blocks = list(range(lo, hi)) + ([args.n_layers + k for k in range(args.n_mtp_layers)] if s == num - 1 else [])
-        wgrad = sum(block_wgrad_held(args, i, tokens, par.ep, slots, p.act) for i in blocks)
-        if s == num - 1:
-            wgrad += args.n_mtp_layers * args.dim * p.act  # eh_proj
         ws = max((block_working_set(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi)), default=0.0)
         if s == 0:
             per_token += 0  # the embedding's backward keeps only the token ids
@@ -506,19 +478,12 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision
                 detail[f"ffn: {k}"] = max(detail.get(f"ffn: {k}", 0), v * tokens)
         saved.append(int(per_token * tokens))
         work.append(int(ws * tokens))
-        held.append(int(wgrad * tokens))
-    return saved, work, {k: int(v) for k, v in detail.items()}, held
+    return saved, work, {k: int(v) for k, v in detail.items()}
 
 
-def _live_activation_peak(cfg: TrainConfig, per_stage: list[int], held: list[int]) -> tuple[list[int], list[int]]:
+def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[int], list[int]]:
     """Per rank: (peak bytes of the (stage, micro-batch) activations alive at once, how many at that peak),
-    from the largest step's schedule (each rank's items in order).
-
-    An overlapped F&B chunk (``parallel.overlap``) defers its backward's weight gradients to fill the
-    exchanges' waits, running what is left at the chunk's end (``models.deepseek_v3.steps.interleave``):
-    without an exchange to wait on, or when each has landed by then, all of them. So within the chunk
-    the backward micro-batch also holds ``held[stage]``, its GEMMs' output gradients (the caller passes
-    zeros where that does not happen)."""
+    from the largest step's schedule (each rank's items in order)."""
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
@@ -526,10 +491,8 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int], held: list[int
     peaks, counts = [], []
     for states in _live_states(par.schedule, par.pp, chunks, len(per_stage)):
         peak = n_at_peak = 0
-        for state, deferring in states:
+        for state in states:
             live = sum(c * per_stage[s] for s, c in state)
-            if deferring >= 0 and par.overlap:
-                live += held[deferring]
             if live > peak:
                 peak, n_at_peak = live, sum(c for _, c in state)
         peaks.append(peak)
@@ -538,24 +501,20 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int], held: list[int
 
 
 @functools.lru_cache(maxsize=256)
-def _live_states(schedule: str, pp: int, chunks: int, num: int
-                 ) -> tuple[tuple[tuple[tuple[tuple[int, int], ...], int], ...], ...]:
+def _live_states(schedule: str, pp: int, chunks: int, num: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
     """Per rank, the distinct (model stage, live count) states right after each forward, in order of first
-    appearance, each with the model stage whose backward runs in the same overlapped F&B item (-1 when the
-    forward runs alone): the peak of any per-stage sizes is among them. Memoised: a planner asks for
-    thousands of layouts of the same few schedules."""
+    appearance: the peak of any per-stage sizes is among them. Memoised: a planner asks for thousands of
+    layouts of the same few schedules."""
     out = []
     for items in built(schedule, pp, chunks).actions:  # a rank runs its items in order: no timing needed
         live: dict[int, int] = {}
-        seen: dict[tuple[tuple[tuple[int, int], ...], int], None] = {}
+        seen: dict[tuple[tuple[int, int], ...], None] = {}
         for item in items:
-            backward = [act.stage % num for act in item.parts if act.kind in ("B", "I")]
             for act in item.parts:
                 s = act.stage % num
                 if act.kind == "F":
                     live[s] = live.get(s, 0) + 1
-                    deferring = backward[0] if backward and len(item.parts) > 1 else -1
-                    seen.setdefault((tuple(sorted(live.items())), deferring), None)
+                    seen.setdefault(tuple(sorted(live.items())), None)
                 elif act.kind in ("B", "W"):
                     live[s] -= 1
         out.append(tuple(seen))
@@ -602,16 +561,8 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     p = precision(cfg, accelerator)
     par = cfg.parallel
     counts = stage_param_counts(args, cfg)
-    saved, work, detail, held = stage_activation_bytes(args, cfg, p)
-    if accelerator:
-        # On a CPU every kernel runs on the host, so an exchange posted after them has landed when the
-        # interleave checks it and the deferred weight gradients wait for the chunk's end (measured:
-        # benchmarks/memory.md). On an accelerator the host runs ahead of the device, a posted exchange is
-        # still queued when checked, and the closures run (are enqueued, releasing their gradients) at each
-        # wait; only those of the backward's last segment, after its last exchange, stay until the chunk's
-        # end. That remainder is not counted here (unmeasured: no GPU run yet; see docs/memory.md).
-        held = [0] * len(held)
-    peaks, live = _live_activation_peak(cfg, saved, held)
+    saved, work, detail = stage_activation_bytes(args, cfg, p)
+    peaks, live = _live_activation_peak(cfg, saved)
     comm = _comm_bytes(args, cfg, p)
     step_transient = _optimizer_step_transient(args, cfg, p)
     shard_dense = par.dp if par.zero1 else 1

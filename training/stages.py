@@ -25,11 +25,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-import accel.wgrad
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
-from models.deepseek_v3.steps import Cuts, Steps, backward_steps, collecting, drain, interleave
+from models.deepseek_v3.steps import Cuts, Steps, backward_steps, drain, interleave
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
@@ -181,11 +180,7 @@ class DeepSeekV3Stage(nn.Module):
                 return h, None
             return h, (yield from criterion0.steps(h, *labels0))  # the criterion (StageLoss) interleaves too
 
-        backward = module1.backward_steps(loss1, outputs1, output_grads1)
-        if accel.wgrad.active():  # an I action: its weight gradients belong to the schedule's W
-            return interleave(forward_and_loss(), backward)
-        weight_grads: list = []  # deferred by the backward's steps, run while either side waits (V3's W)
-        return interleave(forward_and_loss(), collecting(backward, weight_grads.append), weight_grads)
+        return interleave(forward_and_loss(), module1.backward_steps(loss1, outputs1, output_grads1))
 
 
 _CUTS = "_dsv3_cuts"  # stage output attribute: the Cuts its forward recorded

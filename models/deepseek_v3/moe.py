@@ -329,7 +329,7 @@ class MoE(nn.Module):
         else:
             handle = self.ep.dispatch(x, routing.indices, weights)  # the weights travel with the rows
             z = self.shared(x)
-            yield handle
+            yield
             d = handle.wait()
             live = (z, residual)
             if cuts is not None and d.exchange is not None:  # each exchange: what crosses it, as fresh aliases
@@ -339,7 +339,7 @@ class MoE(nn.Module):
             z, residual = live
             # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
             handle = self.ep.combine(self.run_dispatched(d), d)
-            yield handle
+            yield
             y = handle.wait()
             if cuts is not None and d.combine_exchange is not None:
                 cuts.exchange(d.combine_exchange, *live)

@@ -1,7 +1,7 @@
 """The model's forward as interleavable steps, and the backward that walks it piece by piece.
 
-``Block.steps`` / ``MoE.steps`` are generators: they ``yield`` the handle of a communication in
-flight (after an expert-parallel dispatch is posted, after the combine is posted) and return their output.
+``Block.steps`` / ``MoE.steps`` are generators: they ``yield`` where a communication is in flight
+(after an expert-parallel dispatch is posted, after the combine is posted) and return their output.
 ``Block.forward`` and ``MoE.forward`` simply ``drain`` them, so the forward is written once; a
 pipeline schedule runs the same steps and puts another micro-batch's work where they yield.
 
@@ -17,27 +17,17 @@ nodes, with a blocking reverse exchange).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-import accel.wgrad
 from accel.grads import accumulate_grad
 
 T = TypeVar("T")
-
-
-class Pending(Protocol):
-    """What a step yields: a communication in flight (``expert_parallel.CommHandle``)."""
-
-    def is_completed(self) -> bool:  # landed: waiting for it would not block
-        ...
-
-
-Steps = Generator[Pending, None, T]
+Steps = Generator[None, None, T]
 
 
 def drain(steps: Steps[T]) -> T:
@@ -49,63 +39,28 @@ def drain(steps: Steps[T]) -> T:
             return stop.value
 
 
-def interleave(primary: Steps[T], secondary: Steps[None], fillers: list[Callable[[], None]] | None = None) -> T:
+def interleave(primary: Steps[T], secondary: Steps[None]) -> T:
     """Run two step generators turn about, ``secondary`` first (one step of it, one of ``primary``, ...) so
     each computes while the other's communication is in flight; finish both; return ``primary``'s value.
 
     DualPipe's chunk passes the backward as ``secondary``: its first step is short (down to the last
     layer's combine) and posts an exchange, so the forward's compute before its first dispatch
     (embedding, dense layers, attention) runs while that travels; and its last step (attention and
-    dense layers after the last exchange) runs while the forward's last combine travels.
-
-    ``fillers`` is work that may run at any point before the end (the backward's deferred weight
-    gradients, appended to the list as its steps make them): whenever the generator whose turn it is
-    still waits for its communication, fillers run one at a time until it has landed; what is left
-    runs at the end. The turns themselves never depend on timing, so every rank posts its exchanges
-    in the same order.
+    dense layers after the last exchange) runs while the forward's last combine travels. The turns never
+    depend on timing, so every rank posts its exchanges in the same order.
     """
-    fillers = [] if fillers is None else fillers
-
-    def turn(steps: Steps, waiting: Pending | None) -> Pending | None:
-        while waiting is not None and fillers and not waiting.is_completed():
-            fillers.pop(0)()
-        return next(steps)
-
-    secondary_done, waiting_secondary, waiting_primary = False, None, None
-
-    def turn_of_secondary() -> None:
-        nonlocal secondary_done, waiting_secondary
-        try:
-            waiting_secondary = turn(secondary, waiting_secondary)
-        except StopIteration:
-            secondary_done = True
-
-    turn_of_secondary()
+    secondary_done = next(secondary, StopIteration) is StopIteration
     while True:
         try:
-            waiting_primary = turn(primary, waiting_primary)
+            next(primary)
         except StopIteration as stop:
             result = stop.value
             break
         if not secondary_done:
-            turn_of_secondary()
-    while not secondary_done:
-        turn_of_secondary()
-    while fillers:
-        fillers.pop(0)()
+            secondary_done = next(secondary, StopIteration) is StopIteration
+    if not secondary_done:
+        drain(secondary)
     return result
-
-
-def collecting(steps: Steps[T], put: Callable[[Callable[[], None]], None]) -> Steps[T]:
-    """``steps`` with each step run under ``accel.wgrad.collect_into(put)``: the layers' weight-gradient
-    GEMMs of a backward go to ``put`` instead of running in place (``interleave``'s fillers)."""
-    while True:
-        with accel.wgrad.collect_into(put):
-            try:
-                pending = next(steps)
-            except StopIteration as stop:
-                return stop.value
-        yield pending
 
 
 class Reversible(Protocol):
@@ -226,7 +181,7 @@ def backward_steps(cuts: Cuts, roots: Sequence[tuple[torch.Tensor | GradientEdge
         pending = _backward_piece(pending, [ex.received, *mark.live])
         _, grad_received = pending.pop(_key(ex.received), (None, None))
         handle = ex.reverse(grad_received)
-        yield handle
+        yield
         pending[_key(ex.sent)] = (ex.sent, handle.wait())
     x = cuts.stage_input
     stops = [get_gradient_edge(x)] if x is not None else []
