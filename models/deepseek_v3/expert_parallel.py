@@ -90,8 +90,7 @@ class _CommThread:
     def inline(cls) -> Iterator[None]:
         """Run every exchange on the calling thread to completion, in the same order (no overlap), within the
         block: for a memory measurement (``recipes.memory_report`` on a CPU), which then sees each exchange's
-        tensors between two of the thread's own allocations, and the schedule's most memory: every exchange has
-        landed when the interleave checks it, so a chunk's deferred weight gradients all wait for its end."""
+        tensors between two of the thread's own allocations."""
         cls._inline = True
         try:
             yield
@@ -123,7 +122,6 @@ class _CommThread:
         return cls._executor.submit(task)
 
 
-
 @dataclass
 class Posted(Generic[T]):
     """An exchange the comm thread has posted: the collectives in flight (and the buffers that must outlive
@@ -132,17 +130,6 @@ class Posted(Generic[T]):
     works: list
     finish: Callable[[], T]
     posted_at: float = 0.0  # when the comm thread began staging it (``time.perf_counter``)
-
-
-def stage(fn: Callable[[], Posted[T]]) -> Callable[[], Posted[T]]:
-    """``fn`` stamped with the time it starts (on the comm thread), for the trace."""
-    def run() -> Posted[T]:
-        start = time.perf_counter()
-        posted = fn()
-        posted.posted_at = start
-        return posted
-
-    return run
 
 
 class CommHandle(Generic[T]):
@@ -178,7 +165,13 @@ class CommHandle(Generic[T]):
 
 def post(recorder: TraceRecorder | None, name: str, fn: Callable[[], Posted[T]]) -> CommHandle[T]:
     """Stage and post ``fn``'s exchange on the comm thread; the handle to wait for it."""
-    return CommHandle(_CommThread.submit(stage(fn)), recorder, name)
+    def staged() -> Posted[T]:
+        start = time.perf_counter()
+        posted = fn()
+        posted.posted_at = start  # when the comm thread began staging it: the trace's span starts there
+        return posted
+
+    return CommHandle(_CommThread.submit(staged), recorder, name)
 
 
 class _AllToAll(torch.autograd.Function):
