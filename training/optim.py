@@ -119,10 +119,7 @@ class AdamW(torch.optim.Optimizer):
                         if value is not store:
                             store.copy_(value)  # rounded to nearest into a narrower store
                 if self.ema_decay:
-                    snap = self._snapshot(p, target)  # the EMA of the master weights
-                    # a first EMA buffer is allocated here, on the caller's thread, where allocator-level
-                    # accounting (the CPU profiler of recipes.memory_report) sees it; the worker fills it
-                    snapshots.append((p, snap, torch.empty_like(snap) if "ema" not in self.state[p] else None))
+                    snapshots.append((p, self._snapshot(p, target)))  # the EMA of the master weights
         if snapshots:
             self._ema_job = self._ema_pool.submit(self._update_ema, snapshots, _copy_done_event())
         return loss
@@ -138,14 +135,14 @@ class AdamW(torch.optim.Optimizer):
         buf.copy_(value.detach(), non_blocking=p.device.type != "cpu")
         return buf
 
-    def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], event) -> None:
+    def _update_ema(self, snapshots: list[tuple[torch.Tensor, torch.Tensor]], event) -> None:
         if event is not None:
             event.synchronize()
-        for p, snap, fresh in snapshots:
+        for p, snap in snapshots:
             state = self.state[p]
             ema = state.get("ema")
             if ema is None:
-                state["ema"] = fresh.copy_(snap)
+                state["ema"] = snap.clone()
             else:
                 if ema.device.type != "cpu":
                     state["ema"] = ema = ema.to("cpu", torch.float32)
