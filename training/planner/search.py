@@ -21,7 +21,7 @@ from dualpipe.ir import Overlap
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, validate
-from training.memory import RankMemory, estimate
+from training.memory import RankMemory, estimate, precision
 from training.planner.costs import (
     BF16,
     RECOMPUTE_POLICIES,
@@ -270,9 +270,8 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     reads gradient, moments (and master) and writes parameter, moments (and master) of its shard.
     """
     s, g = req.system, req.system.gpus_per_node
-    pbytes = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.run.dtype]
-    master = 4 if cfg.optim.master_dtype == "float32" else 0  # FP32 masters beside BF16 working weights
-    gbytes = master or pbytes  # gradients accumulate in the masters' dtype
+    p = precision(cfg, accelerator=True)
+    pbytes, master, gbytes = p.param, p.master, p.grad  # gradients accumulate in the masters' dtype, if any
     edp = lay.dp // lay.ep
     comm = step = 0.0
     for r in ranks:
