@@ -1,23 +1,26 @@
-"""How much of the expert all-to-all the training step hides: a fixed delay injected into every exchange.
+"""How much of the expert all-to-all the training step hides: every exchange held back on a slow serial wire.
 
-    python -m recipes.bench_a2a_delay [--nproc 2] [--steps 3] [--comm-ratio 0.5 0.75 1.0] [--delay-ms MS]
-                                      [--json out.json] [--trace FILE] [--set k=v ...]
+    python -m recipes.bench_a2a_delay [--nproc 2] [--steps 3] [--comm-ratio 0.5 0.75 1.0] [--latency-ms MS]
+                                      [--delay-ms MS] [--json out.json] [--trace FILE] [--set k=v ...]
 
 Trains the demo model (4 layers + MTP, FP8 off) with DualPipeV's two stages in a V on each rank, EP 2 over
 DP 2 (2 processes: one core each on a 2-core machine, as one GPU per rank; ``--nproc 4 --set
-parallel.pp=2`` gives the demo's PP 2 layout, oversubscribed here), 8 micro-batches per rank, on
-gloo processes, every ``all_to_all_single`` held back by a fixed delay (``DelayedAllToAll``: a serial wire
-that is busy while the host is free; whoever waits for the exchange sleeps, using no CPU). Per rank,
-comm = (all-to-alls per step) x delay is what the exchanges cost when nothing hides them; compute = the
-step time without delay. ``--comm-ratio`` picks delays that make comm that multiple of compute (one row
-per ratio; ``--delay-ms`` a fixed one instead). Overlapped F&B on and off, delay off and on, are
+parallel.pp=2`` gives the demo's PP 2 layout, oversubscribed here), 8 micro-batches per rank (``--set
+data.global_batch=N``: N / 4 per rank), on gloo processes, every ``all_to_all_single`` held back on a
+serial wire (``DelayedAllToAll``): each exchange occupies it for latency + bytes / bandwidth, the wire is
+busy while the host is free, and whoever waits for the exchange sleeps, using no CPU. Per rank, comm =
+the exchanges' time on the wire summed over a step is what they cost when nothing hides them; compute =
+the step time without the wire. ``--comm-ratio`` sets the bandwidth that makes comm that multiple of
+compute at the given ``--latency-ms`` (one row per ratio); ``--delay-ms`` instead gives every exchange,
+the per-expert count exchange ahead of each dispatch included, the same fixed delay (no bandwidth term),
+which charges a few integers like a token exchange. Overlapped F&B on and off, wire off and on, are
 measured in the same run, step by step interleaved so machine-load drift hits all alike; each delayed
 step is reported as a multiple of max(comm, compute) and of comm + compute (perfect hiding: 1.0x max;
 none: 1.0x sum). The ``F&B chunks`` columns apply the same two multiples to the overlapped F&B chunks
-alone (each chunk's time with the delay against its own time without it and the delays posted inside
-it), which is where DualPipe hides the all-to-all in both directions; the warm-up forwards and
-cool-down backwards of the schedule have no partner micro-batch and expose their exchanges.
-Target (issue 13): overlapped <= 1.15x max(comm, compute).
+alone (each chunk's time on the wire against its own time without it and the wire time of the exchanges
+posted inside it), which is where DualPipe hides the all-to-all in both directions; the warm-up forwards
+and cool-down backwards of the schedule have no partner micro-batch and expose their exchanges, a share
+that falls as micro-batches per step grow. Target (issue 13): overlapped <= 1.15x max(comm, compute).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from training.trainer import Trainer, check_static
 
 BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "checkpoint.final=false",
         "checkpoint.interval=0", "run.sample_tokens=0", "run.threads=1", "data.seq_len=64", "data.global_batch=32",
-        "data.micro_batch=2", "optim.warmup_steps=1", "parallel.pp=1"]
+        "data.micro_batch=2", "optim.warmup_steps=1", "parallel.pp=1",
+        # weights held still, so the routing, and with it the bytes each step puts on the wire, stay put
+        "optim.lr=1e-9", "optim.min_lr=0"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,39 +54,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (after one warm-up step)")
     ap.add_argument("--comm-ratio", type=float, nargs="+", default=[0.5, 0.75, 1.0],
-                    help="delays that make comm this multiple of compute (one row each)")
-    ap.add_argument("--delay-ms", type=float, default=None, help="one fixed delay instead of --comm-ratio")
+                    help="wire bandwidths that make comm this multiple of compute (one row each)")
+    ap.add_argument("--latency-ms", type=float, default=0.1, help="the wire's per-exchange latency")
+    ap.add_argument("--delay-ms", type=float, default=None,
+                    help="one fixed delay per exchange instead of --comm-ratio and --latency-ms")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="also record one overlapped step at the last delay as a Chrome/Perfetto trace (all ranks)")
+                    help="also record one overlapped step at the last setting as a Chrome/Perfetto trace (all ranks)")
     ns = ap.parse_args(argv)
-    if ns.steps < 1 or any(r <= 0 for r in ns.comm_ratio) or (ns.delay_ms is not None and ns.delay_ms < 0):
-        ap.error("--steps must be >= 1, --comm-ratio values > 0, --delay-ms >= 0")
+    if ns.steps < 1 or any(r <= 0 for r in ns.comm_ratio) or (ns.delay_ms is not None and ns.delay_ms < 0) \
+            or ns.latency_ms < 0:
+        ap.error("--steps must be >= 1, --comm-ratio values > 0, --delay-ms and --latency-ms >= 0")
     return ns
 
 
 class DelayedAllToAll:
-    """``all_to_all_single`` that lands ``delay_s`` late on a serial wire (this process only).
+    """``all_to_all_single`` that lands late on a serial wire (this process only), as a real link would.
 
-    Each exchange occupies the wire for ``delay_s`` from when it is posted or the previous one lands,
-    whichever is later; whoever waits for it sleeps until then (no CPU used). The exchange itself runs
-    as posted, so the host work the caller stages behind an asynchronous exchange (the send-row gather
-    behind the counts, the regrouping plan behind the tokens) overlaps the wire as it would on a GPU.
+    Each exchange occupies the wire for ``latency_s + bytes * s_per_byte`` (bytes: the larger of what it
+    sends and what it receives, as on a full-duplex link) from when it is posted or the previous one
+    lands, whichever is later; whoever waits for it sleeps until then (no CPU used). So the per-expert
+    count exchange ahead of each dispatch (a few integers) costs about the latency and the token
+    exchanges their size, as on a GPU's link; ``s_per_byte = 0`` gives every exchange the same fixed
+    delay. The exchange itself runs as posted, so the host work the caller stages behind an
+    asynchronous exchange (the send-row gather behind the counts, the regrouping plan behind the
+    tokens) overlaps the wire as it would on a GPU. ``calls`` records (posted at, bytes, time on the wire).
     """
 
     def __init__(self, inner) -> None:
-        self.inner, self.delay_s, self.starts, self.wire_free = inner, 0.0, [], 0.0
+        self.inner, self.latency_s, self.s_per_byte, self.wire_free = inner, 0.0, 0.0, 0.0
+        self.calls: list[tuple[float, int, float]] = []
 
-    def __call__(self, *args, async_op: bool = False, **kwargs):
+    def __call__(self, output, input, *args, async_op: bool = False, **kwargs):
         now = time.perf_counter()
-        self.starts.append(now)
-        self.wire_free = max(now, self.wire_free) + self.delay_s
-        work = _LateWork(self.inner(*args, async_op=True, **kwargs), self.wire_free)
+        nbytes = max(_nbytes(output), _nbytes(input))
+        busy = self.latency_s + nbytes * self.s_per_byte
+        self.calls.append((now, nbytes, busy))
+        self.wire_free = max(now, self.wire_free) + busy
+        work = _LateWork(self.inner(output, input, *args, async_op=True, **kwargs), self.wire_free)
         if async_op:
             return work
         work.wait()
         return None
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 class _LateWork:
@@ -106,93 +125,116 @@ def _timed_step(trainer: Trainer) -> tuple[float, list[tuple[str, float]]]:
     return wall, [(str(item), start, end) for item, start, end, _ in timeline if "OVERLAP" in str(item)]
 
 
-def _chunk_multiples(nodelay: list, delayed: list, starts: list[float], delay: float) -> tuple[float, float]:
+def _chunk_multiples(nodelay: list, delayed: list, calls: list[tuple[float, int, float]]) -> tuple[float, float]:
     """Overlapped F&B chunks of one delayed step against the same chunks without delay: total time over
-    the total of max(comm, compute), and over comm + compute, with comm = delays posted in the chunk."""
+    the total of max(comm, compute), and over comm + compute, with comm = the wire time of the exchanges
+    posted in the chunk (``calls``: ``DelayedAllToAll.calls`` of the step)."""
     compute = {name: end - start for name, start, end in nodelay}
     step, best, worst = 0.0, 0.0, 0.0
     for name, start, end in delayed:
-        comm = delay * sum(start <= t < end for t in starts)
+        comm = sum(busy for t, _, busy in calls if start <= t < end)
         step += end - start
         best += max(comm, compute[name])
         worst += comm + compute[name]
     return step / max(best, 1e-12), step / max(worst, 1e-12)
 
 
+def _wire_settings(ns: argparse.Namespace, compute_s: float, calls_per_step: float,
+                   bytes_per_step: float) -> list[tuple[float, float]]:
+    """(latency_s, s_per_byte) per row: ``--delay-ms`` as it is, else each ``--comm-ratio``'s bandwidth at the
+    given latency (comm = calls x latency + bytes x s_per_byte = ratio x compute)."""
+    if ns.delay_ms is not None:
+        return [(ns.delay_ms / 1e3, 0.0)]
+    latency = ns.latency_ms / 1e3
+    settings = []
+    for ratio in ns.comm_ratio:
+        rest = ratio * compute_s - calls_per_step * latency
+        if rest <= 0:
+            raise ValueError(f"--latency-ms {ns.latency_ms} alone exceeds comm = {ratio} x compute "
+                             f"({calls_per_step:.0f} exchanges per step, compute {compute_s:.3f} s): lower it")
+        settings.append((latency, rest / max(bytes_per_step, 1.0)))
+    return settings
+
+
 def _bench(rank: int, world: int, ns: argparse.Namespace) -> dict | None:
     os.environ.setdefault("DSV3_KERNEL_IMPL", "reference")
     torch.set_num_threads(1)
-    patched = DelayedAllToAll(dist.all_to_all_single)
-    dist.all_to_all_single = patched  # the models' exchanges look it up on the module at each call
+    wire = DelayedAllToAll(dist.all_to_all_single)
+    dist.all_to_all_single = wire  # the models' exchanges look it up on the module at each call
     trainers = {}
-    settings = 1 + (1 if ns.delay_ms is not None else len(ns.comm_ratio))  # no delay, then each delay
+    rows_wanted = 1 + (1 if ns.delay_ms is not None else len(ns.comm_ratio))  # no wire, then each setting
     for overlap in (True, False):
-        cfg = load_config(ns.config, BASE + [f"run.steps={settings * ns.steps * 2 + 8}",
+        cfg = load_config(ns.config, BASE + [f"run.steps={rows_wanted * ns.steps * 2 + 8}",
                                              f"parallel.overlap={str(overlap).lower()}", *ns.overrides])
         ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
         recorder = TraceRecorder(rank) if overlap and ns.trace else None
         trainers[overlap] = Trainer(cfg, ps, tempfile.mkdtemp(), "disabled", check_static(cfg, world), recorder)
         _timed_step(trainers[overlap])  # warm-up: allocations, first-use imports
-    n0 = len(patched.starts)
+    n0 = len(wire.calls)
     base = [_timed_step(trainers[o])[0] for o in (True, False, True, False)]
-    calls_per_step = (len(patched.starts) - n0) / 4
-    delays = [ns.delay_ms / 1e3] if ns.delay_ms is not None else [
-        r * statistics.median(base) / max(calls_per_step, 1) for r in ns.comm_ratio]
-    delays_t = torch.tensor([0.0, *delays], dtype=torch.float64)
-    dist.broadcast(delays_t, 0)  # every rank sleeps the same
-    delays = delays_t.tolist()
-    walls: dict[tuple[bool, int], list[float]] = {(o, d): [] for o in (True, False) for d in range(len(delays))}
-    chunks: dict[int, list] = {d: [] for d in range(len(delays))}  # (chunks of the step, delay starts)
+    sizing = torch.tensor([statistics.median(base), (len(wire.calls) - n0) / 4,
+                           sum(b for _, b, _ in wire.calls[n0:]) / 4], dtype=torch.float64)
+    dist.broadcast(sizing, 0)  # every rank's wire runs at rank 0's settings
+    settings = [(0.0, 0.0), *_wire_settings(ns, *sizing.tolist())]
+    walls: dict[tuple[bool, int], list[float]] = {(o, d): [] for o in (True, False) for d in range(len(settings))}
+    comms: dict[tuple[bool, int], list[float]] = {key: [] for key in walls}  # wire time of each step's exchanges
+    chunks: dict[int, list] = {d: [] for d in range(len(settings))}  # (chunks of the step, its calls)
     for _ in range(ns.steps):
         for (overlap, d), acc in walls.items():
-            patched.delay_s, n0 = delays[d], len(patched.starts)
+            (wire.latency_s, wire.s_per_byte), n0 = settings[d], len(wire.calls)
             wall, step_chunks = _timed_step(trainers[overlap])
             acc.append(wall)
+            comms[(overlap, d)].append(sum(busy for _, _, busy in wire.calls[n0:]))
             if overlap:
-                chunks[d].append((step_chunks, patched.starts[n0:]))
+                chunks[d].append((step_chunks, wire.calls[n0:]))
     if ns.trace:
         recorder = trainers[True].recorder
-        patched.delay_s = delays[-1]
+        wire.latency_s, wire.s_per_byte = settings[-1]
         recorder.spans.clear()
         _timed_step(trainers[True])
         states = [None] * world if rank == 0 else None
         dist.gather_object(recorder.state(), states, dst=0)
         if rank == 0:
             write_chrome_trace(ns.trace, states)
-    patched.delay_s = 0.0
+    wire.latency_s, wire.s_per_byte = 0.0, 0.0
     if rank != 0:
         return None
     compute = {o: statistics.median(walls[(o, 0)]) for o in (True, False)}
     rows = []
-    for d in range(1, len(delays)):
-        comm = calls_per_step * delays[d]
-        per_step = [_chunk_multiples(chunks[0][i][0], chunks[d][i][0], chunks[d][i][1], delays[d])
-                    for i in range(ns.steps)]
+    for d in range(1, len(settings)):
+        latency, s_per_byte = settings[d]
+        per_step = [_chunk_multiples(chunks[0][i][0], chunks[d][i][0], chunks[d][i][1]) for i in range(ns.steps)]
         for overlap in (True, False):
-            step = statistics.median(walls[(overlap, d)])
+            steps, comm_steps, c0 = walls[(overlap, d)], comms[(overlap, d)], compute[overlap]
+            comm = statistics.median(comm_steps)
             row = {"comm/compute": f"{comm / compute[True]:.2f}",
-                   "mode": "overlapped F&B" if overlap else "F then B", "delay_ms": round(delays[d] * 1e3, 2),
-                   "compute_s": round(compute[overlap], 4), "comm_s": round(comm, 4), "step_s": round(step, 4),
-                   "x_max": round(step / max(comm, compute[overlap]), 3),
-                   "x_sum": round(step / (comm + compute[overlap]), 3)}
+                   "mode": "overlapped F&B" if overlap else "F then B", "latency_ms": round(latency * 1e3, 2),
+                   "MB/s": round(1e-6 / s_per_byte, 2) if s_per_byte else "-",
+                   "compute_s": round(compute[overlap], 4), "comm_s": round(comm, 4),
+                   "step_s": round(statistics.median(steps), 4),
+                   "x_max": round(statistics.median(t / max(c, c0) for t, c in zip(steps, comm_steps)), 3),
+                   "x_sum": round(statistics.median(t / (c + c0) for t, c in zip(steps, comm_steps)), 3)}
             if overlap:
                 row["chunks_x_max"] = round(statistics.median(m for m, _ in per_step), 3)
                 row["chunks_x_sum"] = round(statistics.median(s for _, s in per_step), 3)
             rows.append(row)
-    return {"rows": rows, "all_to_alls_per_step": calls_per_step}
+    return {"rows": rows, "all_to_alls_per_step": sizing[1].item(), "bytes_per_step": sizing[2].item()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
     result = spawn_gloo(_bench, ns.nproc, ns)
-    print_report("expert all-to-all hidden behind compute (fixed delay per exchange)", result["rows"],
+    print_report("expert all-to-all hidden behind compute (every exchange on a slow serial wire)", result["rows"],
                  json_path=ns.json,
-                 notes=[f"comm = {result['all_to_alls_per_step']:.0f} all-to-alls per step on rank 0 (counts + "
-                        "tokens + combine forward, two reverse exchanges backward, per MoE layer and micro-batch) "
-                        "x delay", "x_max = step / max(comm, compute), x_sum = step / (comm + compute); target: "
+                 notes=[f"comm = the wire time of a step's {result['all_to_alls_per_step']:.0f} all-to-alls on rank 0 "
+                        f"({result['bytes_per_step'] / 1e6:.1f} MB: counts + tokens + combine forward, two reverse "
+                        "exchanges backward, per MoE layer and micro-batch), each latency + bytes / bandwidth "
+                        "(MB/s '-': a fixed delay each)",
+                        "x_max = step / max(comm, compute), x_sum = step / (comm + compute); target: "
                         "overlapped x_max <= 1.15",
-                        "chunks_*: the same over the overlapped F&B chunks only (each against itself without delay)",
-                        "median of the timed steps; settings interleaved step by step"])
+                        "chunks_*: the same over the overlapped F&B chunks only (each against itself without the wire)",
+                        "x_*: median over the timed steps, each step against its own comm; settings interleaved "
+                        "step by step"])
     return 0
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,7 @@ from accel.trace import TraceRecorder
 from models.deepseek_v3.moe import PermuteState, unpermute
 
 T = TypeVar("T")
+SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL hand-over interval once a comm thread runs (see _CommThread.submit)
 
 
 class _CommThread:
@@ -112,6 +114,9 @@ class _CommThread:
             return done
         if cls._pid != os.getpid():  # first use, or a forked child: threads do not survive fork
             cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv3-ep-comm")
+            # a thread woken by a landed exchange waits for the GIL until the running one yields it, by default up to
+            # 5 ms: the time between the count exchange landing and the tokens being posted, on every dispatch
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             cls._pid = os.getpid()
         grad, stream = torch.is_grad_enabled(), accel.current_stream()
 
