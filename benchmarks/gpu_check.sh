@@ -20,7 +20,7 @@
 # folder as $GPU_CHECK_OUT). When OUTDIR is $OUT (the device tool brings back at most 8 files),
 # steps/ is packed into steps.tar.gz.
 #
-# Knobs: GPU_CHECK_BUDGET (total seconds, default 540: the whole run fits ~9 minutes; a step gets at
+# Knobs: GPU_CHECK_BUDGET (total seconds, default 580: one 10-minute device call; a step gets at
 # most what is left, and is skipped with under 20 s left), GPU_CHECK_STEPS (space-separated step
 # names, run in that order: "verify flash_mla env"; default all), GPU_CHECK_D (the area-script
 # folder), GPU_CHECK_PACK (1/0), GPU_CHECK_JOBS (warm-up processes; default: all cores).
@@ -40,7 +40,7 @@ ALL="$OUTDIR/gpu_check.log"
 SUMMARY="$OUTDIR/summary.txt"
 : >"$ALL"
 : >"$SUMMARY"
-BUDGET="${GPU_CHECK_BUDGET:-540}"
+BUDGET="${GPU_CHECK_BUDGET:-580}"
 AREA_DIR="${GPU_CHECK_D:-$REPO/benchmarks/gpu_check.d}"
 ONLY="${GPU_CHECK_STEPS:-}"
 START=$SECONDS
