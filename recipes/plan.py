@@ -24,6 +24,7 @@ from pathlib import Path
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, load_config
+from training.planner.calibrate import main as calibrate_main
 from training.planner.costs import RECOMPUTE_POLICIES
 from training.planner.search import (
     LAYOUT_KEYS,
@@ -246,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["calibrate"]:
-            from training.planner.calibrate import main as calibrate_main
-
             return calibrate_main(argv[1:])
         return run_plan(parser().parse_args(argv))
     except ValueError as exc:

@@ -23,10 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import accel
+import deep_gemm
 from accel import specs
 from accel.timing import do_bench
+from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
 from training.planner.costs import Op, attention_core, attention_ops, ffn_ops, gemm
 from training.planner.system import System, load_system
@@ -48,8 +51,6 @@ def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op
 def _gemm_seconds(m: int, n: int, k: int, groups: int, fp8: bool, device: torch.device) -> float:
     """Seconds of ``groups`` GEMMs of ``[m, k] x [k, n]`` (grouped ones padded to 128-row blocks, as the
     contiguous layout needs; ``measure`` counts the padded FLOPs)."""
-    import deep_gemm
-
     if not fp8 and groups == 1:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
@@ -69,8 +70,6 @@ def _gemm_seconds(m: int, n: int, k: int, groups: int, fp8: bool, device: torch.
 
 
 def _attention_seconds(args: ModelArgs, seq_len: int, batch: int, device: torch.device) -> tuple[float, float]:
-    from flash_mla import mla_attention
-
     h = args.n_heads
     q = torch.randn(batch, seq_len, h, args.qk_head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn_like(q, requires_grad=True)
@@ -120,8 +119,6 @@ def measure(base: System, args: ModelArgs, tokens: int, seq_len: int, ep: int, d
 
 def measure_collectives(system: System, nbytes: int = 64 << 20) -> System:
     """Intra-node bandwidth and latency from all-gather and P2P over the local ranks (torchrun)."""
-    import torch.distributed as dist
-
     dist.init_process_group(accel.dist_backend())
     try:
         world, device = dist.get_world_size(), accel.default_device()
