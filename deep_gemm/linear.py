@@ -11,8 +11,10 @@ without a GPU.
 
 Memory (DeepSeek-V3 report, 3.3.3): with ``fp8_cache`` the input is kept for backward only as the
 forward's e4m3 + 1x128-scale cast (dequantized and re-tiled to 128x1 for the wgrad), not in its
-own precision. The FP8 weights are never saved: backward casts the weight again (a weight-sized
-read) instead of holding a copy per in-flight micro-batch.
+own precision. Without it the wgrad makes that same cast from the kept input, so the numbers do not
+depend on the memory option (or on recompute, which refills the input instead of caching it). The FP8
+weights are never saved: backward casts the weight again (a weight-sized read) instead of holding a
+copy per in-flight micro-batch.
 
 Zero-bubble: backward computes the input gradient at once and hands the weight gradient to
 ``accel.wgrad.defer`` as a closure that accumulates into the weight's gradient exactly as autograd
@@ -54,6 +56,13 @@ def _pad(x: torch.Tensor, *multiples: int) -> torch.Tensor:
 
 def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _forward_cast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the forward's 1x128 e4m3 cast, dequantized (K padded to 128): what the wgrad reads whether the cast
+    was kept (``fp8_cache``) or ``x`` itself was (no caching, or recompute refilled it), so caching and
+    recompute change memory, never the weight gradient."""
+    return dequantize(*per_token_cast_to_fp8(_pad(x, BLOCK)))
 
 
 def _run_or_defer(closure) -> None:
@@ -113,7 +122,7 @@ class _LinearFunction(torch.autograd.Function):
 
             def weight_grad() -> None:
                 if fp8:
-                    x = dequantize(*saved) if cached else saved[0]  # the forward's 1x128 cast, or x itself
+                    x = dequantize(*saved) if cached else _forward_cast(saved[0])  # the forward's 1x128 cast
                     dy_q = per_channel_cast_to_fp8(_pad(grad_out, BLOCK, BLOCK))
                     x_q = per_channel_cast_to_fp8(_pad(x, BLOCK, BLOCK))
                     d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
@@ -314,8 +323,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> None:
-                # the forward's 1x128 cast (padding rows 0), or x itself with its padding rows zeroed
-                x = dequantize(*saved_x) if cached else saved_x[0] * valid.to(x_dtype)
+                # the forward's 1x128 cast (padding rows 0), kept or made again from x with its padding rows zeroed
+                x = dequantize(*saved_x) if cached else _forward_cast(saved_x[0] * valid.to(x_dtype))
                 order, ks = _k_grouped_rows(owners, num_groups, x.device)
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
                 dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))

@@ -73,6 +73,25 @@ def test_every_policy_gives_the_gradients_of_no_recompute(segmented):
                                        msg=lambda m, n=n, p=policy: f"{p} {n}: {m}")
 
 
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segmented+deferred"])
+def test_fp8_recompute_gives_the_gradients_of_fp8_without_recompute(segmented):
+    """With FP8 (activation caching on, as in V3) a policy changes what is kept, not the numbers: a recomputed
+    norm or up-projection output feeds its GEMM's weight gradient through the same 1x128 e4m3 cast the
+    cached input would have been (``deep_gemm.linear``). The replay is the same ops on the same inputs, so
+    up to autograd's summation order the gradients are equal; that order could flip a few e4m3 roundings
+    (each ~1e-6 of calc_diff over these gradients), while reading x unrounded where the cache rounds it,
+    as before this was fixed, gives calc_diff ~1e-3: bound 1e-5. Whole-block recompute is not covered: its
+    replay keeps the SwiGLU output exact where the FP8 stash refills it from the e4m3 input (calc_diff ~2e-3;
+    docs/memory.md)."""
+    tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
+    base = _grads((), tokens, fp8=True)
+    for policy in [p for p in POLICIES if "block" not in p]:
+        got = _grads(policy, tokens, segmented, fp8=True)
+        assert got.keys() == base.keys(), policy
+        for n in base:
+            assert calc_diff(got[n], base[n]) < 1e-5, (policy, n, calc_diff(got[n], base[n]))
+
+
 def test_the_consumer_keeps_the_producer_input_not_its_output():
     """norm -> Linear: without recompute both x and norm(x) are kept; with it only x (the Linear saved a
     view of norm(x), whose storage is released and refilled before the Linear's backward)."""
