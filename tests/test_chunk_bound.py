@@ -36,3 +36,18 @@ def test_cli_reports_the_best_order(capsys):
     assert chunk_bound.main(["--forward", "1", "1", "--backward", "1", "1", "--exchange", "1", "--count-ms", "0"]) == 0
     out = capsys.readouterr().out
     assert "best of every order:        4.0 ms = 1.000 x" in out
+
+
+def test_floating_weight_gradients_fill_idle_compute():
+    compute = {"F": [1.0, 1.0], "B": [1.0, 2.0, 1.0]}
+    exchanges = {"F": [3.0], "B": [1.0, 1.0]}
+    order = ["B", "F", "B", "F", "B"]
+    # B0 0-1 (1-2), F0 1-2 (2-5), B1 2-4 (its exchange waits for the wire: 5-6), F1 5-6, B2 6-7
+    assert chunk_bound.makespan(order, compute, exchanges) == 7.0
+    # half of B1 and B2 floats: B1 2-3 (5-6), F1 waits 3-5 then 5-6, B2 6-6.5; the 1.5 of W fits the 2 idle
+    assert chunk_bound.with_floating_weight_grads(order, compute, exchanges, 0.5) == 6.5
+    # 90% floating: B1 2-2.2, F1 waits 2.2-5: 2.7 of W in 2.8 idle, the chains end at 6.1
+    assert chunk_bound.with_floating_weight_grads(order, compute, exchanges, 0.9) == pytest.approx(6.1)
+    # W with no idle time to go to lengthens the chunk by all of it: 4 of chains + 1 of W = the compute, 5
+    busy = {"F": [1.0, 1.0], "B": [1.0, 2.0]}
+    assert chunk_bound.with_floating_weight_grads(["B", "F", "B", "F"], busy, {"F": [0.5], "B": [0.5]}, 0.5) == 5.0
