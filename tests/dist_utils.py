@@ -11,6 +11,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -68,3 +69,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 raise RuntimeError(res["error"])
             results.append(res["ok"])
         return results
+
+
+def current_load(seconds: float = 1.0, samples: int = 10) -> float:
+    """Processes running now besides this one: the median over ``samples`` readings of ``/proc/loadavg``'s
+    runnable count in ``seconds``. Unlike the 1-minute load average it does not still count the suite's
+    previous multi-process test, which had finished; where there is no ``/proc`` it is that average."""
+    try:
+        counts = []
+        for _ in range(samples):
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus this reader
+            time.sleep(seconds / samples)
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return float(sorted(counts)[len(counts) // 2])

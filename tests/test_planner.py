@@ -18,6 +18,7 @@ from dualpipe.schedules import build
 from dualpipe.simulator import Costs, program, simulate
 from models.deepseek_v3 import ModelArgs
 from recipes import plan
+from tests.dist_utils import current_load
 from training.config import load_config
 from training.memory import estimate
 from training.planner import Request, Space, evaluate, load_system, search
@@ -302,9 +303,9 @@ def test_predicted_step_matches_the_runtime_with_sleep_stages():
     the OS scheduler, not the runtime."""
     import os
 
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    load, cores = current_load(), os.cpu_count() or 1
     if load > 2 * cores:
-        pytest.skip(f"load average {load:.1f} > 2 x {cores} cores: sleep timings would measure the scheduler")
+        pytest.skip(f"{load:.0f} other processes running on {cores} cores: sleep timings would measure the scheduler")
 
     from dualpipe import bench
 
@@ -541,10 +542,9 @@ def test_predicted_all_to_all_overlap_matches_the_delay_benchmark(tmp_path):
 
     import torch.multiprocessing as mp
 
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    load, cores = current_load(), os.cpu_count() or 1
     if load > 2 * cores:
-        pytest.skip(f"load average {load:.1f} > 2 x {cores} cores: the compute timings would measure the other "
-                    "processes")
+        pytest.skip(f"{load:.0f} other processes running on {cores} cores: the compute timings would measure them")
     schedules, microbatches = ["1f1b", "zbv", "dualpipev"], 8
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
