@@ -433,11 +433,6 @@ def _a2a_worker(rank: int, world: int, port: int, schedules: list[str], microbat
                 self.span[1] = self.span[1] or time.perf_counter()
                 return True
 
-            def is_completed(self) -> bool:
-                if self.work.is_completed():
-                    self.span[1] = self.span[1] or time.perf_counter()
-                return self.span[1] > 0
-
         def recorded(*args, async_op=False, **kwargs):
             span = [time.perf_counter(), 0.0]
             spans.append(span)
