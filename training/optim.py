@@ -25,13 +25,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import accel
 from accel import grads
@@ -251,6 +251,10 @@ class Optimizers:
             groups = _param_groups(named, cfg.weight_decay)
             shard = zero1 and group is not None and dist.get_world_size(group) > 1
             if shard:
+                # imported here: torch.distributed.optim pulls in FSDP, DTensor and sympy, seconds of start-up
+                # that only a sharded run needs (every launcher's parent process and one-process run skip it)
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
                 opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                               process_group=group, weight_decay=groups[0]["weight_decay"], **kw)
                 for g in groups[1:]:
@@ -275,14 +279,21 @@ class Optimizers:
 
     def state_dict(self) -> list[dict]:
         """This rank's optimizer states (ZeRO shards are consolidated by the checkpoint code if needed)."""
-        return [opt.state_dict() if not isinstance(opt, ZeroRedundancyOptimizer) else opt.optim.state_dict()
-                for opt in self.optimizers]
+        return [split_zero(opt)[0].state_dict() for opt in self.optimizers]
 
     def load_state_dict(self, states: list[dict]) -> None:
         if len(states) != len(self.optimizers):
             raise ValueError(f"optimizer state has {len(states)} optimizers, this run has {len(self.optimizers)}")
         for opt, state in zip(self.optimizers, states):
-            (opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt).load_state_dict(state)
+            split_zero(opt)[0].load_state_dict(state)
+
+
+def split_zero(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
+    """(the optimizer holding this rank's states, the ZeroRedundancyOptimizer around it or None)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # loaded by sharded runs only
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim, optimizer
+    return optimizer, None
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

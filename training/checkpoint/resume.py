@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,10 @@ from safetensors import safe_open
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
-from training.optim import is_expert_param
+from training.optim import is_expert_param, split_zero
 from training.stages import expert_range
 
 log = logging.getLogger(__name__)
-
-
-def split_zero(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
-    """(the optimizer holding this rank's states, the ZeroRedundancyOptimizer around it or None)."""
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
-        return optimizer.optim, optimizer
-    return optimizer, None
 
 
 def local_param_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
