@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,3 +29,21 @@ def test_run_distributed_returns_each_rank_result():
 def test_run_distributed_names_failing_rank():
     with pytest.raises(RuntimeError, match="rank 1: ValueError: boom"):
         run_distributed(_fails, 2, timeout=60)
+
+
+def _environment(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_ranks_see_the_callers_environment_at_the_call(monkeypatch):
+    """Ranks fork from a server started at an earlier call: they still take the environment the caller has now,
+    variables added and removed since included, as spawned ranks would."""
+    run_distributed(_allreduce, 2)  # the server is running from here on
+    monkeypatch.setenv("DSV3_TEST_PROBE", "set after the server started")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    names = ("DSV3_TEST_PROBE", "WANDB_SILENT", "RANK")
+    seen = run_distributed(_environment, 2, names)
+    assert seen == [{"DSV3_TEST_PROBE": "set after the server started", "WANDB_SILENT": None, "RANK": str(r)}
+                    for r in range(2)]
