@@ -93,14 +93,11 @@ class P2P:
         src = self.peers[msg.src]
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(header, src, group=self.group), msg, action)
-        out: list[torch.Tensor | None] = []
-        for spec in self._parse(msg, header):
-            if spec is None:
-                out.append(None)
-                continue
-            t = torch.empty(spec[1], dtype=spec[0], device=self.device)
-            self._wait(dist.irecv(t, src, group=self.group), msg, action)
-            out.append(t)
+        out = [None if spec is None else torch.empty(spec[1], dtype=spec[0], device=self.device)
+               for spec in self._parse(msg, header)]
+        works = [dist.irecv(t, src, group=self.group) for t in out if t is not None]  # all in flight at once
+        for work in works:
+            self._wait(work, msg, action)
         return out
 
     def _wait(self, work: dist.Work, msg: Message, action: str) -> None:
