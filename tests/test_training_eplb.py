@@ -239,7 +239,7 @@ def test_resume_under_eplb_is_bit_identical(runs):
 
 def _zero1_rank(rank: int, world: int, tmp: str) -> dict:
     """dp=4, ep=2: expert optimizer states are ZeRO-1 sharded over the 2 ranks holding the same experts."""
-    from training.checkpoint.resume import split_zero
+    from training.optim import split_zero
     from training.parallel import init_parallel
     from training.trainer import Trainer
 

@@ -47,9 +47,9 @@ from models.deepseek_v3.eplb import (
     sync_replica_grads_,
 )
 from models.deepseek_v3.moe import MoE
-from training.checkpoint.resume import split_zero
 from training.config import TrainConfig
 from training.experts import moe_layers
+from training.optim import split_zero
 
 
 def plan_shape(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, int]:

@@ -29,10 +29,10 @@ from safetensors import safe_open
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import check_config, read_metadata
-from training.checkpoint.resume import load_named_optimizer_state, param_names, split_zero
+from training.checkpoint.resume import load_named_optimizer_state, param_names
 from training.checkpoint.rng import restore_rng_state
 from training.config import ParallelConfig
-from training.optim import is_expert_param
+from training.optim import is_expert_param, split_zero
 from training.parallel import coords
 from training.stages import expert_range
 
