@@ -1,0 +1,62 @@
+"""What every command-line entry point shares: exit statuses and the checks of output paths.
+
+Every recipe (and ``python -m dualpipe.simulate``) reports bad input as one line on stderr naming the
+argument or file and what was expected, and exits with ``BAD_INPUT``; output paths are checked before
+any work starts, so a run never trains for an hour and then fails to write its trace.
+
+Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
+
+| status | name | meaning |
+|---|---|---|
+| 0 | ``OK`` | finished; or stopped early (SIGTERM, SIGINT, time budget) with a committed checkpoint of the last step |
+| 1 | ``FAILED`` | an error the run could not handle (a rank died, a collective timed out, a gate failed) |
+| 2 | ``BAD_INPUT`` | an argument, config value or input file is wrong; nothing was started |
+| 3 | ``SAVE_FAILED`` | stopped early (signal or time budget) but the final checkpoint could not be written |
+| 4 | ``FAULT_STOP`` | the NaN / loss-spike guard stopped the run (nothing good to roll back to, or retries exhausted) |
+| 5 | ``LOCKED`` | the run folder belongs to another job (its holder is named) |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+OK, FAILED, BAD_INPUT, SAVE_FAILED, FAULT_STOP, LOCKED = 0, 1, 2, 3, 4, 5
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> Path:
+    """``path`` as a file this process can create or replace; ValueError naming ``option`` otherwise.
+
+    Refused: an existing folder, a missing or non-folder parent, a parent this user cannot write to."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{option} {str(path)!r} is a folder; expected a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{option} {str(path)!r} exists and is not writable")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, option: str, *, must_be_empty: bool = False) -> Path:
+    """``path`` as a folder this process can create or write into; ValueError naming ``option`` otherwise.
+
+    ``must_be_empty``: an existing folder with anything in it is refused (callers offer ``--overwrite``)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {str(path)!r} is a file; expected a folder")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {str(path)!r} is not writable")
+        if must_be_empty and any(p.iterdir()):
+            raise ValueError(f"{option} {str(path)!r} is not empty")
+        return p
+    ancestor = p.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {str(path)!r}: cannot create it under {str(ancestor)!r}")
+    return p
