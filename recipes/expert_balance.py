@@ -67,7 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=positive_int, default=40, help="optimizer steps per strategy")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                     help="comma-separated BalanceConfig strategies")
-    ap.add_argument("--alpha", type=nonnegative_float, default=1e-2, help="balance-loss coefficient of 'aux' / 'seq_aux' alone")
+    ap.add_argument("--alpha", type=nonnegative_float, default=1e-2,
+                    help="balance-loss coefficient of 'aux' / 'seq_aux' alone")
     ap.add_argument("--alpha-complementary", type=nonnegative_float, default=1e-4,
                     help="balance-loss coefficient when combined with aux_free (V3: 1e-4)")
     ap.add_argument("--gamma", type=nonnegative_float, default=1e-2, help="aux-loss-free bias update speed")

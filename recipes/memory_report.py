@@ -39,7 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")
     ap.add_argument("--nproc", type=positive_int, default=None, help="processes on this machine (default: run.nproc)")
-    ap.add_argument("--steps", type=positive_int, default=3, help="training steps to run (the peak is steady from step 2)")
+    ap.add_argument("--steps", type=positive_int, default=3,
+                    help="training steps to run (the peak is steady from step 2)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON (rank 0)")
     return ap.parse_args(argv)
 

@@ -232,7 +232,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="H800", help="shipped system: H800, H100, H200, B200, A100, MTT-S4000, MTT-S5000")
     ap.add_argument("--system", default=None, help="a system file (JSON) instead of --gpu")
     ap.add_argument("--gpus", type=positive_int, default=None, help="total GPUs")
-    ap.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: the system file's)")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=None,
+                    help="GPUs per node (default: the system file's)")
     ap.add_argument("--intra-bw", type=positive_float, default=None,
                     help="intra-node GB/s per GPU and direction (default: the system file's)")
     ap.add_argument("--intra-latency-us", type=nonnegative_float, default=None,

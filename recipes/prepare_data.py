@@ -429,7 +429,8 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     try:
         tokenizer = build_tokenizer(args.tokenizer)
     except Exception as exc:  # the tokenizers library raises its own Exception for a malformed file
-        raise ValueError(f"--tokenizer {args.tokenizer!r}: not a readable Hugging Face tokenizer.json ({exc})") from None
+        raise ValueError(f"--tokenizer {args.tokenizer!r}: not a readable Hugging Face tokenizer.json ({exc})"
+                         ) from None
     eod = eod_id(args.tokenizer, tokenizer, args.eod)
     dtype = token_dtype(tokenizer.vocab_size)
     sources = find_sources(args.input)
