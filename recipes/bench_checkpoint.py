@@ -214,8 +214,9 @@ def _free_port() -> int:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """--device, --root and --json before any process starts (ValueError naming the option)."""
-    if args.device not in ("auto", "cpu", accel.default_device().type):
-        raise ValueError(f"--device {args.device!r}: expected auto, cpu or {accel.default_device().type}")
+    devices = list(dict.fromkeys(("auto", "cpu", accel.default_device().type)))
+    if args.device not in devices:
+        raise ValueError(f"--device {args.device!r}: expected one of {', '.join(devices)}")
     if args.root is not None:
         if not Path(args.root).is_dir():
             raise ValueError(f"--root {args.root!r}: no such folder")

@@ -329,6 +329,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except UnicodeDecodeError as exc:
             raise ValueError(f"--config {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
                              "expected a TOML file") from None
+        try:  # the file's own unknown keys and wrong types, named with the file
+            _build(TrainConfig, table, "")
+        except ValueError as exc:
+            raise ValueError(f"--config {str(path)!r}: {exc}") from None
     table = apply_overrides(table, list(overrides))
     cfg = _build(TrainConfig, table, "")
     validate(cfg)
