@@ -67,14 +67,21 @@ def check_output_dir(path: str | os.PathLike, option: str, *, must_be_empty: boo
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` that keeps the module docstring's line breaks and ends each option's help with its default.
 
-    An option whose help already names its default (``(default: the config's)``), a flag, and an option
-    without a default (``None``) are left as written."""
+    An option whose help already names its default (``(default: the config's)``) and one without a default
+    (``has_default``) are left as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        if "default" in text or not has_default(action):
             return text
-        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth showing (not None, a flag's False, an empty list or suppressed)."""
+    return bool(action.option_strings) and action.default is not False and action.default not in (
+        None, [], argparse.SUPPRESS)
 
 
 def _number(text: str, kind: type, lo: float, lo_open: bool) -> int | float:

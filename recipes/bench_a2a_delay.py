@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,8 @@ BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m recipes.bench_a2a_delay", description=__doc__.split("\n")[0],
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml", help="TOML training config")
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config")
     ap.add_argument("--nproc", type=positive_int, default=2, help="gloo processes")
     ap.add_argument("--steps", type=positive_int, default=3, help="timed steps per setting (after one warm-up step)")
     ap.add_argument("--comm-ratio", type=positive_float, nargs="+", default=[0.5, 0.75, 1.0],

@@ -44,13 +44,15 @@ def check_inputs(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.bench_overlap", description=__doc__.split("\n")[0],
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml", help="TOML training config of both runs")
+    ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config of both runs")
     ap.add_argument("--nproc", type=positive_int, default=4, help="processes per run")
     ap.add_argument("--steps", type=positive_int, default=6, help="training steps per run")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key of both runs (repeatable)")
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
     ns = ap.parse_args(argv)
+    ns.config = str(Path(ns.config).absolute())  # the runs start in the checkout's root (benchutil.run_training)
     try:
         check_inputs(ns)
     except ValueError as exc:

@@ -46,13 +46,16 @@ def check_inputs(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.fp8_vs_bf16", description=__doc__.split("\n")[0],
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml", help="TOML training config of both runs")
+    ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config of both runs")
     ap.add_argument("--nproc", type=positive_int, default=1, help="processes per run")
     ap.add_argument("--steps", type=positive_int, default=60, help="training steps per run")
     ap.add_argument("--out", default="runs/fp8_vs_bf16", help="folder for the two runs, the plot and the JSON")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key of both runs (repeatable)")
     ns = ap.parse_args(argv)
+    # the runs start in the checkout's root (benchutil.run_training): paths relative to here must not move
+    ns.config, ns.out = str(Path(ns.config).absolute()), str(Path(ns.out).absolute())
     try:
         check_inputs(ns)
     except ValueError as exc:
