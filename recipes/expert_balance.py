@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,7 +119,8 @@ def build_configs(ns: argparse.Namespace, strategies: list[str]) -> dict[str, An
     for cfg in configs.values():
         cfg.balance.model_config()
         check_eplb(cfg, model_args(cfg))
-    check_static(next(iter(configs.values())))  # data files and corpus size: the same for every strategy
+    # world size (torchrun's, else 1), data files and corpus size: the same for every strategy
+    check_static(next(iter(configs.values())), int(os.environ.get("WORLD_SIZE", "1")))
     return configs
 
 

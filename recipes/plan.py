@@ -100,7 +100,10 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
         raise ValueError(f"--model {model!r}: expected a preset name, a Hugging Face config.json (or its folder) "
                          "or a training .toml")
     if path.suffix == ".toml":
-        return load_config(path, overrides)
+        try:
+            return load_config(path, overrides)
+        except ValueError as exc:  # the file is --model here, not --config
+            raise ValueError(str(exc).replace("--config", "--model", 1)) from None
     if path.suffix == ".json" or path.is_dir():
         args = ModelArgs.from_hf_config(path)
         ref = ModelArgs()

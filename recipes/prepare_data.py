@@ -425,7 +425,10 @@ def finished_shard(out: Path, k: int, dtype: np.dtype) -> dict[str, Any] | None:
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize ``args.input`` into ``args.out``; returns the manifest. ValueError for bad input."""
     out = check_output_dir(args.out, "--out")  # (--workers, --shard-mb, --max-tokens: checked by their types)
-    tok_hash = tokenizer_hash(args.tokenizer)
+    try:
+        tok_hash = tokenizer_hash(args.tokenizer)
+    except ValueError as exc:  # named after the training config's key; here it is --tokenizer
+        raise ValueError(str(exc).replace("data.tokenizer", "--tokenizer", 1)) from None
     try:
         tokenizer = build_tokenizer(args.tokenizer)
     except Exception as exc:  # the tokenizers library raises its own Exception for a malformed file
