@@ -18,6 +18,8 @@ Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 from pathlib import Path
 
@@ -60,3 +62,55 @@ def check_output_dir(path: str | os.PathLike, option: str, *, must_be_empty: boo
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {str(path)!r}: cannot create it under {str(ancestor)!r}")
     return p
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` that keeps the module docstring's line breaks and ends each option's help with its default.
+
+    An option whose help already names its default (``(default: the config's)``) and one without a default
+    (``has_default``) are left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not has_default(action):
+            return text
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth showing (not None, a flag's False, an empty list or suppressed)."""
+    return bool(action.option_strings) and action.default is not False and action.default not in (
+        None, [], argparse.SUPPRESS)
+
+
+def _number(text: str, kind: type, lo: float, lo_open: bool) -> int | float:
+    """``text`` as a finite ``kind`` (int or float) above ``lo``; ArgumentTypeError saying what was expected."""
+    expected = f"expected {'an integer' if kind is int else 'a finite number'} {'>' if lo_open else '>='} {lo:g}"
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if not math.isfinite(value) or (value <= lo if lo_open else value < lo):
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts, sizes, sequence lengths)."""
+    return _number(text, int, 1, False)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _number(text, int, 0, False)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (bandwidths, megabytes, timeouts)."""
+    return _number(text, float, 0, True)
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (costs, latencies, delays)."""
+    return _number(text, float, 0, False)

@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,12 +33,13 @@ import torch.distributed as dist
 from torch import nn
 
 import accel.wgrad
+from accel.cli import OK, HelpFormatter, check_output_file, nonnegative_float, positive_int
 from dualpipe.calculator import closed_form
 from dualpipe.dualpipe import DualPipe
 from dualpipe.dualpipev import DualPipeV
 from dualpipe.ir import Action, Overlap
 from dualpipe.runtime import Pipeline
-from dualpipe.schedules import build
+from dualpipe.schedules import SCHEDULES, build
 from dualpipe.simulator import Costs, compile_schedule, simulate
 
 
@@ -238,20 +240,31 @@ def launch(args: argparse.Namespace) -> dict:
     return elastic_launch(config, _worker)(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dualpipe.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=24)
-    p.add_argument("--F", type=float, default=0.05, help="forward seconds per stage and micro-batch")
-    p.add_argument("--B", type=float, default=0.1, help="full backward seconds")
-    p.add_argument("--W", type=float, default=0.05, help="weight-gradient part of B, seconds")
-    p.add_argument("--FB", type=float, default=None,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dualpipe.bench", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--ranks", type=positive_int, default=8, help="pipeline ranks (gloo processes)")
+    p.add_argument("--microbatches", type=positive_int, default=24, help="micro-batches per step")
+    p.add_argument("--F", type=nonnegative_float, default=0.05, help="forward seconds per stage and micro-batch")
+    p.add_argument("--B", type=nonnegative_float, default=0.1, help="full backward seconds")
+    p.add_argument("--W", type=nonnegative_float, default=0.05, help="weight-gradient part of B, seconds")
+    p.add_argument("--FB", type=nonnegative_float, default=None,
                    help="seconds of an overlapped F&B (stages get overlapped_forward_backward); default: F then B")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--schedules", default="dualpipe,1f1b,zb1p")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed steps per schedule")
+    p.add_argument("--schedules", default="dualpipe,1f1b,zb1p", help=f"comma-separated, from {', '.join(SCHEDULES)}")
     p.add_argument("--json", help="write the rows as JSON")
     args = p.parse_args(argv)
     args.schedules = [s for s in args.schedules.split(",") if s]
+    try:  # everything the ranks would trip over, before any process starts
+        if not args.schedules or set(args.schedules) - set(SCHEDULES):
+            raise ValueError(f"--schedules {','.join(args.schedules)!r}: expected some of {', '.join(SCHEDULES)}")
+        Costs(F=args.F, B=args.B, W=args.W, FB=args.FB)
+        for name in args.schedules:
+            build(name, args.ranks, args.microbatches)
+        if args.json:
+            check_output_file(args.json, "--json")
+    except ValueError as exc:
+        p.error(str(exc))
     per_rank = launch(args)
     res = per_rank[0]
     sleep = res["sleep"]
@@ -283,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     _print_table("dualpipe runtime vs simulator (sleep stages over gloo)", rows, notes)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=2))
+    return OK
 
 
 def _print_table(title: str, rows: list[dict], notes: list[str]) -> None:
@@ -299,4 +313,4 @@ def _print_table(title: str, rows: list[dict], notes: list[str]) -> None:
         print(f"note: {n}")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

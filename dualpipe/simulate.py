@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from accel.cli import HelpFormatter, check_output_file, nonnegative_float, positive_int
 from dualpipe.calculator import closed_form
 from dualpipe.schedules import SCHEDULES, build
 from dualpipe.simulator import Costs, simulate
@@ -17,20 +18,25 @@ from dualpipe.validate import validate
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="dualpipe")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=20)
-    p.add_argument("--F", type=float, default=1.0, help="forward cost")
-    p.add_argument("--B", type=float, default=2.0, help="full backward cost")
-    p.add_argument("--W", type=float, default=1.0, help="weight-gradient cost (I = B - W)")
-    p.add_argument("--FB", type=float, default=None, help="overlapped forward+backward cost (default F+B)")
-    p.add_argument("--p2p", type=float, default=0.0, help="latency of one P2P message")
+    p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--schedule", choices=SCHEDULES, default="dualpipe", help="pipeline schedule to simulate")
+    p.add_argument("--ranks", type=positive_int, default=8, help="pipeline ranks (devices)")
+    p.add_argument("--microbatches", type=positive_int, default=20, help="micro-batches per step")
+    p.add_argument("--F", type=nonnegative_float, default=1.0, help="forward cost")
+    p.add_argument("--B", type=nonnegative_float, default=2.0, help="full backward cost")
+    p.add_argument("--W", type=nonnegative_float, default=1.0, help="weight-gradient cost (I = B - W)")
+    p.add_argument("--FB", type=nonnegative_float, default=None,
+                   help="overlapped forward+backward cost (default F+B)")
+    p.add_argument("--p2p", type=nonnegative_float, default=0.0, help="latency of one P2P message")
     p.add_argument("--csv", help="write the schedule (torch.distributed.pipelining notation)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--png", help="write a timeline PNG")
     args = p.parse_args(argv)
     try:
+        for option, path in (("--csv", args.csv), ("--trace", args.trace), ("--png", args.png)):
+            if path:
+                check_output_file(path, option)
         sched = build(args.schedule, args.ranks, args.microbatches)
         costs = Costs(F=args.F, B=args.B, W=args.W, FB=args.FB, p2p=args.p2p)
     except ValueError as exc:

@@ -56,5 +56,5 @@ def write_png(result: SimResult, path: str | Path, title: str | None = None) -> 
     ax.legend(handles=[Patch(color=c, label=k.replace("FB", "F&B")) for k, c in COLOURS.items()],
               loc="upper right", fontsize=7, ncol=5)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # exactly `path`, even without a .png suffix
     plt.close(fig)

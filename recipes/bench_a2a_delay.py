@@ -31,10 +31,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_float, positive_float, positive_int
 from accel.trace import TraceRecorder, write_chrome_trace
 from recipes.benchutil import print_report, spawn_gloo
 from training.config import load_config
@@ -49,24 +51,35 @@ BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_a2a_delay", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml")
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (after one warm-up step)")
-    ap.add_argument("--comm-ratio", type=float, nargs="+", default=[0.5, 0.75, 1.0],
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_a2a_delay", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config")
+    ap.add_argument("--nproc", type=positive_int, default=2, help="gloo processes")
+    ap.add_argument("--steps", type=positive_int, default=3, help="timed steps per setting (after one warm-up step)")
+    ap.add_argument("--comm-ratio", type=positive_float, nargs="+", default=[0.5, 0.75, 1.0],
                     help="wire bandwidths that make comm this multiple of compute (one row each)")
-    ap.add_argument("--latency-ms", type=float, default=0.1, help="the wire's per-exchange latency")
-    ap.add_argument("--delay-ms", type=float, default=None,
+    ap.add_argument("--latency-ms", type=nonnegative_float, default=0.1, help="the wire's per-exchange latency")
+    ap.add_argument("--delay-ms", type=nonnegative_float, default=None,
                     help="one fixed delay per exchange instead of --comm-ratio and --latency-ms")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (repeatable)")
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="also record one overlapped step at the last setting as a Chrome/Perfetto trace (all ranks)")
-    ns = ap.parse_args(argv)
-    if ns.steps < 1 or any(r <= 0 for r in ns.comm_ratio) or (ns.delay_ms is not None and ns.delay_ms < 0) \
-            or ns.latency_ms < 0:
-        ap.error("--steps must be >= 1, --comm-ratio values > 0, --delay-ms and --latency-ms >= 0")
-    return ns
+    return ap.parse_args(argv)
+
+
+def check_inputs(ns: argparse.Namespace) -> None:
+    """Output paths, both configs, the world size and the data, before any process starts (ValueError)."""
+    for option, path in (("--json", ns.json), ("--trace", ns.trace)):
+        if path:
+            check_output_file(path, option)
+    rows_wanted = 1 + (1 if ns.delay_ms is not None else len(ns.comm_ratio))
+    for overlap in (True, False):
+        check_static(load_config(ns.config, BASE + [f"run.steps={rows_wanted * ns.steps * 2 + 8}",
+                                                    f"parallel.overlap={str(overlap).lower()}", *ns.overrides]),
+                     ns.nproc)
 
 
 class DelayedAllToAll:
@@ -223,6 +236,11 @@ def _bench(rank: int, world: int, ns: argparse.Namespace) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        check_inputs(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     result = spawn_gloo(_bench, ns.nproc, ns)
     print_report("expert all-to-all hidden behind compute (every exchange on a slow serial wire)", result["rows"],
                  json_path=ns.json,
@@ -235,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         "chunks_*: the same over the overlapped F&B chunks only (each against itself without the wire)",
                         "x_*: median over the timed steps, each step against its own comm; settings interleaved "
                         "step by step"])
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -36,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import accel
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, check_output_file, positive_float, positive_int
 from recipes.benchutil import print_report
 from training.checkpoint import CheckpointManager
 from training.checkpoint import format as fmt
@@ -210,19 +212,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mb", type=float, default=600.0, help="total state over all ranks (>= 500 for the target)")
-    ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU), 2-4 for the comparison")
-    ap.add_argument("--repeats", type=int, default=3)
+def check_inputs(args: argparse.Namespace) -> None:
+    """--device, --root and --json before any process starts (ValueError naming the option)."""
+    devices = list(dict.fromkeys(("auto", "cpu", accel.default_device().type)))
+    if args.device not in devices:
+        raise ValueError(f"--device {args.device!r}: expected one of {', '.join(devices)}")
+    if args.root is not None:
+        if not Path(args.root).is_dir():
+            raise ValueError(f"--root {args.root!r}: no such folder")
+        check_output_dir(args.root, "--root")
+    if args.json:
+        check_output_file(args.json, "--json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_checkpoint", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--size-mb", type=positive_float, default=600.0,
+                    help="total state over all ranks (>= 500 for the target)")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="processes (gloo on CPU), 2-4 for the comparison")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="saves per mode (the median is reported)")
     ap.add_argument("--root", default=None, help="folder to write into (default: a temporary folder)")
     ap.add_argument("--device", default="auto", help="'auto' (accel.default_device()) or 'cpu'")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
+    try:
+        check_inputs(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     args.device = accel.default_device().type if args.device == "auto" else args.device
-    if args.size_mb <= 0 or args.repeats < 1 or args.ranks < 1:
-        raise ValueError(f"--size-mb must be > 0, --repeats and --ranks >= 1, got {args.size_mb}, {args.repeats}, "
-                         f"{args.ranks}")
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         out = Path(tmp) / "results.json"
         mp.spawn(_rank_main, args=(args.ranks, _free_port(), args, str(Path(tmp) / "ck"), str(out)),
@@ -244,8 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"{'PASS' if ours <= 0.1 * sync_ours else 'MISS'} (target <= 10%)",
              "disk_MB: one checkpoint's bytes on disk (ours: safetensors + metadata.json; DCP: .distcp + .metadata)"]
     print_report("checkpoint save: ours vs torch.distributed.checkpoint", rows, json_path=args.json, notes=notes)
-    return rows
+    return OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,25 +39,37 @@ import time
 import torch
 import torch.distributed as dist
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_int, positive_int
 from recipes.benchutil import spawn_gloo
 
 TARGET = 1.2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_ep_overlap", description=__doc__.split("\n")[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank per micro-batch")
-    ap.add_argument("--dim", type=int, default=512, help="hidden size")
-    ap.add_argument("--experts", type=int, default=8, help="routed experts (divisible by the EP size)")
-    ap.add_argument("--topk", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=6)
-    ap.add_argument("--inter", type=int, default=0, help="expert width (0 = calibrate so compute ~ comm)")
-    ap.add_argument("--threads", type=int, default=1, help="torch compute threads per rank on CPU")
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_ep_overlap", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--nproc", type=positive_int, default=2, help="ranks to spawn when not under torchrun")
+    ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank per micro-batch")
+    ap.add_argument("--dim", type=positive_int, default=512, help="hidden size")
+    ap.add_argument("--experts", type=positive_int, default=8, help="routed experts (divisible by the EP size)")
+    ap.add_argument("--topk", type=positive_int, default=2, help="experts per token (<= --experts)")
+    ap.add_argument("--microbatches", type=positive_int, default=6, help="micro-batches per timed step")
+    ap.add_argument("--inter", type=nonnegative_int, default=0, help="expert width (0 = calibrate so compute ~ comm)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch compute threads per rank on CPU")
     ap.add_argument("--fp8", action="store_true", help="FP8 dispatch (e4m3 + 1x128 scales)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (medians)")
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
-    return ap.parse_args(argv)
+    ns = ap.parse_args(argv)
+    if ns.topk > ns.experts:
+        ap.error(f"--topk {ns.topk}: expected at most --experts {ns.experts}")
+    if ns.fp8 and ns.dim % 128:
+        ap.error(f"--dim {ns.dim}: --fp8 quantises 1x128 tiles, expected a multiple of 128")
+    if ns.json:
+        try:
+            check_output_file(ns.json, "--json")
+        except ValueError as exc:
+            ap.error(str(exc))
+    return ns
 
 
 def _timed(fn, reps: int) -> float:
@@ -233,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
     if ns.experts % max(ns.nproc, 1) and "WORLD_SIZE" not in os.environ:
         print(f"error: --experts {ns.experts} is not divisible by --nproc {ns.nproc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     if "WORLD_SIZE" in os.environ:  # torchrun
         import accel
 
@@ -244,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         if rows is not None:
             _report(rows, ns)
-        return 0
+        return OK
     _report(spawn_gloo(_bench, ns.nproc, ns, timeout_s=300.0), ns)
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

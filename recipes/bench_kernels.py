@@ -15,8 +15,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from accel.cli import BAD_INPUT, HelpFormatter
+
 BENCHMARKS = {"deep_gemm": "recipes.bench_deep_gemm", "flash_mla": "recipes.bench_flash_mla"}
-EXIT_MISSING = 2
+EXIT_MISSING = BAD_INPUT
 
 
 def _run(name: str, argv: list[str]) -> int:
@@ -26,17 +28,19 @@ def _run(name: str, argv: list[str]) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise  # the benchmark exists but something it imports does not: show the real error
-        print(f"bench_kernels: no {name} benchmark: module {module_name} is not in this checkout", file=sys.stderr)
+        print(f"error: bench_kernels: no {name} benchmark: module {module_name} is not in this checkout",
+              file=sys.stderr)
         return EXIT_MISSING
     if not hasattr(module, "main"):
-        print(f"bench_kernels: {module_name} has no main(argv) function", file=sys.stderr)
+        print(f"error: bench_kernels: {module_name} has no main(argv) function", file=sys.stderr)
         return EXIT_MISSING
     status = module.main(argv)
     return int(status or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.bench_kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.bench_kernels", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("kernel", choices=[*BENCHMARKS, "all"], help="which benchmark to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark's own main(argv)")
     ns = parser.parse_args(argv)

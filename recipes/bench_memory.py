@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
 from recipes.benchutil import print_report
 
 # name -> ModelArgs overrides. "v3 + fp8 cache" is the V3 recipe: RMSNorm + MLA up-projection recompute,
@@ -127,14 +128,26 @@ def measure(preset: str, batch: int, seq: int, dtype: torch.dtype, options: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_memory", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="bench_cpu")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_memory", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--preset", default="bench_cpu", help="ModelArgs preset to measure")
+    ap.add_argument("--batch", type=positive_int, default=2, help="sequences per forward")
+    ap.add_argument("--seq", type=positive_int, default=512, help="tokens per sequence")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter and activation dtype")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     opts = ap.parse_args(sys.argv[1:] if argv is None else argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[opts.dtype]
+    try:
+        from models.deepseek_v3 import ModelArgs
+
+        if opts.json:
+            check_output_file(opts.json, "--json")
+        args = ModelArgs.preset(opts.preset)
+        if opts.seq > args.max_seq_len:
+            raise ValueError(f"--seq {opts.seq} exceeds preset {opts.preset}'s max_seq_len={args.max_seq_len}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     rows, info = measure(opts.preset, opts.batch, opts.seq, dtype)
     args = info["args"]
     notes = [f"preset {opts.preset} ({args.n_layers} layers, dim {args.dim}, {args.n_routed_experts} experts "
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report("Activation memory kept for backward: ours vs transformers", rows,
                  ["impl", "option", "KiB_per_token", "KiB_per_token_layer", "vs_transformers", "loss"],
                  json_path=opts.json, notes=notes)
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

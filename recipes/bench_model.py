@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import accel
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_int, positive_int
 from recipes.benchutil import print_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -110,15 +111,16 @@ def timed(steps: dict, inputs: torch.Tensor, labels: torch.Tensor, n: int, warmu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="bench_cpu")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_model", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--preset", default="bench_cpu", help="ModelArgs preset to train")
+    ap.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
+    ap.add_argument("--seq", type=positive_int, default=256, help="tokens per sequence")
+    ap.add_argument("--steps", type=positive_int, default=5, help="timed steps (the median is reported)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     opts = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -130,9 +132,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from models.deepseek_v3 import ModelArgs, Transformer, save_hf_checkpoint
 
-    args = ModelArgs.preset(opts.preset, n_mtp_layers=0)  # transformers' forward has no MTP: time the same work
-    if args.vocab_size < 256:
-        raise ValueError(f"--preset {opts.preset}: vocab_size {args.vocab_size} < 256 byte tokens")
+    try:
+        if opts.json:
+            check_output_file(opts.json, "--json")
+        args = ModelArgs.preset(opts.preset, n_mtp_layers=0)  # transformers' forward has no MTP: the same work
+        if args.vocab_size < 256:
+            raise ValueError(f"--preset {opts.preset}: vocab_size {args.vocab_size} < 256 byte tokens")
+        if opts.seq > args.max_seq_len:
+            raise ValueError(f"--seq {opts.seq} exceeds preset {opts.preset}'s max_seq_len={args.max_seq_len}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     impls = IMPLS
     device = accel.default_device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
              "same weights, same batch: first-step losses " + ", ".join(f"{r['loss']:.6f} ({r['impl']})" for r in rows)]
     print_report("DeepSeek-V3 training step: ours vs transformers", rows, columns, json_path=opts.json,
                  notes=notes)
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

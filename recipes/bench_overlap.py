@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
 from recipes.benchutil import print_report, run_training
+from training.config import load_config
+from training.trainer import check_static
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "checkpoint.final=false",
@@ -28,14 +32,32 @@ def run(config: str, nproc: int, steps: int, overrides: list[str], out: Path) ->
     return run_training(config, nproc, BASE + [f"run.steps={steps}"] + overrides, out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--json", default=None)
+def check_inputs(ns: argparse.Namespace) -> None:
+    """Both runs' configs, world size and data, and the --json path, before either run starts (ValueError)."""
+    if ns.json:
+        check_output_file(ns.json, "--json")
+    for overlap in (True, False):
+        overrides = BASE + [f"run.steps={ns.steps}"] + ns.overrides + [f"parallel.overlap={str(overlap).lower()}"]
+        check_static(load_config(ns.config, overrides), ns.nproc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipes.bench_overlap", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config of both runs")
+    ap.add_argument("--nproc", type=positive_int, default=4, help="processes per run")
+    ap.add_argument("--steps", type=positive_int, default=6, help="training steps per run")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key of both runs (repeatable)")
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
     ns = ap.parse_args(argv)
+    ns.config = str(Path(ns.config).absolute())  # the runs start in the checkout's root (benchutil.run_training)
+    try:
+        check_inputs(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     rows, losses = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for overlap in (True, False):
@@ -52,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     print_report("DeepSeek-V3 pipeline step: overlapped forward/backward vs F then B", rows,
                  json_path=ns.json, notes=[f"max loss difference between the two runs: {gap:.2e} (same math)",
                                            f"{ns.nproc} processes, {ns.steps} steps, median after step 2"])
+    return OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,10 +17,12 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from accel.cli import BAD_INPUT, HelpFormatter, check_output_file
 from recipes.plan import base_config
 from training.planner import Request, evaluate, load_system
 from training.planner.search import Layout
@@ -106,15 +108,23 @@ def ours(system: System, ep: int, pp: int, dp: int, mbc: int, rc: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.compare_simumax", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.compare_simumax", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--simumax", required=True, type=Path, help="a SimuMax checkout")
-    ap.add_argument("--python", default=sys.executable, help="interpreter with SimuMax's requirements")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter with SimuMax's requirements (default: this one)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     ns = ap.parse_args(argv)
-    if not (ns.simumax / "simumax" / "core" / "perf_llm.py").is_file():
-        print(f"error: --simumax {str(ns.simumax)!r} is not a SimuMax checkout (no simumax/core/perf_llm.py)",
-              file=sys.stderr)
-        return 2
+    try:
+        if not (ns.simumax / "simumax" / "core" / "perf_llm.py").is_file():
+            raise ValueError(f"--simumax {str(ns.simumax)!r} is not a SimuMax checkout (no simumax/core/perf_llm.py)")
+        if shutil.which(ns.python) is None:
+            raise ValueError(f"--python {ns.python!r}: no such executable")
+        if ns.json:
+            check_output_file(ns.json, "--json")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     sm = run_simumax(ns.simumax, ns.python)
     real = published_real(ns.simumax)
     b200 = load_system("B200")

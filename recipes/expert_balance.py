@@ -32,12 +32,22 @@ import argparse
 import csv
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from accel.cli import (
+    BAD_INPUT,
+    HelpFormatter,
+    check_output_dir,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+)
 
 DEFAULT_STRATEGIES = ("none", "aux", "seq_aux", "aux_free", "aux_free+seq_aux")
 # the CPU default: the debug model on the bundled corpus, one process, plain gradient accumulation
@@ -50,24 +60,26 @@ CPU_DEFAULTS = [
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.expert_balance", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.expert_balance", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--config", default=None, help="TOML training config (default: the CPU debug setup)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable), e.g. --set model.preset=bench_cpu")
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per strategy")
+    ap.add_argument("--steps", type=positive_int, default=40, help="optimizer steps per strategy")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                     help="comma-separated BalanceConfig strategies")
-    ap.add_argument("--alpha", type=float, default=1e-2, help="balance-loss coefficient of 'aux' / 'seq_aux' alone")
-    ap.add_argument("--alpha-complementary", type=float, default=1e-4,
+    ap.add_argument("--alpha", type=nonnegative_float, default=1e-2,
+                    help="balance-loss coefficient of 'aux' / 'seq_aux' alone")
+    ap.add_argument("--alpha-complementary", type=nonnegative_float, default=1e-4,
                     help="balance-loss coefficient when combined with aux_free (V3: 1e-4)")
-    ap.add_argument("--gamma", type=float, default=1e-2, help="aux-loss-free bias update speed")
+    ap.add_argument("--gamma", type=nonnegative_float, default=1e-2, help="aux-loss-free bias update speed")
     ap.add_argument("--text", default=None, help="train on this text file instead of the bundled corpus")
-    ap.add_argument("--eval-batches", type=int, default=4, help="validation batches for the final loss")
+    ap.add_argument("--eval-batches", type=positive_int, default=4, help="validation batches for the final loss")
     ap.add_argument("--out", default=None, help="report folder (default runs/expert_balance-<time>)")
-    ap.add_argument("--eplb", type=int, default=None, metavar="REDUNDANT",
+    ap.add_argument("--eplb", type=nonnegative_int, default=None, metavar="REDUNDANT",
                     help="also train every strategy with EPLB on, this many redundant expert slots per layer "
                          "(needs parallel.ep > 1)")
-    ap.add_argument("--eplb-interval", type=int, default=5, help="steps between EPLB re-plans (with --eplb)")
+    ap.add_argument("--eplb-interval", type=positive_int, default=5, help="steps between EPLB re-plans (with --eplb)")
     return ap.parse_args(argv)
 
 
@@ -86,14 +98,19 @@ def build_config(ns: argparse.Namespace, strategy: str, eplb: bool = False):
     extra = ["eplb.enabled=true", f"eplb.redundant_experts={ns.eplb}", f"eplb.interval={ns.eplb_interval}"] \
         if eplb else []
     return load_config(ns.config, base + list(ns.overrides) + strategy_overrides(strategy, ns) + extra +
-                       [f"run.steps={ns.steps}", "checkpoint.interval=0", "checkpoint.final=false"])
+                       [f"run.steps={ns.steps}", f"logging.eval_batches={ns.eval_batches}", "checkpoint.interval=0",
+                        "checkpoint.final=false"])
 
 
 def build_configs(ns: argparse.Namespace, strategies: list[str]) -> dict[str, Any]:
     """Run name -> validated config: each strategy, and ``<strategy>@eplb`` with ``--eplb``."""
     from training.eplb import check_eplb
-    from training.trainer import model_args
+    from training.trainer import check_static, model_args
 
+    if ns.text and not Path(ns.text).is_file():
+        raise ValueError(f"--text {ns.text!r}: no such file (expected a plain text file)")
+    if ns.out:
+        check_output_dir(ns.out, "--out")
     configs = {}
     for s in strategies:
         configs[s] = build_config(ns, s)
@@ -102,6 +119,8 @@ def build_configs(ns: argparse.Namespace, strategies: list[str]) -> dict[str, An
     for cfg in configs.values():
         cfg.balance.model_config()
         check_eplb(cfg, model_args(cfg))
+    # world size (torchrun's, else 1), data files and corpus size: the same for every strategy
+    check_static(next(iter(configs.values())), int(os.environ.get("WORLD_SIZE", "1")))
     return configs
 
 
@@ -205,14 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
     strategies = [s.strip() for s in ns.strategies.split(",") if s.strip()]
     try:
-        if ns.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {ns.steps}")
         if not strategies:
             raise ValueError("--strategies: give at least one strategy")
         configs = build_configs(ns, strategies)  # every config validated before training
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
 
     from training.parallel import init_parallel, shutdown
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from accel.cli import HelpFormatter
 from models.deepseek_v3 import Transformer
 from models.deepseek_v3.checkpoint import save_hf_checkpoint
 from training.checkpoint import CheckpointManager, CheckpointMismatchError
@@ -130,7 +131,8 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.export_hf", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("checkpoint", help="a step_* checkpoint folder, or a checkpoints root (newest valid one)")
     ap.add_argument("--out", default=None, help="output folder (default: <checkpoint>/hf)")
     ap.add_argument("--dtype", default=None, help="cast floating weights (e.g. bfloat16); default: as trained")

@@ -12,9 +12,13 @@ which the DeepSeek-V3 report keeps below 0.25%, and writes ``fp8_vs_bf16.png`` a
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, positive_int
 from recipes.benchutil import print_report, run_training
+from training.config import load_config
+from training.trainer import check_static
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["logging.progress=false", "logging.wandb=disabled", "checkpoint.final=false", "checkpoint.interval=0",
@@ -22,20 +26,41 @@ BASE = ["logging.progress=false", "logging.wandb=disabled", "checkpoint.final=fa
 SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
 
 
-def train(config: str, nproc: int, steps: int, fp8: bool, overrides: list[str], out: Path) -> list[dict]:
+def variant(nproc: int, steps: int, fp8: bool, overrides: list[str]) -> list[str]:
+    """The ``--set`` overrides of one of the two runs."""
     layout = SINGLE if nproc == 1 else []
-    return run_training(config, nproc, BASE + layout + [f"run.steps={steps}", f"model.fp8={str(fp8).lower()}"]
-                        + overrides, out)
+    return BASE + layout + [f"run.steps={steps}", f"model.fp8={str(fp8).lower()}"] + overrides
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="recipes/configs/tiny_cpu.toml")
-    ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--out", default="runs/fp8_vs_bf16")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+def train(config: str, nproc: int, steps: int, fp8: bool, overrides: list[str], out: Path) -> list[dict]:
+    return run_training(config, nproc, variant(nproc, steps, fp8, overrides), out)
+
+
+def check_inputs(ns: argparse.Namespace) -> None:
+    """Both runs' configs, world size, data and the output folder, before either run starts (ValueError)."""
+    check_output_dir(ns.out, "--out")
+    for fp8 in (True, False):
+        check_static(load_config(ns.config, variant(ns.nproc, ns.steps, fp8, ns.overrides)), ns.nproc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipes.fp8_vs_bf16", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
+                    help="TOML training config of both runs")
+    ap.add_argument("--nproc", type=positive_int, default=1, help="processes per run")
+    ap.add_argument("--steps", type=positive_int, default=60, help="training steps per run")
+    ap.add_argument("--out", default="runs/fp8_vs_bf16", help="folder for the two runs, the plot and the JSON")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key of both runs (repeatable)")
     ns = ap.parse_args(argv)
+    # the runs start in the checkout's root (benchutil.run_training): paths relative to here must not move
+    ns.config, ns.out = str(Path(ns.config).absolute()), str(Path(ns.out).absolute())
+    try:
+        check_inputs(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {}
@@ -66,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                  notes=[f"final loss = mean of the last {tail} steps of {ns.steps}",
                         "V3 report: FP8 stays within 0.25% relative of BF16",
                         f"plot: {out / 'fp8_vs_bf16.png'}"])
+    return OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

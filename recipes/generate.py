@@ -18,6 +18,7 @@ import time
 import torch
 
 import accel
+from accel.cli import HelpFormatter
 from models.deepseek_v3 import load_hf_checkpoint
 from models.deepseek_v3.generate import generate
 from training.data import build_tokenizer
@@ -26,13 +27,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory (config.json + safetensors)")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens (default: all)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     ap.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weights dtype (default: bf16 on a GPU, fp32 on a CPU)")

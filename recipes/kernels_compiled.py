@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel import aot
+from accel.cli import BAD_INPUT, HelpFormatter, check_output_file, positive_int
 
 
 @dataclass
@@ -212,13 +213,25 @@ def markdown(rows: list[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.kernels_compiled", description=__doc__.split("\n\n")[0])
-    p.add_argument("--subset", choices=("all", "default"), default="all")
-    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    p = argparse.ArgumentParser(prog="python -m recipes.kernels_compiled", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--subset", choices=("all", "default"), default="all",
+                   help="every autotune config, or only each kernel's default one")
+    p.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1), help="compiler processes")
     p.add_argument("--match", default="", help="only kernels whose name contains this (e.g. flash_mla.decode)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--write", metavar="MD", help="replace this Markdown file's table for this Triton version")
     args = p.parse_args(argv)
+    try:
+        for option, path in (("--json", args.json), ("--write", args.write)):
+            if path:
+                check_output_file(path, option)
+        kernels = sorted({c.kernel for c in all_cases()})
+        if not any(args.match in k for k in kernels):
+            raise ValueError(f"--match {args.match!r}: no kernel name contains it; kernels: {', '.join(kernels)}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     rows = compile_table(args.subset, args.jobs, args.match)
     import triton
 

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
 from models.deepseek_v3.expert_parallel import _CommThread
 from recipes.train import use_reference_kernels_on_cpu
 from training.config import check_world_size, load_config
@@ -32,12 +33,14 @@ MiB = 1024**2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.memory_report", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.memory_report", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")
-    ap.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: run.nproc)")
-    ap.add_argument("--steps", type=int, default=3, help="training steps to run (the peak is steady from step 2)")
+    ap.add_argument("--nproc", type=positive_int, default=None, help="processes on this machine (default: run.nproc)")
+    ap.add_argument("--steps", type=positive_int, default=3,
+                    help="training steps to run (the peak is steady from step 2)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON (rank 0)")
     return ap.parse_args(argv)
 
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     use_reference_kernels_on_cpu()
     try:
+        if ns.json:
+            check_output_file(ns.json, "--json")
         cfg = load_config(ns.config, ns.overrides)
         if ns.steps < 2:
             raise ValueError(f"--steps must be >= 2 (the optimizer states appear at the first step), got {ns.steps}")
@@ -198,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_rank(cfg, ns.steps)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     if result["rank"] == 0:
         rows = report(cfg, result["rows"])
         print(format_rows(rows), flush=True)
         if ns.json:
             Path(ns.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

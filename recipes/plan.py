@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from accel.cli import BAD_INPUT, HelpFormatter, check_output_file, nonnegative_float, positive_float, positive_int
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, load_config
@@ -95,8 +96,14 @@ def _schedule_list(text: str) -> list[str]:
 def base_config(model: str, overrides: list[str]) -> TrainConfig:
     """The training config the plan starts from: a TOML as given, else defaults with the preset / HF model."""
     path = Path(model)
+    if path.is_file() and path.suffix not in (".toml", ".json"):
+        raise ValueError(f"--model {model!r}: expected a preset name, a Hugging Face config.json (or its folder) "
+                         "or a training .toml")
     if path.suffix == ".toml":
-        return load_config(path, overrides)
+        try:
+            return load_config(path, overrides)
+        except ValueError as exc:  # the file is --model here, not --config
+            raise ValueError(str(exc).replace("--config", "--model", 1)) from None
     if path.suffix == ".json" or path.is_dir():
         args = ModelArgs.from_hf_config(path)
         ref = ModelArgs()
@@ -117,16 +124,12 @@ _CLUSTER_DATA = ["data.source=data/shards/*.bin", "data.bin_dtype=uint32", "run.
 
 def _system(ns: argparse.Namespace) -> System:
     system = load_system(ns.system or ns.gpu)
-    if ns.gpus_per_node is not None:
-        if ns.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node must be >= 1, got {ns.gpus_per_node}")
+    if ns.gpus_per_node is not None:  # >= 1: checked by its argparse type
         system = dataclasses.replace(system, gpus_per_node=ns.gpus_per_node)
     for link in ("intra", "inter"):
         cur = getattr(system, f"{link}_node")
         bw, lat = getattr(ns, f"{link}_bw"), getattr(ns, f"{link}_latency_us")
         if bw is not None or lat is not None:
-            if (bw is not None and bw <= 0) or (lat is not None and lat < 0):
-                raise ValueError(f"--{link}-bw must be > 0 and --{link}-latency-us >= 0")
             system = dataclasses.replace(system, **{f"{link}_node": dataclasses.replace(
                 cur, bandwidth_gb_s=cur.bandwidth_gb_s if bw is None else bw,
                 latency_us=cur.latency_us if lat is None else lat)})
@@ -144,14 +147,24 @@ def format_table(evals: list[Evaluation], top: int) -> str:
     return "\n".join(lines)
 
 
+def check_outputs(ns: argparse.Namespace) -> None:
+    """Every output path, before the search runs (a folder or a missing parent is refused by name)."""
+    for option, path in (("--json", ns.json), ("--write-config", ns.write_config), ("--trace", ns.trace)):
+        if path and not (option == "--json" and path == "-"):
+            check_output_file(path, option)
+
+
 def run_plan(ns: argparse.Namespace) -> int:
+    check_outputs(ns)
     system = _system(ns)
     fixed = parse_fix(ns.fix)
     base = base_config(ns.model, ns.overrides)
     gpus = ns.gpus if ns.gpus is not None else (fixed["pp"] * fixed["dp"] if {"pp", "dp"} <= set(fixed) else None)
     if gpus is None:
         raise ValueError("--gpus is required (or --fix both pp and dp)")
-    seq_len = ns.seq_len or base.data.seq_len
+    seq_len = ns.seq_len if ns.seq_len is not None else base.data.seq_len
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2 (a sequence predicts its next token), got {seq_len}")
     global_batch = ns.global_batch
     if {"dp", "micro_batch", "microbatches"} <= set(fixed):
         implied = fixed["dp"] * fixed["micro_batch"] * fixed["microbatches"]
@@ -160,6 +173,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         global_batch = implied
     req = Request(base, system, gpus, seq_len, global_batch or base.data.global_batch, ns.expert_imbalance)
     args = model_args(base)
+    if seq_len > args.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     space = Space(micro_batch=tuple(ns.micro_batches), schedules=tuple(ns.schedules), eplb=tuple(ns.eplb_slots),
                   fixed=fixed)
     if 0 in ns.micro_batches:
@@ -190,8 +205,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         lines = [f"  {e.layout}: {e.peak_bytes / 1024**3:.1f} GiB per rank" for e in misses]
         if not misses:
             lines = [f"  {e.layout}: {e.reason}" for e in evals[:5]]
+        print("nearest misses:\n" + "\n".join(lines))
         raise ValueError(f"no layout fits {system.name} ({system.memory_gib:.1f} GiB per GPU, margin included); "
-                         "nearest misses:\n" + "\n".join(lines))
+                         "the nearest misses are listed above")
     print(format_table(evals, ns.top))
     best = fit[0]
     if ns.tokens:
@@ -212,31 +228,38 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default="deepseek_v3_671b", help="preset name, HF config.json, or training TOML")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="change the model/config as recipes.train does, e.g. model.overrides.n_layers=4")
     ap.add_argument("--gpu", default="H800", help="shipped system: H800, H100, H200, B200, A100, MTT-S4000, MTT-S5000")
     ap.add_argument("--system", default=None, help="a system file (JSON) instead of --gpu")
-    ap.add_argument("--gpus", type=int, default=None, help="total GPUs")
-    ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the system file's)")
-    ap.add_argument("--intra-bw", type=float, default=None, help="intra-node GB/s per GPU and direction")
-    ap.add_argument("--intra-latency-us", type=float, default=None)
-    ap.add_argument("--inter-bw", type=float, default=None, help="inter-node GB/s per GPU and direction")
-    ap.add_argument("--inter-latency-us", type=float, default=None)
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
-    ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    ap.add_argument("--tokens", type=float, default=None, help="training tokens, for the predicted run length")
+    ap.add_argument("--gpus", type=positive_int, default=None, help="total GPUs")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=None,
+                    help="GPUs per node (default: the system file's)")
+    ap.add_argument("--intra-bw", type=positive_float, default=None,
+                    help="intra-node GB/s per GPU and direction (default: the system file's)")
+    ap.add_argument("--intra-latency-us", type=nonnegative_float, default=None,
+                    help="intra-node latency per message, microseconds (default: the system file's)")
+    ap.add_argument("--inter-bw", type=positive_float, default=None,
+                    help="inter-node GB/s per GPU and direction (default: the system file's)")
+    ap.add_argument("--inter-latency-us", type=nonnegative_float, default=None,
+                    help="inter-node latency per message, microseconds (default: the system file's)")
+    ap.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the config's)")
+    ap.add_argument("--global-batch", type=positive_int, default=None,
+                    help="sequences per optimizer step (default: the config's)")
+    ap.add_argument("--tokens", type=positive_float, default=None,
+                    help="training tokens, for the predicted run length")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
     ap.add_argument("--micro-batches", type=_int_list, default=[1, 2, 4],
                     help="micro-batch sizes to search (comma-separated)")
     ap.add_argument("--schedules", type=_schedule_list, default=list(SEARCH_SCHEDULES),
-                    help=f"schedules to search at pp > 1 (comma-separated; default {','.join(SEARCH_SCHEDULES)})")
+                    help="schedules to search at pp > 1 (comma-separated)")
     ap.add_argument("--eplb-slots", type=_int_list, default=[0],
                     help="EPLB redundant expert slots to search (0 = off), e.g. 0,32")
     ap.add_argument("--fix", default=None, help=f"fix layout keys, e.g. pp=16,ep=64 (keys: {', '.join(LAYOUT_KEYS)})")
-    ap.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    ap.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
     ap.add_argument("--write-config", default=None, help="write the best layout as a recipes.train TOML")
     ap.add_argument("--json", default=None, help="write every evaluated layout as JSON ('-' = stdout)")
     ap.add_argument("--trace", default=None, help="write the best layout's predicted step as a Chrome/Perfetto trace")
@@ -251,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(parser().parse_args(argv))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

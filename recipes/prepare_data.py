@@ -27,11 +27,13 @@ at exactly that many tokens.
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, nonnegative_float, positive_float, positive_int
 from training.data import (
     MANIFEST_FILE,
     PLAN_FILE,
@@ -63,16 +66,18 @@ BAD_EXAMPLES = 20  # bad lines listed by file and line in the manifest (all are 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.prepare_data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.prepare_data", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, metavar="FILE",
                     help="JSONL / Parquet / text files or folders of them")
     ap.add_argument("--tokenizer", required=True, help="'byte' or a Hugging Face tokenizer.json (or its folder)")
     ap.add_argument("--out", required=True, help="output folder (data.source of a training config)")
     ap.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="tokenizer processes")
-    ap.add_argument("--max-tokens", type=float, default=0, help="stop after this many tokens (0 = all)")
+    ap.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1),
+                    help="tokenizer processes")
+    ap.add_argument("--max-tokens", type=nonnegative_float, default=0, help="stop after this many tokens (0 = all)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the document shuffle")
-    ap.add_argument("--shard-mb", type=float, default=256.0, help="source megabytes per shard")
+    ap.add_argument("--shard-mb", type=positive_float, default=256.0, help="source megabytes per shard")
     ap.add_argument("--eod", default=None, help="end-of-document token (default: the tokenizer's end-of-sentence)")
     ap.add_argument("--strict", action="store_true", help="a bad JSONL line is fatal (default: count and skip)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,6 +109,8 @@ def find_sources(inputs: list[str]) -> list[Source]:
             if path.suffix not in known:
                 raise ValueError(f"--input {item!r}: unknown file type {path.suffix!r}, expected one of "
                                  f"{', '.join(known)}")
+            if path.stat().st_size == 0:
+                raise ValueError(f"--input {item!r}: the file is empty")
             files = [path]
         else:
             raise ValueError(f"--input {item!r}: no such file or folder")
@@ -159,6 +166,27 @@ def jsonl_lines(path: Path, block_size: int = 64 << 20) -> tuple[np.ndarray, np.
     return cat(starts), cat(ends), cat(numbers)
 
 
+def check_text(path: Path, block_size: int = 16 << 20) -> None:
+    """ValueError naming ``path`` unless it is UTF-8 text without NUL bytes (a plain text input is one document;
+    a binary file would tokenize into garbage)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(block_size)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"--input {str(path)!r}: not UTF-8 text (byte {block[exc.start]:#04x} at offset "
+                                 f"{offset + exc.start}); expected UTF-8 text, JSONL or Parquet") from None
+            if (nul := block.find(b"\0")) >= 0:
+                raise ValueError(f"--input {str(path)!r}: binary data (a NUL byte at offset {offset + nul}); "
+                                 "expected UTF-8 text, JSONL or Parquet")
+            if not block:
+                return
+            offset += len(block)
+
+
 def scan(sources: list[Source], text_field: str) -> np.ndarray:
     """Hash every source and list its documents: int64 rows (source, a, b, line) where (a, b) is the byte
     range of a JSONL line or a text file, or (row group, row) of a Parquet row; ``line`` is 1-based."""
@@ -166,7 +194,8 @@ def scan(sources: list[Source], text_field: str) -> np.ndarray:
     for i, src in enumerate(sources):
         src.sha256, src.bytes = sha256_file(src.path), src.path.stat().st_size
         if src.kind == "text":
-            refs = np.array([[i, 0, src.bytes, 1]], dtype=np.int64)
+            check_text(src.path)
+            refs = np.array([[i, 0, src.bytes, 1]] if src.bytes else [], dtype=np.int64).reshape(-1, 4)
         elif src.kind == "jsonl":
             starts, ends, lines = jsonl_lines(src.path)
             refs = np.stack([np.full(len(starts), i), starts, ends, lines], axis=1).astype(np.int64)
@@ -318,7 +347,10 @@ def check_out_folder(out: Path, identity: dict[str, Any]) -> None:
     if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"--out {str(out)!r} is not empty and not a prepare_data folder (no {PLAN_FILE}); "
                          "choose an empty or new folder (nothing was changed)")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r}: cannot create the folder ({exc.strerror})") from None
     _atomic_write(plan, json.dumps(identity, indent=1).encode())
 
 
@@ -392,21 +424,28 @@ def finished_shard(out: Path, k: int, dtype: np.dtype) -> dict[str, Any] | None:
 
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize ``args.input`` into ``args.out``; returns the manifest. ValueError for bad input."""
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    if args.shard_mb <= 0 or args.max_tokens < 0:
-        raise ValueError(f"--shard-mb must be > 0 and --max-tokens >= 0, got {args.shard_mb}, {args.max_tokens}")
-    tokenizer = build_tokenizer(args.tokenizer)
-    tok_hash = tokenizer_hash(args.tokenizer)
+    out = check_output_dir(args.out, "--out")  # (--workers, --shard-mb, --max-tokens: checked by their types)
+    try:
+        tok_hash = tokenizer_hash(args.tokenizer)
+    except ValueError as exc:  # named after the training config's key; here it is --tokenizer
+        raise ValueError(str(exc).replace("data.tokenizer", "--tokenizer", 1)) from None
+    try:
+        tokenizer = build_tokenizer(args.tokenizer)
+    except Exception as exc:  # the tokenizers library raises its own Exception for a malformed file
+        raise ValueError(f"--tokenizer {args.tokenizer!r}: not a readable Hugging Face tokenizer.json ({exc})"
+                         ) from None
     eod = eod_id(args.tokenizer, tokenizer, args.eod)
     dtype = token_dtype(tokenizer.vocab_size)
-    out = Path(args.out).expanduser()
     sources = find_sources(args.input)
     t_scan = time.perf_counter()
     refs = scan(sources, args.text_field)
     if len(refs) == 0:
         raise ValueError(f"--input {' '.join(args.input)}: no documents found")
     identity = plan_identity(args, sources, tok_hash, eod)
+    created = out  # the outermost folder this run creates (None: --out exists)
+    while not created.parent.exists():
+        created = created.parent
+    created = None if out.exists() else created
     check_out_folder(out, identity)
     perm = np.random.default_rng(args.seed).permutation(len(refs))
     total_bytes = sum(s.bytes for s in sources)
@@ -469,6 +508,11 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             pool.terminate()
             pool.join()
     elapsed = time.perf_counter() - t0
+    if not any(r["tokens"] for r in records):
+        discard(out, created)
+        example = f"; {bad_count} bad JSONL lines, e.g. {bad_examples[0]}" if bad_examples else ""
+        raise ValueError(f"--input {' '.join(args.input)}: 0 tokens produced from {len(refs)} documents{example} "
+                         "(nothing was written)")
     for extra in range(len(records), num_shards):  # shards past a --max-tokens cut (from no run of this plan)
         (out / f"{shard_name(extra)}.json").unlink(missing_ok=True)
     manifest = {
@@ -489,13 +533,22 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     return manifest
 
 
+def discard(out: Path, created: Path | None) -> None:
+    """Remove what this run wrote to ``out``: the folders it created, else its plan and shard files."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    for path in [out / PLAN_FILE, *out.glob("shard_*")]:
+        path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         m = prepare(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     bad = m["bad_lines"]
     print(f"{m['total_tokens']} tokens ({m['dtype']}) in {m['total_documents']} documents, {len(m['shards'])} shards "
           f"-> {args.out}  [{m['throughput']['tokens_per_s_per_worker']:.0f} tokens/s per worker]")
@@ -503,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {bad['count']} bad JSONL lines skipped (listed in {MANIFEST_FILE}), e.g. "
               f"{bad['examples'][0]}", file=sys.stderr)
     print(f"train on it with: --set data.source={args.out} --set data.tokenizer={args.tokenizer}")
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

@@ -18,14 +18,17 @@ import argparse
 import os
 import sys
 
+from accel import specs
+from accel.cli import HelpFormatter, positive_int
 from training.config import load_config
 from training.launch import relaunch, strip_option, under_torchrun
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
-    ap.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: run.nproc)")
+    ap.add_argument("--nproc", type=positive_int, default=None, help="processes on this machine (default: run.nproc)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>)")
@@ -37,7 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="write a Chrome/Perfetto trace (per rank: compute and communication tracks) to FILE")
     ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                     help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
-    return ap.parse_args(argv)
+    ns = ap.parse_args(argv)
+    if ns.device is not None and not ns.dry_run:
+        ap.error("--device is the device --dry-run checks memory against; a run uses the device it runs on")
+    if ns.device is not None and ns.device.lower() != "cpu" and specs.lookup(ns.device) is None:
+        ap.error(f"--device {ns.device!r}: unknown device; expected cpu or one of {', '.join(specs.known_devices())}")
+    return ns
 
 
 def dry_run(cfg, world: int, device: str | None = None) -> None:

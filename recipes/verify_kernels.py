@@ -31,13 +31,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from accel.cli import HelpFormatter, check_output_file, nonnegative_float
+
 EXIT_OK, EXIT_FAILED, EXIT_NOTHING = 0, 1, 2
 REPO = Path(__file__).resolve().parents[1]
 SUITE_TIMEOUT = 600
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv3-verify-kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dsv3-verify-kernels", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--ops", action="append", metavar="GLOB",
                    help="op names to verify, glob patterns, repeatable (default: every registered op)")
     p.add_argument("--seeds", type=int, default=5, metavar="N", help="fresh random seeds per shape (default 5)")
@@ -57,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--suite", metavar="DIR", help="verify every DIR/<problem>/candidate*.py against its "
                    "reference.py, each in its own subprocess")
     g.add_argument("--shapes", metavar="NAME=V,...", help="override the reference's module-level sizes")
-    g.add_argument("--tolerance", type=float, metavar="T",
+    g.add_argument("--tolerance", type=nonnegative_float, metavar="T",
                    help="atol = rtol for every float output (default by dtype: fp32 1e-4, bf16/fp16 1e-2)")
-    g.add_argument("--min-speedup", type=float, default=1.0, metavar="X",
+    g.add_argument("--min-speedup", type=nonnegative_float, default=1.0, metavar="X",
                    help="the faster gate passes at speedup >= X over the reference (default 1.0)")
     g.add_argument("--allow", action="append", default=[], metavar="OP=REASON",
                    help="let the candidate run PyTorch operator OP (e.g. aten.mm=...), repeatable")
@@ -176,7 +179,7 @@ def verify_suite(args: argparse.Namespace) -> int:
     try:
         pairs = suite_problems(args.suite)
     except ValueError as exc:
-        print(f"ERROR {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_NOTHING
     docs = []
     for i, (cand, ref) in enumerate(pairs, 1):
@@ -225,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("--suite or --candidate/--reference, not both")
     try:
         _parse_shapes(args.shapes), _parse_allow(args.allow)
+        if args.json:
+            check_output_file(args.json, "--json")
     except ValueError as exc:
         _parser().error(str(exc))
 
@@ -246,6 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for module in args.modules:
         try:
             importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                problems.append(f"--import {module} failed: {type(exc).__name__}: {exc}")
+                continue
+            print(f"error: --import {module}: no such module (check the name and PYTHONPATH)", file=sys.stderr)
+            return EXIT_NOTHING
         except Exception as exc:
             problems.append(f"--import {module} failed: {type(exc).__name__}: {exc}")
     for line in problems:
@@ -259,12 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(accel.report.format_table(rows) if rows else "no kernel ops are registered")
         return EXIT_FAILED if problems else EXIT_OK
     if not registered:
-        print("no kernel ops are registered: nothing to verify (the kernel packages deep_gemm and flash_mla "
-              "register theirs when imported; use --import MODULE for others)")
+        print("error: no kernel ops are registered: nothing to verify (the kernel packages deep_gemm and flash_mla "
+              "register theirs when imported; use --import MODULE for others)", file=sys.stderr)
         return EXIT_FAILED if problems else EXIT_NOTHING
     names = verify.select_ops(args.ops)
     if not names:
-        print(f"no registered op matches {' '.join(args.ops)}; registered: {', '.join(registered)}")
+        print(f"error: --ops: no registered op matches {' '.join(args.ops)}; registered: {', '.join(registered)}",
+              file=sys.stderr)
         return EXIT_FAILED if problems else EXIT_NOTHING
 
     bench_shapes = args.bench_shapes

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from accel.cli import HelpFormatter, positive_float, positive_int
+
 AREAS = ("deep_gemm", "flash_mla")
 
 
@@ -34,15 +36,18 @@ def shard_count() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.warm_kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes at once (default: all cores)")
+    p = argparse.ArgumentParser(prog="python -m recipes.warm_kernels", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                   help="processes at once (default: all cores)")
     p.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, from {','.join(AREAS)}")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the remaining processes are killed")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds before the remaining processes are killed")
     args = p.parse_args(argv)
     areas = [a for a in args.areas.split(",") if a]
     unknown = set(areas) - set(AREAS)
-    if unknown:
-        p.error(f"--areas: unknown {sorted(unknown)}; expected some of {AREAS}")
+    if unknown or not areas:
+        p.error(f"--areas {args.areas!r}: expected some of {', '.join(AREAS)}, comma-separated")
     shards = shard_count()
     tasks = [(area, i) for i in range(shards) for area in areas]
     root = Path(__file__).resolve().parent.parent

@@ -53,11 +53,11 @@ def test_cli_fails_on_a_broken_kernel_and_replays_seeds(toys, capsys):
 
 def test_cli_nothing_to_verify(toys, monkeypatch, capsys):
     assert verify_kernels.main(["--ops", "no_such_area.*"]) == 2
-    assert "no registered op matches no_such_area.*" in capsys.readouterr().out
+    assert "no registered op matches no_such_area.*" in capsys.readouterr().err
     monkeypatch.setattr(registry, "_OPS", {})
     monkeypatch.setattr(registry, "import_kernel_packages", lambda *a: {})
     assert verify_kernels.main([]) == 2
-    assert "no kernel ops are registered: nothing to verify" in capsys.readouterr().out
+    assert "no kernel ops are registered: nothing to verify" in capsys.readouterr().err
 
 
 def test_cli_lists_ops(toys, monkeypatch, capsys):

@@ -318,12 +318,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     table: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"--config {str(path)!r} is a folder; expected a TOML file")
         if not path.is_file():
             raise ValueError(f"--config: no such file {str(path)!r}")
         try:
-            table = tomllib.loads(path.read_text())
+            table = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"--config {str(path)!r}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--config {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                             "expected a TOML file") from None
+        try:  # the file's own unknown keys and wrong types, named with the file
+            _build(TrainConfig, table, "")
+        except ValueError as exc:
+            raise ValueError(f"--config {str(path)!r}: {exc}") from None
     table = apply_overrides(table, list(overrides))
     cfg = _build(TrainConfig, table, "")
     validate(cfg)

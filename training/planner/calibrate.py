@@ -28,6 +28,7 @@ import torch.distributed as dist
 import accel
 import deep_gemm
 from accel import specs
+from accel.cli import HelpFormatter, check_output_file, positive_int
 from accel.timing import do_bench
 from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
@@ -140,14 +141,19 @@ def measure_collectives(system: System, nbytes: int = 64 << 20) -> System:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.plan calibrate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m recipes.plan calibrate", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="system file to write (JSON)")
     ap.add_argument("--base", default=None, help="shipped system to start from (default: the local device's)")
     ap.add_argument("--model", default="deepseek_v3_671b", help="preset whose shapes are measured")
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--ep", type=int, default=8, help="expert-parallel size (experts per grouped GEMM)")
+    ap.add_argument("--tokens", type=positive_int, default=4096, help="tokens per micro-batch")
+    ap.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (attention shapes)")
+    ap.add_argument("--ep", type=positive_int, default=8, help="expert-parallel size (experts per grouped GEMM)")
     ns = ap.parse_args(argv)
+    check_output_file(ns.out, "--out")
+    ModelArgs.preset(ns.model)  # an unknown preset: ValueError naming the presets
+    if ns.base is not None:
+        load_system(ns.base)
     if accel.backend() == "cpu":
         raise ValueError("calibrate measures a GPU (CUDA or MUSA) and none is visible here; plan with a shipped "
                          "system file (--gpu H800 ...) or run calibrate on the GPU machine")

@@ -156,7 +156,7 @@ def load_system(name_or_path: str) -> System:
             raise ValueError(f"--system: no such file {str(path)!r}")
         try:
             doc = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--system {str(path)!r}: not valid JSON: {exc}") from None
         return system_from_json(doc, f"system file {str(path)!r}")
     names = {n.upper(): n for n in known_systems()}
