@@ -103,14 +103,14 @@ def _group_dies_with_us(pgid: int) -> Iterator[None]:
 
     def on_term(signum: int, frame: Any) -> None:
         _kill_group(pgid)
-        signal.signal(signum, previous)
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         os.kill(os.getpid(), signum)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _read_channel(fd: int) -> bytes:

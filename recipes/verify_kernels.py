@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="modules", action="append", default=[], metavar="MODULE",
                    help="also import MODULE (which registers more ops), repeatable")
     g = p.add_argument_group("candidate files (the four gates)")
-    g.add_argument("--candidate", metavar="NEW.py", help="candidate file: ModelNew (KernelBench) or candidate()")
+    g.add_argument("--candidate", metavar="NEW.py", help="candidate file: ModelNew (KernelBench) or candidate(); "
+                   "verified in a child process of its own (see --timeout)")
     g.add_argument("--reference", metavar="REF.py",
                    help="reference file: Model/get_inputs/get_init_inputs (KernelBench) or reference/make_inputs")
     g.add_argument("--suite", metavar="DIR", help="verify every DIR/<problem>/candidate*.py against its "
