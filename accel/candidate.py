@@ -60,6 +60,7 @@ from accel.backend import backend, default_device, synchronize
 from accel.timing import do_bench
 
 GATES = ("compiles", "correct", "no_fallback", "faster")
+STAGES = ("reference", "compiles", "correct", "faster")  # what verify_candidate's progress callback names
 PASS, FAIL, NOT_MEASURABLE, NOT_RUN = "pass", "fail", "not measurable", "not run"
 EXIT_PASSED, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2,
@@ -145,6 +146,10 @@ def verdict_from_dict(doc: Mapping[str, Any]) -> Verdict:
     v.gates = {g: Gate(d["status"], d.get("message")) for g, d in doc["gates"].items()}
     for key in ("candidate_ms", "reference_ms", "vendor_ms", "speedup", "vendor_speedup"):
         setattr(v, key, number(doc.get(key)))
+    v.tolerances = {k: float(x) for k, x in (doc.get("tolerances") or {}).items()}
+    v.max_errors = {k: float(x) for k, x in (doc.get("max_errors") or {}).items()}
+    v.launches = doc.get("launches")
+    v.operators = dict(doc.get("operators") or {})
     return v
 
 
@@ -461,19 +466,25 @@ def verify_candidate(candidate: str | Path | ModuleType, reference: str | Path |
                      seeds: int | Sequence[int] = MIN_SEEDS, tolerance: float | None = None,
                      min_speedup: float = 1.0, shapes: Mapping[str, Any] | None = None,
                      allow: Mapping[str, str] | None = None, device: torch.device | None = None,
-                     bench: bool = True) -> Verdict:
-    """Run the four gates on one candidate; never raises for a problem with the files (see ``Verdict``)."""
+                     bench: bool = True, progress: Callable[[str, Verdict], None] | None = None) -> Verdict:
+    """Run the four gates on one candidate; never raises for a problem with the files (see ``Verdict``).
+
+    ``progress(stage, verdict)`` is called as each stage starts (``STAGES``: the reference is checked, then
+    the gates compiles, correct (with no_fallback) and faster), with the verdict so far: the sandbox's
+    parent learns from it which gate a candidate that crashes or hangs was in."""
     verdict = Verdict(candidate=str(getattr(candidate, "__file__", candidate)),
                       reference=str(getattr(reference, "__file__", reference)), min_speedup=min_speedup)
     try:
-        _verify(verdict, candidate, reference, seeds, tolerance, min_speedup, shapes, allow, device, bench)
+        _verify(verdict, candidate, reference, seeds, tolerance, min_speedup, shapes, allow, device, bench,
+                progress or (lambda stage, v: None))
     except BadInput as exc:
         verdict.bad_input = str(exc)
     return verdict
 
 
 def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedup, shapes, allow, device,
-            bench) -> None:
+            bench, progress) -> None:
+    progress("reference", verdict)
     device = device or default_device()
     seed_list = verify.fresh_seeds(seeds) if isinstance(seeds, int) else list(seeds)
     if len(seed_list) < 1:
@@ -489,6 +500,7 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
     _check_reference_deterministic(problem, device, seed_list[0], override)
 
     # Gate 1: compiles (import, build, first call).
+    progress("compiles", verdict)
     try:
         module = candidate if isinstance(candidate, ModuleType) else load_file(candidate, "candidate")
     except BadInput:
@@ -523,6 +535,7 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
                                      + (" (Triton interpreter)" if device.type == "cpu" else ""))
 
     # Gates 2 and 3: correct and no illegal fall-back, per seed.
+    progress("correct", verdict)
     correct_problems: list[str] = []
     fallback_problems: list[str] = []
     launches, operators = [], {}
@@ -595,6 +608,7 @@ def _verify(verdict: Verdict, candidate, reference, seeds, tolerance, min_speedu
         verdict.gates["faster"] = Gate(NOT_RUN, "not timed: " + ("the candidate failed a gate above" if bench
                                                                  else "bench=False"))
         return
+    progress("faster", verdict)
     inputs = problem.make_inputs(seed_list[0], device)
     with _no_grad():
         verdict.candidate_ms = do_bench(lambda: fn(*inputs), **verify.GPU_BENCH)

@@ -8,8 +8,12 @@
     python -m recipes.verify_kernels --bench-shapes       # plus the realistic GPU shapes (GPU only)
     python -m recipes.verify_kernels --ops toy.axpby --seed 123 --seed 456   # replay failing seeds
 
-(installed as ``dsv3-verify-kernels``). On a cpu the kernels run in the Triton interpreter
-(TRITON_INTERPRET=1 is set here when unset): correctness is checked, timings mean nothing.
+(installed as ``dsv3-verify-kernels``). Each candidate file runs in a child process of its own (``accel.sandbox``),
+also under --candidate: a candidate that exits (``sys.exit``, ``os._exit``, any status), crashes (a segfault,
+an uncaught exception, a kill) or runs past --timeout (default 600 s; the child's whole process group is then
+killed) fails a gate with the reason in the table and the JSON; the verdict is what the harness in the child
+reported over a private channel, never the child's exit status or output. On a cpu the kernels run in the
+Triton interpreter (TRITON_INTERPRET=1 is set here when unset): correctness is checked, timings mean nothing.
 Candidate files are scored by MusaCoder's four gates (compiles, correct, no_fallback, faster), each
 reported on its own; formats and gates are described in ``accel.candidate`` and docs/foundation.md.
 Exit status: 0 every gate measurable here passed, 1 a gate failed (or a kernel package failed to
@@ -23,19 +27,18 @@ import argparse
 import importlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from accel.cli import HelpFormatter, check_output_file, nonnegative_float
 
 EXIT_OK, EXIT_FAILED, EXIT_NOTHING = 0, 1, 2
 REPO = Path(__file__).resolve().parents[1]
-SUITE_TIMEOUT = 600
+DEFAULT_TIMEOUT = 600  # seconds per candidate, --candidate and --suite alike
+STAGE_GATE = {"reference": "compiles", "compiles": "compiles", "correct": "correct", "faster": "faster"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="modules", action="append", default=[], metavar="MODULE",
                    help="also import MODULE (which registers more ops), repeatable")
     g = p.add_argument_group("candidate files (the four gates)")
-    g.add_argument("--candidate", metavar="NEW.py", help="candidate file: ModelNew (KernelBench) or candidate()")
+    g.add_argument("--candidate", metavar="NEW.py", help="candidate file: ModelNew (KernelBench) or candidate(); "
+                   "verified in a child process of its own (see --timeout)")
     g.add_argument("--reference", metavar="REF.py",
                    help="reference file: Model/get_inputs/get_init_inputs (KernelBench) or reference/make_inputs")
     g.add_argument("--suite", metavar="DIR", help="verify every DIR/<problem>/candidate*.py against its "
@@ -66,8 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the faster gate passes at speedup >= X over the reference (default 1.0)")
     g.add_argument("--allow", action="append", default=[], metavar="OP=REASON",
                    help="let the candidate run PyTorch operator OP (e.g. aten.mm=...), repeatable")
-    g.add_argument("--timeout", type=float, default=SUITE_TIMEOUT, metavar="S",
-                   help=f"--suite: seconds per candidate before it is killed (default {SUITE_TIMEOUT})")
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help="seconds per candidate (--candidate or each of --suite) before its process group is "
+                        f"killed and its verdict is a failed gate (default {DEFAULT_TIMEOUT})")
+    g.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the sandboxed child's mode
     return p
 
 
@@ -104,18 +110,32 @@ def _interpreter_on_cpu() -> None:
 
 
 def verify_files(args: argparse.Namespace) -> int:
-    """--candidate/--reference: the four gates on one candidate, in this process."""
+    """--candidate/--reference: the four gates on one candidate, in a child process (``run_one``)."""
     from accel import candidate
 
-    verdict = candidate.verify_candidate(args.candidate, args.reference, seeds=args.seed or args.seeds,
-                                         tolerance=args.tolerance, min_speedup=args.min_speedup,
-                                         shapes=_parse_shapes(args.shapes), allow=_parse_allow(args.allow),
-                                         bench=not args.no_bench)
+    doc = run_one(args, Path(args.candidate), Path(args.reference))
+    verdict = candidate.verdict_from_dict(doc)
+    if doc.get("output_tail"):
+        print("candidate process output (last lines):\n  " + "\n  ".join(doc["output_tail"]), file=sys.stderr)
     print(candidate.format_verdict(verdict))
     if args.json:
-        Path(args.json).write_text(json.dumps(verdict.to_dict(), indent=2))
+        Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     return verdict.exit_code
+
+
+def run_worker(args: argparse.Namespace) -> NoReturn:
+    """The sandboxed child: verify in this process, report each stage and the verdict to the parent."""
+    from accel import candidate, sandbox
+
+    if os.isatty(0):
+        raise SystemExit("error: --worker is the sandboxed child's mode, started by --candidate/--suite only")
+    reporter = sandbox.Reporter.from_stdin()  # before the candidate is imported
+    verdict = candidate.verify_candidate(
+        args.candidate, args.reference, seeds=args.seed or args.seeds, tolerance=args.tolerance,
+        min_speedup=args.min_speedup, shapes=_parse_shapes(args.shapes), allow=_parse_allow(args.allow),
+        bench=not args.no_bench, progress=lambda stage, v: reporter.send(stage=stage, verdict=v.to_dict()))
+    reporter.finish(verdict.exit_code, stage="done", verdict=verdict.to_dict())
 
 
 def suite_problems(directory: str | Path) -> list[tuple[Path, Path]]:
@@ -130,46 +150,56 @@ def suite_problems(directory: str | Path) -> list[tuple[Path, Path]]:
     return pairs
 
 
-def _worker_argv(args: argparse.Namespace, cand: Path, ref: Path, out: Path) -> list[str]:
-    argv = [sys.executable, "-m", "recipes.verify_kernels", "--candidate", str(cand), "--reference", str(ref),
-            "--json", str(out), "--min-speedup", str(args.min_speedup)]
+def _worker_argv(args: argparse.Namespace, cand: Path, ref: Path) -> list[str]:
+    argv = [sys.executable, "-m", "recipes.verify_kernels", "--worker", "--candidate", str(cand),
+            "--reference", str(ref), "--min-speedup", str(args.min_speedup)]
     for s in args.seed or []:
         argv += ["--seed", str(s)]
     if not args.seed:
         argv += ["--seeds", str(args.seeds)]
     if args.tolerance is not None:
         argv += ["--tolerance", str(args.tolerance)]
+    if args.shapes:
+        argv += ["--shapes", args.shapes]
     argv += [x for a in args.allow for x in ("--allow", a)] + (["--no-bench"] if args.no_bench else [])
     return argv
 
 
 def run_one(args: argparse.Namespace, cand: Path, ref: Path) -> dict:
-    """One candidate in its own process: a crash, hang or illegal memory access costs only this verdict."""
-    from accel import candidate
+    """One candidate in its own process (``accel.sandbox``): its verdict as a dict (``Verdict.to_dict()`` plus
+    ``seconds``, and ``output_tail`` when the child ended without a verdict). An exit, crash, kill or hang costs
+    only this verdict, and is a failed gate: the one the harness had reached (``STAGE_GATE``)."""
+    from accel import candidate, sandbox
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "verdict.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(_worker_argv(args, cand, ref, out), env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            why, log = f"timed out after {args.timeout:g} s (killed)", ""
-        else:
-            if out.is_file():
-                doc = json.loads(out.read_text())
-                doc["seconds"] = time.perf_counter() - start
-                return doc
-            code = proc.returncode
-            why = (f"process killed by signal {signal.Signals(-code).name}" if code < 0
-                   else f"process exited with status {code} without a verdict")
-            log = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-            why += f": {log[0][:300]}" if log[0] else ""
-    verdict = candidate.Verdict(candidate=str(cand), reference=str(ref))
-    verdict.fail("compiles", why)
-    doc = verdict.to_dict()
-    doc["seconds"] = time.perf_counter() - start
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    outcome = sandbox.run(_worker_argv(args, cand, ref), timeout=args.timeout, env=env)
+    final = outcome.final
+    if final and not outcome.forged and outcome.returncode == final["status"]:
+        doc = final["verdict"]
+    else:
+        last = next((m for m in reversed(outcome.messages) if isinstance(m.get("verdict"), dict)), None)
+        verdict = (candidate.verdict_from_dict(last["verdict"]) if last
+                   else candidate.Verdict(candidate=str(cand), reference=str(ref), min_speedup=args.min_speedup))
+        stage = last["stage"] if last else None
+        if final and outcome.returncode != final["status"]:
+            verdict.fail("no_fallback", f"candidate process {outcome.how_it_ended()} after its harness reported "
+                         f"status {final['status']}: something besides the harness ended it")
+        elif not final:
+            where = ("" if stage is None else " (while the reference was checked)" if stage == "reference"
+                     else f" (in the {STAGE_GATE[stage]} gate)")
+            if outcome.timed_out:
+                why = f"timed out after {args.timeout:g} s{where}; its process group was killed"
+            else:
+                why = f"candidate {outcome.how_it_ended()} before reporting a verdict{where}"
+                why += f"; last output: {outcome.log[-1][:300]}" if outcome.log else ""
+            verdict.fail(STAGE_GATE.get(stage, "compiles"), why)
+        if outcome.forged:
+            verdict.fail("no_fallback", f"{outcome.forged} line(s) in the result channel were not written by the "
+                         "harness (a forged result?)")
+        doc = verdict.to_dict()
+        if not final:
+            doc["output_tail"] = outcome.log
+    doc["seconds"] = outcome.seconds
     return doc
 
 
@@ -232,10 +262,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_output_file(args.json, "--json")
     except ValueError as exc:
         _parser().error(str(exc))
+    if not 0 < args.timeout < float("inf"):
+        _parser().error(f"--timeout {args.timeout:g}: expected a positive number of seconds")
+    if args.worker and not args.candidate:
+        _parser().error("--worker is the sandboxed child's mode, started by --candidate/--suite only")
 
     import accel  # imported after parsing so that --help is instant
+    from accel.cli import BAD_INPUT, check_output_file
+
+    if args.json:
+        try:
+            check_output_file(args.json, "--json")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return BAD_INPUT
 
     _interpreter_on_cpu()
+    if args.worker:
+        run_worker(args)
     if args.candidate:
         return verify_files(args)
     if args.suite:
