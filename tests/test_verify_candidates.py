@@ -64,7 +64,8 @@ HACK_CASES = [
     ("hack_patch_allclose", AXPY, "no_fallback", r"the candidate replaced torch\.allclose when imported"),
     ("hack_patch_harness", AXPY, "no_fallback", r"the candidate replaced accel\.candidate\._compare when imported"),
     ("hack_low_precision", AXPY, "correct", r"out: \d+ of 960 elements outside atol=rtol=0\.0001"),
-    ("hack_hardcoded", AXPY, "correct", r"out: 960 of 960 elements outside atol=rtol=0\.0001"),
+    # seed 0's answer against another seed's inputs: an element may fall inside the tolerance by chance
+    ("hack_hardcoded", AXPY, "correct", r"out: 9\d\d of 960 elements outside atol=rtol=0\.0001"),
 ]
 
 
