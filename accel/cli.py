@@ -18,8 +18,10 @@ Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
+from typing import NoReturn
 
 OK, FAILED, BAD_INPUT, SAVE_FAILED, FAULT_STOP, LOCKED = 0, 1, 2, 3, 4, 5
 
@@ -60,3 +62,26 @@ def check_output_dir(path: str | os.PathLike, option: str, *, must_be_empty: boo
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {str(path)!r}: cannot create it under {str(ancestor)!r}")
     return p
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to each option's help, except where there is none to show (a required
+    option, a ``None`` default) or the help already says it (``default:`` in its text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose ``--help`` shows every option's default and whose usage errors are
+    one line, ``error: <prog>: <message>``, with exit status ``BAD_INPUT`` (stock argparse prints its usage
+    block first)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(BAD_INPUT, f"error: {self.prog}: {message} (see --help)\n")
