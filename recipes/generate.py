@@ -62,6 +62,9 @@ def check_options(opts: argparse.Namespace) -> None:
     if not Path(opts.checkpoint).is_dir():
         raise ValueError(f"--checkpoint {opts.checkpoint!r} is not a folder; expected an HF checkpoint folder "
                          "(config.json + safetensors)")
+    if (Path(opts.checkpoint) / "metadata.json").is_file():
+        raise ValueError(f"--checkpoint {opts.checkpoint!r} is a training checkpoint; export it first: "
+                         f"python -m recipes.export_hf {opts.checkpoint}")
 
 
 def run(opts: argparse.Namespace) -> int:

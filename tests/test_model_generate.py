@@ -131,6 +131,8 @@ def _corrupt(folder: Path, case: str) -> None:
     elif case == "shard":
         shard = next(folder.glob("*.safetensors"))
         shard.write_bytes(shard.read_bytes()[:-100])
+    elif case == "training_checkpoint":
+        (folder / "metadata.json").write_text("{}")
     elif case == "tokenizer":
         (folder / "tokenizer.json").write_text('{"model": 3')
 
@@ -143,6 +145,7 @@ GENERATE_BAD = {  # case: (extra arguments, what the one line must say)
     "index": ([], "model.safetensors.index.json is not a readable safetensors index"),
     "shard": ([], "cannot read {ck}/model-00001-of-00001.safetensors"),
     "tokenizer": (["--tokenizer", "{ck}/tokenizer.json"], "tokenizer.json' is not a valid tokenizer.json"),
+    "training_checkpoint": ([], "is a training checkpoint; export it first: python -m recipes.export_hf"),
     "top_k_0": (["--top-k", "0", "--temperature", "1"], "--top-k must be >= 1"),
     "top_k_negative": (["--top-k", "-3"], "--top-k must be >= 1"),
     "top_k_not_int": (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
