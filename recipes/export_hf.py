@@ -5,7 +5,8 @@
     python -m recipes.export_hf runs/<run>/checkpoints --fp8 --out /models/mine --overwrite   # the released layout
 
 Where it writes: ``--out``, by default ``RUN/exports/step_N`` beside the checkpoints folder
-(``RUN/checkpoints/step_N`` -> ``RUN/exports/step_N``), which retention never touches. An ``--out``
+(``RUN/checkpoints/step_N`` -> ``RUN/exports/step_N``), which retention never touches (a checkpoint
+outside a ``RUN/checkpoints`` folder has no default: ``--out`` is required). An ``--out``
 inside the checkpoints folder being read (or any folder holding a ``latest`` pointer), inside a checkpoint
 (a folder holding ``metadata.json``), or holding the checkpoint being read is refused: retention, a
 rollback or a re-save of the step would delete it.
@@ -190,7 +191,11 @@ def _verify(folder: Path) -> tuple[str, str] | None:
 
 
 def default_out(folder: Path) -> Path:
-    """``RUN/exports/step_N`` for checkpoint ``RUN/checkpoints/step_N``: beside the checkpoints root."""
+    """``RUN/exports/step_N`` for checkpoint ``RUN/checkpoints/step_N`` (a run folder's layout, as the trainer
+    writes it): beside the checkpoints root. Elsewhere there is no default (ValueError: pass ``--out``)."""
+    if folder.parent.name != "checkpoints":
+        raise ValueError(f"checkpoint {folder} is not in a RUN/checkpoints folder, so there is no default output "
+                         "folder (RUN/exports/step_N); pass --out")
     return folder.parent.parent / "exports" / folder.name
 
 
@@ -203,8 +208,7 @@ def output_folder(folder: Path, out: str | Path | None, overwrite: bool) -> Path
     for root in (source.parent, source):
         if resolved == root or resolved.is_relative_to(root):
             raise ValueError(f"{option} {str(target)!r} is inside the checkpoint folder {str(root)!r}, whose "
-                             "retention deletes what it holds; choose a folder outside it "
-                             f"(default: {default_out(folder)})")
+                             "retention deletes what it holds; choose a folder outside it")
     if source.is_relative_to(resolved):
         raise ValueError(f"{option} {str(target)!r} holds the checkpoint being exported ({folder}); choose "
                          "another folder")
@@ -277,11 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         dtype = export_dtype(ns.dtype)
         folder = find_checkpoint(ns.checkpoint)
         out = output_folder(folder, ns.out, ns.overwrite)
-        write_export(folder, out, dtype, ns.fp8)
-    except (ValueError, fmt.CheckpointError) as exc:
+    except (ValueError, fmt.CheckpointError, OSError) as exc:
         return _fail(BAD_INPUT, str(exc))
-    except OSError as exc:  # reading was verified first: this is the write (disk full, permissions)
-        return _fail(FAILED, f"the export failed ({exc}); the output folder was left as it was")
+    try:
+        write_export(folder, out, dtype, ns.fp8)
+    except (ValueError, fmt.CheckpointError) as exc:  # an incomplete checkpoint, a config this code cannot build
+        return _fail(BAD_INPUT, str(exc))
+    except OSError as exc:  # the files were verified readable: this is the write (disk full, permissions)
+        return _fail(FAILED, f"the export to {out} failed ({exc}); {out} was left as it was")
     print(f"exported step {step_of(folder)} (checkpoint {folder}) as an HF checkpoint to {out}")
     return OK
 

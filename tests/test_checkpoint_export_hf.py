@@ -122,7 +122,7 @@ def test_export_cli_default_folder_permissions_and_report(run_dir, capsys):
 
 
 @pytest.mark.parametrize("case", ["into_step", "into_root", "over_run", "not_empty", "not_an_export", "int8",
-                                  "float16", "no_checkpoint", "corrupt_shard"])
+                                  "float16", "no_checkpoint", "corrupt_shard", "no_default"])
 @pytest.mark.timeout(120)
 def test_export_cli_refusals_are_one_line_and_change_nothing(run_dir, tmp_path, capsys, case):
     ck = run_dir / "checkpoints"
@@ -139,11 +139,13 @@ def test_export_cli_refusals_are_one_line_and_change_nothing(run_dir, tmp_path, 
         "float16": ([ck, "--out", tmp_path / "o", "--dtype", "float16"], "expected bfloat16 or float32"),
         "no_checkpoint": ([tmp_path / "missing", "--out", tmp_path / "o"], "is not a folder"),
         "corrupt_shard": ([tmp_path / "ck", "--out", tmp_path / "o"], "sha256 mismatch"),
+        "no_default": ([tmp_path / "ck"], "is not in a RUN/checkpoints folder, so there is no default"),
     }[case]
-    if case == "corrupt_shard":
+    if case in ("corrupt_shard", "no_default"):
         import shutil
 
         shutil.copytree(ck, tmp_path / "ck")
+    if case == "corrupt_shard":
         shard = next((tmp_path / "ck" / "step_000000010").glob("model-*.safetensors"))
         data = bytearray(shard.read_bytes())
         data[-1] ^= 0xFF
