@@ -64,24 +64,33 @@ def check_output_dir(path: str | os.PathLike, option: str, *, must_be_empty: boo
     return p
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to each option's help, except where there is none to show (a required
-    option, a ``None`` default) or the help already says it (``default:`` in its text)."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` that keeps the module docstring's line breaks and ends each option's help with its default.
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default is None or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+    An option whose help already names its default (``(default: the config's)``) and one without a default
+    (``has_default``) are left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not has_default(action):
+            return text
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth showing (not None, a flag's False, an empty list or suppressed)."""
+    return bool(action.option_strings) and action.default is not False and action.default not in (
+        None, [], argparse.SUPPRESS)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose ``--help`` shows every option's default and whose usage errors are
-    one line, ``error: <prog>: <message>``, with exit status ``BAD_INPUT`` (stock argparse prints its usage
-    block first)."""
+    """``argparse.ArgumentParser`` with ``HelpFormatter`` and usage errors as one line, argparse's own
+    ``<prog>: error: <message>`` without the usage block before it, exit status ``BAD_INPUT``."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(BAD_INPUT, f"error: {self.prog}: {message} (see --help)\n")
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")

@@ -262,7 +262,7 @@ def _fail(status: int, message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m recipes.export_hf", description=__doc__.splitlines()[0],
-                        epilog="exit status: 0 exported; 2 bad input (one 'error:' line naming the argument or file); "
+                        epilog="exit status: 0 exported; 2 bad input (one 'error:' line naming the argument or file);\n"
                                "1 the write failed (--out left as it was)")
     ap.add_argument("checkpoint", help="a step_* checkpoint folder, or a checkpoints root (its newest valid one)")
     ap.add_argument("--out", default=None,

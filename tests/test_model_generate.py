@@ -3,6 +3,7 @@ forward's logits; generation equals re-running the whole prefix; the CLI runs on
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,7 @@ def test_generate_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, cas
     out = capsys.readouterr()
     err = out.err.splitlines()
     assert status == 2 and out.out == "" and len(err) == 1, (status, out)
-    assert err[0].startswith("error: ") and expect.format(ck=ck) in err[0], err[0]
+    assert re.match(r"^(python -m recipes.generate: )?error: ", err[0]) and expect.format(ck=ck) in err[0], err[0]
 
 
 @pytest.mark.timeout(120)
