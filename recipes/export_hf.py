@@ -186,7 +186,8 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
 
 
 def _verify(folder: Path) -> tuple[str, str] | None:
-    # CheckpointManager.verify reads only ``verify_mode``; a manager itself would sweep the root's staging folders
+    # CheckpointManager.verify reads only ``verify_mode``: a reader needs no manager, which would start a writer
+    # on the root (and, on rank 0, may sweep its staging folders: a live run's save in progress)
     return CheckpointManager.verify(SimpleNamespace(verify_mode="full"), folder)
 
 
