@@ -22,6 +22,7 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import NoReturn
 
 OK, FAILED, BAD_INPUT, SAVE_FAILED, FAULT_STOP, LOCKED = 0, 1, 2, 3, 4, 5
 
@@ -114,3 +115,15 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0 (costs, latencies, delays)."""
     return _number(text, float, 0, False)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with ``HelpFormatter`` and usage errors as one line, argparse's own
+    ``<prog>: error: <message>`` without the usage block before it, exit status ``BAD_INPUT``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")

@@ -7,18 +7,26 @@
 The tokenizer is byte-level (ids 0..255, as the debug models train with) unless ``--tokenizer``
 names a ``tokenizer.json``. Runs on the default device (GPU when there is one); decode attention
 goes through ``flash_mla.flash_mla_with_kvcache`` for bf16 models, a plain fp32 path otherwise.
+
+Exit status: 0 after generating; 2 (``accel.cli.BAD_INPUT``) for bad input, with one line ``error: ...``
+on stderr naming the argument or file: a missing checkpoint folder, an unreadable or corrupt
+``config.json`` / ``tokenizer.json`` / safetensors file, ``--top-k`` < 1, ``--temperature`` < 0,
+``--max-new-tokens`` < 1, an empty prompt, or a prompt whose tokens plus ``--max-new-tokens`` exceed the
+model's ``max_seq_len``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import accel
-from accel.cli import HelpFormatter
+from accel.cli import BAD_INPUT, OK, ArgumentParser
 from models.deepseek_v3 import load_hf_checkpoint
 from models.deepseek_v3.generate import generate
 from training.data import build_tokenizer
@@ -27,41 +35,71 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.generate", description=__doc__.split("\n")[0],
+                        epilog="exit status: 0 done; 2 bad input (one 'error:' line naming the argument or file)")
     ap.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory (config.json + safetensors)")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens (default: all)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (>= 0); 0 = greedy")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most likely tokens (>= 1); default: the whole vocabulary")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     ap.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="weights dtype (default: bf16 on a GPU, fp32 on a CPU)")
-    ap.add_argument("--device", default=None, help="default: accel.default_device()")
-    args = ap.parse_args(argv)
-    if args.max_new_tokens < 1:
-        ap.error("--max-new-tokens must be >= 1")
-    return args
+                    help="weights dtype; default: bf16 on a GPU, fp32 on a CPU")
+    ap.add_argument("--device", default=None, help="torch device; default: accel.default_device()")
+    return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device(opts.device) if opts.device else accel.default_device()
+def check_options(opts: argparse.Namespace) -> None:
+    """ValueError naming the option for a value generation cannot use."""
+    if opts.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+    if not math.isfinite(opts.temperature) or opts.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {opts.temperature}")
+    if opts.top_k is not None and opts.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (omit it to sample from the whole vocabulary), got {opts.top_k}")
+    if not Path(opts.checkpoint).is_dir():
+        raise ValueError(f"--checkpoint {opts.checkpoint!r} is not a folder; expected an HF checkpoint folder "
+                         "(config.json + safetensors)")
+    if (Path(opts.checkpoint) / "metadata.json").is_file():
+        raise ValueError(f"--checkpoint {opts.checkpoint!r} is a training checkpoint; export it first: "
+                         f"python -m recipes.export_hf {opts.checkpoint}")
+
+
+def run(opts: argparse.Namespace) -> int:
+    if opts.device:
+        try:
+            device = torch.device(opts.device)
+        except RuntimeError as exc:
+            raise ValueError(f"--device {opts.device!r} is not a torch device ({exc})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {opts.device!r}: no CUDA device is available here")
+    else:
+        device = accel.default_device()
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    tokenizer = build_tokenizer(opts.tokenizer)
+    tokenizer = build_tokenizer(opts.tokenizer, "--tokenizer")
+    prompts = []
+    for text in opts.prompt:
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise ValueError("--prompt must not be empty")
+        prompts.append((text, ids))
     t0 = time.perf_counter()
     model = load_hf_checkpoint(None, opts.checkpoint, device=device, dtype=dtype)
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.args.vocab_size}")
+    limit = model.args.max_seq_len
+    for text, ids in prompts:
+        if len(ids) + opts.max_new_tokens > limit:
+            raise ValueError(f"--prompt {_short(text)} is {len(ids)} tokens; with --max-new-tokens "
+                             f"{opts.max_new_tokens} that is {len(ids) + opts.max_new_tokens} positions, more than "
+                             f"the model's max_seq_len {limit}")
     print(f"loaded {opts.checkpoint} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}, "
           f"{device}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     gen = torch.Generator(device=device).manual_seed(opts.seed)
-    for text in opts.prompt:
-        ids = tokenizer.encode(text)
-        if not ids:
-            raise ValueError("--prompt must not be empty")
+    for text, ids in prompts:
         prompt = torch.tensor([ids], dtype=torch.long, device=device)
         t0 = time.perf_counter()
         out = generate(model, prompt, opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
@@ -70,7 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t0
         print(text + tokenizer.decode(out[0, prompt.shape[1]:].tolist()))
         print(f"[{new} tokens in {elapsed:.2f}s, {new / elapsed:.1f} tokens/s]", file=sys.stderr)
-    return 0
+    return OK
+
+
+def _short(text: str, width: int = 30) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 after generating, ``BAD_INPUT`` (2) with one ``error:`` line for bad input."""
+    opts = parse_args(sys.argv[1:] if argv is None else argv)  # usage errors: one line, exit 2
+    try:
+        check_options(opts)
+        return run(opts)
+    except ValueError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

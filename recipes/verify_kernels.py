@@ -268,14 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("--worker is the sandboxed child's mode, started by --candidate/--suite only")
 
     import accel  # imported after parsing so that --help is instant
-    from accel.cli import BAD_INPUT, check_output_file
-
-    if args.json:
-        try:
-            check_output_file(args.json, "--json")
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return BAD_INPUT
 
     _interpreter_on_cpu()
     if args.worker:

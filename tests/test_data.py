@@ -10,6 +10,7 @@ from training.data import (
     ByteTokenizer,
     HFTokenizer,
     ResumableSampler,
+    build_tokenizer,
     check_vocab,
     load_corpus,
     resolve_source,
@@ -91,6 +92,15 @@ def test_hf_tokenizer_file(tmp_path):
     assert hf.decode(ids).replace(" ", "") == "Theassertstatement"
     corpus = load_corpus(DataConfig(tokenizer=str(tmp_path / "tokenizer.json"), seq_len=32), min_windows=1)
     check_vocab(corpus, hf.vocab_size)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"model": 3}', ""])
+def test_corrupt_tokenizer_file_is_a_value_error_naming_it(tmp_path, text):
+    (tmp_path / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=r"^data\.tokenizer: '.*tokenizer\.json' is not a valid tokenizer\.json: \S"):
+        build_tokenizer(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"^--tokenizer: .* is not a valid tokenizer\.json"):
+        build_tokenizer(str(tmp_path), "--tokenizer")  # a folder means its tokenizer.json
 
 
 @pytest.mark.parametrize("source, match", [

@@ -4,6 +4,7 @@ slice (other shards never opened), and errors that name the key and the expected
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,8 @@ def test_fp8_blocks_dequantised_on_load(saved, tmp_path):
     w = t["model.layers.1.self_attn.kv_b_proj.weight"]
     assert w.dtype == torch.float8_e4m3fn
     assert t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"].shape == (1, 1)
-    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router stays high precision
-    assert t["model.embed_tokens.weight"].dtype == torch.float32
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router unquantised, as released
+    assert t["model.embed_tokens.weight"].dtype == torch.bfloat16
     loaded = load_hf_checkpoint(None, tmp_path)
     # independent dequantisation: per 128x128 block, value * scale_inv
     want = w.float() * t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"].item()
@@ -95,6 +96,53 @@ def test_fp8_blocks_dequantised_on_load(saved, tmp_path):
     orig = model.layers[1].attn.wkv_b.weight
     # e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4, so the tensor's rel err is well under 7%
     assert ((loaded.layers[1].attn.wkv_b.weight - orig).norm() / orig.norm()).item() < 0.07
+
+
+# The released DeepSeek-V3 checkpoint: FP8 (e4m3 + weight_scale_inv) exactly for the decoder blocks' attention
+# projections and MLP / expert projections; everything else BF16 (MTP's eh_proj included), the router bias FP32.
+_RELEASED_FP8 = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
+                           r"o_proj)|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight")
+
+
+def test_fp8_save_writes_the_released_layout(saved, tmp_path):
+    model, _ = saved
+    save_hf_checkpoint(model, tmp_path, fp8=True)
+    t = _all_tensors(tmp_path)
+    eh_proj = f"model.layers.{ARGS.n_layers}.eh_proj.weight"
+    assert t[eh_proj].dtype == torch.bfloat16 and f"{eh_proj}_scale_inv" not in t
+    weights = [k for k in t if not k.endswith("_scale_inv")]
+    assert sum(bool(_RELEASED_FP8.fullmatch(k)) for k in weights) > 20
+    for key in weights:
+        if _RELEASED_FP8.fullmatch(key):
+            assert t[key].dtype == torch.float8_e4m3fn and t[f"{key}_scale_inv"].dtype == torch.float32, key
+        else:
+            want = torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16
+            assert t[key].dtype == want and f"{key}_scale_inv" not in t, key
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # the unquantised eh_proj is the trained one rounded to BF16, nothing else
+    assert torch.equal(t[eh_proj], model.mtp[0].eh_proj.weight.detach().bfloat16())
+
+
+def test_exports_with_an_fp8_eh_proj_still_load(saved, tmp_path):
+    """Exports written before eh_proj stayed BF16 hold it as e4m3 + weight_scale_inv: dequantised on load."""
+    model, path = saved
+    eh_proj = f"model.layers.{ARGS.n_layers}.eh_proj.weight"
+
+    def quantise(t):
+        t[eh_proj], t[f"{eh_proj}_scale_inv"] = deep_gemm.per_block_cast_to_fp8(t[eh_proj].float())
+
+    _rewrite(tmp_path, path, quantise)
+    t = _all_tensors(tmp_path)
+    loaded = load_hf_checkpoint(None, tmp_path)
+    assert torch.equal(loaded.mtp[0].eh_proj.weight, dequantize_fp8_blocks(t[eh_proj], t[f"{eh_proj}_scale_inv"]))
+    assert torch.equal(loaded.layers[1].attn.wkv_b.weight, model.layers[1].attn.wkv_b.weight)
+
+
+def test_fp8_training_keeps_eh_proj_a_bf16_gemm():
+    with torch.device("meta"):
+        model = Transformer(ARGS.replace(fp8=True))
+    assert model.layers[1].attn.wkv_b.fp8 and model.mtp[0].block.attn.wo.fp8  # the blocks' GEMMs are FP8
+    assert not model.mtp[0].eh_proj.fp8 and not model.mtp[0].eh_proj.fp8_cache  # as in V3: eh_proj is not
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (128, 128), (7, 129)])

@@ -3,6 +3,7 @@ forward's logits; generation equals re-running the whole prefix; the CLI runs on
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -107,5 +108,93 @@ def test_generate_cli(tmp_path: Path, capsys):
     assert main(["--checkpoint", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("def f(x):") and "5 tokens" in out.err
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0"])
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+
+
+# ------------------------------------------------------------------------------- the CLI's bad input: one line, exit 2
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf")
+    save_hf_checkpoint(Transformer(ARGS), path)
+    return path
+
+
+def _corrupt(folder: Path, case: str) -> None:
+    if case == "config_garbage":
+        (folder / "config.json").write_text("{not json")
+    elif case == "config_list":
+        (folder / "config.json").write_text("[1, 2]")
+    elif case == "config_value":
+        (folder / "config.json").write_text((folder / "config.json").read_text().replace(
+            '"hidden_size": 32', '"hidden_size": -32'))
+    elif case == "index":
+        (folder / "model.safetensors.index.json").write_text("garbage")
+    elif case == "shard":
+        shard = next(folder.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif case == "training_checkpoint":
+        (folder / "metadata.json").write_text("{}")
+    elif case == "tokenizer":
+        (folder / "tokenizer.json").write_text('{"model": 3')
+
+
+GENERATE_BAD = {  # case: (extra arguments, what the one line must say)
+    "missing": (["--checkpoint", "{tmp}/missing"], "is not a folder"),
+    "config_garbage": ([], "config.json is not readable JSON"),
+    "config_list": ([], "config.json holds a JSON list"),
+    "config_value": ([], "config.json: ModelArgs.dim must be > 0, got -32"),
+    "index": ([], "model.safetensors.index.json is not a readable safetensors index"),
+    "shard": ([], "cannot read {ck}/model-00001-of-00001.safetensors"),
+    "tokenizer": (["--tokenizer", "{ck}/tokenizer.json"], "tokenizer.json' is not a valid tokenizer.json"),
+    "training_checkpoint": ([], "is a training checkpoint; export it first: python -m recipes.export_hf"),
+    "top_k_0": (["--top-k", "0", "--temperature", "1"], "--top-k must be >= 1"),
+    "top_k_negative": (["--top-k", "-3"], "--top-k must be >= 1"),
+    "top_k_not_int": (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
+    "temperature": (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+    "temperature_nan": (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    "max_new_tokens": (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+    "prompt_too_long": (["--prompt", "x" * 500],
+                        "is 500 tokens; with --max-new-tokens 64 that is 564 positions, more than the model's "
+                        "max_seq_len 512"),
+    "device": (["--device", "gpu7"], "--device 'gpu7' is not a torch device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_BAD))
+@pytest.mark.timeout(60)
+def test_generate_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, case):
+    import shutil
+
+    from recipes.generate import main
+
+    ck = tmp_path / "ck"
+    shutil.copytree(hf_dir, ck)
+    _corrupt(ck, case)
+    extra, expect = GENERATE_BAD[case]
+    argv = ["--checkpoint", str(ck), "--prompt", "def f(x):"] + [a.format(tmp=tmp_path, ck=ck) for a in extra]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's own checks (types, choices) exit from parse_args
+        status = exc.code
+    out = capsys.readouterr()
+    err = out.err.splitlines()
+    assert status == 2 and out.out == "" and len(err) == 1, (status, out)
+    assert re.match(r"^(python -m recipes.generate: )?error: ", err[0]) and expect.format(ck=ck) in err[0], err[0]
+
+
+@pytest.mark.timeout(120)
+def test_generate_corrupt_shard_through_the_real_cli(hf_dir, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    shutil.copytree(hf_dir, ck)
+    _corrupt(ck, "shard")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
+    proc = subprocess.run([sys.executable, "-m", "recipes.generate", "--checkpoint", str(ck), "--prompt", "x"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and "model-00001-of-00001.safetensors" in proc.stderr, proc.stderr

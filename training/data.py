@@ -75,15 +75,20 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer read from a ``tokenizer.json`` file."""
+    """A Hugging Face ``tokenizers`` tokenizer read from a ``tokenizer.json`` file (``option`` names where the
+    path came from in errors); a missing or unreadable file is a ValueError naming it."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, option: str = "data.tokenizer"):
         path = Path(path)
         path = tokenizer_file(path)
         if not path.is_file():
-            raise ValueError(f"data.tokenizer: no tokenizer file at {str(path)!r} "
+            raise ValueError(f"{option}: no tokenizer file at {str(path)!r} "
                              "(expected 'byte' or a tokenizer.json)")
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{option}: {str(path)!r} is not a valid tokenizer.json: "
+                             f"{' '.join(str(exc).split())}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -99,8 +104,9 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def build_tokenizer(spec: str) -> Tokenizer:
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+def build_tokenizer(spec: str, option: str = "data.tokenizer") -> Tokenizer:
+    """``"byte"`` or a ``tokenizer.json`` path (or its folder); ``option`` is what errors call the setting."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, option)
 
 
 def tokenizer_file(spec: str | Path) -> Path:

@@ -260,8 +260,8 @@ def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int
     heads = 1 + args.n_mtp_layers
     out = heads * (2 * d * a + 4)  # norm input/out + rstd per head
     out += 0 if fused else heads * v * 4
-    out += args.n_mtp_layers * (d * a + 2 * 4 + 2 * d * a)  # embedding out, enorm/hnorm rstd, eh_proj input
-    out += args.n_mtp_layers * (linear_out_cols(args, d) - d) * a  # the MTP block's input: eh_proj's padded out
+    # embedding out, enorm/hnorm rstd, eh_proj input (eh_proj is a BF16 GEMM even under FP8: no padded output)
+    out += args.n_mtp_layers * (d * a + 2 * 4 + 2 * d * a)
     return out
 
 

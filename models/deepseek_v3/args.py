@@ -186,16 +186,31 @@ class ModelArgs:
     # ---- HF config.json ---------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> ModelArgs:
-        """From a HF ``config.json`` (file, directory holding one, or dict)."""
+        """From a HF ``config.json`` (file, directory holding one, or dict). A file that is not JSON, or whose
+        values do not make a valid config, is a ValueError naming the file."""
         if isinstance(path_or_dict, dict):
-            cfg = dict(path_or_dict)
-        else:
-            path = Path(path_or_dict)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise ValueError(f"from_hf_config: no config.json at {path}")
+            return cls._from_hf_dict(dict(path_or_dict), overrides)
+        path = Path(path_or_dict)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"from_hf_config: no config.json at {path}")
+        try:
             cfg = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"from_hf_config: {path} is not readable JSON: {' '.join(str(exc).split())}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"from_hf_config: {path} holds a JSON {type(cfg).__name__}; expected an object")
+        try:
+            return cls._from_hf_dict(cfg, overrides)
+        except KeyError as exc:
+            raise ValueError(f"from_hf_config: {path}: missing key {exc}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            what = " ".join(str(exc).split()).removeprefix("from_hf_config: ")
+            raise ValueError(f"from_hf_config: {path}: {what}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict[str, Any], overrides: dict[str, Any]) -> ModelArgs:
         kw: dict[str, Any] = {}
         for ours, theirs in _HF_FIELDS.items():
             if cfg.get(theirs) is not None:

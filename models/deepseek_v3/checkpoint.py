@@ -10,7 +10,9 @@ Loading streams: it opens one shard at a time and reads only the tensors whose d
 materialised on this process (parameters left on the ``meta`` device -- other pipeline stages --
 and experts outside this rank's ``expert_ids`` are never read), copying each straight into its
 slice of the destination. FP8 weights (e4m3 with a ``weight_scale_inv`` per 128x128 block) are
-dequantised on load. Anything inconsistent -- an unknown key, a missing key, a shape or dtype
+dequantised on load (so are exports written before ``eh_proj`` was kept in BF16). A file that cannot be
+read -- a truncated or garbled shard, index or ``config.json`` -- raises a ValueError naming the file.
+Anything inconsistent -- an unknown key, a missing key, a shape or dtype
 mismatch -- raises a ValueError naming the key and the expected shape; nothing is half loaded
 silently.
 """
@@ -19,12 +21,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import deep_gemm
@@ -33,6 +39,7 @@ from models.deepseek_v3.model import Transformer
 
 INDEX_NAME = "model.safetensors.index.json"
 FP8_BLOCK = 128
+SAVE_DTYPES = (torch.bfloat16, torch.float32)  # what ``save_hf_checkpoint(dtype=...)`` can write weights in
 
 _ATTN_KEYS = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
@@ -47,7 +54,7 @@ class Piece:
     expert: int | None
     row: int
     rows: int
-    quantizable: bool  # an FP8-eligible GEMM weight in the released checkpoints
+    quantizable: bool  # stored as e4m3 + weight_scale_inv in the released checkpoints
 
 
 def _block_pieces(prefix: str, ours: str, tensor_rows: int) -> list[tuple[str, int, int]] | None:
@@ -91,8 +98,9 @@ def hf_plan(model: Transformer) -> dict[str, list[Piece]]:
             layer = int(idx) if kind == "layers" else n_layers + int(idx)
             prefix = f"model.layers.{layer}"
             if kind == "mtp" and not rest.startswith("block."):
+                # enorm, hnorm, shared_head.norm and eh_proj: the release keeps all four in BF16, unquantised
                 module = rest.split(".")[0]
-                plan[name] = [Piece(f"{prefix}.{_MTP_KEYS[module]}.weight", None, 0, t.shape[0], module == "eh_proj")]
+                plan[name] = [Piece(f"{prefix}.{_MTP_KEYS[module]}.weight", None, 0, t.shape[0], False)]
                 continue
             if kind == "mtp":
                 rest = rest[len("block."):]
@@ -140,14 +148,38 @@ def _expected_keys(args: ModelArgs) -> set[str]:
 
 # ---------------------------------------------------------------------------------------------------- load
 def _read_index(path: Path) -> dict[str, str]:
+    if not path.is_dir():
+        raise ValueError(f"load_hf_checkpoint: {path} is not a folder; expected an HF checkpoint folder")
     index = path / INDEX_NAME
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"load_hf_checkpoint: {index} is not a readable safetensors index "
+                             f"({_one_line(exc)}); expected JSON with a 'weight_map' object") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"load_hf_checkpoint: {index}: 'weight_map' must map tensor names to file names")
+        return weight_map
     single = path / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open_shard(single) as f:
             return {k: single.name for k in f.keys()}
     raise ValueError(f"load_hf_checkpoint: {path} has neither {INDEX_NAME} nor model.safetensors")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@contextmanager
+def _open_shard(file: Path) -> Iterator:
+    """``safe_open(file)``; a missing, truncated or garbled file is a ValueError naming it."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"load_hf_checkpoint: cannot read {file}: {_one_line(exc)}") from None
+    with handle as f:
+        yield f
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, key: str = "") -> torch.Tensor:
@@ -215,7 +247,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
         by_file[weight_map[k]].append(k)
     with torch.no_grad():
         for file, keys in sorted(by_file.items()):
-            with safe_open(path / file, framework="pt", device="cpu") as f:
+            with _open_shard(path / file) as f:
                 for key in keys:
                     _, dst, _ = wanted[key]
                     src = f.get_tensor(key)
@@ -223,7 +255,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
                         scale_key = f"{key}_scale_inv"
                         if scale_key not in weight_map:
                             raise ValueError(f"load_hf_checkpoint: {key} is FP8 but {scale_key} is missing")
-                        with safe_open(path / weight_map[scale_key], framework="pt", device="cpu") as g:
+                        with _open_shard(path / weight_map[scale_key]) as g:
                             src = dequantize_fp8_blocks(src, g.get_tensor(scale_key), key)
                     if not src.dtype.is_floating_point:
                         raise ValueError(f"load_hf_checkpoint: {key} has dtype {src.dtype}; expected a floating "
@@ -240,10 +272,19 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
                        dtype: torch.dtype | None = None, fp8: bool = False) -> None:
     """Write ``model`` as an HF DeepSeek-V3 checkpoint (config.json, shards, index) into directory ``path``.
 
-    Tensors keep their dtype (so save -> load -> save is bit-exact) unless ``dtype`` is given; ``fp8``
-    stores GEMM weights as e4m3 + ``weight_scale_inv`` as the released V3 weights do. The model must
-    be whole (no meta tensors, all experts); a sharded model is saved by ``training.checkpoint``.
+    Tensors keep their dtype (so save -> load -> save is bit-exact) unless ``dtype`` (one of
+    ``SAVE_DTYPES``) is given. ``fp8`` writes the released V3 layout: the GEMM weights of the blocks
+    (attention projections, dense, shared and routed experts) as e4m3 + a ``weight_scale_inv`` per
+    128x128 block, everything else -- embedding, head, norms, router, MTP's ``eh_proj`` -- unquantised in
+    ``dtype`` (default bfloat16, as released); the router's ``e_score_correction_bias`` stays fp32.
+    The safetensors shards get the permissions the JSON files beside them get (this process's umask).
+    The model must be whole (no meta tensors, all experts); a sharded model is saved by ``training.checkpoint``.
     """
+    if dtype is not None and dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_hf_checkpoint: dtype {dtype} cannot hold the weights; expected one of "
+                         f"{[str(d).removeprefix('torch.') for d in SAVE_DTYPES]} (FP8: fp8=True)")
+    if fp8 and dtype is None:
+        dtype = torch.bfloat16
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -255,11 +296,11 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
             raise ValueError(f"save_hf_checkpoint: {name} is on the meta device; save needs the whole model")
         for p in pieces:
             value = (t[p.expert] if p.expert is not None else t).narrow(0, p.row, p.rows)
-            if dtype is not None and value.is_floating_point() and not p.key.endswith("e_score_correction_bias"):
-                value = value.to(dtype)
-            if fp8 and p.quantizable and value.dim() == 2:
+            if fp8 and p.quantizable and value.dim() == 2:  # quantised from the weights as trained, not a cast
                 value, scale = deep_gemm.per_block_cast_to_fp8(value.float())  # amax / 448 per 128x128 block
                 out[f"{p.key}_scale_inv"] = scale
+            elif dtype is not None and value.is_floating_point() and not p.key.endswith("e_score_correction_bias"):
+                value = value.to(dtype)
             out[p.key] = value.contiguous().cpu().clone()
     for k in range(model.args.n_mtp_layers):
         prefix = f"model.layers.{model.args.n_layers + k}"
@@ -288,6 +329,9 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
         cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    mode = stat.S_IMODE((path / "config.json").stat().st_mode)  # safetensors creates its files 0600
+    for file in set(weight_map.values()):
+        os.chmod(path / file, mode)
 
 
 def _key_order(key: str) -> tuple[int, str]:

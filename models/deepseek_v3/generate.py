@@ -81,6 +81,8 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
         raise ValueError(f"generate: prompt must be a non-empty [batch, seq] tensor, got {tuple(prompt.shape)}")
     if temperature < 0 or max_new_tokens < 0:
         raise ValueError(f"generate: temperature and max_new_tokens must be >= 0, got {temperature}, {max_new_tokens}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"generate: top_k must be >= 1 (None: the whole vocabulary), got {top_k}")
     model.eval()
     b, s = prompt.shape
     cache = LatentKVCache(model, b, s + max_new_tokens)

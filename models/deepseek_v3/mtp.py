@@ -30,8 +30,7 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
         self.recompute_norm = args.recomputes("norm", self.layer_id)
-        self.eh_proj = Linear(2 * args.dim, args.dim, fp8=args.fp8,
-                              fp8_cache=args.fp8_cache and not self.recompute_norm)
+        self.eh_proj = Linear(2 * args.dim, args.dim)  # a BF16 GEMM even in FP8 training, as V3 (released unquantised)
         self.block = Block(args, self.layer_id, expert_ids)
         self.norm = RMSNorm(args.dim, args.norm_eps)  # HF: shared_head.norm
 
