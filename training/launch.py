@@ -162,11 +162,12 @@ class _ChildThreadWarning(logging.Filter):
         return "child thread" not in record.getMessage()
 
 
-def worker_pids(module: str) -> list[int]:
-    """The pids of this process's children whose command line runs ``-m module`` (torchrun's workers).
+def worker_pids(module: str, parent: int | None = None) -> list[int]:
+    """The pids of the children of ``parent`` (default: this process) whose command line runs ``-m module``:
+    torchrun's workers.
 
     Linux ``/proc``; elsewhere none are found and a signal stays with this launcher."""
-    me, found = os.getpid(), []
+    me, found = os.getpid() if parent is None else parent, []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
