@@ -10,6 +10,11 @@ Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches 
 corpus size are checked before any process starts. The run folder (``--run-dir``, default
 ``runs/<name>-<time>``) gets the resolved config, ``metrics.jsonl``, ``loss.png``, ``summary.json``,
 wandb files and ``checkpoints/``.
+
+SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) stops every rank after the step in progress: a
+checkpoint of that step is committed, one line says where, and the exit status is 0 (3 if that save
+failed); ``run.max_minutes`` does the same before a wall-clock limit. ``--resume auto`` then continues
+bit-exactly. Under ``--nproc`` the launcher forwards the signal to its workers and waits for their save.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,10 @@ from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
 from training.pipeline import PipelineRunner
-from training.preempt import Preemption, Stop
 from training.stages import DeepSeekV3Stage, build_stages, expert_range, num_model_stages, split_layers, stage_ids
+
+if TYPE_CHECKING:  # the loop only calls them; training.run makes them
+    from training.preempt import Preemption, Stop
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
