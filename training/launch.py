@@ -73,13 +73,13 @@ def relaunch(module: str, nproc: int, argv: Sequence[str], max_restarts: int = 0
     if forwarder.first is not None:
         print(forwarder.report(status, failures, latest_step() if latest_step is not None else None), flush=True)
     elif status:
-        print(f"training failed ({failures}); see the error above")
+        print(f"training failed ({failures}); see the error above", flush=True)
     return status
 
 
 def _status(error: BaseException | None) -> tuple[int, str]:
     """(exit code, "rank r: exit code c; ...") of torchrun's outcome: the lowest failed rank's positive code,
-    else 1 (a worker killed by a signal, or an error of the agent itself)."""
+    else 1 (workers killed by a signal). An error of the agent itself (not a worker's) is raised."""
     if error is None:
         return 0, ""
     if not isinstance(error, ChildFailedError):
@@ -100,7 +100,7 @@ class _Forwarder:
     signals are forwarded too (the workers ignore repeats while saving).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
 
     def __init__(self, module: str) -> None:
         self.module = module
