@@ -160,7 +160,7 @@ def save_on_stop(trainer: Any, hooks: CheckpointHooks | None, stop: Stop, max_mi
     if failed:
         rank, why = failed[0]
         why = " ".join(why.split())
-        where = f"rank {rank}: " if ps.world_size > 1 and not why.startswith("rank ") else ""
+        where = f"rank {rank}: " if ps.world_size > 1 and f"rank {rank}:" not in why else ""
         return hooks, cli.SAVE_FAILED, f"{head}: checkpoint not saved ({where}{why})"
     root = hooks.manager.root
     return hooks, cli.OK, (f"{head}: checkpoint {fmt.step_dirname(trainer.step)} committed in {root}; "
