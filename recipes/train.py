@@ -10,16 +10,24 @@ Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches 
 corpus size are checked before any process starts. The run folder (``--run-dir``, default
 ``runs/<name>-<time>``) gets the resolved config, ``metrics.jsonl``, ``loss.png``, ``summary.json``,
 wandb files and ``checkpoints/``.
+
+SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) stops every rank after the step in progress: a
+checkpoint of that step is committed, one line says where, and the exit status is 0 (3 if that save
+failed); ``run.max_minutes`` does the same before a wall-clock limit. ``--resume auto`` then continues
+bit-exactly. Under ``--nproc`` the launcher forwards the signal to its workers and waits for their save.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from pathlib import Path
 
-from accel import specs
+from accel import cli, specs
 from accel.cli import HelpFormatter, positive_int
+from training.checkpoint import format as fmt
 from training.config import load_config
 from training.launch import relaunch, strip_option, under_torchrun
 
@@ -91,21 +99,32 @@ def main(argv: list[str] | None = None) -> int:
         if under_torchrun():
             from training.run import RunOptions, run_training
 
-            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace))
-            return 0
+            return exit_status(run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace)))
         from training.run import RunOptions, default_run_dir, run_training
         from training.trainer import check_static
 
         if nproc == 1:
-            run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace))
-            return 0
+            return exit_status(run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace)))
         check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         run_dir = ns.run_dir or str(default_run_dir(cfg))
         child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
-        return relaunch("recipes.train", nproc, child)
+        return relaunch("recipes.train", nproc, child, latest_step=lambda: latest_step(run_dir))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # SIGINT before training installed its handlers (training.preempt)
+        print("interrupted (SIGINT) before training started: nothing to save", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def exit_status(summary: dict) -> int:
+    """The CLI's status for a finished run: OK, or the status of an early stop (``training.preempt``)."""
+    return summary.get("stopped", {}).get("exit_status", cli.OK)
+
+
+def latest_step(run_dir: str) -> int | None:
+    """The step the run's ``latest`` checkpoint pointer names (the launcher's line after a forwarded signal)."""
+    return fmt.read_pointer(Path(run_dir) / "checkpoints", fmt.LATEST_FILE)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class RunConfig:
     sample_temperature: float = 0.8  # 0 = greedy (a small byte model's greedy output loops on spaces)
     threads: int = 0  # torch CPU threads per process; 0 = cores / local processes (OMP_NUM_THREADS wins)
     timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
+    max_minutes: float = 0.0  # time budget: save and stop cleanly before this many minutes (0 = none)
 
 
 @dataclass
@@ -367,6 +368,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.nproc must be >= 1, got {r.nproc}")
     if r.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
+    if not (math.isfinite(r.max_minutes) and r.max_minutes >= 0):
+        raise ValueError(f"run.max_minutes must be a finite number >= 0 (0 = no time budget), got {r.max_minutes}")
     for key in ("pp", "dp", "ep"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
@@ -468,7 +471,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 # Keys that do not change what is computed: a resume may change them freely.
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
-                          "timeout_s", "steps", "threads"},
+                          "timeout_s", "steps", "threads", "max_minutes"},
                   "logging": "*", "checkpoint": "*", "fault": "*",
                   "optim": {"ema_decay"},  # the EMA watches the weights, it does not change them
                   # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume

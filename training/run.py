@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +15,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from accel import cli
 from accel.trace import TraceRecorder, write_chrome_trace
 from training.checkpoint.trainer_hooks import attach
 from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
+from training.preempt import Preemption, save_on_stop
 from training.trainer import Trainer, check_static
 
 
@@ -51,7 +54,16 @@ def _attach_checkpointing(trainer, cfg: TrainConfig, run_dir: Path, opts: RunOpt
 
 
 def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
-    """Train this rank's part of ``cfg``; returns the summary (every rank); rank 0 prints and writes it."""
+    """Train this rank's part of ``cfg``; returns the summary (every rank); rank 0 prints and writes it.
+
+    SIGTERM / SIGINT (from here to the end, the final save included) and ``run.max_minutes`` stop every rank
+    after the same step with a committed checkpoint of it (``training.preempt``); the summary's ``stopped``
+    then holds the cause, the step and the exit status for the CLI."""
+    with Preemption(cfg.run.max_minutes) as preemption:
+        return _run_training(cfg, opts, preemption)
+
+
+def _run_training(cfg: TrainConfig, opts: RunOptions, preemption: Preemption) -> dict[str, Any]:
     rank, world = world_from_env()
     checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
@@ -64,10 +76,16 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     recorder = TraceRecorder(ps.rank) if opts.trace else None
     trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked, recorder)
     hooks = _attach_checkpointing(trainer, cfg, run_dir, opts)
-    summary = trainer.fit()
-    manager = None
+    trainer.preemption = preemption
     if hooks is not None:
-        if cfg.checkpoint.final:
+        preemption.save_seconds = lambda: hooks.manager.last_write_seconds
+    summary = trainer.fit()
+    manager, stop_line = None, None
+    if trainer.stopped is not None:  # SIGTERM / SIGINT / time budget: a committed checkpoint of this step
+        hooks, status, stop_line = save_on_stop(trainer, hooks, trainer.stopped, cfg.run.max_minutes)
+        summary["stopped"] = {"cause": trainer.stopped.cause, "step": trainer.stopped.step, "exit_status": status}
+    if hooks is not None:
+        if cfg.checkpoint.final and trainer.stopped is None:
             t0 = time.perf_counter()
             hooks.save()
             summary["final_checkpoint_stall_s"] = time.perf_counter() - t0
@@ -76,12 +94,16 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     if recorder is not None:
         _write_trace(opts.trace, recorder, ps)
     sample = None
-    if opts.sample and cfg.run.sample_prompt and cfg.run.sample_tokens > 0:
+    if opts.sample and cfg.run.sample_prompt and cfg.run.sample_tokens > 0 and trainer.stopped is None:
         sample = trainer.generate(cfg.run.sample_prompt, cfg.run.sample_tokens)
     if ps.rank == 0:
-        plot = trainer.logger.plot() if cfg.logging.plot and hasattr(trainer.logger, "plot") else None
+        plot = trainer.logger.plot() if cfg.logging.plot and hasattr(trainer.logger, "plot") and not stop_line else None
         trainer.logger.close(summary)
-        _print_end(summary, run_dir, plot, manager, cfg, sample)
+        if stop_line is None:
+            _print_end(summary, run_dir, plot, manager, cfg, sample)
+        else:  # the one line a preempted job leaves: what was saved where, or why not
+            print(stop_line, file=sys.stdout if summary["stopped"]["exit_status"] == cli.OK else sys.stderr,
+                  flush=True)
     summary["history"] = trainer.history
     summary["run_dir"] = str(run_dir)
     summary["sample"] = sample

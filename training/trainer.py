@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradi
 from training.parallel import ParallelState
 from training.pipeline import PipelineRunner
 from training.stages import DeepSeekV3Stage, build_stages, expert_range, num_model_stages, split_layers, stage_ids
+
+if TYPE_CHECKING:  # the loop only calls them; training.run makes them
+    from training.preempt import Preemption, Stop
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -175,6 +178,8 @@ class Trainer:
         self.logger: MetricsLogger | NullLogger = NullLogger()
         self.history: list[dict[str, Any]] = []
         self.holds_loss = self._holds_loss()
+        self.preemption: Preemption | None = None  # set by training.run: SIGTERM / SIGINT / run.max_minutes
+        self.stopped: Stop | None = None  # why and after which step fit() stopped early (every rank agrees)
 
     # ---- construction helpers -----------------------------------------------------------------
     def _holds_loss(self) -> bool:
@@ -377,12 +382,14 @@ class Trainer:
                                     flops_per_token=fpt, fp8=self.cfg.model.fp8)
 
     def fit(self) -> dict[str, Any]:
-        """Train to ``run.steps``; returns the summary (on every rank; rank 0 also writes it)."""
+        """Train to ``run.steps``, or until ``preemption`` stops every rank (then ``stopped`` says why and when);
+        returns the summary (on every rank; rank 0 also writes it)."""
         cfg = self.cfg
         self.start_logging(cfg.run.steps)
         t_start, first_loss, last = time.perf_counter(), None, {}
         start_step = self.step
         while self.step < cfg.run.steps:
+            t_step = time.perf_counter()
             last = self.train_step()
             if first_loss is None:
                 first_loss = last["loss"]
@@ -391,9 +398,15 @@ class Trainer:
             if self.step % cfg.logging.log_every == 0 or self.step == cfg.run.steps:
                 self.logger.log(self.step, {k: v for k, v in last.items()})
             self.history.append({"step": self.step, **{k: v for k, v in last.items() if isinstance(v, (int, float))}})
+            if self.preemption is not None:  # one tiny all-reduce per step: every rank stops after the same step
+                self.stopped = self.preemption.check(self.step, cfg.run.steps, time.perf_counter() - t_step,
+                                                     self.ps.world_size, self.device)
+                if self.stopped is not None:
+                    break
         summary = {"steps": self.step, "steps_this_run": self.step - start_step,
                    "first_loss": first_loss, "final_loss": last.get("loss"),
                    "final_mtp_loss": last.get("mtp_loss"), "tokens_seen": self.tokens_seen,
                    "wall_time_s": time.perf_counter() - t_start}
-        summary["valid_loss"] = self.evaluate(cfg.logging.eval_batches)
+        if self.stopped is None:  # a stopping job spends its last seconds on the checkpoint
+            summary["valid_loss"] = self.evaluate(cfg.logging.eval_batches)
         return summary

@@ -91,6 +91,7 @@ class CheckpointHooks:
         self._pending: Verdict | None = None
         self._early_events: list[dict[str, Any]] = []
         self.resumed_from: Path | None = None
+        self.saved_step: int | None = None  # the step of the last save started (a stop need not repeat it)
         if resume:
             self._resume(resume)
         if self.fault is not None and self.resumed_from is None:
@@ -147,6 +148,7 @@ class CheckpointHooks:
         """Save the trainer's state at its current step; returns the loop's stall in seconds."""
         trainer = self.trainer
         stall = self.manager.save(trainer.step, checkpoint_state(trainer), trainer.checkpoint_meta(), sync=sync)
+        self.saved_step = trainer.step
         if self.fault is not None:
             self.fault.on_checkpoint(trainer.step)
         return stall
