@@ -57,6 +57,9 @@ class RunConfig:
     sample_temperature: float = 0.8  # 0 = greedy (a small byte model's greedy output loops on spaces)
     threads: int = 0  # torch CPU threads per process; 0 = cores / local processes (OMP_NUM_THREADS wins)
     timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
+    # seconds without a completed pipeline action or collective after which every rank dumps its flight recorder
+    # to RUN_DIR/flight/ (python -m recipes.diagnose RUN_DIR); below timeout_s, so it dumps first; 0 = off
+    watchdog_s: float = 60.0
 
 
 @dataclass
@@ -356,6 +359,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.steps must be >= 1, got {r.steps}")
     if r.nproc < 1:
         raise ValueError(f"run.nproc must be >= 1, got {r.nproc}")
+    if not (r.watchdog_s == 0 or 0 < r.watchdog_s < r.timeout_s):
+        raise ValueError(f"run.watchdog_s must be 0 (off) or in (0, run.timeout_s={r.timeout_s:g}) so the flight "
+                         f"recorder is dumped before the collective timeout ends the run, got {r.watchdog_s:g}")
     if r.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
     for key in ("pp", "dp", "ep"):
@@ -459,7 +465,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 # Keys that do not change what is computed: a resume may change them freely.
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
-                          "timeout_s", "steps", "threads"},
+                          "timeout_s", "watchdog_s", "steps", "threads"},
                   "logging": "*", "checkpoint": "*", "fault": "*",
                   "optim": {"ema_decay"},  # the EMA watches the weights, it does not change them
                   # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from accel.flight import FlightWatchdog
 from accel.trace import TraceRecorder, write_chrome_trace
 from training.checkpoint.trainer_hooks import attach
 from training.config import TrainConfig
@@ -64,7 +65,11 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     recorder = TraceRecorder(ps.rank) if opts.trace else None
     trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked, recorder)
     hooks = _attach_checkpointing(trainer, cfg, run_dir, opts)
-    summary = trainer.fit()
+    watchdog = FlightWatchdog(trainer.flight, cfg.run.watchdog_s).start()  # and SIGUSR1: dump the flight recorder
+    try:
+        summary = trainer.fit()
+    finally:
+        watchdog.stop()
     manager = None
     if hooks is not None:
         if cfg.checkpoint.final:
