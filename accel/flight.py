@@ -127,6 +127,7 @@ class FlightRecorder:
         self.action: str | None = None
         self.created = self.last_progress = time.time()  # last_progress: when an entry last completed
         self.dumps = 0
+        self.history: list[tuple[float, str]] = []  # (time, reason) of every dump so far (each dump lists them)
         self.dumped_progress: float | None = None  # last_progress at the latest dump (the watchdog's once-per-stall)
         self._entries: deque[Entry] = deque(maxlen=capacity)
         self._lock = threading.Lock()
@@ -231,7 +232,7 @@ class FlightRecorder:
         return {"format": FORMAT, "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
                 "pid": os.getpid(), "created": self.created, "reason": reason, "time": time.time(), "step": self.step,
                 "action": self.action, "last_progress": self.last_progress, "capacity": self.capacity,
-                "entries": entries}
+                "earlier_dumps": [list(h) for h in self.history], "entries": entries}
 
     def dump(self, reason: str) -> Path | None:
         """Write the snapshot to ``path`` atomically (a temporary file renamed over it); one line on stderr.
@@ -250,6 +251,7 @@ class FlightRecorder:
                       file=sys.stderr, flush=True)
                 return None
             self.dumps += 1
+            self.history.append((time.time(), reason))
         run_dir = self.path.parent.parent
         print(f"rank {self.rank}: flight recorder written to {self.path} ({reason}); "
               f"python -m recipes.diagnose {run_dir}", file=sys.stderr, flush=True)

@@ -2,8 +2,8 @@
 
 Two real hangs, injected with the ``DSV3_STALL`` test hook: one rank stalls inside an expert all-to-all
 of the PP 2 x EP 2 demo layout (the trainer in four gloo processes), another inside a pipeline P2P
-receive of a 2-process ``recipes.train`` run; the peers time out, every rank dumps, and the diagnosis
-names the stalled rank, its operation and the ranks waiting on it.
+receive of a 2-process ``recipes.train`` run; every rank's watchdog dumps, and the diagnosis names the
+stalled rank, its operation and the ranks waiting on it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from recipes import diagnose
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S, WATCHDOG_S = 5.0, 1.0
+# The stalled rank sleeps STALL_S (past its watchdog, which dumps) and then fails, dumping again; its peers then
+# fail too (the connection closes) and dump. The collective timeout is far above that: a loaded 2-core machine
+# can take seconds for one exchange, and a false timeout would end the run before the stall.
+TIMEOUT_S, WATCHDOG_S, STALL_S = 60.0, 1.0, 4.0
 # the demo config, shortened (as tests/test_train_kill.py): 4 micro-batches of 1 x 32 tokens per dp rank
 OVERRIDES = ["run.sample_tokens=0", "data.seq_len=32", "data.micro_batch=1", "logging.progress=false",
              "logging.eval_batches=1", "logging.eval_every=0", "logging.wandb=disabled", "logging.plot=false",
@@ -152,15 +155,15 @@ def test_diagnose_without_dumps_is_one_line(tmp_path, capsys):
 
 
 # ---- real hangs ---------------------------------------------------------------------------------------------
-def _train_rank(rank: int, world: int, run_dir: str) -> str:
-    """The demo layout's trainer on this rank, through ``training.run``; the error it ended with."""
+def _train_rank(rank: int, world: int, run_dir: str, overrides: list[str]) -> str:
+    """The demo config with ``overrides`` on this rank, through ``training.run``; the error it ended with."""
     from training.config import load_config
     from training.run import RunOptions, run_training
 
-    cfg = load_config("recipes/configs/tiny_cpu.toml", [*OVERRIDES, "data.global_batch=8"])
+    cfg = load_config("recipes/configs/tiny_cpu.toml", [*OVERRIDES, *overrides])
     try:
         run_training(cfg, RunOptions(run_dir=run_dir, sample=False))
-    except Exception as exc:  # noqa: BLE001 - every rank is expected to fail: a stall and its timeouts
+    except Exception as exc:  # noqa: BLE001 - every rank is expected to fail: the stall, then its peers
         return f"{type(exc).__name__}: {exc}"
     return "finished"
 
@@ -168,49 +171,76 @@ def _train_rank(rank: int, world: int, run_dir: str) -> str:
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_rank_stalled_in_an_all_to_all_is_named(tmp_path, monkeypatch):
-    """PP 2 (DualPipeV) x EP 2 over DP 2: rank 1 stalls in step 1's first dispatch of layer 1 (stage 0, EP group
+    """PP 2 (DualPipeV) x EP 2 over DP 2: rank 1 stalls in step 0's first dispatch of layer 1 (stage 0, EP group
     0, 1; pipeline peer 3). Rank 0 waits in the all-to-all, rank 3 on a receive from rank 1, rank 2 behind them."""
     monkeypatch.setenv("DSV3_KERNEL_IMPL", "reference")
-    monkeypatch.setenv("DSV3_STALL", f"rank=1,kind=all_to_all,name=dispatch,layer=1,step=1,seconds={TIMEOUT_S + 4}")
-    errors = run_distributed(_train_rank, 4, str(tmp_path), timeout=240)
+    monkeypatch.setenv("DSV3_STALL", f"rank=1,kind=all_to_all,name=dispatch,layer=1,step=0,seconds={STALL_S}")
+    errors = run_distributed(_train_rank, 4, str(tmp_path), ["data.global_batch=8"], timeout=240)
     assert "InjectedStall" in errors[1] and all(e != "finished" for e in errors), errors
     assert sorted(p.name for p in (tmp_path / "flight").iterdir()) == [f"rank_{r}.json" for r in range(4)]
-    diag = diagnose.diagnose(diagnose.load_dumps(tmp_path)[0])
+    dumps = diagnose.load_dumps(tmp_path)[0]
+    assert any(reason.startswith("watchdog: no progress") for _, reason in dumps[1]["earlier_dumps"])
+    assert "InjectedStall" in dumps[1]["reason"]
+    diag = diagnose.diagnose(dumps)
     culprit = diag["ranks"][1]
     assert diag["culprit"] == 1 and culprit["state"] == "stuck", diagnose.format_diagnosis(diag)
     assert (culprit["op"]["kind"], culprit["op"]["name"], culprit["op"]["layer"], culprit["op"]["step"]) == (
-        "all_to_all", "dispatch", 1, 1)
+        "all_to_all", "dispatch", 1, 0)
     assert 0 in diag["waiting_on_culprit"] and diag["ranks"][0]["op"]["kind"] == "all_to_all"
     assert 3 in diag["waiting_on_culprit"] and diag["ranks"][3]["op"]["kind"] == "recv"
     assert diag["ranks"][3]["op"]["peer"] == 1
     text = diagnose.format_diagnosis(diag)
     assert text.startswith("rank 1 stopped first: in-flight all-to-all 'dispatch' of layer 1 (group ep [0, 1])")
-    assert "step 1" in text.splitlines()[0]
+    assert "step 0" in text.splitlines()[0]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(300)
-def test_a_rank_stalled_in_a_p2p_receive_is_named_through_the_cli(tmp_path, capsys):
-    """``recipes.train --nproc 2`` (PP 2 DualPipeV): rank 1 stalls in its first receive of step 1; rank 0 times
-    out waiting for rank 1; ``recipes.diagnose`` names rank 1, the receive and rank 0 waiting on it."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recipes.train", "--config", "recipes/configs/tiny_cpu.toml", "--nproc", "2",
-           "--run-dir", str(run_dir)]
-    for o in [*OVERRIDES, "parallel.dp=1", "parallel.ep=1", "data.global_batch=4"]:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference",
-           "PYTHONPATH": str(ROOT), "DSV3_STALL": f"rank=1,kind=recv,step=1,seconds={TIMEOUT_S + 4}"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
-    out = subprocess.run([sys.executable, "-m", "recipes.diagnose", str(run_dir), "--json"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    diag = json.loads(out.stdout)
+P2P_LAYOUT = ["parallel.dp=1", "parallel.ep=1", "data.global_batch=4"]  # PP 2 DualPipeV, 4 micro-batches
+
+
+def _check_p2p_diagnosis(run_dir: Path, capsys) -> None:
+    """Rank 1 stalled in a receive of step 1 whose message rank 0 had sent; rank 0 waits for rank 1."""
+    assert diagnose.main([str(run_dir), "--json"]) == 0
+    out = capsys.readouterr().out
+    diag = json.loads(out)
     culprit = diag["ranks"][1]
-    assert diag["culprit"] == 1 and diag["waiting_on_culprit"] == [0], out.stdout
-    assert (culprit["op"]["kind"], culprit["op"]["peer"], culprit["op"]["step"]) == ("recv", 0, 1)
+    assert diag["culprit"] == 1 and diag["waiting_on_culprit"] == [0], out
+    assert (culprit["state"], culprit["op"]["kind"], culprit["op"]["peer"], culprit["op"]["step"]) == (
+        "stuck", "recv", 0, 1)
     assert diag["ranks"][0]["op"]["kind"] == "recv" and diag["ranks"][0]["op"]["peer"] == 1
     assert diagnose.main([str(run_dir)]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"rank 1 stopped first: in-flight recv {culprit['op']['name']!r} from rank 0"), text
-    assert "waiting on rank 1: rank 0 (recv" in text
+    assert "already sent by rank 0" in text.splitlines()[0] and "waiting on rank 1: rank 0 (recv" in text
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_rank_stalled_in_a_p2p_receive_is_named(tmp_path, monkeypatch, capsys):
+    """PP 2 (DualPipeV) in two gloo processes: rank 1 stalls in its first receive of step 1 and rank 0 blocks on
+    a message from rank 1."""
+    monkeypatch.setenv("DSV3_KERNEL_IMPL", "reference")
+    monkeypatch.setenv("DSV3_STALL", f"rank=1,kind=recv,step=1,seconds={STALL_S}")
+    errors = run_distributed(_train_rank, 2, str(tmp_path), P2P_LAYOUT, timeout=240)
+    assert "InjectedStall" in errors[1] and errors[0] != "finished", errors
+    earlier = json.loads(flight_path(tmp_path, 1).read_text())["earlier_dumps"]
+    assert any(reason.startswith("watchdog: no progress") for _, reason in earlier)
+    _check_p2p_diagnosis(tmp_path, capsys)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.environ.get("DSV3_FLIGHT_CLI"), reason="opt-in (DSV3_FLIGHT_CLI=1): ~35 s of torchrun")
+def test_a_rank_stalled_in_a_p2p_receive_is_named_through_the_cli(tmp_path, capsys):
+    """``recipes.train --nproc 2`` (PP 2 DualPipeV): rank 1 stalls in its first receive of step 1 and
+    rank 0 blocks on a message from rank 1; ``recipes.diagnose`` names rank 1, the receive and rank 0 waiting on it."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recipes.train", "--config", "recipes/configs/tiny_cpu.toml", "--nproc", "2",
+           "--run-dir", str(run_dir)]
+    for o in [*OVERRIDES, *P2P_LAYOUT]:
+        cmd += ["--set", o]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference",
+           "PYTHONPATH": str(ROOT), "DSV3_STALL": "rank=1,kind=recv,step=1,seconds=10"}  # rank 0's watchdog too
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+    _check_p2p_diagnosis(run_dir, capsys)
