@@ -338,7 +338,10 @@ class FlightWatchdog:
     def stop(self) -> None:
         self._stop.set()
         if self._pipe is not None:
-            os.write(self._pipe[1], b"\0")  # wake the thread
+            try:
+                os.write(self._pipe[1], b"\0")  # wake the thread
+            except OSError:  # the pipe is full: the thread is awake anyway
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._uninstall_signal()

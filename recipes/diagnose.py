@@ -108,7 +108,8 @@ def rank_state(rank: int, dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One rank's state: its current operation, whom it waits on and why."""
     d = dumps.get(rank)
     if d is None:
-        return {"rank": rank, "state": "missing", "op": None, "waits_on": [], "note": "no dump", "since": None}
+        return {"rank": rank, "state": "missing", "op": None, "waits_on": [], "note": "no dump", "since": None,
+                "age_s": None, "step": None, "dump_reason": None, "dump_time": None, "host": None, "pid": None}
     op, state = _current(d)
     waits_on: list[int] = []
     note = ""
