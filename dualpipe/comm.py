@@ -123,11 +123,16 @@ class P2P:
         except RuntimeError as exc:
             step = f" at step {self.flight.step}" if self.flight is not None and self.flight.step is not None else ""
             raise P2PTimeoutError(
-                f"rank {self.rank}: no {msg.kind} message for stage {msg.stage} micro-batch {msg.mb} from rank "
-                f"{msg.src} within {self.timeout.total_seconds():.0f}s (needed by action {action}{step}); "
+                f"{self._name(self.rank)}: no {msg.kind} message for stage {msg.stage} micro-batch {msg.mb} from "
+                f"{self._name(msg.src)} within {self.timeout.total_seconds():.0f}s (needed by action {action}{step}); "
                 f"the peer is dead, stalled or on another schedule: {exc}") from exc
         finally:
             self.blocked_s += time.perf_counter() - t0
+
+    def _name(self, pp_rank: int) -> str:
+        """A pipeline rank as errors name it: its global rank, and its pipeline rank where that differs."""
+        glob = self.peers[pp_rank]
+        return f"rank {glob}" if glob == pp_rank else f"rank {glob} (pipeline rank {pp_rank})"
 
     def reap_sends(self) -> None:
         """Forget sends that have completed (cheap), releasing what was marked ``free_after``."""
