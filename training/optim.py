@@ -388,10 +388,11 @@ def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int,
     expert_sq = sum((expert_square(p) for p in opt.expert_params if grads.grad(p) is not None),
                     torch.zeros((), dtype=torch.float64))
     total = (dense_sq / dp_size + expert_sq / (dp_size // ep_size)) / stage_copies
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        with record_collective(flight, "gradient norm", "world", None, 8):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    with record_collective(flight if world > 1 else None, "gradient norm", "world", None, 8):
+        if world > 1:
             dist.all_reduce(total)
-    norm = float(total.sqrt())
+        norm = float(total.sqrt())  # with NCCL the host waits for the all-reduce here: inside the recorded span
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for g in map(grads.grad, opt.dense_params + opt.expert_params):

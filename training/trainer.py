@@ -291,7 +291,7 @@ class Trainer:
         t = torch.tensor([value * count, float(count)], dtype=torch.float64)
         with record_collective(self.flight, "loss mean", "world" if group is None else "group", group, 16):
             dist.all_reduce(t, group=group)
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+            return float(t[0] / t[1]) if t[1] > 0 else float("nan")  # the host read waits for the all-reduce
 
     def train_step(self) -> dict[str, Any]:
         cfg, step = self.cfg, self.step
