@@ -218,7 +218,9 @@ class FlightRecorder:
         print(f"rank {self.rank}: {ENV_STALL} test hook: stalling {seconds:g} s in {e.kind} {e.name!r} "
               f"(step {e.step})", file=sys.stderr, flush=True)
         time.sleep(seconds)
-        raise InjectedStall(f"rank {self.rank}: {ENV_STALL} test hook: stalled {seconds:g} s in {e.kind} {e.name!r}")
+        exc = InjectedStall(f"rank {self.rank}: {ENV_STALL} test hook: stalled {seconds:g} s in {e.kind} {e.name!r}")
+        self.fail(e, exc)  # raised from begin(): no enclosing record() sees it
+        raise exc
 
     # -- dumping --------------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:

@@ -222,8 +222,9 @@ def test_a_rank_stalled_in_a_p2p_receive_is_named(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("DSV3_STALL", f"rank=1,kind=recv,step=1,seconds={STALL_S}")
     errors = run_distributed(_train_rank, 2, str(tmp_path), P2P_LAYOUT, timeout=240)
     assert "InjectedStall" in errors[1] and errors[0] != "finished", errors
-    earlier = json.loads(flight_path(tmp_path, 1).read_text())["earlier_dumps"]
-    assert any(reason.startswith("watchdog: no progress") for _, reason in earlier)
+    dump = json.loads(flight_path(tmp_path, 1).read_text())
+    assert any(reason.startswith("watchdog: no progress") for _, reason in dump["earlier_dumps"])
+    assert "InjectedStall" in dump["reason"]
     _check_p2p_diagnosis(tmp_path, capsys)
 
 
