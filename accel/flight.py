@@ -198,7 +198,9 @@ class FlightRecorder:
 
     def _already_dumped(self, exc: BaseException) -> bool:
         cause = exc.__cause__ or exc.__context__
-        while cause is not None:
+        for _ in range(64):  # a chain, not trusted to be acyclic
+            if cause is None:
+                return False
             if id(cause) == self._failed:
                 return True
             cause = cause.__cause__ or cause.__context__
