@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.flight import recorded
 from accel.grads import accumulate_grad, grad
 from dualpipe.runtime import DEFAULT_P2P_TIMEOUT, Pipeline
 from dualpipe.utils import scatter
@@ -66,8 +67,15 @@ class DualPipe(Pipeline):
                dist.P2POp(dist.isend, mine[0], partner, self.group),
                dist.P2POp(dist.irecv, theirs[0], partner, self.group),
                dist.P2POp(dist.irecv, theirs[1], partner, self.group)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait(self.p2p.timeout)
+        nbytes = sum(t.numel() * t.element_size() for t in mine)
+        flight = self.flight  # our half as a send entry, so the partner's receive finds it sent
+        sent = flight.begin("send", "mirrored grads", peer=partner, nbytes=nbytes, blocking=False,
+                            posted=True) if flight is not None else None
+        with recorded(flight, "recv", "mirrored grads", peer=partner, nbytes=nbytes):
+            for w in dist.batch_isend_irecv(ops):
+                w.wait(self.p2p.timeout)
+        if sent is not None:
+            flight.end(sent)
         # A parameter both parts hold (a shared embedding: the first part's input, the last part's MTP) is one
         # tensor here and one on the partner, whose gradient already sums both uses: add it once.
         done: set[int] = set()

@@ -12,6 +12,8 @@ into micro-batches, builds (and caches) the schedule, and runs the rank's action
   modules share a class that defines it (upstream's contract), else F then B.
 
 Messages between ranks follow ``ir.comm_plan`` (the model the validator and simulator use).
+With a ``flight`` recorder (``accel.flight``) each action, send and receive is an entry of it, so a
+hang can be traced to the rank and the action that stopped first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel.wgrad
+from accel.flight import FlightRecorder
 from accel.trace import TraceRecorder
 from dualpipe import schedules
 from dualpipe.comm import P2P
@@ -89,6 +92,15 @@ class Pipeline(nn.Module):
         self._cache: dict[tuple[int, bool], tuple[Schedule, list]] = {}
         self.recorder: TraceRecorder | None = None  # when set, each action is a span of its compute track
 
+    @property
+    def flight(self) -> FlightRecorder | None:
+        """The flight recorder of this rank's actions and P2P messages (None: not recorded)."""
+        return self.p2p.flight
+
+    @flight.setter
+    def flight(self, flight: FlightRecorder | None) -> None:
+        self.p2p.flight = flight
+
     # -- schedule ------------------------------------------------------------------------------
     def schedule(self, num_chunks: int, forward_only: bool = False) -> Schedule:
         return self._plan(num_chunks, forward_only)[0]
@@ -135,17 +147,27 @@ class Pipeline(nn.Module):
         self.last_step_stats = {"max_pending_wgrad": 0, "wgrad_closures_run": 0}
         # (item, start, end, receive overhead not spent waiting) of each computation, for benchmarks
         self.last_step_timeline: list[tuple[Item, float, float, float]] = []
+        flight = self.flight
         try:
             for item, ex in zip(sched.actions[self.rank], plan[self.rank]):
+                name = str(item)
+                if flight is not None:
+                    flight.action = name  # the EP exchanges of this action name it
                 exchange_start, blocked_before = time.perf_counter(), self.p2p.blocked_s
                 for msg in ex.recvs:
-                    tensors = self.p2p.recv(msg, str(item))
+                    tensors = self.p2p.recv(msg, name)
                     if msg.kind == "act":
                         self._inputs[(msg.stage, msg.mb)] = [self._as_input(t) for t in tensors]
                     else:
                         self._out_grads[(msg.stage, msg.mb)] = tensors
                 started = time.perf_counter()
-                self._run_item(item)
+                if flight is None:
+                    self._run_item(item)
+                else:
+                    single = isinstance(item, Action)
+                    with flight.record("action", name, stage=item.stage if single else None,
+                                       mb=item.mb if single else None):
+                        self._run_item(item)
                 ended = time.perf_counter()
                 overhead = started - exchange_start - (self.p2p.blocked_s - blocked_before)
                 self.last_step_timeline.append((item, started, ended, overhead))
@@ -158,6 +180,8 @@ class Pipeline(nn.Module):
         finally:
             leftover = self.store.pending()
             self.store.clear()
+            if flight is not None:
+                flight.action = None
         if leftover and not forward_only:
             raise RuntimeError(f"rank {self.rank}: {leftover} weight-gradient closures were never run by a W action")
         return self._losses, self._final

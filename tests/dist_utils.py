@@ -28,7 +28,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "training.trainer", "tests.dist_utils"]
+# torch._dynamo: what the first model built on the meta device imports (seconds of CPU in every rank otherwise)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "training.trainer", "tests.dist_utils"]
 multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 

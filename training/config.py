@@ -58,6 +58,9 @@ class RunConfig:
     threads: int = 0  # torch CPU threads per process; 0 = cores / local processes (OMP_NUM_THREADS wins)
     timeout_s: float = 300.0  # collective timeout; a stalled rank fails with its rank and step named
     max_minutes: float = 0.0  # time budget: save and stop cleanly before this many minutes (0 = none)
+    # seconds without a completed pipeline action or collective after which every rank dumps its flight recorder
+    # to RUN_DIR/flight/ (python -m recipes.diagnose RUN_DIR); below timeout_s, so it dumps first; 0 = off
+    watchdog_s: float = 60.0
 
 
 @dataclass
@@ -366,6 +369,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.steps must be >= 1, got {r.steps}")
     if r.nproc < 1:
         raise ValueError(f"run.nproc must be >= 1, got {r.nproc}")
+    if not (r.watchdog_s == 0 or 0 < r.watchdog_s < r.timeout_s):
+        raise ValueError(f"run.watchdog_s must be 0 (off) or in (0, run.timeout_s={r.timeout_s:g}) so the flight "
+                         f"recorder is dumped before the collective timeout ends the run, got {r.watchdog_s:g}")
     if r.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
     if not (math.isfinite(r.max_minutes) and r.max_minutes >= 0):
@@ -471,7 +477,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 # Keys that do not change what is computed: a resume may change them freely.
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
-                          "timeout_s", "steps", "threads", "max_minutes"},
+                          "timeout_s", "watchdog_s", "steps", "threads", "max_minutes"},
                   "logging": "*", "checkpoint": "*", "fault": "*",
                   "optim": {"ema_decay"},  # the EMA watches the weights, it does not change them
                   # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume

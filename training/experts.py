@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.flight import FlightRecorder
 from accel.trace import TraceRecorder
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import ExpertBalancer, collect_load_metrics, max_violation, update_expert_biases
@@ -36,14 +37,14 @@ def moe_layers(modules: list[nn.Module]) -> list[MoE]:
 
 
 def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState,
-                    recorder: TraceRecorder | None = None) -> None:
+                    recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None) -> None:
     balance = cfg.balance.model_config()
     for moe in moe_layers(stages):
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
         if cfg.parallel.ep > 1:
             # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8
             moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8,
-                                    recorder=recorder)
+                                    recorder=recorder, flight=flight, layer=moe.layer_id)
 
 
 def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs, gamma: float,

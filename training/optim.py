@@ -35,6 +35,7 @@ from torch import nn
 
 import accel
 from accel import grads
+from accel.flight import FlightRecorder, record_collective
 from training.config import OptimConfig
 
 STEP_CHUNK = 1 << 24  # elements ``AdamW`` updates at once: its fp32 temporaries stay at 3 x 64 MiB
@@ -332,13 +333,15 @@ class LRScheduler:
             s.load_state_dict(st)
 
 
-def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float) -> None:
+def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float,
+                     flight: FlightRecorder | None = None, label: str = "dp") -> None:
     present = [g for g in map(grads.grad, params) if g is not None]
     if not present:
         return
     if group is not None and dist.get_world_size(group) > 1:
         flat = torch.cat([g.reshape(-1) for g in present])
-        dist.all_reduce(flat, group=group)
+        with record_collective(flight, f"{label} gradients", label, group, flat.numel() * flat.element_size()):
+            dist.all_reduce(flat, group=group)
         offset = 0
         for g in present:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -350,25 +353,28 @@ def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None
 
 @torch.no_grad()
 def reduce_gradients(opt: Optimizers, dp_group: dist.ProcessGroup | None, edp_group: dist.ProcessGroup | None,
-                     dp_size: int) -> None:
-    """Average dense gradients over dp; sum expert gradients over edp and divide by dp."""
+                     dp_size: int, flight: FlightRecorder | None = None) -> None:
+    """Average dense gradients over dp; sum expert gradients over edp and divide by dp. ``flight``: the rank's
+    flight recorder (each all-reduce is an entry)."""
     for p in opt.dense_params + opt.expert_params:
         if grads.grad(p) is None:  # a parameter this step never reached
             grads.zero_grad(p)
-    _flat_all_reduce(opt.dense_params, dp_group, 1.0 / dp_size)
-    _flat_all_reduce(opt.expert_params, edp_group, 1.0 / dp_size)
+    _flat_all_reduce(opt.dense_params, dp_group, 1.0 / dp_size, flight, "dp")
+    _flat_all_reduce(opt.expert_params, edp_group, 1.0 / dp_size, flight, "edp")
 
 
 @torch.no_grad()
 def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int, stage_copies: int = 1,
-                   expert_row_weights: dict[int, torch.Tensor] | None = None) -> float:
+                   expert_row_weights: dict[int, torch.Tensor] | None = None,
+                   flight: FlightRecorder | None = None) -> float:
     """Global gradient L2 norm over every rank (each parameter counted once); clip to ``max_norm`` (0 = no clip).
 
     After ``reduce_gradients`` dense gradients are replicated on the ``dp`` ranks of a stage and
     expert gradients on the ``dp / ep`` replicas, and DualPipe holds every stage twice
     (``stage_copies=2``), so one world all-reduce of the weighted squares gives the true norm.
     ``expert_row_weights`` (EPLB): ``id(param) -> [rows]`` weight of each expert slot's square (1 /
-    copies of its logical expert, whose replicas hold the same summed gradient).
+    copies of its logical expert, whose replicas hold the same summed gradient). ``flight``: the rank's flight
+    recorder (the all-reduce is an entry).
     """
     weights = expert_row_weights or {}
 
@@ -382,9 +388,11 @@ def clip_grad_norm(opt: Optimizers, max_norm: float, dp_size: int, ep_size: int,
     expert_sq = sum((expert_square(p) for p in opt.expert_params if grads.grad(p) is not None),
                     torch.zeros((), dtype=torch.float64))
     total = (dense_sq / dp_size + expert_sq / (dp_size // ep_size)) / stage_copies
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    norm = float(total.sqrt())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    with record_collective(flight if world > 1 else None, "gradient norm", "world", None, 8):
+        if world > 1:
+            dist.all_reduce(total)
+        norm = float(total.sqrt())  # with NCCL the host waits for the all-reduce here: inside the recorded span
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for g in map(grads.grad, opt.dense_params + opt.expert_params):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from accel.flight import FlightRecorder
 from accel.trace import TraceRecorder
 from dualpipe.dualpipe import DualPipe
 from dualpipe.runtime import Pipeline
@@ -23,8 +24,9 @@ class PipelineRunner:
     """``step(windows, chunks, criterion)`` runs every micro-batch forward and backward through the schedule."""
 
     def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState,
-                 recorder: TraceRecorder | None = None):
-        """``recorder``: the runtime records each action on its compute track (``recipes.train --trace``)."""
+                 recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None):
+        """``recorder``: the runtime records each action on its compute track (``recipes.train --trace``);
+        ``flight``: and each action and P2P message in the rank's flight recorder."""
         self.schedule, self.pp, self.pp_rank = cfg.parallel.schedule, cfg.parallel.pp, ps.coords.pp_rank
         if self.schedule == "dualpipe":
             self.pipe = DualPipe(tuple(stages), process_group=ps.group("pp"), p2p_timeout=cfg.run.timeout_s)
@@ -34,6 +36,7 @@ class PipelineRunner:
         # parallel.overlap=false runs every paired F&B as F then B (the baseline of bench_overlap)
         self.pipe.overlapped_forward_backward = self.pipe.overlapped_forward_backward and cfg.parallel.overlap
         self.pipe.recorder = recorder
+        self.pipe.flight = flight
 
     def step(self, windows: torch.Tensor, chunks: int, criterion: StageLoss | None) -> None:
         """Forward and backward of ``windows`` in ``chunks`` micro-batches; ``criterion`` (on ranks holding

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from accel import cli
+from accel.flight import FlightWatchdog
 from accel.trace import TraceRecorder, write_chrome_trace
 from training.checkpoint.trainer_hooks import attach
 from training.config import TrainConfig
@@ -79,7 +80,11 @@ def _run_training(cfg: TrainConfig, opts: RunOptions, preemption: Preemption) ->
     trainer.preemption = preemption
     if hooks is not None:
         preemption.save_seconds = lambda: hooks.manager.last_write_seconds
-    summary = trainer.fit()
+    watchdog = FlightWatchdog(trainer.flight, cfg.run.watchdog_s).start()  # and SIGUSR1: dump the flight recorder
+    try:
+        summary = trainer.fit()
+    finally:
+        watchdog.stop()
     manager, stop_line = None, None
     if trainer.stopped is not None:  # SIGTERM / SIGINT / time budget: a committed checkpoint of this step
         hooks, status, stop_line = save_on_stop(trainer, hooks, trainer.stopped, cfg.run.max_minutes)

@@ -35,6 +35,7 @@ from torch import nn
 
 import accel
 from accel import grads
+from accel.flight import FlightRecorder, flight_path, record_collective
 from accel.trace import TraceRecorder
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
@@ -149,6 +150,8 @@ class Trainer:
                  checked: tuple[ModelArgs, TokenCorpus] | None = None, recorder: TraceRecorder | None = None):
         self.cfg, self.ps, self.run_dir = cfg, ps, Path(run_dir)
         self.recorder = recorder  # the --trace timeline: handed to the pipeline and the EP exchanges
+        # always on: the last pipeline actions and collectives, dumped to run_dir/flight/ on a hang (accel.flight)
+        self.flight = FlightRecorder(ps.rank, flight_path(self.run_dir, ps.rank), world_size=ps.world_size)
         self.device = accel.default_device()
         self.dtype = DTYPES[cfg.run.dtype]
         torch.manual_seed(cfg.run.seed)
@@ -164,8 +167,9 @@ class Trainer:
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
                                                physical_experts=physical)
         self.modules = nn.ModuleList(self.stages)
-        wire_moe_layers(self.stages, cfg, ps, recorder)  # expert parallelism and balancing in every MoE layer here
-        self.pipeline = PipelineRunner(self.stages, cfg, ps, recorder) if cfg.parallel.schedule != "none" else None
+        wire_moe_layers(self.stages, cfg, ps, recorder, self.flight)  # expert parallelism and balancing here
+        self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight)
+                         if cfg.parallel.schedule != "none" else None)
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
         self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
@@ -272,8 +276,13 @@ class Trainer:
         return criterion
 
     def _span(self, name: str) -> contextlib.AbstractContextManager:
-        """A compute span of the ``--trace`` timeline (named like the pipeline's actions), when recording."""
-        return self.recorder.span("compute", name) if self.recorder is not None else contextlib.nullcontext()
+        """An action of the flight recorder and, when tracing, a compute span of the ``--trace`` timeline (named
+        like the pipeline's actions)."""
+        stack = contextlib.ExitStack()
+        if self.recorder is not None:
+            stack.enter_context(self.recorder.span("compute", name))
+        stack.enter_context(self.flight.record("action", name))
+        return stack
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if accel.backend() != "cpu" and self.cfg.run.autocast_bf16 and self.dtype != torch.float64:
@@ -285,11 +294,13 @@ class Trainer:
         if self.ps.world_size == 1:
             return value if count else float("nan")
         t = torch.tensor([value * count, float(count)], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+        with record_collective(self.flight, "loss mean", "world" if group is None else "group", group, 16):
+            dist.all_reduce(t, group=group)
+            return float(t[0] / t[1]) if t[1] > 0 else float("nan")  # the host read waits for the all-reduce
 
     def train_step(self) -> dict[str, Any]:
         cfg, step = self.cfg, self.step
+        self.flight.step = step
         t0 = time.perf_counter()
         global_batch = cfg.global_batch_at(step)
         chunks = cfg.microbatches_at(step)
@@ -297,7 +308,7 @@ class Trainer:
         windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
         self.optimizer.zero_grad()
         criterion = self._forward_backward(windows, chunks)
-        reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp)
+        reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp, self.flight)
         grad_sync_s = None
         if self.eplb is not None:  # replicas of one expert take the same (summed) step
             t_sync = time.perf_counter()
@@ -305,7 +316,8 @@ class Trainer:
             grad_sync_s = time.perf_counter() - t_sync
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
                                    stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
-                                   expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None)
+                                   expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None,
+                                   flight=self.flight)
         parts = {name: criterion.mean(name) if criterion is not None and self.holds_loss else None
                  for name in ("total", "main", "mtp")}
         loss, main, mtp = (self._global_mean(v or 0.0, 0 if v is None else 1) for v in parts.values())

@@ -46,6 +46,10 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - Dropped assignments (index -1, capacity factor) are never sent.
 - Redundant experts (EPLB): with a ``phy2log`` plan, assignment (t, j) to logical expert ``e``
   goes to replica ``t % logcnt[e]`` of ``e``, spreading a hot expert's tokens over its copies.
+- Flight recorder (``accel.flight``, handed down like the trace recorder): every exchange is an entry,
+  begun when it is posted to the comm thread, numbered on its group when the comm thread issues it,
+  marked as each of its collectives is handed to the backend and when the waiter starts blocking, ended
+  when it has landed; a wait that fails dumps the recorder first.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,11 +70,20 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import accel
 import deep_gemm
+from accel.flight import Entry, FlightRecorder, FlightSite, group_ranks
 from accel.trace import TraceRecorder
 from models.deepseek_v3.moe import PermuteState, unpermute
 
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL hand-over interval once a comm thread runs (see _CommThread.submit)
+_staging = threading.local()  # ``current``: (site, entry) of the exchange this thread is staging, if recorded
+
+
+def _note_posted() -> None:
+    """One collective of the exchange being staged is handed to the backend (for the flight recorder)."""
+    current = getattr(_staging, "current", None)
+    if current is not None:
+        current[0].flight.posted(current[1])
 
 
 class _CommThread:
@@ -135,6 +149,7 @@ class Posted(Generic[T]):
     works: list
     finish: Callable[[], T]
     posted_at: float = 0.0  # when the comm thread began staging it (``time.perf_counter``)
+    nbytes: int = 0  # bytes this rank sends (the flight recorder's entry)
 
 
 class CommHandle(Generic[T]):
@@ -145,8 +160,10 @@ class CommHandle(Generic[T]):
     it has landed for the waiter.
     """
 
-    def __init__(self, future: Future, recorder: TraceRecorder | None = None, name: str = "") -> None:
+    def __init__(self, future: Future, recorder: TraceRecorder | None = None, name: str = "",
+                 site: FlightSite | None = None, entry: Entry | None = None) -> None:
         self._future, self._recorder, self._name = future, recorder, name
+        self._site, self._entry = site, entry
         self._result: tuple[T] | None = None
 
     def is_completed(self) -> bool:
@@ -160,23 +177,59 @@ class CommHandle(Generic[T]):
 
     def wait(self) -> T:
         if self._result is None:
-            posted = self._future.result()
-            _wait_all(posted.works)
+            if self._entry is None:
+                posted = self._future.result()
+                _wait_all(posted.works)
+            else:
+                posted = self._wait_recorded(self._site, self._entry)
             if self._recorder is not None:
                 self._recorder.add("comm", self._name, posted.posted_at, time.perf_counter())
             self._result = (posted.finish(),)
         return self._result[0]
 
+    def _wait_recorded(self, site: FlightSite, entry: Entry) -> Posted[T]:
+        flight = site.flight
+        flight.waiting(entry)
+        try:
+            posted = self._future.result()
+            try:
+                _wait_all(posted.works)
+            except RuntimeError as exc:  # the backend's timeout: say which exchange, step and action
+                raise RuntimeError(f"rank {flight.rank}: expert all-to-all {entry.name!r} of layer {entry.layer} "
+                                   f"(group {site.group} {list(site.ranks)}) at step {entry.step}, action "
+                                   f"{entry.context}, did not complete: {exc}") from exc
+        except BaseException as exc:
+            flight.fail(entry, exc)
+            raise
+        flight.end(entry)
+        return posted
 
-def post(recorder: TraceRecorder | None, name: str, fn: Callable[[], Posted[T]]) -> CommHandle[T]:
-    """Stage and post ``fn``'s exchange on the comm thread; the handle to wait for it."""
+
+def post(recorder: TraceRecorder | None, name: str, fn: Callable[[], Posted[T]],
+         site: FlightSite | None = None) -> CommHandle[T]:
+    """Stage and post ``fn``'s exchange on the comm thread; the handle to wait for it. With a flight ``site``
+    the exchange is an entry of its recorder."""
+    entry = None
+    if site is not None:
+        entry = site.flight.begin("all_to_all", name, group=site.group, ranks=site.ranks, layer=site.layer,
+                                  blocking=False, sequence=False)
+
     def staged() -> Posted[T]:
         start = time.perf_counter()
-        posted = fn()
+        if entry is None:
+            posted = fn()
+        else:
+            site.flight.sequence(entry)  # issued now: its number on the group (the comm thread keeps the order)
+            _staging.current = (site, entry)
+            try:
+                posted = fn()
+            finally:
+                _staging.current = None
+            entry.nbytes = posted.nbytes
         posted.posted_at = start  # when the comm thread began staging it: the trace's span starts there
         return posted
 
-    return CommHandle(_CommThread.submit(staged), recorder, name)
+    return CommHandle(_CommThread.submit(staged), recorder, name, site, entry)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -188,14 +241,17 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0, recorder=None):
+    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0, recorder=None,
+                site=None):
         ctx.splits, ctx.group, ctx.rows_in, ctx.recorder = (out_splits, in_splits), group, x.shape[0], recorder
+        ctx.site = site
         total = sum(out_splits)
         # ``spare_rows`` zero rows after the received ones: the regrouping gathers its pad rows from them
         out = x.new_empty(total + spare_rows, *x.shape[1:])
         out[total:].zero_()
         send, recv = (x.contiguous(), out[:total]) if send_bytes is None else (send_bytes, recv_bytes)
         works.append(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True))
+        _note_posted()
         works.append(send)  # the buffer being sent must outlive the exchange
         return out
 
@@ -203,8 +259,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         grad_in = post(ctx.recorder, "backward all-to-all", lambda: _reverse(
-            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group)).wait()
-        return grad_in, None, None, None, None, None, None, None, None
+            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group), ctx.site).wait()
+        return grad_in, None, None, None, None, None, None, None, None, None
 
 
 def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int], rows_in: int,
@@ -214,7 +270,8 @@ def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int]
     grad_in = grad_out.new_empty(rows_in, *grad_out.shape[1:])
     send = grad_out[:sum(out_splits)].contiguous()
     work = dist.all_to_all_single(grad_in, send, in_splits, out_splits, group=group, async_op=True)
-    return Posted([work, send], lambda: grad_in)
+    _note_posted()
+    return Posted([work, send], lambda: grad_in, nbytes=send.numel() * send.element_size())
 
 
 @dataclass
@@ -230,15 +287,17 @@ class Exchange:
     received_like: tuple[tuple[int, ...], torch.dtype, torch.device]  # shape/dtype/device of the received tensor
     group: dist.ProcessGroup | None
     recorder: TraceRecorder | None = None  # records the reverse exchange on its comm track
+    site: FlightSite | None = None  # records the reverse exchange in the flight recorder
 
     @classmethod
     def of(cls, sent: torch.Tensor, received: torch.Tensor, sent_splits: list[int], received_splits: list[int],
-           group: dist.ProcessGroup | None, recorder: TraceRecorder | None = None) -> Exchange | None:
+           group: dist.ProcessGroup | None, recorder: TraceRecorder | None = None,
+           site: FlightSite | None = None) -> Exchange | None:
         """None when nothing that travelled needs a gradient (no grad mode, or inputs without grad)."""
         if not (sent.requires_grad and received.requires_grad):
             return None
         return cls(get_gradient_edge(sent), get_gradient_edge(received), sent_splits, received_splits,
-                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group, recorder)
+                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group, recorder, site)
 
     def reverse(self, grad_received: torch.Tensor | None) -> CommHandle[torch.Tensor]:
         """Post the gradient of the received rows back to their senders (zeros when none reached them:
@@ -247,7 +306,7 @@ class Exchange:
             shape, dtype, device = self.received_like
             grad_received = torch.zeros(shape, dtype=dtype, device=device)
         return post(self.recorder, "backward all-to-all", lambda: _reverse(
-            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group))
+            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group), self.site)
 
 
 def _wait_all(works: list) -> None:
@@ -305,12 +364,14 @@ class ExpertParallel:
     num_experts: logical routed experts. phy2log: optional EPLB placement (one layer's
     ``[num physical]`` row); without it physical expert i is logical expert i.
     fp8_dispatch: send tokens as e4m3 + 1x128 scales. alignment: rows per grouped-GEMM block
-    (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``).
+    (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``). flight: the rank's flight recorder
+    (``accel.flight``), with ``layer`` the MoE layer's id its entries name.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, fp8_dispatch: bool = False,
                  phy2log: torch.Tensor | None = None, alignment: int | None = None,
-                 recorder: TraceRecorder | None = None) -> None:
+                 recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None,
+                 layer: int | None = None) -> None:
         if not dist.is_initialized():
             raise ValueError("ExpertParallel needs an initialized torch.distributed process group")
         self.group = group
@@ -318,6 +379,7 @@ class ExpertParallel:
         self.num_experts = num_experts
         self.fp8_dispatch = fp8_dispatch
         self.recorder = recorder  # records every exchange on its comm track (recipes.train --trace)
+        self.site = FlightSite(flight, "ep", group_ranks(group), layer) if flight is not None else None
         self.alignment = alignment or deep_gemm.get_m_alignment_for_contiguous_layout()
         self.set_plan(phy2log)
 
@@ -364,6 +426,7 @@ class ExpertParallel:
         send = send_counts.to(torch.int64).contiguous()
         recv = torch.empty(self.world * self.local, dtype=torch.int64, device=send.device)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        _note_posted()
         return recv.view(self.world, self.local), (work, send)
 
     def _grouped_plan(self, recv_counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -407,7 +470,7 @@ class ExpertParallel:
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
-        return post(self.recorder, "dispatch", lambda: self._dispatch(x, indices, weights))
+        return post(self.recorder, "dispatch", lambda: self._dispatch(x, indices, weights), self.site)
 
     def _dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None) -> Posted[Dispatched]:
         """The exchange, staged so the wire is busy while the host works: the counts travel while the
@@ -439,7 +502,7 @@ class ExpertParallel:
         works: list = []
         recv_bytes = None if packed is None else packed.new_empty(total, packed.shape[1])
         received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1,
-                                   self.recorder)
+                                   self.recorder, self.site)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
 
         def regroup() -> Dispatched:
@@ -456,29 +519,30 @@ class ExpertParallel:
             recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
             return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
                               num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
-                                                    self.recorder), weights=row_weights)
+                                                    self.recorder, self.site), weights=row_weights)
 
-        return Posted(works, regroup)
+        sent = packed if packed is not None else send_rows
+        return Posted(works, regroup, nbytes=sent.numel() * sent.element_size())
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor | None = None) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j y[t, j]``, or
         ``sum_j weights[t, j] * y[t, j]`` with ``weights`` [T, k] (rows not scaled before ``w2``)."""
-        return post(self.recorder, "combine", lambda: self._combine(y_grouped, dispatched, weights))
+        return post(self.recorder, "combine", lambda: self._combine(y_grouped, dispatched, weights), self.site)
 
     def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                  weights: torch.Tensor | None) -> Posted[torch.Tensor]:
         y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
         works: list = []
         back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
-                               None, None, 0, self.recorder)
+                               None, None, 0, self.recorder, self.site)
 
         def unpermute_landed() -> torch.Tensor:
             dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
-                                                      self.group, self.recorder)
+                                                      self.group, self.recorder, self.site)
             state = dispatched.send_state
             pad = state.rows.numel() - dispatched.num_sent  # dropped assignments give 0
             rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
             return unpermute(rows, state, weights)
 
-        return Posted(works, unpermute_landed)
+        return Posted(works, unpermute_landed, nbytes=y_recv.numel() * y_recv.element_size())
