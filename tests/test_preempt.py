@@ -243,7 +243,8 @@ def restored_environ():
 @pytest.mark.timeout(180)
 def test_launcher_forwards_the_signal_and_returns_the_workers_status(tmp_path, capfd, restored_environ):
     """``--nproc``'s launcher (``relaunch``: torchrun's agent in a thread) passes SIGTERM, then SIGINT, on to its
-    2 workers, waits for them, prints one line and returns their status (0, then 3); no traceback."""
+    2 workers, waits for them, prints one line and returns their status (0, then 3); no traceback. A SIGUSR1
+    before them (the flight-recorder dump) reaches both workers and is not reported as a stop."""
     for name, status in (("SIGTERM", 0), ("SIGINT", 3)):
         folder = tmp_path / name
         folder.mkdir()
@@ -252,6 +253,9 @@ def test_launcher_forwards_the_signal_and_returns_the_workers_status(tmp_path, c
             deadline = time.monotonic() + 120
             while len(list(folder.glob("*.ready"))) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            while len(list(folder.glob("*.usr1"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), sig)  # to this process: the launcher
 
         sender = threading.Thread(target=signal_when_ready, daemon=True)
@@ -259,6 +263,7 @@ def test_launcher_forwards_the_signal_and_returns_the_workers_status(tmp_path, c
         assert relaunch("tests.preempt_child", 2, [str(folder), str(status)]) == status
         sender.join()
         assert [p.read_text().split(",")[0] for p in sorted(folder.glob("*.got"))] == [name, name]
+        assert len(list(folder.glob("*.usr1"))) == 2
         out, err = capfd.readouterr()
         assert "Traceback" not in err and "SignalException" not in err and "KeyboardInterrupt" not in err, err
         assert "child thread" not in err  # torch's warning about its agent in a thread: the launcher handles signals

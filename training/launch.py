@@ -48,10 +48,11 @@ def relaunch(module: str, nproc: int, argv: Sequence[str], max_restarts: int = 0
     """Run ``python -m module *argv`` as ``nproc`` torchrun workers on this machine; returns the exit code.
 
     Torchrun's agent starts, watches and reaps the workers, in a thread of this process; this (main) thread
-    forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to them (see ``_Forwarder``) and waits for them however
-    long they take to save, then prints one line: the signal, how many workers got it, the step the run's
-    ``latest`` checkpoint names (``latest_step``, when given) and their status, which it returns: 0 after
-    a clean save, the workers' own status (e.g. 3, save failed) otherwise."""
+    forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT (and SIGUSR1, the flight-recorder dump) to them (see
+    ``_Forwarder``) and waits for them however long they take to save, then prints one line: the signal, how
+    many workers got it, the step the run's ``latest`` checkpoint names (``latest_step``, when given) and
+    their status, which it returns: 0 after a clean save, the workers' own status (e.g. 3, save failed)
+    otherwise."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers on a few cores: no thread oversubscription
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          f"--max-restarts={max_restarts}", "--module", module, *argv])
@@ -91,7 +92,8 @@ def _status(error: BaseException | None) -> tuple[int, str]:
 
 class _Forwarder:
     """While active (main thread only): SIGTERM, SIGINT, SIGHUP and SIGQUIT to this launcher are recorded by a
-    handler and passed on by ``forward`` to the workers (this process's children running ``-m module``).
+    handler and passed on by ``forward`` to the workers (this process's children running ``-m module``);
+    SIGUSR1 is passed on as well, so that every worker dumps its flight recorder (``accel.flight``).
 
     Torchrun's own handling (the agent turns the signal into a ``SignalException``, forwards it, SIGKILLs the
     workers 30 s later, or after ``--shutdown-timeout`` where the torch version has it, and the launcher then
@@ -100,7 +102,9 @@ class _Forwarder:
     signals are forwarded too (the workers ignore repeats while saving).
     """
 
-    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+                    if hasattr(signal, n))
+    DUMP = getattr(signal, "SIGUSR1", None)  # passed on too, but it asks for a flight-recorder dump, not a stop
 
     def __init__(self, module: str) -> None:
         self.module = module
@@ -124,7 +128,7 @@ class _Forwarder:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.pending.append(signum)
-        if self.first is None:
+        if self.first is None and signum != self.DUMP:
             self.first = signum
 
     def forward(self) -> None:
