@@ -3,6 +3,7 @@ runs only under it, and the metrics stream of a resumed run (``training.metrics.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -162,3 +163,31 @@ def test_resumed_stream_moves_the_lines_after_the_resumed_step(tmp_path):
     assert (tmp_path / SUPERSEDED_FILE).read_text() == "".join(lines[2:]) + '{"step": 5, "lo\n'
     assert supersede_after(path, 2) == 0 and path.read_text() == "".join(lines[:2])
     assert supersede_after(path, 0) == 2 and path.read_text() == ""  # a new run supersedes everything
+
+
+@pytest.mark.timeout(60)
+def test_without_flock_the_holder_record_alone_is_the_lock(tmp_path, monkeypatch):
+    """A filesystem without flock (Lustre's default): a live pid of this host in the record is refused, a dead
+    one is taken over, and both say so in one line."""
+    import fcntl
+
+    real_flock = fcntl.flock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    run = tmp_path / "run"
+    _write_record(run, socket.gethostname(), os.getppid(), age_s=1)  # a live process of this host
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    said: list[str] = []
+    with pytest.raises(RunFolderLocked, match=rf"is in use by pid {os.getppid()} on host"):
+        RunLock(run).acquire(announce=said.append)
+    assert said == [f"run folder {run}: this filesystem does not support flock ({os.strerror(errno.ENOSYS)}); "
+                    "relying on the holder record alone"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _write_record(run, socket.gethostname(), int(dead.stdout), age_s=1)
+    said.clear()
+    lock = RunLock(run).acquire(announce=said.append)
+    assert len(said) == 2 and "(that process is gone)" in said[1] and read_holder(run).pid == os.getpid()
+    lock.release()
+    monkeypatch.setattr(fcntl, "flock", real_flock)

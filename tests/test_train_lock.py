@@ -152,6 +152,14 @@ def test_refused_resume_leaves_config_toml_and_the_lock_as_they_were(first_run, 
     assert "written for another config" in err and "optim.lr" in err
     assert (copy / "config.toml").read_bytes() == saved
     RunLock(copy).acquire(announce=pytest.fail).release()  # released on the error, no record left behind
+    step = copy / "checkpoints" / fmt.step_dirname(3)  # a corrupt checkpoint given by path: one line too
+    shard = sorted(step.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0xFF]))
+    status = main(_argv(copy, "--resume", str(step)))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --resume {str(step)!r}: checkpoint {step} is invalid: sha256 mismatch"), err
+    assert (copy / "config.toml").read_bytes() == saved
 
 
 @pytest.mark.timeout(120)

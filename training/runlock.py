@@ -13,6 +13,8 @@ fails at once with :class:`RunFolderLocked`, whose one-line message names the ho
   a record from another host is honoured as a lock; once its heartbeat is older than ``STALE_AFTER_S``
   it is reported as possibly stale, and only ``break_lock`` (``--break-lock``) takes it over, never
   silently. A record left by a dead process of this host (flock free) is taken over with one line.
+- Where the filesystem has no flock at all (``ENOSYS``/``ENOLCK``, e.g. Lustre without ``-o flock``), it
+  says so in one line and the record alone is the lock (a live pid of this host is then refused too).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ STALE_AFTER_S = 600.0
 # Set by the ``--nproc`` launcher for its torchrun workers: "<lock path>:<launcher pid>" (the launcher holds it).
 LAUNCHER_ENV = "DSV3_RUN_LOCK"
 
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 _HELD: dict[str, RunLock] = {}  # lock path -> the lock this process holds
 
 
@@ -117,6 +120,7 @@ class RunLock:
         self.path = lock_path(self.run_dir)
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self._fd: int | None = None
+        self._flock = True  # False where the filesystem has no flock: the holder record alone is the lock
         self._record: Holder | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,20 +128,25 @@ class RunLock:
     # ------------------------------------------------------------------------------------------ public
     def acquire(self, *, break_lock: bool = False, announce: Callable[[str], None] = print) -> RunLock:
         """Take the lock (creating the folder); ``announce`` gets the one line of a take-over."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ValueError(f"run folder {self.run_dir}: cannot create its lock {self.path}: "
+                             f"{exc.strerror or exc}") from None
+        self._flock = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            holder = read_holder(self.run_dir)
-            if holder is not None and holder.this_host() and not _pid_alive(holder.pid):
-                holder = None  # a dead holder's record: the new holder has not replaced it yet
-            who = holder.describe() if holder is not None else "another process (its holder record is not written yet)"
-            raise RunFolderLocked(f"run folder {self.run_dir} is in use by {who} (lock {self.path}); "
-                                  "wait for it or choose another --run-dir", holder) from None
+            if exc.errno in _NO_FLOCK:  # e.g. Lustre mounted without flock: the holder record is the lock
+                self._flock = False
+                announce(f"run folder {self.run_dir}: this filesystem does not support flock ({exc.strerror}); "
+                         "relying on the holder record alone")
+            else:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                self._refuse_held()
         try:
             self._check_record(break_lock, announce)
         except BaseException:
@@ -152,6 +161,15 @@ class RunLock:
         self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()
         return self
+
+    def _refuse_held(self) -> None:
+        """The flock is held by another job: name it."""
+        holder = read_holder(self.run_dir)
+        if holder is not None and holder.this_host() and not _pid_alive(holder.pid):
+            holder = None  # a dead holder's record: the new holder has not replaced it yet
+        who = holder.describe() if holder is not None else "another process (its holder record is not written yet)"
+        raise RunFolderLocked(f"run folder {self.run_dir} is in use by {who} (lock {self.path}); "
+                              "wait for it or choose another --run-dir", holder)
 
     def release(self) -> None:
         """Stop the heartbeat, remove the holder record, drop the lock (idempotent)."""
@@ -168,7 +186,8 @@ class RunLock:
             except FileNotFoundError:
                 pass
         _HELD.pop(_key(self.run_dir), None)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._flock:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
 
@@ -188,6 +207,9 @@ class RunLock:
         old = read_holder(self.run_dir)
         if old is None or (old.this_host() and old.pid == os.getpid()):
             return
+        if old.this_host() and not self._flock and _pid_alive(old.pid):
+            raise RunFolderLocked(f"run folder {self.run_dir} is in use by {old.describe()} (lock {self.path}); "
+                                  "wait for it or choose another --run-dir", old)
         if old.this_host():
             state = "that process is gone" if not _pid_alive(old.pid) else "that process no longer holds it"
             announce(f"run folder {self.run_dir}: taking over the lock left by {old.describe()} ({state})")

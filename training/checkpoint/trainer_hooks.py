@@ -102,7 +102,10 @@ class CheckpointHooks:
 
     # ------------------------------------------------------------------------------------------ resume
     def _resume(self, resume: str) -> None:
-        folder = self.manager.resolve(resume)
+        try:
+            folder = self.manager.resolve(resume)
+        except fmt.CheckpointCorruptError as exc:  # a folder given on the command line: bad input, one line
+            raise ValueError(f"--resume {resume!r}: {exc}") from None
         if folder is None:
             return
         step = load_checkpoint(self.trainer, folder)
