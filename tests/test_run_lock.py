@@ -191,3 +191,29 @@ def test_without_flock_the_holder_record_alone_is_the_lock(tmp_path, monkeypatch
     assert len(said) == 2 and "(that process is gone)" in said[1] and read_holder(run).pid == os.getpid()
     lock.release()
     monkeypatch.setattr(fcntl, "flock", real_flock)
+
+
+@pytest.mark.timeout(60)
+def test_worker_stops_when_the_launcher_holding_the_lock_is_killed(tmp_path):
+    """kill -9 of the ``--nproc`` launcher frees the lock; its worker (in a session of its own, as torchrun
+    starts it) must not go on training in a folder the next launch may take: it stops within seconds."""
+    worker = ("import sys, time; from training.runlock import take; assert take(sys.argv[1]) is None; "
+              "print('working', flush=True); time.sleep(60)")
+    launcher = ("import os, subprocess, sys; from training.runlock import RunLock, launcher_env; "
+                "lock = RunLock(sys.argv[1]).acquire(); "
+                "w = subprocess.Popen([sys.executable, '-c', sys.argv[2], sys.argv[1]], start_new_session=True, "
+                "env={**os.environ, **launcher_env(lock)}); print(w.pid, flush=True); w.wait()")
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", launcher, str(run), worker], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker_pid = int(proc.stdout.readline())
+    assert proc.stdout.readline().strip() == "working"  # its rank 0 accepted the launcher's lock
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{worker_pid}").exists() and Path(f"/proc/{worker_pid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the worker outlived its launcher"
+        time.sleep(0.1)
+    said = []
+    RunLock(run).acquire(announce=said.append).release()
+    assert len(said) == 1 and "(that process is gone)" in said[0]

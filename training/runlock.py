@@ -15,6 +15,8 @@ fails at once with :class:`RunFolderLocked`, whose one-line message names the ho
   silently. A record left by a dead process of this host (flock free) is taken over with one line.
 - Where the filesystem has no flock at all (``ENOSYS``/``ENOLCK``, e.g. Lustre without ``-o flock``), it
   says so in one line and the record alone is the lock (a live pid of this host is then refused too).
+- Under ``--nproc`` the launcher holds the lock for its torchrun workers; their rank 0 stops within
+  ``WATCH_LAUNCHER_S`` when the launcher is killed, so that a freed lock never hides a job still writing.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.holder"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0
+WATCH_LAUNCHER_S = 2.0  # how often a --nproc worker checks that its launcher (the lock's holder) is alive
 # Set by the ``--nproc`` launcher for its torchrun workers: "<lock path>:<launcher pid>" (the launcher holds it).
 LAUNCHER_ENV = "DSV3_RUN_LOCK"
 
@@ -250,6 +253,22 @@ def take(run_dir: str | os.PathLike, *, break_lock: bool = False,
     """The lock of ``run_dir`` for this job: acquired here, or None when this process or the ``--nproc``
     launcher that started it already holds it (``owns``). Raises :class:`RunFolderLocked` when another job
     holds it."""
+    if _key(run_dir) in _HELD:
+        return None
     if owns(run_dir):
+        _watch_launcher(int(os.environ[LAUNCHER_ENV].rpartition(":")[2]), Path(run_dir), announce)
         return None
     return RunLock(run_dir).acquire(break_lock=break_lock, announce=announce)
+
+
+def _watch_launcher(pid: int, run_dir: Path, announce: Callable[[str], None]) -> None:
+    """A worker whose launcher holds the lock stops when that launcher is gone (``kill -9``: the kernel freed
+    the lock, and torchrun's workers, each in a session of its own, would otherwise train on unlocked)."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(WATCH_LAUNCHER_S)
+        announce(f"run folder {run_dir}: the --nproc launcher (pid {pid}) that held its lock is gone; "
+                 "stopping so that the folder is free for the next launch")
+        os._exit(1)  # accel.cli.FAILED (not imported: this module stays stdlib-only)
+
+    threading.Thread(target=watch, name="run-lock-launcher-watch", daemon=True).start()
