@@ -217,3 +217,7 @@ def test_worker_stops_when_the_launcher_holding_the_lock_is_killed(tmp_path):
     said = []
     RunLock(run).acquire(announce=said.append).release()
     assert len(said) == 1 and "(that process is gone)" in said[0]
+    late = subprocess.run([sys.executable, "-c", worker, str(run)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), LAUNCHER_ENV: f"{run.resolve() / '.lock'}:1"})
+    assert late.returncode != 0 and "the --nproc launcher (pid 1) that holds its lock for this worker is gone; " \
+        "not starting" in late.stderr  # a worker starting after its launcher died takes nothing either

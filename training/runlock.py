@@ -255,8 +255,12 @@ def take(run_dir: str | os.PathLike, *, break_lock: bool = False,
     holds it."""
     if _key(run_dir) in _HELD:
         return None
-    if owns(run_dir):
-        _watch_launcher(int(os.environ[LAUNCHER_ENV].rpartition(":")[2]), Path(run_dir), announce)
+    path, _, pid = os.environ.get(LAUNCHER_ENV, "").rpartition(":")
+    if path == _key(run_dir) and pid.isdigit():  # a worker of the --nproc launcher, which holds the lock
+        if int(pid) != os.getppid():
+            raise RunFolderLocked(f"run folder {run_dir}: the --nproc launcher (pid {pid}) that holds its lock for "
+                                  "this worker is gone; not starting")
+        _watch_launcher(int(pid), Path(run_dir), announce)
         return None
     return RunLock(run_dir).acquire(break_lock=break_lock, announce=announce)
 
