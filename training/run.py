@@ -19,6 +19,7 @@ from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
 from training.rundir import check_resume, choose_run_dir, default_run_dir, write_config
+from training.runlock import follow_launcher
 from training.runlock import take as take_run_lock
 from training.trainer import Trainer, check_static
 
@@ -59,6 +60,8 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     if rank == 0:
         opts = dataclasses.replace(opts, run_dir=str(choose_run_dir(cfg, opts.run_dir, opts.resume)))
         lock = take_run_lock(opts.run_dir, break_lock=opts.break_lock)
+    elif opts.run_dir:  # a --nproc worker stops with the launcher that holds the lock
+        follow_launcher(opts.run_dir, announce=lambda line: None)
     try:
         return _train(cfg, opts, world, checked)
     finally:

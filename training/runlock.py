@@ -253,21 +253,27 @@ def take(run_dir: str | os.PathLike, *, break_lock: bool = False,
     """The lock of ``run_dir`` for this job: acquired here, or None when this process or the ``--nproc``
     launcher that started it already holds it (``owns``). Raises :class:`RunFolderLocked` when another job
     holds it."""
-    if _key(run_dir) in _HELD:
-        return None
-    path, _, pid = os.environ.get(LAUNCHER_ENV, "").rpartition(":")
-    if path == _key(run_dir) and pid.isdigit():  # a worker of the --nproc launcher, which holds the lock
-        if int(pid) != os.getppid():
-            raise RunFolderLocked(f"run folder {run_dir}: the --nproc launcher (pid {pid}) that holds its lock for "
-                                  "this worker is gone; not starting")
-        _watch_launcher(int(pid), Path(run_dir), announce)
+    if _key(run_dir) in _HELD or follow_launcher(run_dir, announce):
         return None
     return RunLock(run_dir).acquire(break_lock=break_lock, announce=announce)
 
 
+def follow_launcher(run_dir: str | os.PathLike, announce: Callable[[str], None] = print) -> bool:
+    """For a worker of the ``--nproc`` launcher that holds ``run_dir``'s lock (every rank calls it): True, and
+    this process stops within ``WATCH_LAUNCHER_S`` once that launcher is gone (``kill -9``: the kernel freed the
+    lock, and torchrun's workers, each in a session of its own, would otherwise go on writing unlocked).
+    RunFolderLocked when the launcher is already gone; False for any other process."""
+    path, _, pid = os.environ.get(LAUNCHER_ENV, "").rpartition(":")
+    if path != _key(run_dir) or not pid.isdigit():
+        return False
+    if int(pid) != os.getppid():
+        raise RunFolderLocked(f"run folder {run_dir}: the --nproc launcher (pid {pid}) that holds its lock for "
+                              "this worker is gone; not starting")
+    _watch_launcher(int(pid), Path(run_dir), announce)
+    return True
+
+
 def _watch_launcher(pid: int, run_dir: Path, announce: Callable[[str], None]) -> None:
-    """A worker whose launcher holds the lock stops when that launcher is gone (``kill -9``: the kernel freed
-    the lock, and torchrun's workers, each in a session of its own, would otherwise train on unlocked)."""
     def watch() -> None:
         while os.getppid() == pid:
             time.sleep(WATCH_LAUNCHER_S)
