@@ -108,7 +108,7 @@ def owns(run_dir: str | os.PathLike) -> bool:
 
 
 def launcher_env(lock: RunLock) -> dict[str, str]:
-    """What the launcher puts in its workers' environment so that their rank 0 knows the lock is held."""
+    """What the launcher puts in its workers' environment: the lock is held for them (``follow_launcher``)."""
     return {LAUNCHER_ENV: f"{_key(lock.run_dir)}:{os.getpid()}"}
 
 
