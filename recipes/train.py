@@ -9,12 +9,18 @@ Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches 
 ``torch.distributed.run`` on this machine. The config, the world size, the data files and the
 corpus size are checked before any process starts. The run folder (``--run-dir``, default
 ``runs/<name>-<time>``) gets the resolved config, ``metrics.jsonl``, ``loss.png``, ``summary.json``,
-wandb files and ``checkpoints/``.
+wandb files and ``checkpoints/``. One job per run folder: a launch on a folder another job holds exits
+at once with status 5 naming the holder (``training.runlock``). ``--resume auto`` without ``--run-dir``
+continues the newest run of the same config under ``run.runs_root`` (or says it starts a new one).
 
 SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) stops every rank after the step in progress: a
 checkpoint of that step is committed, one line says where, and the exit status is 0 (3 if that save
 failed); ``run.max_minutes`` does the same before a wall-clock limit. ``--resume auto`` then continues
 bit-exactly. Under ``--nproc`` the launcher forwards the signal to its workers and waits for their save.
+
+Exit statuses (``accel.cli``): 0 done (or stopped early with a committed checkpoint), 1 failed, 2 bad input
+(one line; nothing started), 3 stopped early but the save failed, 4 stopped by the NaN guard, 5 run folder
+locked.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import sys
 from pathlib import Path
 
 from accel import cli, specs
-from accel.cli import HelpFormatter, positive_int
+from accel.cli import BAD_INPUT, LOCKED, HelpFormatter, check_output_dir, check_output_file, positive_int
 from training.checkpoint import format as fmt
 from training.config import load_config
 from training.launch import relaunch, strip_option, under_torchrun
+from training.rundir import check_resume, choose_run_dir
+from training.runlock import RunFolderLocked, RunLock, launcher_env
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,8 +47,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--nproc", type=positive_int, default=None, help="processes on this machine (default: run.nproc)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
-    ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>)")
-    ap.add_argument("--resume", default=None, help="'auto' (newest valid checkpoint of the run folder) or a path")
+    ap.add_argument("--run-dir", default=None, help="run folder (default: <run.runs_root>/<run.name>-<time>); "
+                    "one job at a time: it is locked while a job runs in it")
+    ap.add_argument("--resume", default=None,
+                    help="'auto' (newest valid checkpoint of the run folder; without --run-dir: of the newest run "
+                         "of this config under run.runs_root) or a checkpoint folder RUN/checkpoints/step_N "
+                         "(default: start from scratch)")
+    ap.add_argument("--break-lock", action="store_true",
+                    help="take over a run folder whose lock another host left with a stale heartbeat (the error "
+                         "of a refused launch says when); a live job on this host is never taken over")
     ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
     ap.add_argument("--device", default=None, metavar="NAME",
                     help="device the dry run checks memory against, e.g. H800 (accel.specs names) or cpu")
@@ -96,25 +111,49 @@ def main(argv: list[str] | None = None) -> int:
         if ns.dry_run:
             dry_run(cfg, nproc, ns.device)
             return 0
-        if under_torchrun():
-            from training.run import RunOptions, run_training
+        check_paths(ns)
+        from training.run import RunOptions, run_training
 
-            return exit_status(run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace)))
-        from training.run import RunOptions, default_run_dir, run_training
+        opts = RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace, break_lock=ns.break_lock)
+        if under_torchrun() or nproc == 1:
+            return exit_status(run_training(cfg, opts))
         from training.trainer import check_static
 
-        if nproc == 1:
-            return exit_status(run_training(cfg, RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace)))
         check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
-        run_dir = ns.run_dir or str(default_run_dir(cfg))
-        child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
-        return relaunch("recipes.train", nproc, child, latest_step=lambda: latest_step(run_dir))
+        return launch_locked(cfg, nproc, argv, ns)
+    except RunFolderLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return LOCKED
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     except KeyboardInterrupt:  # SIGINT before training installed its handlers (training.preempt)
         print("interrupted (SIGINT) before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def check_paths(ns: argparse.Namespace) -> None:
+    """The run's output paths and ``--resume``, before any work: ValueError naming the option."""
+    if ns.trace:
+        check_output_file(ns.trace, "--trace")
+    if ns.run_dir:
+        check_output_dir(ns.run_dir, "--run-dir")
+    check_resume(ns.resume)
+
+
+def launch_locked(cfg, nproc: int, argv: list[str], ns: argparse.Namespace) -> int:
+    """``--nproc N``: take the run folder's lock here, before torchrun starts a worker, hold it until they are
+    done, and tell the workers (``DSV3_RUN_LOCK``) that their job holds it."""
+    run_dir = str(choose_run_dir(cfg, ns.run_dir, ns.resume))
+    child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
+    with RunLock(run_dir).acquire(break_lock=ns.break_lock) as lock:
+        env = launcher_env(lock)
+        os.environ.update(env)  # inherited by the torchrun workers
+        try:
+            return relaunch("recipes.train", nproc, child, latest_step=lambda: latest_step(run_dir))
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
 
 
 def exit_status(summary: dict) -> int:

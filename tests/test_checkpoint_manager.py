@@ -188,7 +188,7 @@ def test_partial_and_uncommitted_checkpoints_are_never_loaded(tmp_path):
     meta = json.loads((tmp_path / "step_000000030" / "metadata.json").read_text())
     assert meta["step"] == 20
     assert mgr.find_latest_valid() == tmp_path / "step_000000030"
-    fresh = CheckpointManager(tmp_path)  # a restart sweeps the leftover staging folder
+    fresh = CheckpointManager(tmp_path, sweep=True)  # a restart (owning the folder) sweeps the leftover staging
     assert not staging.exists()
     (tmp_path / "latest").unlink()  # no pointer at all: every committed folder is a candidate
     assert fresh.find_latest_valid() == newer

@@ -40,11 +40,11 @@ def _env() -> dict[str, str]:
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
+    """Every logged loss, in the order run: a resume moves the killed run's lines after the resumed step
+    from metrics.jsonl to metrics.superseded.jsonl (training.metrics.supersede_after)."""
+    paths = [run_dir / "metrics.superseded.jsonl", run_dir / "metrics.jsonl"]
     rows = []
-    for line in path.read_text().splitlines():
+    for line in [ln for p in paths if p.exists() for ln in p.read_text().splitlines()]:
         try:
             r = json.loads(line)
         except json.JSONDecodeError:  # the line being written when the kill landed

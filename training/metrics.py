@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 import accel
 
 WANDB_MODES = ("offline", "online", "disabled")
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 
 
 def resolve_wandb_mode(config_mode: str, cli_mode: str | None) -> str:
@@ -59,8 +60,45 @@ class NullLogger:
         pass
 
 
+def supersede_after(path: Path, step: int) -> int:
+    """Move the lines of ``path`` (a ``metrics.jsonl``) logged after ``step`` to ``metrics.superseded.jsonl``
+    beside it; returns how many moved. All of them move when ``step`` is 0 (a new run).
+
+    A run resumed from step N after a kill logs steps N+1.. again; the lines the killed run wrote for them
+    (and any torn last line) belong to a timeline that no checkpoint continues. Moving them keeps
+    ``metrics.jsonl`` one line per step, in the order the surviving timeline ran, while nothing is lost.
+    The superseded lines are appended first and ``metrics.jsonl`` is then replaced atomically, so a kill
+    in between at worst leaves a line in both files, never in neither. The run folder's lock
+    (``training.runlock``) guarantees no other job is appending meanwhile."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            record_step = None  # torn (killed mid-write): superseded too
+        if step > 0 and record_step is not None and record_step <= step:
+            keep.append(line)
+        elif line.strip():
+            moved.append(line if line.endswith("\n") else line + "\n")
+    if not moved:
+        return 0
+    with (path.parent / SUPERSEDED_FILE).open("a", encoding="utf-8") as out:
+        out.writelines(moved)
+        out.flush()
+        os.fsync(out.fileno())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(moved)
+
+
 class MetricsLogger:
-    """Progress bar + ``metrics.jsonl`` + wandb, for one run folder."""
+    """Progress bar + ``metrics.jsonl`` + wandb, for one run folder.
+
+    Opening it at ``start_step`` first moves the lines an earlier job logged after that step to
+    ``metrics.superseded.jsonl`` (``supersede_after``), so that a resumed run's stream has each step once."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, config: dict[str, Any], wandb_mode: str,
                  project: str, run_name: str, progress: bool = True, flops_per_token: float | None = None,
@@ -68,6 +106,10 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        self.superseded = supersede_after(self.path, start_step)
+        if self.superseded:
+            print(f"metrics: {self.superseded} line(s) an earlier job logged after step {start_step} moved to "
+                  f"{self.run_dir / SUPERSEDED_FILE}", flush=True)
         self._file = self.path.open("a", encoding="utf-8")
         self.total_steps, self.flops_per_token, self.fp8 = total_steps, flops_per_token, fp8
         self.device_name = accel.device_name()

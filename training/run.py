@@ -5,8 +5,7 @@ Split from the CLI so tests can run it inside their own process groups.
 
 from __future__ import annotations
 
-import datetime
-import os
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +22,9 @@ from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
 from training.preempt import Preemption, save_on_stop
+from training.rundir import check_resume, choose_run_dir, default_run_dir, write_config
+from training.runlock import follow_launcher
+from training.runlock import take as take_run_lock
 from training.trainer import Trainer, check_static
 
 
@@ -33,11 +35,7 @@ class RunOptions:
     wandb: str | None = None  # None: WANDB_MODE, else the config
     sample: bool = True
     trace: str | None = None  # write a Chrome/Perfetto trace of the run (all ranks) to this file
-
-
-def default_run_dir(cfg: TrainConfig) -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
+    break_lock: bool = False  # take over the lock another host left (training.runlock; never a live one here)
 
 
 def _agree_run_dir(cfg: TrainConfig, opts: RunOptions, ps: ParallelState) -> Path:
@@ -57,26 +55,40 @@ def _attach_checkpointing(trainer, cfg: TrainConfig, run_dir: Path, opts: RunOpt
 def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     """Train this rank's part of ``cfg``; returns the summary (every rank); rank 0 prints and writes it.
 
+    Rank 0 chooses the run folder and holds its lock (``training.runlock``) from before the process group
+    until it returns or raises: a second job on the folder fails at once with ``RunFolderLocked``.
     SIGTERM / SIGINT (from here to the end, the final save included) and ``run.max_minutes`` stop every rank
     after the same step with a committed checkpoint of it (``training.preempt``); the summary's ``stopped``
     then holds the cause, the step and the exit status for the CLI."""
     with Preemption(cfg.run.max_minutes) as preemption:
-        return _run_training(cfg, opts, preemption)
+        rank, world = world_from_env()
+        checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
+        check_resume(opts.resume)
+        lock = None
+        if rank == 0:
+            opts = dataclasses.replace(opts, run_dir=str(choose_run_dir(cfg, opts.run_dir, opts.resume)))
+            lock = take_run_lock(opts.run_dir, break_lock=opts.break_lock)
+        elif opts.run_dir:  # a --nproc worker stops with the launcher that holds the lock
+            follow_launcher(opts.run_dir, announce=lambda line: None)
+        try:
+            return _train(cfg, opts, world, checked, preemption)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
-def _run_training(cfg: TrainConfig, opts: RunOptions, preemption: Preemption) -> dict[str, Any]:
-    rank, world = world_from_env()
-    checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
+def _train(cfg: TrainConfig, opts: RunOptions, world: int, checked, preemption: Preemption) -> dict[str, Any]:
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
     run_dir = _agree_run_dir(cfg, opts, ps)
     wandb_mode = resolve_wandb_mode(cfg.logging.wandb, opts.wandb) if ps.rank == 0 else "disabled"
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
         print(f"run folder: {run_dir}\n{_layout_line(cfg, world)}", flush=True)
     recorder = TraceRecorder(ps.rank) if opts.trace else None
     trainer = Trainer(cfg, ps, run_dir, wandb_mode, checked, recorder)
     hooks = _attach_checkpointing(trainer, cfg, run_dir, opts)
+    if ps.rank == 0:  # only now: a refused resume leaves the folder's config as it was
+        write_config(run_dir, cfg)
     trainer.preemption = preemption
     if hooks is not None:
         preemption.save_seconds = lambda: hooks.manager.last_write_seconds

@@ -41,6 +41,7 @@ from training.checkpoint.resume import (
 from training.checkpoint.rng import restore_rng_state
 from training.checkpoint.writer import paused_writer
 from training.fault import FaultPolicy, FaultTolerance, FaultToleranceExhausted
+from training.runlock import take as take_run_lock
 
 IN_DIM, CLASSES = 16, 8
 
@@ -132,9 +133,10 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         _emit("METRIC", json.dumps(record, default=str))
 
     slow = paused_writer(args.write_delay, lambda path: _emit("EVENT", "mid_write", -1, path.name))
+    lock = take_run_lock(args.root) if rank == 0 else None  # one job per folder: the start-up sweep runs under it
     mgr = CheckpointManager(args.root, async_save=not args.sync, keep_last=args.keep_last, keep_every=args.keep_every,
                             on_event=lambda name, step, detail: _emit("EVENT", name, step, detail), metrics=metrics,
-                            save_tensors=slow if args.write_delay > 0 else None)
+                            save_tensors=slow if args.write_delay > 0 else None, sweep=True)
     ft = None
     if args.fault:
         ft = FaultTolerance(FaultPolicy(spike_sigma=args.spike_sigma, window=20, min_history=5,
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in sorted(losses.items())}))
     if own_group:
         dist.destroy_process_group()
+    if lock is not None:
+        lock.release()
     return losses
 
 

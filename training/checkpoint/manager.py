@@ -49,12 +49,16 @@ class CheckpointManager:
     ``keep_last`` newest checkpoints are kept, plus every one whose step is a multiple of
     ``keep_every`` (0: none), plus the ``latest`` and ``stable`` ones and any pinned with :meth:`pin`.
     ``verify`` is ``"full"`` (sizes and sha256) or ``"size"`` (sizes only, for very large checkpoints).
+    ``sweep``: rank 0 removes the ``.staging-*`` / trash folders of interrupted saves at start. Only the job
+    that owns the run folder (holds its lock, ``training.runlock``) may ask for it, since another job's
+    staging folder is a save in progress; readers (exports, tools) never sweep.
     """
 
     def __init__(self, root: str | Path, *, async_save: bool = True, keep_last: int = 3, keep_every: int = 0,
                  verify: str = "full", commit_timeout_s: float = 600.0, rank: int | None = None,
                  world_size: int | None = None, on_event: EventHook | None = None,
-                 metrics: MetricsHook | None = None, save_tensors: SaveTensors | None = None) -> None:
+                 metrics: MetricsHook | None = None, save_tensors: SaveTensors | None = None,
+                 sweep: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the last committed checkpoint is kept), got {keep_last}")
         if keep_every < 0:
@@ -78,7 +82,7 @@ class CheckpointManager:
         self._writer = CheckpointWriter(self.root, self.rank, self.world_size, commit_timeout_s=commit_timeout_s,
                                         after_commit=self._apply_retention, on_event=on_event,
                                         save_tensors=save_tensors)
-        if self.rank == 0:
+        if sweep and self.rank == 0:
             self._sweep_leftovers()
         self._barrier()
 

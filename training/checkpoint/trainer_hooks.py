@@ -28,6 +28,7 @@ from training.checkpoint.writer import paused_writer
 from training.config import ParallelConfig
 from training.fault import FaultPolicy, FaultTolerance, Verdict
 from training.metrics import NullLogger
+from training.runlock import owns
 
 
 def checkpoint_state(trainer) -> dict[str, Any]:
@@ -82,7 +83,8 @@ class CheckpointHooks:
         self.manager = CheckpointManager(root, async_save=ck.async_save, keep_last=ck.keep_last,
                                          keep_every=ck.keep_every, commit_timeout_s=cfg.run.timeout_s,
                                          metrics=self._log_event,
-                                         save_tensors=paused_writer(ck.write_delay_s) if ck.write_delay_s else None)
+                                         save_tensors=paused_writer(ck.write_delay_s) if ck.write_delay_s else None,
+                                         sweep=owns(Path(root).parent))  # only under the run folder's lock
         self.fault = None
         if getattr(cfg, "fault", None) is not None and cfg.fault.enabled:
             policy = FaultPolicy.from_config(cfg.fault)
@@ -101,7 +103,10 @@ class CheckpointHooks:
 
     # ------------------------------------------------------------------------------------------ resume
     def _resume(self, resume: str) -> None:
-        folder = self.manager.resolve(resume)
+        try:
+            folder = self.manager.resolve(resume)
+        except fmt.CheckpointCorruptError as exc:  # a folder given on the command line: bad input, one line
+            raise ValueError(f"--resume {resume!r}: {exc}") from None
         if folder is None:
             return
         step = load_checkpoint(self.trainer, folder)
