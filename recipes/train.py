@@ -10,6 +10,9 @@ Without torchrun, ``--nproc`` (default: the config's ``run.nproc``) re-launches 
 corpus size are checked before any process starts. The run folder (``--run-dir``, default
 ``runs/<name>-<time>``) gets the resolved config, ``metrics.jsonl``, ``loss.png``, ``summary.json``,
 wandb files and ``checkpoints/``.
+
+Exit statuses (``accel.cli``): 0 finished; 2 bad input (one line naming the key or option); 4 the NaN /
+loss-spike guard stopped the run (one line: the step, the fault, and why there was no rollback).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import argparse
 import os
 import sys
 
+import torch.distributed as dist
+
+from accel.cli import BAD_INPUT, FAULT_STOP
 from training.config import load_config
+from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
 
 
@@ -97,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         return relaunch("recipes.train", nproc, child)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
+    except FaultToleranceError as exc:  # every rank agreed on the fault; rank 0 says what happened, once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank exits (and makes torchrun stop the others) before the line is out
+        return FAULT_STOP
 
 
 if __name__ == "__main__":

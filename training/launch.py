@@ -7,11 +7,22 @@ own agent starts, watches and tears down the workers; nothing here is home-made 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
+
+from accel.cli import FAULT_STOP
+
+
+class _QuietFaultStop(logging.Filter):
+    """Drops torchrun's "failed (exitcode: 4)" log record: the worker has said why in one line already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode") and bool(record.args)
+                    and record.args[0] == FAULT_STOP)
 
 
 def under_torchrun() -> bool:
@@ -40,10 +51,17 @@ def relaunch(module: str, nproc: int, argv: Sequence[str], max_restarts: int = 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers on a few cores: no thread oversubscription
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          f"--max-restarts={max_restarts}", "--module", module, *argv])
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _QuietFaultStop()
+    agent_log.addFilter(quiet)
     try:
         run(args)
     except ChildFailedError as exc:
+        if any(f.exitcode == FAULT_STOP for f in exc.failures.values()):
+            return FAULT_STOP  # the fault guard stopped every rank; rank 0 printed the line
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(exc.failures.items()))
         print(f"training failed ({failures}); see the error above")
         return 1
+    finally:
+        agent_log.removeFilter(quiet)
     return 0
