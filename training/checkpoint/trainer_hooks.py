@@ -163,14 +163,16 @@ class CheckpointHooks:
     @contextlib.contextmanager
     def _stopping(self) -> Iterator[None]:
         """A FaultToleranceError stops the run: the save in flight (an earlier step, checked healthy) completes
-        before the error leaves, so the run folder is left as a resume expects it."""
+        before the error leaves, so the run folder is left as a resume expects it, and the metrics logger is
+        closed (progress bar, ``summary.json`` with the reason, wandb) so the error's line is the last printed."""
         try:
             yield
-        except FaultToleranceError:
+        except FaultToleranceError as fault:
             try:
                 self.manager.close()
             except fmt.CheckpointError as exc:  # the fault is what the user must see; the write error is logged
                 log.warning("while stopping on a fault: %s", exc)
+            self.trainer.logger.close({"steps": self.trainer.step, "stopped": str(fault)})
             raise
 
     def _checked_state(self) -> tuple[dict[str, Any], Verdict]:
