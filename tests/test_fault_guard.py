@@ -139,24 +139,25 @@ def test_cli_nan_without_a_good_checkpoint_stops_with_one_line_and_status_4(tmp_
 
 def _fault_stop_worker_module(tmp_path: Path) -> str:
     (tmp_path / "fault_stop_worker.py").write_text(
-        "import os, sys\n"
+        "import os, sys, time\n"
         "if os.environ['RANK'] == '0':\n"
         "    print('error: step 7: non-finite loss; stopped without saving', file=sys.stderr, flush=True)\n"
-        "sys.exit(4)\n")
+        "    sys.exit(4)\n"
+        "time.sleep(60)  # still exiting when torchrun tears the job down after rank 0's exit\n")
     return "fault_stop_worker"
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_launcher_passes_a_fault_stop_through_as_status_4(tmp_path, capfd, monkeypatch):
-    """Under ``--nproc`` the workers' status 4 is the launcher's, with no line of its own or of torchrun's."""
-    from training.launch import relaunch
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
-    assert relaunch(_fault_stop_worker_module(tmp_path), 2, []) == FAULT_STOP
-    out = capfd.readouterr()
-    lines = (out.out + out.err).strip().splitlines()
+def test_launcher_passes_a_fault_stop_through_as_status_4(tmp_path):
+    """Under ``--nproc`` the workers' status 4 is the launcher's, with no line of its own or of torchrun's (neither
+    its failure record nor its teardown of the ranks still running)."""
+    module = _fault_stop_worker_module(tmp_path)
+    code = f"import sys; from training.launch import relaunch; sys.exit(relaunch({module!r}, 2, []))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert proc.returncode == FAULT_STOP, proc.stdout + proc.stderr
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert lines == ["error: step 7: non-finite loss; stopped without saving"], lines
 
 

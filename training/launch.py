@@ -18,11 +18,15 @@ from accel.cli import FAULT_STOP
 
 
 class _QuietFaultStop(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 4)" log record: the worker has said why in one line already."""
+    """Drops torchrun's "failed (exitcode: 4)" record (the workers said why in one line) and its "Sending process
+    N closing signal SIGTERM" records (teardown of the workers still exiting after the first one did; on a
+    crash, the traceback and the launcher's own line say what happened)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode") and bool(record.args)
-                    and record.args[0] == FAULT_STOP)
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith("Sending process") and "closing signal" in msg:
+            return False
+        return not (msg.startswith("failed (exitcode") and bool(record.args) and record.args[0] == FAULT_STOP)
 
 
 def under_torchrun() -> bool:
