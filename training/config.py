@@ -357,20 +357,21 @@ def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None
 def check_finite(node: Any, prefix: str = "") -> None:
     """ValueError naming the first float option (at any depth, ``model.overrides`` and ``optim.betas`` included)
     that is NaN or infinite: no option of the training config means anything when it is not finite."""
-    if dataclasses.is_dataclass(node):
-        items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
-    elif isinstance(node, dict):
-        items = list(node.items())
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            check_finite(value, f"{prefix}[{i}]")
-        return
-    else:
-        if isinstance(node, float) and not math.isfinite(node):
+    if isinstance(node, float):
+        if not math.isfinite(node):
             raise ValueError(f"config key '{prefix}' must be a finite number, got {node}")
         return
-    for name, value in items:
-        check_finite(value, f"{prefix}.{name}" if prefix else str(name))
+    if dataclasses.is_dataclass(node):
+        items = ((f"{prefix}.{k}" if prefix else k, v) for k, v in vars(node).items())
+    elif isinstance(node, dict):
+        items = ((f"{prefix}.{k}", v) for k, v in node.items())
+    elif isinstance(node, (list, tuple)):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return
+    for key, value in items:
+        if not isinstance(value, (bool, int, str)):  # the bulk of the options: nothing to look at
+            check_finite(value, key)
 
 
 def validate(cfg: TrainConfig) -> None:
