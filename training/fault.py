@@ -257,8 +257,9 @@ class FaultTolerance:
         skip = step - stable + self.policy.skip_extra_batches
         entry["skip_batches"] = skip
         self._log(entry)
-        log.warning("rank %d: %s at step %d; rolling back to stable step %d and skipping %d batches (retry %d/%d)",
-                    self.rank, reason, step, stable, skip, self.retries, self.policy.max_retries)
+        if self.rank == 0:  # every rank agreed on it: one line per rollback, not one per rank
+            log.warning("%s at step %d; rolling back to stable step %d and skipping %d batches (retry %d/%d)",
+                        reason, step, stable, skip, self.retries, self.policy.max_retries)
         return Verdict(ok=False, step=step, reason=reason, rollback_step=stable, skip_batches=skip,
                        retry=self.retries, details=entry)
 
