@@ -6,8 +6,9 @@ The checks turn what DeepGEMM would assert in C++ (or silently compute wrong) in
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -21,6 +22,7 @@ M_ALIGNMENT = 128  # rows per group in the contiguous grouped layout
 CHECK_SCALES_ENV = "DSV3_DEEP_GEMM_CHECK_SCALES"
 
 _num_sms: int | None = None
+_scale_values_unchecked = 0  # > 0 inside unchecked_scale_values()
 
 
 def ceil_div(x: int, y: int) -> int:
@@ -122,9 +124,25 @@ def scale_values_checked(sf: torch.Tensor) -> bool:
     On unless ``DSV3_DEEP_GEMM_CHECK_SCALES=0`` (for latency-critical serving), and skipped while a
     CUDA graph is being captured, where a sync is illegal.
     """
-    if os.environ.get(CHECK_SCALES_ENV, "1") == "0":
+    if _scale_values_unchecked or os.environ.get(CHECK_SCALES_ENV, "1") == "0":
         return False
     return not (sf.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def unchecked_scale_values() -> Iterator[None]:
+    """Skip the scale value check inside this block (process-wide, so autograd's backward threads too).
+
+    For a training step, whose scales all come from its own casts of its own tensors: there a NaN or Inf
+    scale means NaN or Inf data, which must flow to the loss and the gradient norm, where the fault guard
+    (``training/fault.py``) sees it and rolls back, as DeepGEMM's kernels would let it flow, instead of
+    stopping the run with an argument error (and a host sync per GEMM on a GPU)."""
+    global _scale_values_unchecked
+    _scale_values_unchecked += 1
+    try:
+        yield
+    finally:
+        _scale_values_unchecked -= 1
 
 
 def unpack_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:

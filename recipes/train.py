@@ -31,10 +31,13 @@ import signal
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from accel import cli, specs
-from accel.cli import BAD_INPUT, LOCKED, HelpFormatter, check_output_dir, check_output_file, positive_int
+from accel.cli import BAD_INPUT, FAULT_STOP, LOCKED, HelpFormatter, check_output_dir, check_output_file, positive_int
 from training.checkpoint import format as fmt
 from training.config import load_config
+from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
 from training.rundir import check_resume, choose_run_dir
 from training.runlock import RunFolderLocked, RunLock, launcher_env
@@ -127,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT
+    except FaultToleranceError as exc:  # every rank agreed on the fault; rank 0 says what happened, once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank exits (and makes torchrun stop the others) before the line is out
+        return FAULT_STOP
     except KeyboardInterrupt:  # SIGINT before training installed its handlers (training.preempt)
         print("interrupted (SIGINT) before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT

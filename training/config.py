@@ -181,11 +181,16 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    enabled: bool = False
+    """The NaN / loss-spike guard (``training/fault.py``), on by default: a faulty step's update is skipped,
+    no non-finite state is ever committed, and the run rolls back to the last stable checkpoint, or stops
+    (exit status 4) with one line when there is none yet or ``max_retries`` rollbacks made no progress."""
+
+    enabled: bool = True
     spike_sigma: float = 6.0  # a loss this many standard deviations above the moving window is a spike
     window: int = 50
-    stable_after: int = 20  # healthy steps after which a checkpoint is marked stable
+    stable_after: int = 20  # healthy steps after which a committed checkpoint becomes stable (a rollback target)
     max_retries: int = 3
+    inject_nan_at_step: int = 0  # check the guard: step N's loss is made NaN, once per process (0 = never)
 
 
 @dataclass
@@ -362,9 +367,34 @@ def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None
                          "data.global_batch or data.micro_batch") from None
 
 
+def check_finite(node: Any, prefix: str = "") -> None:
+    """ValueError naming the first float option (at any depth, ``model.overrides`` and ``optim.betas`` included)
+    that is NaN or infinite: no option of the training config means anything when it is not finite."""
+    if isinstance(node, float):
+        if not math.isfinite(node):
+            raise ValueError(f"config key '{prefix}' must be a finite number, got {node}")
+        return
+    if dataclasses.is_dataclass(node):
+        items = ((f"{prefix}.{k}" if prefix else k, v) for k, v in vars(node).items())
+    elif isinstance(node, dict):
+        items = ((f"{prefix}.{k}", v) for k, v in node.items())
+    elif isinstance(node, (list, tuple)):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return
+    for key, value in items:
+        if not isinstance(value, (bool, int, str)):  # the bulk of the options: nothing to look at
+            check_finite(value, key)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Every check that needs no model, no data and no process group; errors name the key."""
+    check_finite(cfg)
     r, p, d, o, b = cfg.run, cfg.parallel, cfg.data, cfg.optim, cfg.balance
+    if r.timeout_s <= 0:
+        raise ValueError(f"run.timeout_s must be > 0, got {r.timeout_s}")
+    if r.sample_temperature < 0:
+        raise ValueError(f"run.sample_temperature must be >= 0 (0 = greedy), got {r.sample_temperature}")
     if r.steps < 1:
         raise ValueError(f"run.steps must be >= 1, got {r.steps}")
     if r.nproc < 1:
@@ -414,8 +444,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not all(0.0 <= beta < 1.0 for beta in o.betas):
         raise ValueError(f"optim.betas must be in [0, 1), got {o.betas}")
-    if o.clip_grad < 0 or o.weight_decay < 0:
-        raise ValueError("optim.clip_grad and optim.weight_decay must be >= 0")
+    if o.eps <= 0:
+        raise ValueError(f"optim.eps must be > 0 (it keeps AdamW's update finite where a moment is 0), got {o.eps}")
+    if o.clip_grad < 0:
+        raise ValueError(f"optim.clip_grad must be >= 0 (0 = no clipping), got {o.clip_grad}")
+    if o.weight_decay < 0:
+        raise ValueError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     if o.name not in OPTIMIZERS:
         raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {o.name!r}")
     if o.moments_dtype not in MOMENT_DTYPES:
@@ -443,9 +477,25 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep_last < 1:
         raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
-    if not math.isfinite(cfg.model.mtp_lambda) or cfg.model.mtp_lambda < 0:
-        raise ValueError(f"model.mtp_lambda must be a finite number >= 0, got {cfg.model.mtp_lambda}")
+    if cfg.checkpoint.write_delay_s < 0:
+        raise ValueError(f"checkpoint.write_delay_s must be >= 0, got {cfg.checkpoint.write_delay_s}")
+    for key in ("mtp_lambda", "mtp_lambda_late"):
+        if getattr(cfg.model, key) < 0:
+            raise ValueError(f"model.{key} must be >= 0, got {getattr(cfg.model, key)}")
+    validate_fault(cfg.fault)
     validate_eplb(cfg)
+
+
+def validate_fault(f: FaultConfig) -> None:
+    """The ``[fault]`` ranges (``training.fault.FaultPolicy`` checks the same when built), named by key."""
+    if f.spike_sigma <= 0:
+        raise ValueError(f"fault.spike_sigma must be > 0, got {f.spike_sigma}")
+    for key in ("window", "stable_after"):
+        if getattr(f, key) < 1:
+            raise ValueError(f"fault.{key} must be >= 1, got {getattr(f, key)}")
+    for key in ("max_retries", "inject_nan_at_step"):
+        if getattr(f, key) < 0:
+            raise ValueError(f"fault.{key} must be >= 0, got {getattr(f, key)}")
 
 
 def validate_eplb(cfg: TrainConfig) -> None:

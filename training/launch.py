@@ -21,6 +21,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from accel.cli import FAULT_STOP
+
 
 def under_torchrun() -> bool:
     """Whether this process is a torchrun worker (torchrun sets these for every worker)."""
@@ -73,7 +75,7 @@ def relaunch(module: str, nproc: int, argv: Sequence[str], max_restarts: int = 0
     status, failures = _status(outcome["error"])
     if forwarder.first is not None:
         print(forwarder.report(status, failures, latest_step() if latest_step is not None else None), flush=True)
-    elif status:
+    elif status and status != FAULT_STOP:  # after a fault stop rank 0 has printed the one line
         print(f"training failed ({failures}); see the error above", flush=True)
     return status
 
@@ -87,7 +89,8 @@ def _status(error: BaseException | None) -> tuple[int, str]:
         raise error
     failed = sorted(error.failures.items())
     codes = [f.exitcode for _, f in failed if f.exitcode > 0]
-    return (codes[0] if codes else 1), "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in failed)
+    status = FAULT_STOP if FAULT_STOP in codes else (codes[0] if codes else 1)  # the guard stopped every rank
+    return status, "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in failed)
 
 
 class _Forwarder:
@@ -112,7 +115,7 @@ class _Forwarder:
         self.first: int | None = None
         self.workers = 0
         self._previous: dict[int, Any] = {}
-        self._log_filter = _ChildThreadWarning()
+        self._log_filter = _AgentLogFilter()
 
     def __enter__(self) -> _Forwarder:
         if threading.current_thread() is threading.main_thread():
@@ -159,11 +162,18 @@ class _Forwarder:
 _ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
-class _ChildThreadWarning(logging.Filter):
-    """Drops torch's warning that an agent in a thread registers no signal handlers: ``_Forwarder`` does."""
+class _AgentLogFilter(logging.Filter):
+    """Drops the agent's records that would only repeat what the launcher or the workers say in one line:
+    torch's warning that an agent in a thread registers no signal handlers (``_Forwarder`` does), its
+    "failed (exitcode: 4)" after a fault stop (rank 0 said why), and its "Sending process N closing signal
+    SIGTERM" teardown of the workers still exiting after the first one did."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "child thread" not in record.getMessage()
+        msg = record.getMessage()
+        if "child thread" in msg or (msg.startswith("Sending process") and "closing signal" in msg):
+            return False
+        raw = record.msg if isinstance(record.msg, str) else ""
+        return not (raw.startswith("failed (exitcode") and bool(record.args) and record.args[0] == FAULT_STOP)
 
 
 def worker_pids(module: str, parent: int | None = None) -> list[int]:

@@ -33,13 +33,15 @@ class LossParts:
 class StageLoss:
     """``criterion(h, windows) -> loss`` for the last stage ``stage``; ``parts`` collects each call's parts."""
 
-    def __init__(self, stage: DeepSeekV3Stage, mtp_lambda: float):
+    def __init__(self, stage: DeepSeekV3Stage, mtp_lambda: float, inject_nan: bool = False):
+        """``inject_nan``: every loss of this step is NaN (``fault.inject_nan_at_step``, to check the guard)."""
         if not stage.is_last:
             raise ValueError(f"StageLoss needs the last pipeline stage, got stage {stage.stage_id}")
         self.stage = stage
         self.args = stage.args if mtp_lambda == stage.args.mtp_loss_weight else stage.args.replace(
             mtp_loss_weight=mtp_lambda)
         self.parts: list[LossParts] = []
+        self.inject_nan = inject_nan
 
     def __call__(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch from the last hidden state ``h [b, s, dim]`` and its windows ``[b, s + 1]``."""
@@ -52,9 +54,12 @@ class StageLoss:
         tokens, labels = windows[:, :-1], windows[:, 1:]
         parts = yield from lm_losses_from_hidden_steps(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens,
                                                        labels, cuts=cuts_of(h))
-        self.parts.append(LossParts(float(parts["loss"].detach()), float(parts["main"].detach()),
+        loss, main = parts["loss"], parts["main"]
+        if self.inject_nan:  # as a bad batch would: the reported loss and, through backward, every gradient
+            loss, main = loss * float("nan"), main * float("nan")
+        self.parts.append(LossParts(float(loss.detach()), float(main.detach()),
                                     [float(m.detach()) for m in parts["mtp"]], labels.numel()))
-        return mark_loss(parts["loss"], h)
+        return mark_loss(loss, h)
 
     def mean(self, name: str) -> float | None:
         """Mean over this step's micro-batches of ``total``, ``main`` or ``mtp`` (itself the mean over depths);

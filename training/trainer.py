@@ -37,6 +37,7 @@ import accel
 from accel import grads
 from accel.flight import FlightRecorder, flight_path, record_collective
 from accel.trace import TraceRecorder
+from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
@@ -184,6 +185,7 @@ class Trainer:
         self.holds_loss = self._holds_loss()
         self.preemption: Preemption | None = None  # set by training.run: SIGTERM / SIGINT / run.max_minutes
         self.stopped: Stop | None = None  # why and after which step fit() stopped early (every rank agrees)
+        self._nan_injected = False  # fault.inject_nan_at_step fires once per process
 
     # ---- construction helpers -----------------------------------------------------------------
     def _holds_loss(self) -> bool:
@@ -262,7 +264,8 @@ class Trainer:
         Returns the step's criterion (its ``parts``: each micro-batch's losses) on ranks holding the loss.
         """
         last = self.loss_stage
-        criterion = StageLoss(last, self._mtp_lambda()) if last is not None else None
+        inject = self._nan_injection_due()
+        criterion = StageLoss(last, self._mtp_lambda(), inject) if last is not None else None
         if self.pipeline is not None:
             self.pipeline.step(windows, chunks, criterion)
         else:
@@ -274,6 +277,15 @@ class Trainer:
                     loss.backward()
         scale_grads(self.modules, 1.0 / chunks)  # every loss (main, MTP, balance) entered backward unscaled
         return criterion
+
+    def _nan_injection_due(self) -> bool:
+        """``fault.inject_nan_at_step``: True the first time this process runs that step (so a rollback replays
+        it healthy, as after a transient fault); every rank decides alike."""
+        at = self.cfg.fault.inject_nan_at_step
+        if not at or self.step + 1 != at or self._nan_injected:
+            return False
+        self._nan_injected = True
+        return True
 
     def _span(self, name: str) -> contextlib.AbstractContextManager:
         """An action of the flight recorder and, when tracing, a compute span of the ``--trace`` timeline (named
@@ -307,7 +319,8 @@ class Trainer:
         ids = self.sampler.next_batch(global_batch)
         windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
         self.optimizer.zero_grad()
-        criterion = self._forward_backward(windows, chunks)
+        with unchecked_scale_values():  # FP8: a NaN must reach the loss / gradient norm, where the guard sees it
+            criterion = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp, self.flight)
         grad_sync_s = None
         if self.eplb is not None:  # replicas of one expert take the same (summed) step

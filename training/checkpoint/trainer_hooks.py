@@ -8,14 +8,22 @@
   and each rank reads what it now owns (``training.checkpoint.reshard``);
 - saves every ``checkpoint.interval`` steps (async by default) and reports the loop's stall as
   ``checkpoint_stall_s``; a failed background write raises at the next step;
-- with ``[fault] enabled``, checks every step's loss and gradient norm before the optimizer step,
-  skips the update of a faulty step, rolls every rank back to the last stable checkpoint, skips the
+- with ``[fault] enabled`` (the default), checks every step's loss and gradient norm before the optimizer
+  step, skips the update of a faulty step, rolls every rank back to the last stable checkpoint, skips the
   offending data window, and logs ``rollback`` / ``resume`` / ``restart`` events to the metrics stream.
+  Before every save (interval, final, or any other caller of :meth:`CheckpointHooks.save`) every rank
+  checks that the state it would write is finite: no non-finite tensor is ever committed. No step-0
+  checkpoint is written: until the first checkpoint is stable, a fault stops the run
+  (``FaultToleranceError``, one line) instead of rolling back.
 
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +34,11 @@ from training.checkpoint.resume import load_named_optimizer_state, named_optimiz
 from training.checkpoint.rng import restore_rng_state
 from training.checkpoint.writer import paused_writer
 from training.config import ParallelConfig
-from training.fault import FaultPolicy, FaultTolerance, Verdict
+from training.fault import FaultPolicy, FaultTolerance, FaultToleranceError, Verdict
 from training.metrics import NullLogger
 from training.runlock import owns
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_state(trainer) -> dict[str, Any]:
@@ -96,8 +106,8 @@ class CheckpointHooks:
         self.saved_step: int | None = None  # the step of the last save started (a stop need not repeat it)
         if resume:
             self._resume(resume)
-        if self.fault is not None and self.resumed_from is None:
-            self.save(sync=True)  # step 0: a rollback target before the first interval save
+        # No step-0 save as a rollback target: it would stall the start of every run (minutes of idle GPUs at
+        # V3 scale) for a state the seed reproduces; a fault before the first stable checkpoint stops the run.
         trainer.after_backward_hooks.append(self._after_backward)
         trainer.step_end_hooks.append(self._step_end)
 
@@ -122,7 +132,8 @@ class CheckpointHooks:
     def _after_backward(self, trainer, metrics: dict[str, Any]) -> bool:
         if self.fault is None:
             return True
-        verdict = self.fault.check(trainer.step + 1, metrics["loss"], metrics.get("grad_norm"))
+        with self._stopping():
+            verdict = self.fault.check(trainer.step + 1, metrics["loss"], metrics.get("grad_norm"))
         if verdict.ok:
             return True
         self._pending = verdict
@@ -139,7 +150,14 @@ class CheckpointHooks:
             return
         ck = self.cfg.checkpoint
         if ck.interval and trainer.step % ck.interval == 0 and trainer.step < self.cfg.run.steps:
-            metrics["checkpoint_stall_s"] = self.save()
+            t0 = time.perf_counter()
+            with self._stopping():
+                state, verdict = self._checked_state()
+            if not verdict.ok:  # the update of this step made the state non-finite: never commit it
+                self._rollback(verdict)
+                metrics.update(rollback_to=verdict.rollback_step, skipped_batches=verdict.skip_batches)
+                return
+            metrics["checkpoint_stall_s"] = time.perf_counter() - t0 + self._save(state)
 
     def _rollback(self, verdict: Verdict) -> None:
         trainer = self.trainer
@@ -148,15 +166,52 @@ class CheckpointHooks:
             trainer.sampler.next_batch(self.cfg.global_batch_at(step + i))
         self.fault.rolled_back(verdict)
 
-    # ------------------------------------------------------------------------------------------ public
-    def save(self, sync: bool | None = None) -> float:
-        """Save the trainer's state at its current step; returns the loop's stall in seconds."""
+    @contextlib.contextmanager
+    def _stopping(self) -> Iterator[None]:
+        """A FaultToleranceError stops the run: the save in flight (an earlier step, checked healthy) completes
+        before the error leaves, so the run folder is left as a resume expects it, and the metrics logger is
+        closed (progress bar, ``summary.json`` with the reason, wandb) so the error's line is the last printed."""
+        try:
+            yield
+        except FaultToleranceError as fault:
+            try:
+                self.manager.close()
+            except fmt.CheckpointError as exc:  # the fault is what the user must see; the write error is logged
+                log.warning("while stopping on a fault: %s", exc)
+            self.trainer.logger.close({"steps": self.trainer.step, "stopped": str(fault)})
+            raise
+
+    def _checked_state(self) -> tuple[dict[str, Any], Verdict]:
+        """The state to save and, with the guard on, every rank's verdict on its finiteness (a fault when not)."""
+        state = checkpoint_state(self.trainer)
+        if self.fault is None:
+            return state, Verdict(ok=True, step=self.trainer.step)
+        return state, self.fault.check_state(self.trainer.step, state)
+
+    def _save(self, state: dict[str, Any], sync: bool | None = None) -> float:
         trainer = self.trainer
-        stall = self.manager.save(trainer.step, checkpoint_state(trainer), trainer.checkpoint_meta(), sync=sync)
+        stall = self.manager.save(trainer.step, state, trainer.checkpoint_meta(), sync=sync)
         self.saved_step = trainer.step
         if self.fault is not None:
             self.fault.on_checkpoint(trainer.step)
         return stall
+
+    # ------------------------------------------------------------------------------------------ public
+    def save(self, sync: bool | None = None) -> float:
+        """Save the trainer's state at its current step; returns the loop's stall in seconds.
+
+        With the guard on, a non-finite state is not saved: every rank rolls back to the stable checkpoint
+        (which ``--resume auto`` then continues from) and FaultToleranceError stops the run, since the
+        caller (the final save, a preemption save) is past the training loop and cannot replay the steps."""
+        t0 = time.perf_counter()
+        with self._stopping():
+            state, verdict = self._checked_state()
+            if not verdict.ok:
+                self._rollback(verdict)
+                raise FaultToleranceError(f"step {verdict.step}: {verdict.reason}; not saved: rolled back to the "
+                                          f"stable checkpoint of step {verdict.rollback_step} (--resume auto "
+                                          "continues from there)")
+        return time.perf_counter() - t0 + self._save(state, sync)
 
     def close(self) -> None:
         self.manager.close()
