@@ -39,7 +39,7 @@ from training.checkpoint import format as fmt
 from training.config import load_config
 from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
-from training.rundir import check_resume, choose_run_dir
+from training.rundir import check_fresh, check_resume, choose_run_dir
 from training.runlock import RunFolderLocked, RunLock, launcher_env
 
 
@@ -156,6 +156,7 @@ def launch_locked(cfg, nproc: int, argv: list[str], ns: argparse.Namespace) -> i
     run_dir = str(choose_run_dir(cfg, ns.run_dir, ns.resume))
     child = strip_option(strip_option(argv, "--nproc"), "--run-dir") + ["--run-dir", run_dir]
     with RunLock(run_dir).acquire(break_lock=ns.break_lock) as lock:
+        check_fresh(run_dir, ns.resume)
         env = launcher_env(lock)
         os.environ.update(env)  # inherited by the torchrun workers
         try:

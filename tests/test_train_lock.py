@@ -181,3 +181,22 @@ def test_resume_trace_and_run_dir_are_refused_in_one_line_before_any_work(first_
         assert not new.exists()  # nothing was started
     assert main(_argv(tmp_path / "file")) == 2
     assert capsys.readouterr().err == f"error: --run-dir {str(tmp_path / 'file')!r} is a file; expected a folder\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_launch_into_a_folder_with_checkpoints_is_refused(first_run, tmp_path, capsys):
+    """Without --resume, a launch must not start over on top of an earlier run's checkpoints (its metrics would be
+    superseded and its rollback pointers reused): one line naming --run-dir, status 2, the folder unchanged."""
+    run, first = first_run[:2]
+    assert first.returncode == 0
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"}
+    for nproc in ("1", "2"):  # one process, and the --nproc launcher (refused before any worker starts)
+        argv = _argv(copy, "--set", f"parallel.dp={nproc}")
+        argv[argv.index("--nproc") + 1] = nproc
+        assert main(argv) == 2
+        out = capsys.readouterr()
+        assert out.err == (f"error: --run-dir {str(copy)!r} already holds an earlier run's checkpoints (latest step "
+                           "3); continue it with --resume auto, or choose another --run-dir\n"), out
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"} == before

@@ -22,7 +22,7 @@ from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, world_from_env
 from training.preempt import Preemption, save_on_stop
-from training.rundir import check_resume, choose_run_dir, default_run_dir, write_config
+from training.rundir import check_fresh, check_resume, choose_run_dir, default_run_dir, write_config
 from training.runlock import follow_launcher
 from training.runlock import take as take_run_lock
 from training.trainer import Trainer, check_static
@@ -71,6 +71,8 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
         elif opts.run_dir:  # a --nproc worker stops with the launcher that holds the lock
             follow_launcher(opts.run_dir, announce=lambda line: None)
         try:
+            if rank == 0:
+                check_fresh(opts.run_dir, opts.resume)
             return _train(cfg, opts, world, checked, preemption)
         finally:
             if lock is not None:

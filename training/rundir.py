@@ -82,6 +82,18 @@ def choose_run_dir(cfg: TrainConfig, run_dir: str | None, resume: str | None,
     return new
 
 
+def check_fresh(run_dir: str | os.PathLike, resume: str | None) -> None:
+    """A launch without ``--resume`` must not start over in a folder whose checkpoints belong to an earlier run:
+    its metrics, retention and rollback pointers would mix with theirs. ValueError naming ``--run-dir``.
+    Checked under the folder's lock, so a live job's folder is reported as locked instead."""
+    if resume is not None:
+        return
+    step = fmt.read_pointer(Path(run_dir) / "checkpoints", fmt.LATEST_FILE)
+    if step is not None:
+        raise ValueError(f"--run-dir {str(run_dir)!r} already holds an earlier run's checkpoints (latest step {step}); "
+                         "continue it with --resume auto, or choose another --run-dir")
+
+
 def write_config(run_dir: str | os.PathLike, cfg: TrainConfig) -> Path:
     """``run_dir/config.toml`` replaced atomically (temp file + rename): never half-written."""
     target = Path(run_dir) / CONFIG_FILE
