@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accel.wgrad
-from accel.cli import OK, HelpFormatter, check_output_file, nonnegative_float, positive_int
+from accel.cli import OK, ArgumentParser, check_output_file, nonnegative_float, positive_int
 from dualpipe.calculator import closed_form
 from dualpipe.dualpipe import DualPipe
 from dualpipe.dualpipev import DualPipeV
@@ -241,8 +241,7 @@ def launch(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dualpipe.bench", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="python -m dualpipe.bench", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=positive_int, default=8, help="pipeline ranks (gloo processes)")
     p.add_argument("--microbatches", type=positive_int, default=24, help="micro-batches per step")
     p.add_argument("--F", type=nonnegative_float, default=0.05, help="forward seconds per stage and micro-batch")

@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from accel.cli import HelpFormatter, check_output_file, nonnegative_float, positive_int
+from accel.cli import ArgumentParser, check_output_file, nonnegative_float, positive_int
 from dualpipe.calculator import closed_form
 from dualpipe.schedules import SCHEDULES, build
 from dualpipe.simulator import Costs, simulate
@@ -18,8 +17,7 @@ from dualpipe.validate import validate
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.splitlines()[0])
     p.add_argument("--schedule", choices=SCHEDULES, default="dualpipe", help="pipeline schedule to simulate")
     p.add_argument("--ranks", type=positive_int, default=8, help="pipeline ranks (devices)")
     p.add_argument("--microbatches", type=positive_int, default=20, help="micro-batches per step")

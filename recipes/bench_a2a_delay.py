@@ -36,7 +36,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_float, positive_float, positive_int
+from accel.cli import (
+    BAD_INPUT,
+    OK,
+    ArgumentParser,
+    check_output_file,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
 from accel.trace import TraceRecorder, write_chrome_trace
 from recipes.benchutil import print_report, spawn_gloo
 from training.config import load_config
@@ -51,8 +59,7 @@ BASE = ["model.fp8=false", "logging.progress=false", "logging.wandb=disabled", "
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_a2a_delay", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_a2a_delay", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_cpu.toml"),
                     help="TOML training config")
     ap.add_argument("--nproc", type=positive_int, default=2, help="gloo processes")

@@ -37,7 +37,15 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import accel
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, check_output_file, positive_float, positive_int
+from accel.cli import (
+    BAD_INPUT,
+    OK,
+    ArgumentParser,
+    check_output_dir,
+    check_output_file,
+    positive_float,
+    positive_int,
+)
 from recipes.benchutil import print_report
 from training.checkpoint import CheckpointManager
 from training.checkpoint import format as fmt
@@ -226,8 +234,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_checkpoint", description=__doc__.splitlines()[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_checkpoint", description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=positive_float, default=600.0,
                     help="total state over all ranks (>= 500 for the target)")
     ap.add_argument("--ranks", type=positive_int, default=2, help="processes (gloo on CPU), 2-4 for the comparison")

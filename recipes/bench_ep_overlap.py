@@ -39,15 +39,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_int, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, nonnegative_int, positive_int
 from recipes.benchutil import spawn_gloo
 
 TARGET = 1.2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_ep_overlap", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_ep_overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=positive_int, default=2, help="ranks to spawn when not under torchrun")
     ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank per micro-batch")
     ap.add_argument("--dim", type=positive_int, default=512, help="hidden size")

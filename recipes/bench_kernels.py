@@ -15,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from accel.cli import BAD_INPUT, HelpFormatter
+from accel.cli import BAD_INPUT, ArgumentParser
 
 BENCHMARKS = {"deep_gemm": "recipes.bench_deep_gemm", "flash_mla": "recipes.bench_flash_mla"}
 EXIT_MISSING = BAD_INPUT
@@ -39,8 +39,7 @@ def _run(name: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.bench_kernels", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m recipes.bench_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=[*BENCHMARKS, "all"], help="which benchmark to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark's own main(argv)")
     ns = parser.parse_args(argv)

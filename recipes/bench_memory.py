@@ -17,7 +17,6 @@ per-layer figure slightly overstates a layer); the "vs transformers" column is t
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, positive_int
 from recipes.benchutil import print_report
 
 # name -> ModelArgs overrides. "v3 + fp8 cache" is the V3 recipe: RMSNorm + MLA up-projection recompute,
@@ -128,8 +127,7 @@ def measure(preset: str, batch: int, seq: int, dtype: torch.dtype, options: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_memory", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_memory", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="bench_cpu", help="ModelArgs preset to measure")
     ap.add_argument("--batch", type=positive_int, default=2, help="sequences per forward")
     ap.add_argument("--seq", type=positive_int, default=512, help="tokens per sequence")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import accel
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, nonnegative_int, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, nonnegative_int, positive_int
 from recipes.benchutil import print_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -111,8 +111,7 @@ def timed(steps: dict, inputs: torch.Tensor, labels: torch.Tensor, n: int, warmu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_model", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_model", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="bench_cpu", help="ModelArgs preset to train")
     ap.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
     ap.add_argument("--seq", type=positive_int, default=256, help="tokens per sequence")

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, positive_int
 from recipes.benchutil import print_report, run_training
 from training.config import load_config
 from training.trainer import check_static
@@ -42,8 +42,7 @@ def check_inputs(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.bench_overlap", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.bench_overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
                     help="TOML training config of both runs")
     ap.add_argument("--nproc", type=positive_int, default=4, help="processes per run")

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from accel.cli import HelpFormatter, check_output_file
+from accel.cli import ArgumentParser, check_output_file
 from accel.report import CPU_TIMING_NOTE, context, format_table
 
 __all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink", "spawn_gloo"]
@@ -85,8 +85,7 @@ def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
 
 def kernel_bench_parser(area: str, doc: str, json_help: str, baseline_help: str) -> argparse.ArgumentParser:
     """The options every ``python -m recipes.bench_kernels <area>`` benchmark takes: --quick, --json, --no-baseline."""
-    p = argparse.ArgumentParser(prog=f"python -m recipes.bench_kernels {area}", description=doc.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog=f"python -m recipes.bench_kernels {area}", description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few rows per table (GPU smoke check, < 1 minute)")
     p.add_argument("--json", metavar="PATH", type=_json_path, help=json_help)
     p.add_argument("--no-baseline", action="store_true", help=baseline_help)

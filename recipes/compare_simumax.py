@@ -13,7 +13,6 @@ real Megatron measurement of the case, it is printed beside both.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -22,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accel.cli import BAD_INPUT, HelpFormatter, check_output_file
+from accel.cli import BAD_INPUT, ArgumentParser, check_output_file
 from recipes.plan import base_config
 from training.planner import Request, evaluate, load_system
 from training.planner.search import Layout
@@ -108,8 +107,7 @@ def ours(system: System, ep: int, pp: int, dp: int, mbc: int, rc: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.compare_simumax", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.compare_simumax", description=__doc__.split("\n")[0])
     ap.add_argument("--simumax", required=True, type=Path, help="a SimuMax checkout")
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter with SimuMax's requirements (default: this one)")

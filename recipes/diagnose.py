@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from accel.cli import BAD_INPUT, OK
+from accel.cli import BAD_INPUT, OK, ArgumentParser
 
 COLLECTIVES = ("all_to_all", "all_reduce", "barrier")
 SAME_JOB_S = 120.0  # recorders created this close to the newest one's belong to the same job
@@ -249,7 +249,7 @@ def format_diagnosis(diag: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the run folder of recipes.train (holding flight/rank_<r>.json)")
     ap.add_argument("--json", action="store_true", help="print the diagnosis as JSON (default: text)")
     return ap.parse_args(argv)

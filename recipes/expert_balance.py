@@ -42,7 +42,7 @@ import torch
 
 from accel.cli import (
     BAD_INPUT,
-    HelpFormatter,
+    ArgumentParser,
     check_output_dir,
     nonnegative_float,
     nonnegative_int,
@@ -60,8 +60,7 @@ CPU_DEFAULTS = [
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.expert_balance", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.expert_balance", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="TOML training config (default: the CPU debug setup)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable), e.g. --set model.preset=bench_cpu")

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_dir, positive_int
 from recipes.benchutil import print_report, run_training
 from training.config import load_config
 from training.trainer import check_static
@@ -44,8 +44,7 @@ def check_inputs(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.fp8_vs_bf16", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.fp8_vs_bf16", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "tiny_cpu.toml"),
                     help="TOML training config of both runs")
     ap.add_argument("--nproc", type=positive_int, default=1, help="processes per run")

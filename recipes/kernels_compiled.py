@@ -19,7 +19,6 @@ import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402 - @triton.jit decides interpreter-or-compiler at import
 
-import argparse
 import datetime
 import json
 import sys
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel import aot
-from accel.cli import BAD_INPUT, HelpFormatter, check_output_file, positive_int
+from accel.cli import BAD_INPUT, ArgumentParser, check_output_file, positive_int
 
 
 @dataclass
@@ -213,8 +212,7 @@ def markdown(rows: list[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.kernels_compiled", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="python -m recipes.kernels_compiled", description=__doc__.split("\n\n")[0])
     p.add_argument("--subset", choices=("all", "default"), default="all",
                    help="every autotune config, or only each kernel's default one")
     p.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1), help="compiler processes")

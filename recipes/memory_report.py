@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_file, positive_int
+from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, positive_int
 from models.deepseek_v3.expert_parallel import _CommThread
 from recipes.train import use_reference_kernels_on_cpu
 from training.config import check_world_size, load_config
@@ -33,8 +33,7 @@ MiB = 1024**2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.memory_report", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.memory_report", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")

@@ -21,7 +21,14 @@ import json
 import sys
 from pathlib import Path
 
-from accel.cli import BAD_INPUT, HelpFormatter, check_output_file, nonnegative_float, positive_float, positive_int
+from accel.cli import (
+    BAD_INPUT,
+    ArgumentParser,
+    check_output_file,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, load_config
@@ -227,8 +234,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="deepseek_v3_671b", help="preset name, HF config.json, or training TOML")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="change the model/config as recipes.train does, e.g. model.overrides.n_layers=4")

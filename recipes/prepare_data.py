@@ -43,7 +43,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from accel.cli import BAD_INPUT, OK, HelpFormatter, check_output_dir, nonnegative_float, positive_float, positive_int
+from accel.cli import (
+    BAD_INPUT,
+    OK,
+    ArgumentParser,
+    check_output_dir,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
 from training.data import (
     MANIFEST_FILE,
     PLAN_FILE,
@@ -66,8 +74,7 @@ BAD_EXAMPLES = 20  # bad lines listed by file and line in the manifest (all are 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.prepare_data", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.prepare_data", description=__doc__.split("\n")[0])
     ap.add_argument("--input", nargs="+", required=True, metavar="FILE",
                     help="JSONL / Parquet / text files or folders of them")
     ap.add_argument("--tokenizer", required=True, help="'byte' or a Hugging Face tokenizer.json (or its folder)")

@@ -34,7 +34,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from accel import cli, specs
-from accel.cli import BAD_INPUT, FAULT_STOP, LOCKED, HelpFormatter, check_output_dir, check_output_file, positive_int
+from accel.cli import (
+    BAD_INPUT,
+    FAULT_STOP,
+    LOCKED,
+    ArgumentParser,
+    check_output_dir,
+    check_output_file,
+    positive_int,
+)
 from training.checkpoint import format as fmt
 from training.config import load_config
 from training.fault import FaultToleranceError
@@ -44,8 +52,7 @@ from training.runlock import RunFolderLocked, RunLock, launcher_env
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="TOML config file (recipes/configs/*.toml)")
     ap.add_argument("--nproc", type=positive_int, default=None, help="processes on this machine (default: run.nproc)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from accel.cli import HelpFormatter, check_output_file, nonnegative_float
+from accel.cli import ArgumentParser, check_output_file, nonnegative_float
 
 EXIT_OK, EXIT_FAILED, EXIT_NOTHING = 0, 1, 2
 REPO = Path(__file__).resolve().parents[1]
@@ -42,8 +42,7 @@ STAGE_GATE = {"reference": "compiles", "compiles": "compiles", "correct": "corre
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv3-verify-kernels", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="dsv3-verify-kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", action="append", metavar="GLOB",
                    help="op names to verify, glob patterns, repeatable (default: every registered op)")
     p.add_argument("--seeds", type=int, default=5, metavar="N", help="fresh random seeds per shape (default 5)")

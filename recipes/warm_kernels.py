@@ -13,14 +13,13 @@ of processes that failed (their output is printed; a failed warm-up costs time l
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from accel.cli import HelpFormatter, positive_float, positive_int
+from accel.cli import ArgumentParser, positive_float, positive_int
 
 AREAS = ("deep_gemm", "flash_mla")
 
@@ -36,8 +35,7 @@ def shard_count() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.warm_kernels", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="python -m recipes.warm_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                    help="processes at once (default: all cores)")
     p.add_argument("--areas", default=",".join(AREAS), help=f"comma-separated, from {','.join(AREAS)}")

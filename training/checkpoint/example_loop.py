@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.cli import ArgumentParser
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import CheckpointManager, read_checkpoint
 from training.checkpoint.resume import (
@@ -47,7 +48,7 @@ IN_DIM, CLASSES = 16, 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, help="checkpoint folder")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=5, help="save every N steps")

@@ -14,7 +14,6 @@ On a CPU it refuses: the figures would describe the CPU, not a GPU, and the plan
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -28,7 +27,7 @@ import torch.distributed as dist
 import accel
 import deep_gemm
 from accel import specs
-from accel.cli import HelpFormatter, check_output_file, positive_int
+from accel.cli import ArgumentParser, check_output_file, positive_int
 from accel.timing import do_bench
 from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
@@ -141,8 +140,7 @@ def measure_collectives(system: System, nbytes: int = 64 << 20) -> System:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.plan calibrate", description=__doc__.split("\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="python -m recipes.plan calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="system file to write (JSON)")
     ap.add_argument("--base", default=None, help="shipped system to start from (default: the local device's)")
     ap.add_argument("--model", default="deepseek_v3_671b", help="preset whose shapes are measured")
