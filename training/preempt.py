@@ -37,6 +37,7 @@ import torch.distributed as dist
 from accel import cli
 from training.checkpoint import format as fmt
 from training.checkpoint.trainer_hooks import CheckpointHooks
+from training.fault import FaultToleranceError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TIME_BUDGET = 1  # agreement code of the budget; signals use their numbers (2, 15): MAX reports a signal first
@@ -145,6 +146,8 @@ def save_on_stop(trainer: Any, hooks: CheckpointHooks | None, stop: Stop, max_mi
             hooks.save(sync=True)
         if ps.rank == 0 and hooks.manager.latest_step() != trainer.step:
             error = f"'latest' names step {hooks.manager.latest_step()} after saving step {trainer.step}"
+    except FaultToleranceError:  # a non-finite state (every rank agreed): the guard's stop, status 4, not 3
+        raise
     except Exception as exc:  # report it in one line: a full disk, a dead rank, a timeout
         error = f"{type(exc).__name__}: {exc}"
     errors: list[str | None] = [error]
