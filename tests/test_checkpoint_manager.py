@@ -3,6 +3,7 @@
 import errno
 import filecmp
 import json
+import stat
 import threading
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ def test_save_load_roundtrip(tmp_path, dtype, hidden):
     assert sorted(p.name for p in folder.iterdir()) == sorted([*meta["files"], "metadata.json"])
     assert set(meta["files"]) == {"model-rank00000.safetensors", "optimizer-rank00000.safetensors",
                                   "expert_bias-rank00000.safetensors"}
+    mode = stat.S_IMODE((folder / "metadata.json").stat().st_mode)  # readable by whoever may read the JSON
+    assert {stat.S_IMODE((folder / name).stat().st_mode) for name in meta["files"]} == {mode}
     mgr.close()
 
 

@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -229,6 +230,9 @@ class CheckpointWriter:
             name = fmt.shard_filename(section, self.rank)
             path = staging / name
             self.save_tensors({k: v.contiguous() for k, v in tensors.items()}, path)
+            # safetensors creates its files 0600; give them the mode the JSON beside them gets (the umask's):
+            # a folder is made 0777 & ~umask, a file 0666 & ~umask
+            os.chmod(path, stat.S_IMODE(staging.stat().st_mode) & 0o666)
             fmt.fsync_file(path)
             files[name] = {"bytes": path.stat().st_size, "sha256": fmt.sha256_file(path)}
             self._event("file_written", job.step, name)
