@@ -10,17 +10,14 @@ this environment (``accel.aot``), then read back: registers, spill (stack) bytes
 whether the SASS uses Hopper's warp-group MMAs and TMA, and the size of the main loop. The gates
 (``gate_failures``): no spills, shared memory within an sm_90 block, and wgmma in every MMA kernel
 whose tile allows it (M tile a multiple of 64 rows per warp group).
-Runs without the interpreter: ``TRITON_INTERPRET`` is cleared before any kernel module is imported.
+Runs without the interpreter: ``main`` clears ``TRITON_INTERPRET`` before any kernel module is imported.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402 - @triton.jit decides interpreter-or-compiler at import
-
 import datetime
 import json
+import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -220,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--write", metavar="MD", help="replace this Markdown file's table for this Triton version")
     args = p.parse_args(argv)
+    # before any kernel module is imported (all_cases): @triton.jit decides interpreter-or-compiler at import
+    os.environ.pop("TRITON_INTERPRET", None)
     try:
         for option, path in (("--json", args.json), ("--write", args.write)):
             if path:

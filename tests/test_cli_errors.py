@@ -148,7 +148,6 @@ CASES = [
     ("recipes.compare_simumax", ["--simumax", "{t}/simumax", "--json", "{t}"], "--json '{t}' is a folder"),
     ("recipes.kernels_compiled", ["--jobs", "0"], "argument --jobs"),
     ("recipes.kernels_compiled", ["--write", "{t}"], "--write '{t}' is a folder"),
-    ("recipes.kernels_compiled", ["--match", "no_such_kernel"], "--match 'no_such_kernel': no kernel name"),
     ("recipes.warm_kernels", ["--areas", "bogus"], "--areas 'bogus'"),
     ("recipes.warm_kernels", ["--timeout", "nan"], "argument --timeout"),
     ("recipes.verify_kernels", ["--json", "{t}"], "--json '{t}' is a folder"),
@@ -183,6 +182,9 @@ def test_bad_input_is_one_line_and_status_2(module, argv, expected, tmp_path, mo
     _inputs(tmp_path)
     before = {p.name for p in tmp_path.iterdir()}
     monkeypatch.chdir(tmp_path)  # a stray relative write (runs/, a report) would land here and fail the test
+    for key in ("TRITON_INTERPRET", "DSV3_KERNEL_IMPL"):  # restored after the case: kernels_compiled clears one
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
     fill = lambda s: s.replace("{t}", str(tmp_path))  # noqa: E731
     status, out, err = _run_main(module, [fill(a) for a in argv], capsys)
     _check_refusal(status, out, err, fill(expected), before, tmp_path)
@@ -195,11 +197,13 @@ SUBPROCESS_CASES = [
       "1"], "error: --input '{t}/garbage.txt': not UTF-8 text"),
     (["dualpipe.simulate", "--png", "{t}"], "error: --png '{t}' is a folder; expected a file path"),
     (["recipes.train", "--config", "{t}/missing.toml"], "error: --config: no such file '{t}/missing.toml'"),
+    # it imports every kernel module compiled for a GPU: in this process they would leave the interpreter
+    (["recipes.kernels_compiled", "--match", "no_such_kernel"], "error: --match 'no_such_kernel': no kernel name"),
 ]
 
 
 def test_reported_cases_through_the_cli(tmp_path):
-    """The four commands start together (each pays a torch import; on two cores this halves the wall time)."""
+    """The commands start together (each pays a torch import; on two cores this halves the wall time)."""
     _inputs(tmp_path)
     before = {p.name for p in tmp_path.iterdir()}
     fill = lambda s: s.replace("{t}", str(tmp_path))  # noqa: E731
