@@ -160,6 +160,7 @@ def _compare(c: matrix.Combo, got: list[dict], ref: dict) -> None:
     assert seen == set(ref["state"]), (label, sorted(set(ref["state"]) - seen)[:5])
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(36000 if FULL else 900)
 def test_combination_matrix_matches_one_process(tmp_path):

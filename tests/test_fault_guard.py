@@ -97,6 +97,7 @@ def test_cli_refuses_lr_inf_before_starting(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_injected_nan_rolls_back_keeps_the_target_and_commits_nothing_nonfinite(tmp_path):
     """Step 3's loss (and so its gradients) NaN, through the FP8 path of the demo config: the update is skipped,
@@ -123,6 +124,7 @@ def test_cli_injected_nan_rolls_back_keeps_the_target_and_commits_nothing_nonfin
     assert fmt.read_pointer(root, fmt.STABLE_FILE) in finite  # the rollback target is still on disk
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_nan_without_a_good_checkpoint_stops_with_one_line_and_status_4(tmp_path):
     run = tmp_path / "run"

@@ -168,6 +168,7 @@ def _train_rank(rank: int, world: int, run_dir: str, overrides: list[str]) -> st
     return "finished"
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_rank_stalled_in_an_all_to_all_is_named(tmp_path, monkeypatch):
@@ -213,6 +214,7 @@ def _check_p2p_diagnosis(run_dir: Path, capsys) -> None:
     assert "already sent by rank 0" in text.splitlines()[0] and "waiting on rank 1: rank 0 (recv" in text
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_rank_stalled_in_a_p2p_receive_is_named(tmp_path, monkeypatch, capsys):

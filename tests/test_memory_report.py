@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from recipes.memory_report import CpuPeak
@@ -45,6 +46,7 @@ LAYOUTS = {  # name: (processes, options)
 }
 
 
+@pytest.mark.slow
 def test_prediction_within_10_percent_of_measured_peak(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}

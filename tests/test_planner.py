@@ -289,6 +289,7 @@ def test_cli_fix_write_config_json_trace_and_dry_run(tmp_path, capsys):
 
 # ---- against the real runtime ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_predicted_step_matches_the_runtime_with_sleep_stages():
     """dualpipe.bench runs the real Pipeline/DualPipe over gloo with stages that sleep their F, I, W (and an
     overlapped F&B) durations; the planner's assembly of the same per-stage durations must predict the measured
@@ -381,6 +382,7 @@ def test_cli_takes_a_hf_config_and_prints_json(tmp_path, capsys):
     assert model_args(cfg).dim == ModelArgs.preset("debug").dim and model_args(cfg).n_mtp_layers == 0
 
 
+@pytest.mark.slow
 def test_written_config_trains(tmp_path, capsys):
     """The plan's winner, written with --write-config, is a config recipes.train runs as written (two steps here:
     the step count and the run folder are the only settings given on the command line)."""
@@ -517,6 +519,7 @@ def _a2a_parts(steps: list[dict], per_exchange: float) -> list[Durations]:
     return parts
 
 
+@pytest.mark.slow
 def test_predicted_all_to_all_overlap_matches_the_delay_benchmark(tmp_path):
     """recipes.bench_a2a_delay's layout (tiny_cpu model, EP 2 over 2 ranks, pp 1) with a fixed delay in every
     all-to-all on its serial wire (``--delay-ms``), sized so a step's delays add up to its undelayed pipeline

@@ -104,6 +104,7 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_mid_step_commits_the_last_step_and_resumes_bit_identical(tmp_path, reference):
     """SIGTERM while step 2 runs: the step finishes, ``step_1`` or ``step_2`` is committed (synchronously: no
@@ -134,6 +135,7 @@ def test_sigterm_mid_step_commits_the_last_step_and_resumes_bit_identical(tmp_pa
     _assert_equal(run, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigint_never_prints_a_traceback_and_a_failed_save_exits_3(tmp_path):
     """SIGINT (Ctrl-C) mid-step, with every step's staging path taken by a file so the final save fails:
@@ -154,6 +156,7 @@ def test_sigint_never_prints_a_traceback_and_a_failed_save_exits_3(tmp_path):
     assert fmt.read_pointer(run / "checkpoints", fmt.LATEST_FILE) is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_time_budget_stops_with_a_checkpoint_and_bad_budgets_are_refused(tmp_path, capsys):
     """``run.max_minutes=0.02`` (1.2 s, less than start-up): the first step boundary sees that another step

@@ -31,6 +31,7 @@ def test_chrome_trace_has_a_process_per_rank_and_a_thread_per_track():
     assert {(0, None, "rank 0"), (0, 0, "compute"), (0, 1, "comm"), (1, 1, "comm")} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(480)
 def test_overlapped_chunks_hold_their_all_to_alls(tmp_path):

@@ -89,6 +89,7 @@ def first_run(tmp_path_factory):
     return run, first, (second, launcher), log, untouched
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_second_launch_on_a_held_folder_exits_5_at_once_and_the_first_finishes_intact(first_run):
     run, first, launches, log, untouched = first_run
@@ -104,6 +105,7 @@ def test_second_launch_on_a_held_folder_exits_5_at_once_and_the_first_finishes_i
     assert not (run / HOLDER_FILE).exists() and not list((run / "checkpoints").glob(fmt.STAGING_PREFIX + "*"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_auto_without_run_dir_continues_the_newest_run_of_this_config(first_run, tmp_path):
     run, first = first_run[:2]
@@ -139,6 +141,7 @@ def test_resume_auto_without_an_earlier_run_says_it_starts_a_new_one(tmp_path, c
         f"resume auto: no earlier run of this config under {tmp_path / 'runs'}/; starting a new run in {new}"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_refused_resume_leaves_config_toml_and_the_lock_as_they_were(first_run, tmp_path, capsys):
     run, first = first_run[:2]
@@ -162,6 +165,7 @@ def test_refused_resume_leaves_config_toml_and_the_lock_as_they_were(first_run, 
     assert (copy / "config.toml").read_bytes() == saved
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_trace_and_run_dir_are_refused_in_one_line_before_any_work(first_run, tmp_path, capsys):
     run = first_run[0]
@@ -183,6 +187,7 @@ def test_resume_trace_and_run_dir_are_refused_in_one_line_before_any_work(first_
     assert capsys.readouterr().err == f"error: --run-dir {str(tmp_path / 'file')!r} is a file; expected a folder\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_fresh_launch_into_a_folder_with_checkpoints_is_refused(first_run, tmp_path, capsys):
     """Without --resume, a launch must not start over on top of an earlier run's checkpoints (its metrics would be

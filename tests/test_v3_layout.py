@@ -37,6 +37,7 @@ def _train(run_dir: Path, nproc: int, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_v3_layout_on_8_processes_matches_one_process(tmp_path):

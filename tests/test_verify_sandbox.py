@@ -121,6 +121,7 @@ def _kill_leftovers(pid_file: Path) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_suite_fails_candidates_that_raise_exit_crash_or_forge(tmp_path):
     _problem(tmp_path / "suite" / "axpy", CANDIDATES)
@@ -154,6 +155,7 @@ def test_suite_fails_candidates_that_raise_exit_crash_or_forge(tmp_path):
                 assert f"FAIL axpy/{name} {gate}: {v['message']}" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_candidate_calling_sys_exit_0_fails(tmp_path):
     _problem(tmp_path / "p", {"exit0.py": "import sys\n\ndef candidate(x, y):\n    sys.exit(0)\n"})
@@ -168,6 +170,7 @@ def test_candidate_calling_sys_exit_0_fails(tmp_path):
     assert doc["gates"]["compiles"] == {"status": "fail", "message": why}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_candidate_that_hangs_is_killed_with_its_process_group(tmp_path):
     """An infinite loop that ignores SIGTERM and left a grandchild sleeping: --timeout applies to --candidate,
