@@ -404,7 +404,7 @@ def validate(cfg: TrainConfig) -> None:
                          f"recorder is dumped before the collective timeout ends the run, got {r.watchdog_s:g}")
     if r.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
-    if not (math.isfinite(r.max_minutes) and r.max_minutes >= 0):
+    if r.max_minutes < 0:  # (check_finite above has refused nan and inf)
         raise ValueError(f"run.max_minutes must be a finite number >= 0 (0 = no time budget), got {r.max_minutes}")
     for key in ("pp", "dp", "ep"):
         if getattr(p, key) < 1:
