@@ -4,8 +4,9 @@ A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, `
 ``[data]``, ``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
 rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
 nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
-any process group exists. ``config_hash`` fingerprints everything that changes the numerics,
-so checkpoints can refuse a resume under a different model or data setup.
+any process group exists. ``numerics_dict`` is everything that changes the numerics; checkpoints
+store it with its hash (``training.checkpoint.format.config_hash``), so a resume under a different
+model or data setup is refused.
 
 Layout rule (as DeepSeek-V3): world = pp x dp; expert parallelism spans ``ep`` data-parallel ranks
 of the same pipeline stage, so ``ep`` divides ``dp`` and there are ``dp / ep`` replicas of each
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import json
 import math
 import sys
@@ -544,12 +544,6 @@ def numerics_dict(cfg: TrainConfig) -> dict[str, Any]:
             for k in keys:
                 table[section].pop(k, None)
     return table
-
-
-def config_hash(cfg: TrainConfig) -> str:
-    """SHA-256 (16 hex digits) of the settings that change the numerics (not logging, not steps)."""
-    blob = json.dumps(numerics_dict(cfg), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _toml_value(v: Any) -> str:

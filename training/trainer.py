@@ -40,7 +40,7 @@ from accel.trace import TraceRecorder
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
-from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
+from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
@@ -219,7 +219,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "config_hash": config_hash(self.cfg)},
+            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen},
         }
         if self.eplb is not None:
             state["eplb"] = self.eplb.state_dict()
