@@ -32,7 +32,7 @@ else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
 from dualpipe.schedules import check_sizes
-from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
+from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
@@ -119,26 +119,6 @@ class OptimConfig:
     # an FP32 master copy in the (ZeRO-1 sharded) optimizer state and FP32 gradient accumulation (V3)
     master_dtype: str = "param"
     ema_decay: float = 0.0  # > 0: keep an EMA of the parameters in host memory, updated asynchronously (V3)
-
-
-@dataclass
-class BalanceConfig:
-    """Mirrors ``models.deepseek_v3.balancing.BalanceConfig`` (same names), plus when gamma stops."""
-
-    strategy: str = "aux_free"  # parts of none | aux_free | seq_aux | aux | z_loss joined by '+'
-    alpha: float = 1e-4  # seq_aux / aux coefficient (V3: 1e-4 sequence-wise)
-    z_loss_coeff: float = 1e-3
-    gamma: float = 1e-3  # aux-loss-free bias update speed (V3: 0.001)
-    gamma_stop_step: int = 0  # V3 sets gamma to 0 for the last 500B tokens (0 = never)
-    recenter: bool = False
-    num_nodes: int = 1
-    max_nodes: int | None = None  # node-limited routing (V3: 4)
-    capacity_factor: float | None = None  # None: no token dropping (V3)
-    drop_policy: str = "probs"
-
-    def model_config(self):
-        """The model package's BalanceConfig."""
-        return ModelBalanceConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelBalanceConfig)})
 
 
 @dataclass
@@ -290,7 +270,10 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
             kwargs[key] = _build(tp, value, f"{dotted}.")
         else:
             kwargs[key] = _coerce(dotted, value, tp)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a table's own checks (``[balance]`` is the model's BalanceConfig)
+        raise ValueError(f"config table [{prefix.rstrip('.')}]: {exc}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -390,7 +373,7 @@ def check_finite(node: Any, prefix: str = "") -> None:
 def validate(cfg: TrainConfig) -> None:
     """Every check that needs no model, no data and no process group; errors name the key."""
     check_finite(cfg)
-    r, p, d, o, b = cfg.run, cfg.parallel, cfg.data, cfg.optim, cfg.balance
+    r, p, d, o = cfg.run, cfg.parallel, cfg.data, cfg.optim
     if r.timeout_s <= 0:
         raise ValueError(f"run.timeout_s must be > 0, got {r.timeout_s}")
     if r.sample_temperature < 0:
@@ -471,8 +454,6 @@ def validate(cfg: TrainConfig) -> None:
     if o.ema_decay and o.name != "adamw":
         raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' (the EMA lives in its per-parameter state); "
                          f"got optim.name={o.name!r}")
-    if b.gamma < 0 or b.alpha < 0:
-        raise ValueError(f"balance.gamma and balance.alpha must be >= 0, got {b.gamma}, {b.alpha}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep_last < 1:

@@ -38,7 +38,7 @@ def moe_layers(modules: list[nn.Module]) -> list[MoE]:
 
 def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState,
                     recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None) -> None:
-    balance = cfg.balance.model_config()
+    balance = cfg.balance
     for moe in moe_layers(stages):
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
         if cfg.parallel.ep > 1:
@@ -50,7 +50,7 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
 def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs, gamma: float,
                   device: torch.device) -> None:
     """The aux-loss-free bias update after an optimizer step, from the loads of the whole global batch."""
-    if "aux_free" not in cfg.balance.model_config().parts:
+    if not cfg.balance.uses_bias:
         return
     if cfg.parallel.schedule == "dualpipe":
         sum_mirrored_counts(stages, ps.group("pp"), args, device)

@@ -105,7 +105,6 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
         check_microbatches(par, cfg.microbatches_at(step), f"data.global_batch at step {step}")
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-    cfg.balance.model_config()  # the model package validates the strategy names
     check_eplb(cfg, args)
     return args
 
