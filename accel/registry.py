@@ -320,9 +320,6 @@ def poison_value(dtype: torch.dtype) -> float | int:
     return torch.iinfo(dtype).max
 
 
-_poison_value = poison_value  # the earlier private name
-
-
 @contextlib.contextmanager
 def poisoned_outputs() -> Iterator[None]:
     """Within the block, ``empty`` returns tensors filled with NaN (ints: their max), so unwritten

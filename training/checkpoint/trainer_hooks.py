@@ -102,7 +102,6 @@ class CheckpointHooks:
             self.fault = FaultTolerance(policy, self.manager, self._log_event)
         self._pending: Verdict | None = None
         self._early_events: list[dict[str, Any]] = []
-        self.resumed_from: Path | None = None
         self.saved_step: int | None = None  # the step of the last save started (a stop need not repeat it)
         if resume:
             self._resume(resume)
@@ -120,7 +119,6 @@ class CheckpointHooks:
         if folder is None:
             return
         step = load_checkpoint(self.trainer, folder)
-        self.resumed_from = folder
         event = "restart" if restart_count() else "resume"
         self._log_event({"event": event, "step": step, "checkpoint": str(folder), "restart_count": restart_count()})
         if self.trainer.ps.rank == 0:
