@@ -31,15 +31,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+from dualpipe import schedules
+from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
-SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
-# Schedules whose ranks each hold two stages (so the model is cut into 2 x pp stages).
-TWO_STAGES_PER_RANK = ("zbv", "dualpipev", "dualpipe")
+SCHEDULES = ("none", *schedules.SCHEDULES)
+
+
+def pipeline_layout(schedule: str, pp: int) -> Layout:
+    """Where ``parallel.schedule`` puts the model's parts (stages) on ``pp`` pipeline ranks: the schedule IR's
+    layout (``dualpipe.schedules.layout``); ``none`` is one rank holding the whole model."""
+    return schedules.layout("1f1b" if schedule == "none" else schedule, pp)
 
 
 @dataclass
@@ -87,8 +93,13 @@ class ParallelConfig:
         return self.pp * self.dp
 
     @property
+    def layout(self) -> Layout:
+        return pipeline_layout(self.schedule, self.pp)
+
+    @property
     def num_stages(self) -> int:
-        return self.pp * (2 if self.schedule in TWO_STAGES_PER_RANK and self.schedule != "dualpipe" else 1)
+        """The model parts (``training.stages``) the schedule cuts the model into."""
+        return self.layout.num_parts
 
 
 @dataclass
@@ -335,7 +346,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 def min_microbatches(par: ParallelConfig) -> int:
     """The fewest micro-batches per step the schedule accepts (DualPipe README rules)."""
-    return 2 * par.pp if par.schedule in ("dualpipe", "dualpipev") else 1
+    return 1 if par.schedule == "none" else schedules.min_microbatches(par.schedule, par.pp)
 
 
 def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None:

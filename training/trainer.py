@@ -96,7 +96,7 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     split_layers(args, num_model_stages(par.schedule, par.pp))
     if par.ep > 1:
         expert_range(args, 0, par.ep)
-    if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
+    if args.n_mtp_layers and not par.layout.same_rank(0, par.layout.num_parts - 1):
         raise ValueError(f"model.overrides.n_mtp_layers={args.n_mtp_layers} with parallel.schedule={par.schedule!r} "
                          f"and parallel.pp={par.pp}: MTP shares the embedding, which this schedule puts on another "
                          "rank than the last stage; use parallel.schedule dualpipev / zbv / dualpipe, or set "
@@ -173,7 +173,7 @@ class Trainer:
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
         self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
-                                mirror_group=ps.group("pp") if cfg.parallel.schedule == "dualpipe" else None
+                                mirror_group=ps.group("pp") if cfg.parallel.layout.copies > 1 else None
                                 ) if cfg.eplb.enabled else None
         self.step, self.tokens_seen = 0, 0
         self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
@@ -327,7 +327,7 @@ class Trainer:
             self.eplb.sync_grads()
             grad_sync_s = time.perf_counter() - t_sync
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
-                                   stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
+                                   stage_copies=cfg.parallel.layout.copies,
                                    expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None,
                                    flight=self.flight)
         parts = {name: criterion.mean(name) if criterion is not None and self.holds_loss else None

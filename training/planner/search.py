@@ -245,9 +245,7 @@ def assemble(schedule: str, pp: int, microbatches: int, parts: list[Durations], 
     ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch."""
     name = "1f1b" if schedule == "none" else schedule
     prog = program(name, pp, microbatches)
-    n_stages = prog.schedule.layout.num_stages
-    part_of = [st % pp for st in range(n_stages)] if name == "dualpipe" else list(range(n_stages))
-    return prog.run(StageCosts(parts, part_of, p2p, sm_fraction, overhead, send, recv))
+    return prog.run(StageCosts(parts, list(prog.schedule.layout.parts), p2p, sm_fraction, overhead, send, recv))
 
 
 def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, factor: float) -> float:
