@@ -14,8 +14,9 @@ Hooks, for checkpointing and fault tolerance (``training/checkpoint``, ``trainin
 - ``step_end_hooks``: ``fn(trainer, metrics)``; after the step, before logging. May add metrics
   (e.g. ``checkpoint_stall_s``).
 
-``state_dict()`` / ``load_state_dict()`` cover model (with expert biases), optimizer, LR scheduler,
-sampler, step and tokens seen; RNG states are captured by the checkpoint manager.
+``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds: model (with expert biases), optimizer
+states keyed by parameter name, LR scheduler, sampler, step and tokens seen (and EPLB's plan); RNG states
+are captured by the checkpoint manager.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from accel.trace import TraceRecorder
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
+from training.checkpoint.format import CheckpointMismatchError
+from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
@@ -209,13 +212,23 @@ class Trainer:
                 out.setdefault(k, v)
         return self.eplb.logical_model_state(out) if self.eplb is not None else out
 
+    def param_names(self) -> dict[int, str]:
+        """``id(param) -> name`` of this rank's parameters as checkpoints key them (``checkpoint.resume``)."""
+        return param_names(self.stages, self.args, self.ps.coords.ep_rank, self.cfg.parallel.ep)
+
     def state_dict(self) -> dict[str, Any]:
-        """Model (logical expert layout), optimizer (as this rank holds it), scheduler, sampler, step; EPLB's
-        plan and load average when it is on (``training.checkpoint`` re-keys the optimizer by name and puts
-        expert moments in the logical layout too)."""
+        """What a checkpoint holds: model (logical expert layout), optimizer states keyed by parameter name (the
+        ZeRO-1 shard this rank holds; re-partitionable, expert moments in the logical layout too), scheduler,
+        sampler, step; EPLB's plan and load average when it is on. Under EPLB every rank of the EP group must
+        call this (the logical layout takes collectives)."""
+        model = self.model_state_dict()
+        names = self.param_names()
+        optimizer = [named_optimizer_state(opt, names) for opt in self.optimizer.optimizers]
+        if self.eplb is not None:
+            self.eplb.logical_optimizer_state(optimizer, names)
         state = {
-            "model": self.model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "trainer": {"step": self.step, "tokens_seen": self.tokens_seen},
@@ -225,9 +238,14 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of ``state_dict``. Under EPLB the saved plan (if any) is adopted first and the logical
-        expert weights are materialised into its physical slots; a checkpoint without EPLB state keeps the
-        current plan. The optimizer part is loaded as given (it must match this rank's physical layout)."""
+        """Inverse of ``state_dict``, from this layout's checkpoint or one re-partitioned for it
+        (``training.checkpoint.reshard``). Under EPLB the saved plan (if any) is adopted first and the logical
+        expert weights and moments are materialised into its physical slots; a checkpoint without EPLB state
+        keeps the current plan."""
+        named = state["optimizer"]
+        optimizers = self.optimizer.optimizers
+        if len(named) != len(optimizers):
+            raise CheckpointMismatchError(f"checkpoint holds {len(named)} optimizers, this run has {len(optimizers)}")
         model = state["model"]
         if self.eplb is not None:
             self.eplb.load_plan(state.get("eplb"))
@@ -239,7 +257,11 @@ class Trainer:
                 raise ValueError(f"checkpoint model state lacks {len(missing)} tensors of stage {st.stage_id}, "
                                  f"e.g. {missing[:3]}")
             st.load_state_dict({k: model[k] for k in own}, strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        names = self.param_names()
+        for opt, saved in zip(optimizers, named):
+            load_named_optimizer_state(opt, names, saved)
+        if self.eplb is not None:  # saved moments are logical: into this plan's slots
+            self.eplb.optimizer_state_from_logical()
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["trainer"]["step"])
