@@ -245,7 +245,7 @@ class Trainer:
         named = state["optimizer"]
         optimizers = self.optimizer.optimizers
         if len(named) != len(optimizers):
-            raise CheckpointMismatchError(f"checkpoint holds {len(named)} optimizers, this run has {len(optimizers)}")
+            raise CheckpointMismatchError(f"{len(named)} optimizer states for this run's {len(optimizers)} optimizers")
         model = state["model"]
         if self.eplb is not None:
             self.eplb.load_plan(state.get("eplb"))

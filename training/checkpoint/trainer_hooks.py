@@ -65,7 +65,10 @@ def load_checkpoint(trainer: Trainer, folder: Path) -> int:
     else:
         loaded = read_checkpoint(folder, trainer.ps.rank, expect_config=expect)
         step, state, rng = loaded.step, loaded.state, loaded.rng
-    trainer.load_state_dict(state)
+    try:
+        trainer.load_state_dict(state)
+    except fmt.CheckpointMismatchError as exc:
+        raise fmt.CheckpointMismatchError(f"checkpoint {folder}: {exc}") from None
     if rng is not None:
         restore_rng_state(rng)
     return step
