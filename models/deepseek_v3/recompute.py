@@ -22,8 +22,9 @@ The GEMMs of the consumer are not recomputed (full checkpointing would). The sam
 Megatron-Core's ``CheckpointWithoutOutput``. Nothing here is global: the bookkeeping lives on the
 producer's autograd node; only public torch APIs (a custom ``autograd.Function``, storage ``resize_``,
 a node pre-hook). ``maybe_recompute`` is whole-region recompute (``torch.utils.checkpoint``); inside
-its recomputation ``recomputing()`` is true, so counters do not count twice. Producer outputs must not be used after the consumer (they are released),
-must not alias the producer's inputs, and must not be returned by the consumer.
+its recomputation ``recomputing()`` is true, so counters do not count twice. Producer outputs must
+not be used after the consumer (they are released), must not alias the producer's inputs, and must
+not be returned by the consumer.
 """
 
 from __future__ import annotations
