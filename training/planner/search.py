@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dualpipe.ir import Overlap
+from dualpipe.schedules import SCHEDULES
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, validate
@@ -35,7 +36,7 @@ from training.planner.system import System
 from training.stages import num_model_stages, split_layers
 from training.trainer import check_layout
 
-SEARCH_SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
                "zero1")
 
