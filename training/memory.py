@@ -440,6 +440,11 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
                      f"{it['comm'] / GiB:>6.2f} {it.get('margin', 0) / GiB:>7.2f} {e.total_bytes / GiB:>7.2f}")
     if est.ranks and est.ranks[0].host:
         lines.append(f"host (not on the device): parameter EMA {est.ranks[0].host['ema'] / GiB:.2f} GiB per rank")
+    par = cfg.parallel
+    slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
+    parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len, p.act, p.attention == "flash", slots)
+    lines.append("measured per micro-batch, saved for backward (MiB; training.memory_measure, on meta): " + ", ".join(
+        f"{k} {m.saved / 2**20:.1f}" for k, m in parts.items()) + f" (routed experts: {slots} slots of one EP rank)")
     if est.capacity_bytes is not None:
         share, fixed = ALLOCATOR_MARGIN
         lines.append(f"margin = {share:.0%} of activations + transient + comm, + {fixed / GiB:.0f} GiB "

@@ -324,6 +324,13 @@ def _as_gpu() -> Iterator[None]:
         accel.fp8_native, dgu._num_sms = fp8_native, sms
 
 
+@contextlib.contextmanager
+def _untracked(meter: LiveBytes) -> Iterator[None]:
+    """Storages made inside the block are not counted by ``meter`` (they stay untracked for good)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        yield
+
+
 # ---- one piece ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -345,15 +352,17 @@ class Measured:
 
 
 def measure(piece: Callable[..., object], inputs: list[torch.Tensor], accelerator: bool,
-            params: list[torch.Tensor] = ()) -> Measured:
+            params: list[torch.Tensor] = (), own_inputs: bool = True) -> Measured:
     """Run ``piece(*copies)`` forward, then backward from gradients of its floating outputs, inside
-    ``LiveBytes``; ``copies`` are made inside (so an input the graph keeps is counted as saved) from
-    ``inputs`` (which require grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
+    ``LiveBytes``; ``copies`` are made inside (so an input the graph keeps is counted as saved; with
+    ``own_inputs=False`` they are not: the input is another piece's to count) from ``inputs`` (which require
+    grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
     keep_main_grads([p for p in params if p.requires_grad and not hasattr(p, "main_grad")])
     impl = _as_gpu() if accelerator else registry.force("reference")
     # the training step skips the FP8 GEMMs' scale-value checks too (its scales come from its own casts)
     with impl, unchecked_scale_values(), _skip_triton_launches(), LiveBytes() as meter:
-        copies = [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep values
+        with contextlib.nullcontext() if own_inputs else _untracked(meter):
+            copies = [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep values
         out = piece(*copies)
         del copies
         outputs = _tensors(out)
@@ -509,7 +518,58 @@ def head(args: ModelArgs, recompute_norm: bool, micro_batch: int, seq: int, act:
     return _head(args, recompute_norm, micro_batch, seq, act, accelerator)
 
 
+@_cached
+def _moe_parts(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator: bool) -> tuple[Measured, Measured]:
+    dtype = _dtype(act)
+    block = _build(lambda: Block(args, args.n_dense_layers), dtype)
+    moe, tokens = block.ffn, micro_batch * seq
+    x = torch.empty(tokens, args.dim, device=META, dtype=dtype, requires_grad=True)
+    params = list(block.parameters())
+    router = measure(lambda x: (moe.route(x, seq).weights,), [x], accelerator, params, own_inputs=False)
+    shared = measure(lambda x: moe.shared(x), [x], accelerator, params, own_inputs=False) if args.n_shared_experts \
+        else Measured(0, 0)
+    return router, shared
+
+
+def pieces(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator: bool,
+           slots: int | None = None) -> dict[str, Measured]:
+    """Each kind of piece of the model measured at one micro-batch: ``attention`` (``Block.attention_residual``),
+    the MoE's ``router`` (``MoE.route``), ``routed experts`` (``Experts.forward``, ``slots`` of them: one EP
+    rank's), ``shared experts`` (``MoE.shared``), ``dense FFN``, the MoE's ``norm/permute/combine`` (the rest
+    of a MoE layer), ``MTP input projection`` (an MTP module less its block) and ``loss head``
+    (``model.head_loss``). Router and shared experts are measured on their input (the norm's output, counted
+    with the rest); the rest, the dense FFN and the MTP input projection are differences of whole pieces
+    (``saved`` only, ``transient`` 0: a difference of peaks means nothing)."""
+    out: dict[str, Measured] = {}
+    tokens, e = micro_batch * seq, args.n_routed_experts
+    slots = e if slots is None else slots
+    if args.n_dense_layers:
+        dense = block(args, 0, micro_batch, seq, act, accelerator)
+        attn = attention(args, 0, micro_batch, seq, act, accelerator)
+        out["attention (dense layer)"] = attn
+        out["dense FFN"] = Measured(dense.saved - attn.saved, 0)
+    moe_id = args.n_dense_layers
+    if args.has_moe:
+        whole = block(args, moe_id, micro_batch, seq, act, accelerator)
+        attn = attention(args, moe_id, micro_batch, seq, act, accelerator)
+        largs, _ = _layer_args(args, moe_id)
+        router, shared = _moe_parts(largs, micro_batch, seq, act, accelerator)
+        routed = experts(args, moe_id, tokens, e, act, accelerator)
+        out["attention (MoE layer)"] = attn
+        out["router"] = router
+        out["routed experts"] = experts(args, moe_id, tokens, slots, act, accelerator)
+        out["shared experts"] = shared
+        out["norm/permute/combine"] = Measured(whole.saved - attn.saved - router.saved - routed.saved
+                                                 - shared.saved, 0)
+    for depth in range(args.n_mtp_layers):
+        m = mtp(args, depth, micro_batch, seq, act, accelerator)
+        b = block(args, args.n_layers + depth, micro_batch, seq, act, accelerator)
+        out[f"MTP {depth + 1} input projection"] = Measured(m.saved - b.saved, 0)
+    out["loss head"] = head(args, "norm" in args.recompute_kinds, micro_batch, seq, act, accelerator)
+    return out
+
+
 def cache_clear() -> None:
     """Forget every measurement (after the model's code changed within one process: tests)."""
-    for fn in (_block, _experts, _mtp, _head):
+    for fn in (_block, _experts, _mtp, _head, _moe_parts):
         fn.cache_clear()
