@@ -478,7 +478,8 @@ def _experts(args: ModelArgs, slots: int, rows: int, act: float, accelerator: bo
 def experts(args: ModelArgs, layer_id: int, tokens: int, slots: int, act: float, accelerator: bool) -> Measured:
     """The routed experts of one rank (``Experts.forward``) on the rows balanced routing gives ``slots`` slots,
     with the routing weight of each row, as the MoE passes them."""
-    largs, lid = _layer_args(args, layer_id)
+    # only the SwiGLU recompute reaches the experts: layouts that differ in other kinds share the measurement
+    largs = args.replace(recompute=("swiglu",) if args.recomputes("swiglu", layer_id) else (), recompute_layers=None)
     rows = expert_rows(args, tokens, slots)
     return _experts(largs, slots, rows, act, accelerator) if rows else Measured(0, 0)
 
@@ -515,7 +516,9 @@ def _head(args: ModelArgs, recompute_norm: bool, micro_batch: int, seq: int, act
 def head(args: ModelArgs, recompute_norm: bool, micro_batch: int, seq: int, act: float,
          accelerator: bool) -> Measured:
     """One loss head (``model.head_loss``: final norm, output head, cross-entropy) on ``seq`` positions."""
-    return _head(args, recompute_norm, micro_batch, seq, act, accelerator)
+    # the head sees only the sizes (its norm's recompute is passed): layouts that differ otherwise share it
+    largs = args.replace(recompute=(), recompute_layers=None, fp8=False, fp8_cache_activations=None)
+    return _head(largs, recompute_norm, micro_batch, seq, act, accelerator)
 
 
 @_cached
