@@ -252,12 +252,12 @@ def test_one_more_saved_tensor_shows_in_the_estimate(monkeypatch):
     args = model_args(cfg)
     memory_measure.cache_clear()
     before = estimate(cfg).ranks[0].items["activations"]
-    original = Block.attention_residual
+    original = Block.attention
 
     def keeps_more(self, x, *rest, **kw):
         return original(self, x, *rest, **kw) + (x * 0.5).tanh() * 0
 
-    monkeypatch.setattr(Block, "attention_residual", keeps_more)
+    monkeypatch.setattr(Block, "attention", keeps_more)
     memory_measure.cache_clear()
     after = estimate(cfg).ranks[0].items["activations"]
     memory_measure.cache_clear()

@@ -386,7 +386,7 @@ def _dtype(act: float) -> torch.dtype:
 
 def attention_piece(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The attention half of a block, ``x + attn(attn_norm(x))`` (the one place that names it)."""
-    return block.attention_residual(x, cos, sin)
+    return block.attention(x, cos, sin)
 
 
 def _layer_args(args: ModelArgs, layer_id: int) -> tuple[ModelArgs, int]:
@@ -536,7 +536,7 @@ def _moe_parts(args: ModelArgs, micro_batch: int, seq: int, act: float, accelera
 
 def pieces(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator: bool,
            slots: int | None = None) -> dict[str, Measured]:
-    """Each kind of piece of the model measured at one micro-batch: ``attention`` (``Block.attention_residual``),
+    """Each kind of piece of the model measured at one micro-batch: ``attention`` (``Block.attention``),
     the MoE's ``router`` (``MoE.route``), ``routed experts`` (``Experts.forward``, ``slots`` of them: one EP
     rank's), ``shared experts`` (``MoE.shared``), ``dense FFN``, the MoE's ``norm/permute/combine`` (the rest
     of a MoE layer), ``MTP input projection`` (an MTP module less its block) and ``loss head``
