@@ -261,13 +261,12 @@ def _layer(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, p: Precis
 
 
 def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, p: Precision, slots: int) -> Measured:
-    """MTP depth ``depth + 1``: its module (input projection + block) and its loss head, on ``seq`` positions
+    """MTP depth ``depth + 1``: its input projection, its block and its loss head, on ``seq`` positions
     (depth k really runs on ``seq - k``: at most ``k / seq`` less), its experts swapped as ``_layer``'s."""
     accelerator, layer_id = p.attention == "flash", args.n_layers + depth
-    module = measure.mtp(args, depth, micro_batch, seq, p.act, accelerator).swap(
-        measure.block(args, layer_id, micro_batch, seq, p.act, accelerator), _layer(args, layer_id, micro_batch, seq,
-                                                                                    p, slots))
-    return module.then(measure.head(args, args.recomputes("norm", layer_id), micro_batch, seq, p.act, accelerator))
+    return (measure.mtp_projection(args, depth, micro_batch, seq, p.act, accelerator)
+            .then(_layer(args, layer_id, micro_batch, seq, p, slots))
+            .then(measure.head(args, args.recomputes("norm", layer_id), micro_batch, seq, p.act, accelerator)))
 
 
 def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:

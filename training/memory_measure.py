@@ -485,19 +485,28 @@ def experts(args: ModelArgs, layer_id: int, tokens: int, slots: int, act: float,
 
 
 @_cached
-def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
+def _projection(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
     dtype = _dtype(act)
     module = _build(lambda: MTPModule(args, depth), dtype)
-    cos, sin = _rope(args, seq, dtype)
     h, emb = _hidden(args, micro_batch, seq, dtype), _hidden(args, micro_batch, seq, dtype)
-    return measure(lambda h, e: module(h, e, cos, sin), [h, emb], accelerator, list(module.parameters()))
+    return measure(lambda h, e: module.project(h, e), [h, emb], accelerator, list(module.parameters()))
+
+
+def mtp_projection(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: float,
+                   accelerator: bool) -> Measured:
+    """An MTP module's input projection (``MTPModule.project``: ``eh_proj(cat[enorm(emb), hnorm(h)])``) on
+    ``seq`` positions; its embedding and hidden-state inputs are counted when it keeps them."""
+    layer_id = args.n_layers + depth
+    # only the norm recompute reaches it (eh_proj is a BF16 GEMM even under FP8)
+    largs = args.replace(recompute=("norm",) if args.recomputes("norm", layer_id) else (), recompute_layers=None,
+                         fp8=False, fp8_cache_activations=None)
+    return _projection(largs, depth, micro_batch, seq, act, accelerator)
 
 
 def mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
-    """One MTP module (``MTPModule.forward``: its input projection from the embedding and the previous depth's
-    hidden state, and its block) on ``seq`` positions."""
-    largs, _ = _layer_args(args, args.n_layers + depth)
-    return _mtp(largs, depth, micro_batch, seq, act, accelerator)
+    """One MTP module (``MTPModule.forward`` = its block on its input projection) on ``seq`` positions."""
+    return mtp_projection(args, depth, micro_batch, seq, act, accelerator).then(
+        block(args, args.n_layers + depth, micro_batch, seq, act, accelerator))
 
 
 @_cached
@@ -541,7 +550,7 @@ def pieces(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator:
     rank's), ``shared experts`` (``MoE.shared``), ``dense FFN``, the MoE's ``norm/permute/combine`` (the rest
     of a MoE layer), ``MTP input projection`` (an MTP module less its block) and ``loss head``
     (``model.head_loss``). Router and shared experts are measured on their input (the norm's output, counted
-    with the rest); the rest, the dense FFN and the MTP input projection are differences of whole pieces
+    with the rest); the rest and the dense FFN are differences of whole blocks
     (``saved`` only, ``transient`` 0: a difference of peaks means nothing)."""
     out: dict[str, Measured] = {}
     tokens, e = micro_batch * seq, args.n_routed_experts
@@ -565,14 +574,12 @@ def pieces(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator:
         out["norm/permute/combine"] = Measured(whole.saved - attn.saved - router.saved - routed.saved
                                                  - shared.saved, 0)
     for depth in range(args.n_mtp_layers):
-        m = mtp(args, depth, micro_batch, seq, act, accelerator)
-        b = block(args, args.n_layers + depth, micro_batch, seq, act, accelerator)
-        out[f"MTP {depth + 1} input projection"] = Measured(m.saved - b.saved, 0)
+        out[f"MTP {depth + 1} input projection"] = mtp_projection(args, depth, micro_batch, seq, act, accelerator)
     out["loss head"] = head(args, "norm" in args.recompute_kinds, micro_batch, seq, act, accelerator)
     return out
 
 
 def cache_clear() -> None:
     """Forget every measurement (after the model's code changed within one process: tests)."""
-    for fn in (_block, _experts, _mtp, _head, _moe_parts):
+    for fn in (_block, _experts, _projection, _head, _moe_parts):
         fn.cache_clear()
