@@ -2,7 +2,7 @@
 
 The memory model (``training.memory``) takes its activation bytes from here instead of a hand-kept list
 of saved tensors: each piece (one ``Block``, its attention half, the routed experts of one expert-parallel
-rank, one MTP module, a loss head) runs forward and backward at the layout's real shapes on the ``meta``
+rank, an MTP module's input projection, a loss head) runs forward and backward at the layout's real shapes on the ``meta``
 device, where nothing is allocated and a V3 layer takes milliseconds. A change to the model changes the
 estimate by itself.
 
@@ -16,15 +16,18 @@ its transient.
 
 Running on ``meta``:
 
-- accelerator path: the GPU kernels' Python wrappers run as on a GPU (the registry picks Triton for a
-  non-CPU device), so each saves exactly what the GPU path saves (flash attention: q, k, v, out, lse; the
-  FP8 GEMMs their e4m3 casts); only the Triton launches are skipped (``_skip_triton_launches``). The CPU
-  path forces the PyTorch references (``accel.registry.force("reference")``), as a CPU run uses them.
-- routing: the router's top-k gives a balanced assignment (token t's j-th choice is expert
-  ``(t k + j) mod E``, so every expert gets ``T k / E`` rows, padded to 128 by the model's own permute), as a
-  real CPU tensor. Integer tensors stay real CPU tensors (an op mixing them with meta tensors runs on meta),
-  so the model's host syncs on indices (``bincount``, ``int(...)``, ``.tolist()``) run unchanged; a host
-  sync on a float tensor raises.
+- accelerator path: the GPU kernels' Python wrappers run as on a Hopper GPU (``_as_gpu``: the registry's
+  automatic choice, which is Triton for a non-CPU device; FP8 tensor cores; 132 SMs), so each saves exactly
+  what the GPU path saves (flash attention: q, k, v, out, lse; the FP8 GEMMs their e4m3 casts); only the
+  Triton launches are skipped (``_skip_triton_launches``). The CPU path forces the PyTorch references
+  (``accel.registry.force("reference")``), as a CPU run uses them.
+- values: integer tensors (indices, masks) are meta tensors whose values ``LiveBytes`` computes alongside on
+  the CPU (``LiveBytes.values``) whenever every input of the op has known values; an op whose meta kernel
+  cannot know its output's shape (``nonzero``, ``bincount``, a boolean mask) takes it from those values.
+  So the model's host syncs on indices (``int(...)``, ``.tolist()``, ``.item()``) run unchanged; a host read
+  of a tensor without values (a float) raises, naming it.
+- routing: the router's top-k gets balanced values (token t's j-th choice is expert ``(t k + j) mod E``, so
+  every expert gets ``T k / E`` rows, padded to 128 by the model's own permute).
 - parameters carry an fp32 ``main_grad`` buffer made before measuring (``accel.grads.keep_main_grads``):
   weight gradients land in buffers that the memory model counts as its ``gradients`` item, not here.
 
