@@ -2,8 +2,8 @@
 
 The memory model (``training.memory``) takes its activation bytes from here instead of a hand-kept list
 of saved tensors: each piece (one ``Block``, its attention half, the routed experts of one expert-parallel
-rank, an MTP module's input projection, a loss head) runs forward and backward at the layout's real shapes on the ``meta``
-device, where nothing is allocated and a V3 layer takes milliseconds. A change to the model changes the
+rank, an MTP module's input projection, a loss head) runs forward and backward at the layout's real shapes
+on the ``meta`` device, where nothing is allocated and a V3 layer takes milliseconds. A change to the model changes the
 estimate by itself.
 
 ``LiveBytes`` (a ``TorchDispatchMode``) counts what stays *alive*, not what autograd's hooks see, so any
