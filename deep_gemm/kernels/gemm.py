@@ -194,13 +194,12 @@ def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     g = tl.program_id(1)
     rows = tl.load(masked_m_ptr + g)
-    g = g.to(tl.int64)
-    acc = _mainloop(a_ptr + (g * M * K + m0.to(tl.int64) * K), b_ptr + (g * N * K + n0.to(tl.int64) * K), sfa_ptr + g * s_sag, sfb_ptr + g * s_sbg,
-                    m0, n0, M, N, tl.where(m0 < rows, K, 0), K, 1, K, 1, s_sam, s_sak, s_sbn, s_sbk,
-                    FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _mainloop(a_ptr + (g * M + m0).to(tl.int64) * K, b_ptr + (g * N + n0).to(tl.int64) * K,
+                    sfa_ptr + g * s_sag, sfb_ptr + g * s_sbg, m0, n0, M, N, tl.where(m0 < rows, K, 0),
+                    K, 1, K, 1, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    _store(d_ptr + g * M * N, acc, m0, n0, (offs_m < M) & (offs_m < rows), N, False, False, INTERPRETED,
-           BLOCK_M, BLOCK_N)
+    _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, (offs_m < M) & (offs_m < rows), N, False, False,
+           INTERPRETED, BLOCK_M, BLOCK_N)
 
 
 @_autotune("ACCUMULATE", "PACKED")
@@ -228,7 +227,7 @@ def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_a
     acc = _mainloop(a_ptr, b_ptr, sfa_ptr + kb0 * s_sak, sfb_ptr + kb0 * s_sbk, m0, n0, M, N, k_len,
                     s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED,
                     BLOCK_M, BLOCK_N, BLOCK_K)
-    _store(d_ptr + g.to(tl.int64) * M * N, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, False,
+    _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, False,
            INTERPRETED, BLOCK_M, BLOCK_N)
 
 
