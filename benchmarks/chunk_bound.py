@@ -9,7 +9,7 @@ its next step; the compute unit runs one step at a time; the wire carries one ex
 (``recipes/bench_a2a_delay.py``'s model), first come, first served: an exchange is posted when the step
 before it ends. This tries every order of the compute steps (both sides' own orders kept) and prints the
 best makespan against
-max(compute, comm), next to the strict alternation backward-first that ``models.deepseek_v3.steps.interleave``
+max(compute, comm), next to the strict alternation backward-first that ``models.deepseek_v3.plan.overlapped``
 runs. The forward's dispatch exchanges (its 1st, 3rd, ...) also carry the count exchange ahead of them
 (``--count-ms``). Step times come from a run without delay (the interleave's steps, e.g. timed with a
 wrapper around it); ``--comm-ratio`` sizes the token exchanges so the chunk's comm is that multiple of its
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
 
 
 def _alternation(nf: int, nb: int) -> list[str]:
-    """``steps.interleave``'s turns: one backward step, one forward step, ..., then the rest of either."""
+    """``plan.overlapped``'s turns: one backward step, one forward step, ..., then the rest of either."""
     out = []
     for i in range(max(nf, nb)):
         if i < nb:

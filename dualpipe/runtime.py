@@ -9,7 +9,11 @@ into micro-batches, builds (and caches) the schedule, and runs the rank's action
   their weight-gradient GEMMs (``accel.wgrad.defer``) leave them in this pipeline's store.
 - ``W``: run the closures the matching I deferred.
 - ``(F;B)OVERLAP_F_B``: the modules' ``overlapped_forward_backward`` classmethod when both stage
-  modules share a class that defines it (upstream's contract), else F then B.
+  modules share a class that defines it, else F then B. A module that also defines ``forward_run`` (a
+  stage that runs a micro-batch as explicit pieces, ``models.deepseek_v3.plan``) runs every F and B of
+  the step through it: its F returns a run record that the runtime hands to the matching B (plain
+  ``backward_run`` or the overlapped chunk); otherwise upstream's contract (a plain forward, a plain
+  backward from the stored outputs).
 
 Messages between ranks follow ``ir.comm_plan`` (the model the validator and simulator use).
 With a ``flight`` recorder (``accel.flight``) each action, send and receive is an entry of it, so a
@@ -138,6 +142,7 @@ class Pipeline(nn.Module):
         self._out_grads: dict[tuple[int, int], list] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._final: dict[int, list] = {}
+        self._runs: dict[tuple[int, int], Any] = {}  # planned stages: each forward's record, for its backward
         lay = sched.layout
         for stage in lay.stages_of(self.rank):
             if lay.prev_stage(stage) is None:
@@ -242,8 +247,16 @@ class Pipeline(nn.Module):
             # once sent, an output is needed only as an autograd root: free its storage (as upstream)
             self.p2p.send(msg, outputs, free_after=self.free_sent_outputs and torch.is_grad_enabled())
 
+    def _planned(self, module: nn.Module) -> bool:
+        """Whether this step runs ``module``'s micro-batches as run records (see the module docstring)."""
+        return self.overlapped_forward_backward and torch.is_grad_enabled() and hasattr(module, "forward_run")
+
     def _forward(self, a: Action) -> None:
         module, inputs, criterion, labels = self._pre_forward(a)
+        if self._planned(module):
+            outputs, loss, self._runs[(a.stage, a.mb)] = module.forward_run(inputs, criterion, labels)
+            self._post_forward(a, outputs, loss)
+            return
         outputs = module(*inputs)
         loss = None
         if criterion is not None:
@@ -294,20 +307,30 @@ class Pipeline(nn.Module):
 
     def _backward(self, a: Action) -> None:
         loss, outputs, grads = self._pre_backward(a)
+        run = self._runs.pop((a.stage, a.mb), None)
         with self._collecting(a):
-            if loss is not None:
+            if run is not None:
+                type(self._stage_module(a.stage)).backward_run(run, loss, grads)
+            elif loss is not None:
                 loss.backward()
-                loss.detach_()
             elif outputs:
                 run_backward(outputs, grads)
+        if loss is not None:
+            loss.detach_()
         self._post_backward(a)
 
     def _overlapped(self, f: Action, b: Action) -> None:
         module0, inputs0, criterion0, labels0 = self._pre_forward(f)
         loss1, outputs1, grads1 = self._pre_backward(b)
         with self._collecting(b):
-            outputs0, loss0 = type(module0).overlapped_forward_backward(
-                module0, inputs0, criterion0, list(labels0), self._stage_module(b.stage), loss1, outputs1, grads1)
+            if self._planned(module0):
+                outputs0, loss0, self._runs[(f.stage, f.mb)] = type(module0).overlapped_forward_backward(
+                    module0, inputs0, criterion0, list(labels0), self._runs.pop((b.stage, b.mb)), loss1, grads1)
+            else:
+                outputs0, loss0 = type(module0).overlapped_forward_backward(
+                    module0, inputs0, criterion0, list(labels0), self._stage_module(b.stage), loss1, outputs1, grads1)
+        if loss1 is not None:
+            loss1.detach_()
         self._post_forward(f, outputs0, loss0)
         self._post_backward(b)
 

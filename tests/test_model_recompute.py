@@ -174,19 +174,20 @@ def test_losses_from_hidden_equal_lm_losses_of_the_logits(recompute):
 
 
 def _ep_ffn_rank(rank, world):
-    """On each of 2 expert-parallel ranks: a MoE block as a pipeline stage runs it (``Block.steps`` with its
-    exchanges recorded, the norm's output released only after the combine all-to-all, then the backward
-    piece by piece with the reverse all-to-alls posted asynchronously) and as ``attention_residual`` +
-    ``ffn_residual``, with and without v3 + swiglu recompute; returns the gradients of each."""
+    """On each of 2 expert-parallel ranks: a MoE block as the overlapped pipeline runs it (its plan pieces,
+    ``plan.layer_pieces``: each piece's backward on its own, the reverse all-to-alls posted by the plan) and
+    as its plain forward and ``backward()``, without recompute, with v3 + swiglu recompute and with
+    whole-block recompute (the plan recomputes each compute piece; the plain forward the whole block, its
+    all-to-alls included); returns the gradients of each."""
     import torch.distributed as dist
 
     from models.deepseek_v3 import Block
     from models.deepseek_v3.moe import MoE
+    from models.deepseek_v3.plan import Exchange, Run, layer_pieces
     from models.deepseek_v3.rope import rope_cos_sin
-    from models.deepseek_v3.steps import Cuts, backward_steps, drain
 
     out = {}
-    for recompute in ((), ("v3", "swiglu")):
+    for recompute in ((), ("v3", "swiglu"), ("block",)):
         for path in ("stage", "block"):
             torch.manual_seed(0)
             args = ModelArgs.preset("debug_tiny", recompute=recompute)
@@ -200,12 +201,12 @@ def _ep_ffn_rank(rank, world):
             h = torch.randn(2, 6, args.dim, generator=g).requires_grad_()
             cos, sin = rope_cos_sin(args, torch.arange(6))
             if path == "stage":
-                cuts = Cuts(h)
-                y = drain(block.steps(h, cos, sin, cuts=cuts))
-                assert len(cuts.marks) == 2  # dispatch and combine
-                drain(backward_steps(cuts, [(y, torch.randn(y.shape, generator=g))]))
+                run = Run(layer_pieces(block, cos, sin), h=h)
+                y = run.forward()["h"]
+                assert sum(isinstance(p, Exchange) for p in run.pieces) == 2  # dispatch and combine
+                run.backward(h=torch.randn(y.shape, generator=g))
             else:
-                y = block.ffn_residual(block.attention_residual(h, cos, sin))
+                y = block(h, cos, sin)
                 (y * torch.randn(y.shape, generator=g)).sum().backward()
             grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
             out[(recompute, path)] = (y.detach(), h.grad, grads)

@@ -40,22 +40,12 @@ def _zero(stages) -> None:
             p.grad = None
 
 
-def _count_yields(steps):
-    """(number of yields, returned value) of a step generator."""
-    n = 0
-    while True:
-        try:
-            next(steps)
-            n += 1
-        except StopIteration as stop:
-            return n, stop.value
-
-
 def _overlap_matches_plain(rank: int, world: int) -> dict:
-    """Two stages of a V on one pipeline rank, EP=2 across the two processes (so the forward really
-    yields while tokens are in flight). Both runs do F(b), F(a), B(b), B(a); the overlapped run pairs
-    F(a) on stage 0 with B(b) on the last stage (the loss path), then F(a) on the last stage with
-    B(b) through stage 0 (the output-gradient path)."""
+    """Two stages of a V on one pipeline rank, EP=2 across the two processes (so each exchange really
+    travels). Both runs do F(b), F(a), B(b), B(a); the overlapped run pairs F(a) on stage 0 with B(b) on the
+    last stage (the loss path), then F(a) on the last stage with B(b) through stage 0 (the output-gradient
+    path). The reference is the plain forward and ``backward()`` through the differentiable exchanges."""
+    from models.deepseek_v3.plan import Exchange
     from training.loss import StageLoss
     from training.stages import DeepSeekV3Stage
 
@@ -78,19 +68,17 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
     ref = _grads([first, last])
 
     _zero([first, last])
-    hb, xb, lb = forward(b)
-    ha, none = DeepSeekV3Stage.overlapped_forward_backward(first, [a[:, :-1]], None, [], last, lb, [], [])
+    hb, _, run_b0 = first.forward_run([b[:, :-1]])
+    xb = hb.detach().requires_grad_()
+    _, lb, run_b1 = last.forward_run([xb], criterion, [b])
+    ha, none, run_a0 = DeepSeekV3Stage.overlapped_forward_backward(first, [a[:, :-1]], None, [], run_b1, lb, [])
     xa = ha.detach().requires_grad_()
-    out_a, la = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], criterion, [a], first, None,
-                                                            [hb], [xb.grad])
-    la.backward()
-    ha.backward(xa.grad)
+    _, la, run_a1 = DeepSeekV3Stage.overlapped_forward_backward(last, [xa], criterion, [a], run_b0, None, [xb.grad])
+    DeepSeekV3Stage.backward_run(run_a1, la, [])
+    DeepSeekV3Stage.backward_run(run_a0, None, [xa.grad])
     got = _grads([first, last])
     worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
-    yields = sum(1 for _ in first.forward_steps(a[:, :-1]))  # dispatch + combine per EP MoE layer
-    with torch.no_grad():  # the last stage's layer, then the criterion's MTP block: both yield at their exchanges
-        stage_yields, h_last = _count_yields(last.forward_steps(xa.detach()))
-        loss_yields, _ = _count_yields(criterion.steps(h_last, a))
+    exchanges = [sum(isinstance(p, Exchange) for p in run.pieces) for run in (run_a0, run_a1)]
 
     # An expert rank that receives no token at all (every token prefers rank 0's experts 0..3) still
     # takes part in both all-to-alls forward and backward: no hang, finite loss, zero expert grads there.
@@ -98,16 +86,16 @@ def _overlap_matches_plain(rank: int, world: int) -> dict:
 
     for moe in moe_layers([first, last]):
         moe.gate.e_score_correction_bias[:4] = 10.0
-    # ... here through the piece-by-piece backward, whose reverse exchanges then carry no rows on rank 1
     _zero([first, last])
-    h0, x1, lz = forward(a)
-    back_yields = [sum(1 for _ in DeepSeekV3Stage.backward_steps(lz, [], [])),
-                   sum(1 for _ in DeepSeekV3Stage.backward_steps(None, [h0], [x1.grad]))]
+    h0, _, r0 = first.forward_run([a[:, :-1]])
+    x1 = h0.detach().requires_grad_()
+    _, lz, r1 = last.forward_run([x1], criterion, [a])
+    DeepSeekV3Stage.backward_run(r1, lz, [])
+    DeepSeekV3Stage.backward_run(r0, None, [x1.grad])
     starved = [m.experts.w13.grad for m in moe_layers([first, last])]
     zero_ok = all((g is None or not g.any()) if rank == 1 else (g is not None and g.any()) for g in starved)
     return {"worst_rel": worst, "n": len(ref), "same_keys": set(got) == set(ref), "none": none is None,
-            "yields": yields, "last_yields": (stage_yields, loss_yields),
-            "back_yields": back_yields, "zero_ok": zero_ok, "zero_loss": float(lz)}
+            "exchanges": exchanges, "zero_ok": zero_ok, "zero_loss": float(lz.detach())}
 
 
 @pytest.mark.dist
@@ -116,12 +104,10 @@ def test_overlapped_forward_backward_gradients_equal_plain():
     results = run_distributed(_overlap_matches_plain, 2, timeout=200)
     for r in results:
         assert r["same_keys"] and r["none"] and r["n"] > 20
-        assert r["zero_ok"] and 0 < r["zero_loss"] < 20
-        assert r["yields"] == 2 * 1  # stage 0 holds one MoE layer (layer 1; layer 0 is dense): two all-to-alls
-        assert r["last_yields"] == (2, 2), r["last_yields"]  # layer 2, then the MTP block (in the criterion)
-        # the backward yields while each reverse all-to-all is posted: the last stage's MTP block and layer 2,
-        # stage 0's layer 1
-        assert r["back_yields"] == [4, 2], r["back_yields"]
-        # float32; the only difference is the order in which per-segment contributions are summed
-        # into .grad (and one subtraction of a repeated pass), so ~1e-6 relative
+        assert r["zero_ok"] and 0 < r["zero_loss"] < 20, r
+        # stage 0 holds one MoE layer (layer 1; layer 0 is dense): two all-to-alls; the last stage's layer 2 and
+        # the MTP block (in the criterion): four
+        assert r["exchanges"] == [2, 4], r["exchanges"]
+        # float32; the only difference is the order in which per-piece contributions are summed into .grad,
+        # so ~1e-6 relative
         assert r["worst_rel"] < 1e-5, r

@@ -3,9 +3,10 @@
 ``StageLoss(stage, mtp_lambda)`` is called by the pipeline (or the trainer) once per micro-batch with
 the last hidden state and the token windows (the model's ``lm_losses_from_hidden``: final norm, head
 and MTP, without materialising the logits); it returns the micro-batch's total loss and keeps its
-parts (``parts``: main, MTP per depth, tokens) for the caller to read after the step. The load
-balancing losses ride on the MoE activations (``balancing.attach_aux_loss``) and are reported by the
-balancers. Losses are unscaled: the trainer divides the gradients by the number of micro-batches.
+parts (``parts``: main, MTP per depth, tokens) for the caller to read after the step. The overlapped
+pipeline runs the same as plan pieces (``pieces``). The load balancing losses ride on the MoE
+activations (``balancing.attach_aux_loss``) and are reported by the balancers. Losses are unscaled:
+the trainer divides the gradients by the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from models.deepseek_v3.model import lm_losses_from_hidden_steps
-from models.deepseek_v3.steps import Steps, drain
-from training.stages import DeepSeekV3Stage, cuts_of, mark_loss
+from models.deepseek_v3.model import head_losses, lm_losses_from_hidden
+from models.deepseek_v3.mtp import mtp_pieces
+from models.deepseek_v3.plan import Compute, Piece
+from training.stages import DeepSeekV3Stage
 
 
 @dataclass
@@ -45,21 +47,31 @@ class StageLoss:
 
     def __call__(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch from the last hidden state ``h [b, s, dim]`` and its windows ``[b, s + 1]``."""
-        return drain(self.steps(h, windows))
-
-    def steps(self, h: torch.Tensor, windows: torch.Tensor) -> Steps[torch.Tensor]:
-        """``__call__`` as steps: the MTP blocks yield while their all-to-alls travel, so a pipeline hides them
-        behind another micro-batch; their exchanges join the stage's (``cuts_of(h)``) for the backward."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        parts = yield from lm_losses_from_hidden_steps(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens,
-                                                       labels, cuts=cuts_of(h))
+        return self._total(lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels),
+                           labels)
+
+    def pieces(self, windows: torch.Tensor) -> list[Piece]:
+        """The same as plan pieces after the stage's (which end in ``h``): the MTP depths (whose all-to-alls the
+        overlapped pipeline hides), then the heads, ending in ``loss``."""
+        st = self.stage
+        tokens, labels = windows[:, :-1], windows[:, 1:]
+        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens)
+
+        def loss(h: torch.Tensor, *mtp_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+            parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels)
+            return {"loss": self._total(parts, labels)}
+
+        return [*pieces, Compute("loss", loss, ("h", *hidden), ("loss",))]
+
+    def _total(self, parts: dict, labels: torch.Tensor) -> torch.Tensor:
         loss, main = parts["loss"], parts["main"]
         if self.inject_nan:  # as a bad batch would: the reported loss and, through backward, every gradient
             loss, main = loss * float("nan"), main * float("nan")
         self.parts.append(LossParts(float(loss.detach()), float(main.detach()),
                                     [float(m.detach()) for m in parts["mtp"]], labels.numel()))
-        return mark_loss(loss, h)
+        return loss
 
     def mean(self, name: str) -> float | None:
         """Mean over this step's micro-batches of ``total``, ``main`` or ``mtp`` (itself the mean over depths);

@@ -5,8 +5,10 @@ rank then keeps the stages the schedule gives it and materialises only their mod
 only its expert-parallel slice of the routed experts. A stage is a contiguous run of blocks; the
 first also embeds tokens; the last holds the final norm, the output head and the MTP modules, which
 the step's criterion (``training.loss``) runs, so the loss is computed where the logits are. A
-stage runs the blocks' own ``steps``: the forward is written once, in the model. Parameter names inside a stage are the
-``Transformer``'s (``layers.3.attn.wq_a.weight``), so checkpoints of any layout line up.
+stage runs the model's own layer loop (``model.run_layers``); the overlapped pipeline runs the same
+layers as plan pieces (``models.deepseek_v3.plan``), so the forward is written once, in the model.
+Parameter names inside a stage are the ``Transformer``'s (``layers.3.attn.wq_a.weight``), so
+checkpoints of any layout line up.
 
 Which stages a pipeline rank holds (``stage_ids``): one (``1f1b``, ``zb1p``), two in a V
 (``dualpipev``, ``zbv``: stage ``r`` and ``2 pp - 1 - r``, so the embedding and the head/MTP share
@@ -26,9 +28,10 @@ import torch
 from torch import nn
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v3.model import run_layers
 from models.deepseek_v3.moe import Experts, MoE
+from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
 from models.deepseek_v3.rope import rope_cos_sin
-from models.deepseek_v3.steps import Cuts, Steps, backward_steps, drain, interleave
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
@@ -114,8 +117,9 @@ class DeepSeekV3Stage(nn.Module):
 
     ``forward(x)`` takes tokens ``[b, s]`` on the first stage, hidden states ``[b, s, dim]`` after it,
     and returns hidden states (the last stage returns the state before the final norm; the final
-    norm, head and MTP run in the step's criterion, ``training.loss.StageLoss``). The blocks run their
-    own ``steps`` (``models.deepseek_v3.steps``); a stage only strings them together.
+    norm, head and MTP run in the step's criterion, ``training.loss.StageLoss``). ``forward_run`` /
+    ``backward_run`` / ``overlapped_forward_backward`` run a micro-batch as plan pieces for the pipeline
+    runtime, which hands each forward's ``Run`` to its backward.
     """
 
     def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int]):
@@ -139,63 +143,63 @@ class DeepSeekV3Stage(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return drain(self.forward_steps(x))
-
-    def forward_steps(self, x: torch.Tensor) -> Steps[torch.Tensor]:
-        """The stage's forward as the blocks' steps, yielding where their all-to-alls are in flight.
-
-        The exchanges are recorded (``Cuts``, autograd edges only) on the output, for ``backward_steps``.
-        """
-        cuts = Cuts(x)
         h = self.embed(x) if self.is_first else x
-        if self.end > self.start:
-            cos, sin = rope_cos_sin(self.args, torch.arange(h.shape[1], device=h.device))
-            for i in range(self.start, self.end):
-                h = yield from self.layers[str(i)].steps(h, cos, sin, cuts=cuts)
-        if h is x:
-            h = h.clone()  # a stage never returns its input (a view / alias of a pipeline buffer)
-        setattr(h, _CUTS, cuts)
-        return h
+        h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h)
+        return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
+
+    # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
+    def pieces(self, seq_len: int, device: torch.device) -> list[Piece]:
+        """The stage's forward as plan pieces, from ``tokens`` (first stage) or ``h`` to ``h``."""
+        pieces: list[Piece] = []
+        if self.is_first:
+            pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
+        cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
+        for i in range(self.start, self.end):
+            pieces += layer_pieces(self.layers[str(i)], cos, sin)
+        return pieces
+
+    def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:
+        """One micro-batch's pass, not yet run: the stage's pieces, then the criterion's (``StageLoss.pieces``)."""
+        (x,) = inputs
+        pieces = self.pieces(x.shape[1], x.device)
+        if criterion is not None:
+            pieces += criterion.pieces(*labels)
+        return Run(pieces, **{"tokens" if self.is_first else "h": x})
 
     @staticmethod
-    def backward_steps(loss: torch.Tensor | None, outputs: list, grads: list) -> Steps[None]:
-        """Backward of one micro-batch (from its loss on the last stage, else from the output gradients),
-        yielding while each reverse all-to-all is in flight (``steps.backward_steps``)."""
-        if loss is not None:
-            yield from backward_steps(getattr(getattr(loss, _HIDDEN), _CUTS), [(loss, torch.ones_like(loss))])
-            loss.detach_()
-        elif outputs:
-            yield from backward_steps(getattr(outputs[0], _CUTS), list(zip(outputs, grads)))
+    def run_result(run: Run) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(stage output, loss or None) of a finished forward."""
+        h = run.values["h"]
+        return (h if "h" in run.made else h.clone()), run.values.get("loss")
+
+    def forward_run(self, inputs: list, criterion=None, labels: Sequence = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, Run]:
+        """The forward of one micro-batch as a ``Run`` (for ``backward_run`` or an overlapped chunk)."""
+        run = self.start_run(inputs, criterion, labels)
+        run.forward()
+        return *self.run_result(run), run
+
+    @staticmethod
+    def backward_run(run: Run, loss: torch.Tensor | None, grads: list) -> None:
+        """The backward of ``run``: from its loss (last stage) or from the gradient of its output."""
+        run.backward(**_output_grads(loss, grads))
 
     @classmethod
     def overlapped_forward_backward(cls, module0: DeepSeekV3Stage, inputs0: list, criterion0, labels0: list,
-                                    module1: DeepSeekV3Stage, loss1: torch.Tensor | None, outputs1: list,
-                                    output_grads1: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward of one micro-batch on ``module0`` interleaved with the backward of another on
-        ``module1`` (DualPipe's contract): while one's all-to-all is in flight (the forward's dispatch or
-        combine, the backward's reverse exchanges), the other computes. Gradients equal a plain F then B."""
-        def forward_and_loss() -> Steps[tuple[torch.Tensor, torch.Tensor | None]]:
-            h = yield from module0.forward_steps(*inputs0)
-            if criterion0 is None:
-                return h, None
-            return h, (yield from criterion0.steps(h, *labels0))  # the criterion (StageLoss) interleaves too
-
-        return interleave(forward_and_loss(), module1.backward_steps(loss1, outputs1, output_grads1))
+                                    run1: Run, loss1: torch.Tensor | None, output_grads1: list
+                                    ) -> tuple[torch.Tensor, torch.Tensor | None, Run]:
+        """Forward of one micro-batch on ``module0`` interleaved with the backward of ``run1`` (another
+        micro-batch's forward on this rank), DualPipe's overlapped chunk: while one's all-to-all is in flight
+        the other computes (``plan.overlapped``). Gradients equal a plain F then B."""
+        run0 = module0.start_run(inputs0, criterion0, labels0)
+        overlapped(run0, run1, **_output_grads(loss1, output_grads1))
+        return *module0.run_result(run0), run0
 
 
-_CUTS = "_dsv3_cuts"  # stage output attribute: the Cuts its forward recorded
-_HIDDEN = "_dsv3_hidden"  # loss attribute: the last hidden state the criterion started from
-
-
-def cuts_of(h: torch.Tensor) -> Cuts | None:
-    """The exchanges recorded by the forward that made stage output ``h`` (None for a plain forward's)."""
-    return getattr(h, _CUTS, None)
-
-
-def mark_loss(loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Tie a criterion's loss to the stage output it was computed from (where ``backward_steps`` starts)."""
-    setattr(loss, _HIDDEN, hidden)
-    return loss
+def _output_grads(loss: torch.Tensor | None, grads: list) -> dict[str, torch.Tensor]:
+    if loss is not None:
+        return {"loss": torch.ones_like(loss)}
+    return {"h": grads[0]} if grads else {}
 
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,

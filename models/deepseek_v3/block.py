@@ -6,20 +6,19 @@ import torch
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.layers import MLP, RMSNorm, maybe_recompute
+from models.deepseek_v3.layers import MLP, RMSNorm
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import MoE
-from models.deepseek_v3.recompute import produce, produce_consume
-from models.deepseek_v3.steps import Cuts, Steps, drain
+from models.deepseek_v3.recompute import maybe_recompute, produce_consume
 
 
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``.
 
-    ``steps`` is the forward as a generator (an expert-parallel MoE yields while its all-to-alls are in
-    flight); ``forward`` drains it and a pipeline stage runs it interleaved with another micro-batch.
     With recompute kind "norm" each norm's output is dropped after its consumer saved it and recomputed
-    from ``x`` (kept anyway) before that consumer's backward; "block" keeps only ``x``.
+    from ``x`` (kept anyway) before that consumer's backward; "block" keeps only ``x``. The overlapped
+    pipeline runs an expert-parallel layer as the pieces in ``models.deepseek_v3.plan``, which call the
+    same methods: ``attention``, the MoE's ``send`` / ``expert_rows`` / ``combined``.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
@@ -36,33 +35,23 @@ class Block(nn.Module):
             self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
                            fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm)
 
-    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           cache: LatentCache | None = None, start_pos: int = 0) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                  start_pos: int = 0) -> torch.Tensor:
         """``x + attn(attn_norm(x))``."""
         attend = lambda y: self.attn(y, cos, sin, cache, start_pos)  # noqa: E731
         return x + produce_consume(self.attn_norm, attend, x, enabled=self.recompute_norm)
 
-    def ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + ffn(ffn_norm(x))`` (an expert-parallel MoE as one call; stages split it at its all-to-alls)."""
-        return x + produce_consume(self.ffn_norm, self.ffn, x, enabled=self.recompute_norm)
-
-    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-              start_pos: int = 0, cuts: Cuts | None = None) -> Steps[torch.Tensor]:
-        """The forward as steps (``MoE.steps``' yields); whole-block recompute runs it in one piece."""
-        if self.recompute_block and cache is None:
-            return maybe_recompute(lambda h: drain(self._steps(h, cos, sin, None, start_pos, None)), x, enabled=True)
-        return (yield from self._steps(x, cos, sin, cache, start_pos, cuts))
-
-    def _steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
-               start_pos: int, cuts: Cuts | None) -> Steps[torch.Tensor]:
-        h = self.attention_residual(x, cos, sin, cache, start_pos)
-        if not isinstance(self.ffn, MoE) or self.ffn.ep is None:
-            return self.ffn_residual(h)
-        normed = produce(self.ffn_norm, h, enabled=self.recompute_norm)  # released once the combine has landed
-        out = yield from self.ffn.steps(normed.outputs[0], cuts, residual=h)
-        normed.release(out)
-        return out
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``h + ffn(ffn_norm(h))``."""
+        return h + produce_consume(self.ffn_norm, self.ffn, h, enabled=self.recompute_norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
-        return drain(self.steps(x, cos, sin, cache, start_pos))
+        if self.recompute_block and cache is None:
+            return maybe_recompute(lambda h: self.feed_forward(self.attention(h, cos, sin)), x, enabled=True)
+        return self.feed_forward(self.attention(x, cos, sin, cache, start_pos))
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this layer's MoE exchanges tokens with other ranks (it then has all-to-alls to overlap)."""
+        return isinstance(self.ffn, MoE) and self.ffn.ep is not None

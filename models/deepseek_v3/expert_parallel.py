@@ -11,35 +11,33 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
     ...                                       # overlap again
     y = handle.wait()                         # [T, dim], sum over the top-k in token order
 
-- Asynchrony: ``dispatch``/``combine`` return at once. The host work that must precede the transfer
-  (routing-order gathers, the count exchange) and the posting run on the process's one communication
-  thread (``_CommThread``, the CPU analogue of a comm stream), in submission order, on the caller's
-  device stream; that thread does not wait for the transfer, so it stages the next exchange while
-  this one travels. ``wait()`` blocks until the transfer has landed and then finishes it (FP8
-  unpacking, the regrouping gather, the combine's weighted sum) on the caller's thread.
+- Two layers of API. The pieces: ``plan_send`` (routing order, local), ``gather`` (the rows to send,
+  differentiable), ``post_dispatch`` (the exchange, not differentiable), ``regroup`` (arrival order ->
+  grouped layout, differentiable), ``ungroup`` / ``post_combine`` / ``scatter_back`` on the way back. The
+  overlapped plan (``models.deepseek_v3.plan``) runs these as separate pieces and posts each exchange's
+  reverse itself (``Exchanged.reverse``) in its backward. ``dispatch`` / ``combine`` compose the same pieces
+  differentiably for a plain forward and ``backward()`` (``_Arrived``: the backward posts the reverse
+  exchange and waits for it).
+- Asynchrony: exchanges return a handle at once. The host work that must precede a transfer (the
+  count exchange, FP8 packing) and the posting run on the process's one communication thread
+  (``_CommThread``, the CPU analogue of a comm stream), in submission order, on the caller's device
+  stream; that thread does not wait for the transfer, so it stages the next exchange while this one
+  travels. ``wait()`` blocks until the transfer has landed and then finishes it (FP8 unpacking) on the
+  caller's thread.
 - Variable splits: each rank first learns, with one small ``all_to_all_single`` of per-expert
-  counts (posted asynchronously; the send rows are gathered while it travels), how many rows it
-  will receive from every peer for every local expert; the token all-to-all follows.
+  counts (posted asynchronously), how many rows it will receive from every peer for every local
+  expert; the token all-to-all follows.
 - Layout: the sender orders its (token, expert) assignments by expert (one stable argsort, one
   ``index_select``), so every peer's rows are one contiguous slice; the receiver regroups rows
   ``[source][expert]`` into ``[expert][source]`` blocks padded to
   ``deep_gemm.get_m_alignment_for_contiguous_layout()`` rows with pad rows indexed -1. The index plan
-  is computed while the tokens travel, then one gather; ``combine`` undoes both.
-- Overlap: a pipelined caller (micro-batch B's dispatch in flight while A's experts run, as in
-  DualPipe) hides the exchange as far as the machine has a free core for the comm thread and the
-  transport; see ``recipes/bench_ep_overlap.py``.
-- Routing weights: ``dispatch(x, indices, weights)`` sends each row's fp32 weight with it, as extra
+  is computed while the tokens travel, then one gather; the way back undoes both.
+- Routing weights: ``gather(x, weights, plan)`` sends each row's fp32 weight with it, as extra
   columns of the same all-to-all (``_weight_columns``: one column in fp32/fp64 rows, a rounded +
   remainder pair in bf16/fp16 rows), so the experts scale their SwiGLU output before ``w2`` and the
   combine is a plain sum: nothing ``[tokens * top-k, dim]`` is kept for the weights' gradient, which
   comes back with the rows' in the reverse exchange. ``combine(y, d, weights)`` (weights after the
   exchange, on the token's rank) remains for rows that were not scaled.
-- Autograd: dispatch and combine are differentiable; the backward of each is the reverse
-  all-to-all (queued on the comm thread behind any exchange in flight, and waited for). Each exchange
-  is also described by an ``Exchange`` (the autograd edges on both sides and the split sizes, no
-  activations): ``Exchange.reverse(grad)`` posts the reverse all-to-all asynchronously, so a
-  backward run piece by piece (``steps.backward_steps``) hides it behind other
-  compute exactly as the forward hides its own.
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
@@ -56,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,16 +63,14 @@ from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import accel
 import deep_gemm
 from accel.flight import Entry, FlightRecorder, FlightSite, group_ranks
 from accel.trace import TraceRecorder
-from models.deepseek_v3.moe import PermuteState, unpermute
+from models.deepseek_v3.permute import PermuteState, unpermute
 
 T = TypeVar("T")
-SWITCH_INTERVAL_S = 2e-4  # the interpreter's GIL hand-over interval once a comm thread runs (see _CommThread.submit)
 _staging = threading.local()  # ``current``: (site, entry) of the exchange this thread is staging, if recorded
 
 
@@ -128,9 +123,6 @@ class _CommThread:
             return done
         if cls._pid != os.getpid():  # first use, or a forked child: threads do not survive fork
             cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv3-ep-comm")
-            # a thread woken by a landed exchange waits for the GIL until the running one yields it, by default up to
-            # 5 ms: the time between the count exchange landing and the tokens being posted, on every dispatch
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             cls._pid = os.getpid()
         grad, stream = torch.is_grad_enabled(), accel.current_stream()
 
@@ -232,81 +224,70 @@ def post(recorder: TraceRecorder | None, name: str, fn: Callable[[], Posted[T]],
     return CommHandle(_CommThread.submit(staged), recorder, name, site, entry)
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` launched asynchronously; backward is the reverse exchange, on the comm thread.
-
-    The output is handed back while the exchange may still be running: read it only after the
-    ``works`` are waited. ``send_bytes`` (optional) is what actually travels (the FP8 path); it is
-    exchanged into ``recv_bytes`` and ``out`` is filled from it by the caller after the wait.
-    """
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, works, send_bytes, recv_bytes, spare_rows=0, recorder=None,
-                site=None):
-        ctx.splits, ctx.group, ctx.rows_in, ctx.recorder = (out_splits, in_splits), group, x.shape[0], recorder
-        ctx.site = site
-        total = sum(out_splits)
-        # ``spare_rows`` zero rows after the received ones: the regrouping gathers its pad rows from them
-        out = x.new_empty(total + spare_rows, *x.shape[1:])
-        out[total:].zero_()
-        send, recv = (x.contiguous(), out[:total]) if send_bytes is None else (send_bytes, recv_bytes)
-        works.append(dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True))
-        _note_posted()
-        works.append(send)  # the buffer being sent must outlive the exchange
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        out_splits, in_splits = ctx.splits
-        grad_in = post(ctx.recorder, "backward all-to-all", lambda: _reverse(
-            grad_out, out_splits, in_splits, ctx.rows_in, ctx.group), ctx.site).wait()
-        return grad_in, None, None, None, None, None, None, None, None, None
-
-
-def _reverse(grad_out: torch.Tensor, out_splits: list[int], in_splits: list[int], rows_in: int,
-             group: dist.ProcessGroup | None) -> Posted[torch.Tensor]:
-    """Post the reverse of an all-to-all that sent ``in_splits`` rows and received ``out_splits``: the
-    gradient of the received rows (spare rows after them ignored) back to the ``rows_in`` sent rows."""
-    grad_in = grad_out.new_empty(rows_in, *grad_out.shape[1:])
-    send = grad_out[:sum(out_splits)].contiguous()
-    work = dist.all_to_all_single(grad_in, send, in_splits, out_splits, group=group, async_op=True)
+def _all_to_all(send: torch.Tensor, recv: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup | None) -> list:
+    """Post ``all_to_all_single`` (``in_splits`` rows of ``send`` to each rank, ``out_splits`` from each into
+    ``recv``); the works to wait for, with the buffers that must outlive the exchange."""
+    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
     _note_posted()
-    return Posted([work, send], lambda: grad_in, nbytes=send.numel() * send.element_size())
+    return [work, send, recv]
 
 
 @dataclass
-class Exchange:
-    """One all-to-all as the backward sees it: autograd edges of the sent and received tensors and the
-    split sizes (no activations are kept). ``reverse(grad)`` posts the reverse exchange on the comm thread."""
+class Exchanged:
+    """One all-to-all as its reverse needs it: split sizes and the shape of what landed, no activations.
+    ``reverse(grad)`` posts the gradient of the landed rows back to their senders on the comm thread; its
+    ``wait()`` gives the gradient of the rows that were sent."""
 
-    sent: GradientEdge
-    received: GradientEdge
-    sent_splits: list[int]  # rows sent to each rank
-    received_splits: list[int]  # rows received from each rank
+    sent_splits: list[int]  # rows this rank sent to each rank
+    received_splits: list[int]  # rows it received from each rank
     rows_sent: int
-    received_like: tuple[tuple[int, ...], torch.dtype, torch.device]  # shape/dtype/device of the received tensor
+    landed_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
     group: dist.ProcessGroup | None
-    recorder: TraceRecorder | None = None  # records the reverse exchange on its comm track
-    site: FlightSite | None = None  # records the reverse exchange in the flight recorder
+    recorder: TraceRecorder | None = None
+    site: FlightSite | None = None
 
-    @classmethod
-    def of(cls, sent: torch.Tensor, received: torch.Tensor, sent_splits: list[int], received_splits: list[int],
-           group: dist.ProcessGroup | None, recorder: TraceRecorder | None = None,
-           site: FlightSite | None = None) -> Exchange | None:
-        """None when nothing that travelled needs a gradient (no grad mode, or inputs without grad)."""
-        if not (sent.requires_grad and received.requires_grad):
-            return None
-        return cls(get_gradient_edge(sent), get_gradient_edge(received), sent_splits, received_splits,
-                   sent.shape[0], (tuple(received.shape), received.dtype, received.device), group, recorder, site)
+    def reverse(self, grad: torch.Tensor | None) -> CommHandle[torch.Tensor]:
+        """Post the gradient back (zeros when none reached the landed rows: the peers still take part)."""
+        if grad is None:
+            grad = torch.zeros(self.landed_shape, dtype=self.dtype, device=self.device)
+        received = sum(self.received_splits)
 
-    def reverse(self, grad_received: torch.Tensor | None) -> CommHandle[torch.Tensor]:
-        """Post the gradient of the received rows back to their senders (zeros when none reached them:
-        the peers still take part); ``wait()`` gives the gradient of the sent rows."""
-        if grad_received is None:
-            shape, dtype, device = self.received_like
-            grad_received = torch.zeros(shape, dtype=dtype, device=device)
-        return post(self.recorder, "backward all-to-all", lambda: _reverse(
-            grad_received, self.received_splits, self.sent_splits, self.rows_sent, self.group), self.site)
+        def posted() -> Posted[torch.Tensor]:
+            send = grad[:received].contiguous()
+            out = grad.new_empty(self.rows_sent, *grad.shape[1:])
+            works = _all_to_all(send, out, self.sent_splits, self.received_splits, self.group)
+            return Posted(works, lambda: out, nbytes=send.numel() * send.element_size())
+
+        return post(self.recorder, "backward all-to-all", posted, self.site)
+
+
+@dataclass
+class Returned:
+    """Rows a combine brought back (in sent order) and how to reverse that exchange."""
+
+    rows: torch.Tensor
+    exchanged: Exchanged
+
+
+def arrived(sent: torch.Tensor, rows: torch.Tensor, exchanged: Exchanged) -> torch.Tensor:
+    """The landed ``rows`` as a differentiable function of the rows ``sent``: a plain ``backward()`` sends the
+    gradient back through the reverse exchange and waits for it. (The overlapped plan posts the reverse
+    itself instead.)"""
+    return _Arrived.apply(sent, rows, exchanged)
+
+
+class _Arrived(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, rows: torch.Tensor, exchanged: Exchanged) -> torch.Tensor:
+        ctx.exchanged = exchanged
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.exchanged.reverse(grad).wait(), None, None
 
 
 def _wait_all(works: list) -> None:
@@ -342,20 +323,41 @@ def _weight_columns(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
+class SendPlan:
+    """Where this rank's (token, slot) assignments go, from the routing alone (nothing has travelled yet)."""
+
+    order: torch.Tensor  # [T * k] assignments sorted by physical expert, dropped ones (index -1) last
+    state: PermuteState  # (token, slot) <-> sent row
+    send_counts: torch.Tensor  # [num physical] rows for each physical expert
+    send_splits: list[int]  # rows sent to each rank
+    num_sent: int  # assignments that travel (the rest were dropped)
+    k: int  # slots per token
+
+
+@dataclass
+class Received:
+    """What a dispatch delivered: ``rows`` in arrival order (``[source][expert]``, one spare zero row after them)
+    and the plan that regroups them into the contiguous grouped layout."""
+
+    rows: torch.Tensor
+    exchanged: Exchanged
+    dim: int  # feature columns; any columns after them are the routing weights
+    source: torch.Tensor  # [M] arrival row of each grouped row (the spare zero row for padding)
+    m_indices: torch.Tensor  # [M] int32: local expert of each grouped row, -1 for pad rows
+    state: PermuteState  # arrival rows <-> grouped rows
+    tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
+
+
+@dataclass
 class Dispatched:
-    """Tokens received by this rank, in the contiguous grouped layout, plus what ``combine`` needs."""
+    """Tokens received by this rank in the contiguous grouped layout (``ExpertParallel.dispatch``)."""
 
     x_grouped: torch.Tensor  # [M, dim], local experts' blocks padded to the alignment
     m_indices: torch.Tensor  # [M] int32: local expert of each row, -1 for pad rows
     tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
-    recv_state: PermuteState  # received rows <-> grouped rows
-    send_state: PermuteState  # (token, slot) <-> sent rows (sorted by physical expert)
-    send_splits: list[int]  # rows sent to each rank
-    recv_splits: list[int]  # rows received from each rank
-    num_sent: int  # assignments that travelled (the rest were dropped)
-    exchange: Exchange | None = None  # the token all-to-all (None without autograd)
-    combine_exchange: Exchange | None = None  # the combine's all-to-all, set when ``combine`` has landed
-    weights: torch.Tensor | None = None  # [M] fp32 routing weight of each row (0 on pad rows), if sent
+    weights: torch.Tensor | None  # [M] fp32 routing weight of each row (0 on pad rows), if sent
+    received: Received
+    plan: SendPlan
 
 
 class ExpertParallel:
@@ -455,14 +457,74 @@ class ExpertParallel:
             .repeat_interleave(flat)
         return source, m_indices, rows, per_expert
 
+    # ---- the pieces: local steps (differentiable) and exchanges (not) ----------------------------------
+    def plan_send(self, indices: torch.Tensor) -> SendPlan:
+        """Order this rank's assignments by physical expert (so every peer's rows are one contiguous slice)."""
+        num_tokens, k = indices.shape
+        phys = self.to_physical(indices)
+        dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
+        flat = torch.where(phys >= 0, phys, torch.full_like(phys, dropped)).reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_physical + 1)
+        order = flat.argsort(stable=True)
+        rows = torch.empty_like(order)
+        rows[order] = torch.arange(order.numel(), device=order.device)
+        send_counts = counts[:self.num_physical]
+        return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
+                        send_counts.view(self.world, self.local).sum(1).tolist(), int(send_counts.sum()), k)
+
+    @staticmethod
+    def gather(x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan) -> torch.Tensor:
+        """The rows to send ``[num_sent, dim (+ weight columns)]``: each assignment's token, its routing weight as
+        extra columns (``_weight_columns``) when given."""
+        picked = plan.order[:plan.num_sent]
+        rows = x.index_select(0, picked // plan.k)
+        if weights is None:
+            return rows
+        return torch.cat([rows, _weight_columns(weights.reshape(-1).index_select(0, picked), x.dtype)], dim=1)
+
+    def post_dispatch(self, send: torch.Tensor, plan: SendPlan, dim: int) -> CommHandle[Received]:
+        """Send the gathered rows (``dim`` feature columns, then weight columns) to their experts' ranks; not
+        differentiable (``dispatch`` is). The comm thread exchanges the counts, packs FP8 and posts the rows;
+        ``wait()`` unpacks what landed."""
+        return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, dim, lambda r: r),
+                    self.site)
+
+    def regroup(self, rows: torch.Tensor, received: Received) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None)`` in the grouped layout (one gather;
+        pad rows read the spare zero row, so their weight is 0)."""
+        dim = received.dim
+        x_grouped = rows[:, :dim].index_select(0, received.source)
+        if rows.shape[1] == dim:
+            return x_grouped, None
+        return x_grouped, rows[:, dim:].float().sum(1).index_select(0, received.source)
+
+    @staticmethod
+    def ungroup(y_grouped: torch.Tensor, received: Received) -> torch.Tensor:
+        """Expert outputs back in arrival order (what travels back)."""
+        return y_grouped.index_select(0, received.state.rows)
+
+    def post_combine(self, y: torch.Tensor, received: Received) -> CommHandle[Returned]:
+        """Send expert outputs (arrival order) back to their tokens' ranks; not differentiable (``combine`` is)."""
+        return post(self.recorder, "combine", lambda: self._combine(y.detach(), received, lambda returned: returned),
+                    self.site)
+
+    @staticmethod
+    def scatter_back(rows: torch.Tensor, plan: SendPlan, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Returned rows (sent order) -> ``[T, dim]``: each token's sum over its slots (dropped ones give 0),
+        weighted by ``weights [T, k]`` when the rows were not scaled before ``w2``."""
+        pad = plan.state.rows.numel() - plan.num_sent
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+        return unpermute(rows, plan.state, weights)
+
+    # ---- the same, differentiable end to end (a plain forward and backward) ---------------------------
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor,
                  weights: torch.Tensor | None = None) -> CommHandle[Dispatched]:
         """Send every (token, expert) assignment to the rank hosting (a replica of) the expert.
 
         x [T, dim]; indices [T, k] logical expert ids, -1 = dropped; weights [T, k] (optional) routing
         weights, sent with the rows (``Dispatched.weights``). Returns at once with a handle; its ``wait()``
-        gives ``Dispatched`` with the received rows in the contiguous grouped layout. The comm thread
-        gathers the rows, exchanges the counts and posts the tokens; ``wait()`` regroups what landed.
+        gives ``Dispatched`` with the received rows in the contiguous grouped layout. Differentiable: the
+        backward sends the rows' gradient back (and waits for it).
         """
         if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
             raise ValueError(f"dispatch: x must be [T, dim] and indices [T, k], got {tuple(x.shape)} and "
@@ -470,79 +532,63 @@ class ExpertParallel:
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
-        return post(self.recorder, "dispatch", lambda: self._dispatch(x, indices, weights), self.site)
+        plan = self.plan_send(indices)
+        send = self.gather(x, weights, plan)
 
-    def _dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None) -> Posted[Dispatched]:
-        """The exchange, staged so the wire is busy while the host works: the counts travel while the
-        send rows are gathered, the tokens while the regrouping's index plan is computed."""
-        num_tokens, k = indices.shape
-        phys = self.to_physical(indices)
-        dropped = self.num_physical  # a sentinel expert after the real ones: sorted last, never sent
-        flat = torch.where(phys >= 0, phys, torch.full_like(phys, dropped)).reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_physical + 1)
-        send_counts = counts[:self.num_physical]
-        recv_counts, count_work = self._post_counts(send_counts)
-        order = flat.argsort(stable=True)  # sent rows in (rank, expert) order; dropped ones last
-        rows = torch.empty_like(order)
-        rows[order] = torch.arange(order.numel(), device=order.device)
-        send_state = PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
-        num_sent = int(send_counts.sum())
-        send_rows = x.index_select(0, order[:num_sent] // k)
-        dim = x.shape[1]
-        packed = _pack_fp8(send_rows) if self.fp8_dispatch else None
-        if weights is not None:  # each row's weight as extra columns of the same exchange
-            columns = _weight_columns(weights.reshape(-1).index_select(0, order[:num_sent]), x.dtype)
-            send_rows = torch.cat([send_rows, columns], dim=1)
-            if packed is not None:
-                packed = torch.cat([packed, columns.detach().contiguous().view(torch.uint8)], dim=1)
-        send_splits = send_counts.view(self.world, self.local).sum(1).tolist()
-        count_work[0].wait()
-        recv_splits = recv_counts.sum(1).tolist()
-        total = sum(recv_splits)
-        works: list = []
-        recv_bytes = None if packed is None else packed.new_empty(total, packed.shape[1])
-        received = _AllToAll.apply(send_rows, recv_splits, send_splits, self.group, works, packed, recv_bytes, 1,
-                                   self.recorder, self.site)
-        source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, x.device)
+        def grouped(received: Received) -> Dispatched:
+            rows = arrived(send, received.rows, received.exchanged)
+            x_grouped, row_weights = self.regroup(rows, received)
+            return Dispatched(x_grouped, received.m_indices, received.tokens_per_expert, row_weights, received, plan)
 
-        def regroup() -> Dispatched:
-            if recv_bytes is not None:
-                with torch.no_grad():
-                    received[:total, :dim].copy_(_unpack_fp8(recv_bytes, dim, x.dtype))
-                    if weights is not None:
-                        width = packed.shape[1] - (received.shape[1] - dim) * x.element_size()
-                        received[:total, dim:].copy_(recv_bytes[:, width:].contiguous().view(x.dtype))
-            x_grouped = received[:, :dim].index_select(0, source)
-            row_weights = None
-            if weights is not None:  # the spare zero rows give the pad rows weight 0
-                row_weights = received[:, dim:].to(weights.dtype).sum(1).index_select(0, source)
-            recv_state = PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert)
-            return Dispatched(x_grouped, m_indices, per_expert, recv_state, send_state, send_splits, recv_splits,
-                              num_sent, Exchange.of(send_rows, received, send_splits, recv_splits, self.group,
-                                                    self.recorder, self.site), weights=row_weights)
-
-        sent = packed if packed is not None else send_rows
-        return Posted(works, regroup, nbytes=sent.numel() * sent.element_size())
+        return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, x.shape[1], grouped),
+                    self.site)
 
     def combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
                 weights: torch.Tensor | None = None) -> CommHandle[torch.Tensor]:
         """Return expert outputs to their tokens' ranks; ``wait()`` gives ``sum_j y[t, j]``, or
-        ``sum_j weights[t, j] * y[t, j]`` with ``weights`` [T, k] (rows not scaled before ``w2``)."""
-        return post(self.recorder, "combine", lambda: self._combine(y_grouped, dispatched, weights), self.site)
+        ``sum_j weights[t, j] * y[t, j]`` with ``weights`` [T, k] (rows not scaled before ``w2``). Differentiable."""
+        y = self.ungroup(y_grouped, dispatched.received)
 
-    def _combine(self, y_grouped: torch.Tensor, dispatched: Dispatched,
-                 weights: torch.Tensor | None) -> Posted[torch.Tensor]:
-        y_recv = y_grouped.index_select(0, dispatched.recv_state.rows)  # back to received order, one gather
-        works: list = []
-        back = _AllToAll.apply(y_recv, dispatched.send_splits, dispatched.recv_splits, self.group, works,
-                               None, None, 0, self.recorder, self.site)
+        def back(returned: Returned) -> torch.Tensor:
+            return self.scatter_back(arrived(y, returned.rows, returned.exchanged), dispatched.plan, weights)
 
-        def unpermute_landed() -> torch.Tensor:
-            dispatched.combine_exchange = Exchange.of(y_recv, back, dispatched.recv_splits, dispatched.send_splits,
-                                                      self.group, self.recorder, self.site)
-            state = dispatched.send_state
-            pad = state.rows.numel() - dispatched.num_sent  # dropped assignments give 0
-            rows = torch.cat([back, back.new_zeros(pad, back.shape[1])]) if pad else back
-            return unpermute(rows, state, weights)
+        return post(self.recorder, "combine", lambda: self._combine(y.detach(), dispatched.received, back),
+                    self.site)
 
-        return Posted(works, unpermute_landed, nbytes=y_recv.numel() * y_recv.element_size())
+    # ---- on the comm thread -------------------------------------------------------------------------------
+    def _dispatch(self, send: torch.Tensor, plan: SendPlan, dim: int, then: Callable[[Received], T]) -> Posted[T]:
+        """The exchange, staged so the wire is busy while the host works: the rows are packed while the counts
+        travel, the regrouping's index plan is computed while the rows travel."""
+        recv_counts, count_work = self._post_counts(plan.send_counts)
+        packed = None
+        if self.fp8_dispatch:  # e4m3 + scales, then the weight columns' bytes: one buffer, one exchange
+            packed = torch.cat([_pack_fp8(send[:, :dim]), send[:, dim:].contiguous().view(torch.uint8)], dim=1)
+        count_work[0].wait()
+        recv_splits = recv_counts.sum(1).tolist()
+        total = sum(recv_splits)
+        rows = send.new_zeros(total + 1, send.shape[1])  # one spare zero row: the regrouping's pad rows read it
+        wire = send if packed is None else packed
+        recv = rows[:total] if packed is None else packed.new_empty(total, packed.shape[1])
+        works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
+        source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, send.device)
+
+        def landed() -> T:
+            if packed is not None:
+                rows[:total, :dim] = _unpack_fp8(recv, dim, send.dtype)
+                rows[:total, dim:] = recv[:, packed.shape[1] - (send.shape[1] - dim) * send.element_size():] \
+                    .contiguous().view(send.dtype)
+            exchanged = Exchanged(plan.send_splits, recv_splits, send.shape[0], tuple(rows.shape), rows.dtype,
+                                  rows.device, self.group, self.recorder, self.site)
+            return then(Received(rows, exchanged, dim, source, m_indices,
+                                 PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert),
+                                 per_expert))
+
+        return Posted(works, landed, nbytes=wire.numel() * wire.element_size())
+
+    def _combine(self, y: torch.Tensor, received: Received, then: Callable[[Returned], T]) -> Posted[T]:
+        there = received.exchanged  # the dispatch this combine reverses
+        back = y.new_empty(there.rows_sent, y.shape[1])
+        works = _all_to_all(y.contiguous(), back, there.sent_splits, there.received_splits, self.group)
+        exchanged = Exchanged(there.received_splits, there.sent_splits, y.shape[0], tuple(back.shape), back.dtype,
+                              back.device, self.group, self.recorder, self.site)
+        return Posted(works, lambda: then(Returned(back, exchanged)), nbytes=y.numel() * y.element_size())

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 import deep_gemm
 from deep_gemm.reference import dequantize
@@ -20,20 +19,6 @@ from models.deepseek_v3.recompute import Stash, produce_consume
 
 # The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
 grouped_linear = deep_gemm.grouped_linear
-
-
-def maybe_recompute(fn, *args: torch.Tensor, enabled: bool):
-    """``fn(*args)``, storing only its inputs for backward (recomputed there) when ``enabled`` and grads flow.
-
-    Non-reentrant checkpointing: it composes with every backward a pipeline runs (a backward
-    restricted with ``inputs=``, as the overlapped forward/backward's segments are, or
-    ``torch.autograd.grad``), which the reentrant variant refuses. deep_gemm's layers keep the
-    parameter itself on their autograd context (not a saved-tensor copy), so the weight gradient
-    still lands on the real parameter when the saved tensors are recomputed stand-ins.
-    """
-    if enabled and torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -20,10 +20,9 @@ from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
-from models.deepseek_v3.mtp import MTPModule, mtp_hidden_steps, mtp_logits
+from models.deepseek_v3.mtp import MTPModule, mtp_hidden, mtp_logits
 from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
-from models.deepseek_v3.steps import Cuts, Steps, drain
 
 __all__ = ["Block", "Transformer", "lm_losses", "lm_losses_from_hidden"]
 
@@ -50,14 +49,6 @@ class Transformer(nn.Module):
             self.init_weights()
 
     # ---- pipeline pieces --------------------------------------------------------------------------
-    def rope(self, seqlen: int, start_pos: int = 0, device: torch.device | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[seqlen, rope_dim / 2]`` for positions ``start_pos .. start_pos + seqlen``."""
-        if start_pos + seqlen > self.args.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len={self.args.max_seq_len}")
-        device = device if device is not None else self.norm.weight.device
-        return rope_cos_sin(self.args, torch.arange(start_pos, start_pos + seqlen, device=device))
-
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an integer [batch, seq] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
@@ -69,10 +60,7 @@ class Transformer(nn.Module):
         end = self.args.n_layers if end is None else end
         if not 0 <= start <= end <= self.args.n_layers:
             raise ValueError(f"run_layers: need 0 <= start <= end <= n_layers={self.args.n_layers}, got {start}, {end}")
-        cos, sin = self.rope(h.shape[1], start_pos, h.device)
-        for layer in self.layers[start:end]:
-            h = layer(h, cos, sin, cache, start_pos)
-        return h
+        return run_layers(self.args, self.layers[start:end], h, start_pos, cache)
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: logits ``[b, s, vocab]``."""
@@ -150,23 +138,34 @@ def head_loss(norm: RMSNorm, head: nn.Linear, h: torch.Tensor, targets: torch.Te
                            enabled=recompute_norm)
 
 
+def head_losses(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule], h: torch.Tensor,
+                hidden: Sequence[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100) -> dict:
+    """``lm_losses`` from the last hidden state ``h`` and the MTP depths' ``hidden`` states (before their norms),
+    through the fused head (``head_loss``)."""
+    n = labels.shape[1]
+    main = head_loss(norm, head, h[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
+    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], module.recompute_norm, ignore_index)
+              for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
+    return _with_total(args, main, losses)
+
+
 def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
                           embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
                           ignore_index: int = -100) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """``lm_losses`` of the logits ``head(norm(h))`` and ``mtp_logits(...)``, from the last hidden state ``h``
     (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits."""
-    return drain(lm_losses_from_hidden_steps(args, norm, head, mtp, embed, h, tokens, labels, ignore_index))
+    hidden = mtp_hidden(args, mtp, embed, h, tokens)
+    return head_losses(args, norm, head, mtp, h, hidden, labels, ignore_index)
 
 
-def lm_losses_from_hidden_steps(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
-                                embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
-                                ignore_index: int = -100, cuts: Cuts | None = None) -> Steps[dict]:
-    """``lm_losses_from_hidden`` as steps: the MTP blocks yield while their all-to-alls travel (recorded in
-    ``cuts`` for a backward run piece by piece); the heads run after the last MTP exchange."""
-    n = labels.shape[1]
-    h_main = h if cuts is None else cuts.carry(h)
-    hidden = yield from mtp_hidden_steps(args, mtp, embed, h, tokens, cuts)
-    main = head_loss(norm, head, h_main[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
-    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], module.recompute_norm, ignore_index)
-              for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
-    return _with_total(args, main, losses)
+def run_layers(args: ModelArgs, layers: Iterable[Block], h: torch.Tensor, start_pos: int = 0,
+               cache: LatentCache | None = None) -> torch.Tensor:
+    """The layer loop: ``layers`` in order on hidden states ``h [b, s, dim]`` at positions ``start_pos..``
+    (the whole model's, and a pipeline stage's slice of it)."""
+    s = h.shape[1]
+    if start_pos + s > args.max_seq_len:
+        raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
+    cos, sin = rope_cos_sin(args, torch.arange(start_pos, start_pos + s, device=h.device))
+    for layer in layers:
+        h = layer(h, cos, sin, cache, start_pos)
+    return h

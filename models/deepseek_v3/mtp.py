@@ -16,9 +16,9 @@ from torch import nn
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.plan import Compute, Piece, layer_pieces
 from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
-from models.deepseek_v3.steps import Cuts, Steps, drain
 
 
 class MTPModule(nn.Module):
@@ -34,15 +34,13 @@ class MTPModule(nn.Module):
         self.block = Block(args, self.layer_id, expert_ids)
         self.norm = RMSNorm(args.dim, args.norm_eps)  # HF: shared_head.norm
 
+    def project(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The block's input: ``eh_proj(cat[enorm(emb), hnorm(h)])``."""
+        return produce_consume(self._normed, self.eh_proj, emb, h, enabled=self.recompute_norm)
+
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
-        return drain(self.steps(h, emb, cos, sin))
-
-    def steps(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              cuts: Cuts | None = None) -> Steps[torch.Tensor]:
-        """The forward as its block's steps (yielding while an expert-parallel MoE's all-to-alls travel)."""
-        x = produce_consume(self._normed, self.eh_proj, emb, h, enabled=self.recompute_norm)
-        return (yield from self.block.steps(x, cos, sin, cuts=cuts))
+        return self.block(self.project(h, emb), cos, sin)
 
     def _normed(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
@@ -53,22 +51,33 @@ def mtp_hidden(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, 
     """MTP hidden states per depth k = 1..D (before each depth's ``norm``) from the main model's last
     hidden state ``h`` (before the final norm); depth k's ``[b, s - k, dim]``. Takes the modules
     explicitly so that a pipeline's last stage runs exactly this with the modules it holds."""
-    return drain(mtp_hidden_steps(args, modules, embed, h, tokens))
-
-
-def mtp_hidden_steps(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, h: torch.Tensor,
-                     tokens: torch.Tensor, cuts: Cuts | None = None) -> Steps[list[torch.Tensor]]:
-    """``mtp_hidden`` as steps. With ``cuts`` each depth's exchanges are recorded and each returned state is
-    ``Cuts.carry``-ed past the deeper depths' exchanges (the loss heads read them after those)."""
     out = []
     for k, module in enumerate(modules, start=1):
         n = tokens.shape[1] - k
         if n <= 0:
             break
         cos, sin = rope_cos_sin(args, torch.arange(n, device=h.device))
-        h = yield from module.steps(h[:, :n], embed(tokens[:, k:]), cos, sin, cuts)
-        out.append(h if cuts is None else cuts.carry(h))
+        h = module(h[:, :n], embed(tokens[:, k:]), cos, sin)
+        out.append(h)
     return out
+
+
+def mtp_pieces(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, tokens: torch.Tensor,
+               stream: str = "h") -> tuple[list[Piece], list[str]]:
+    """``mtp_hidden`` as plan pieces (``models.deepseek_v3.plan``) reading the main hidden state ``stream``;
+    also the names of the depths' hidden states."""
+    pieces, names, prev = [], [], stream
+    for k, module in enumerate(modules, start=1):
+        n = tokens.shape[1] - k
+        if n <= 0:
+            break
+        name = f"mtp{k}"
+        cos, sin = rope_cos_sin(args, torch.arange(n, device=tokens.device))
+        project = lambda h, module=module, n=n, k=k, name=name: {name: module.project(h[:, :n], embed(tokens[:, k:]))}  # noqa: E731
+        pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)), *layer_pieces(module.block, cos, sin, name)]
+        names.append(name)
+        prev = name
+    return pieces, names
 
 
 def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,

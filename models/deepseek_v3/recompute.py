@@ -20,17 +20,22 @@ alive:
 
 The GEMMs of the consumer are not recomputed (full checkpointing would). The same idea is
 Megatron-Core's ``CheckpointWithoutOutput``. Nothing here is global: the bookkeeping lives on the
-producer's autograd node. Producer outputs must not be used after the consumer (they are released),
-must not alias the producer's inputs, and must not be returned by the consumer.
+producer's autograd node; only public torch APIs (a custom ``autograd.Function``, storage ``resize_``,
+a node pre-hook). ``maybe_recompute`` is whole-region recompute (``torch.utils.checkpoint``); inside
+its recomputation ``recomputing()`` is true, so counters do not count twice. Producer outputs must
+not be used after the consumer (they are released), must not alias the producer's inputs, and must
+not be returned by the consumer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,40 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+_recomputing: ContextVar[bool] = ContextVar("dsv3_recomputing", default=False)
+
+
 def recomputing() -> bool:
-    """Whether this forward runs inside backward (activation recomputation, e.g. a checkpointed block)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    """Whether this forward is a ``maybe_recompute`` region run again in backward (its counters must not count
+    twice, and its producers keep their outputs: see ``Dropped.release``)."""
+    return _recomputing.get()
+
+
+def maybe_recompute(fn: Callable, *args: torch.Tensor, enabled: bool):
+    """``fn(*args)``, storing only its inputs for backward (recomputed there) when ``enabled`` and grads flow.
+
+    Non-reentrant checkpointing: it composes with every backward a pipeline runs (a piece's own
+    ``torch.autograd.backward``, or ``torch.autograd.grad``), which the reentrant variant refuses.
+    deep_gemm's layers keep the parameter itself on their autograd context (not a saved-tensor copy),
+    so the weight gradient still lands on the real parameter when the saved tensors are recomputed
+    stand-ins. Every call of ``fn`` after the first is the recomputation: it runs with ``recomputing()``.
+    """
+    if not (enabled and torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor))):
+        return fn(*args)
+    calls = 0
+
+    def run(*inputs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*inputs)
+        token = _recomputing.set(True)
+        try:
+            return fn(*inputs)
+        finally:
+            _recomputing.reset(token)
+
+    return checkpoint(run, *args, use_reentrant=False)
 
 
 class Dropped:
@@ -149,11 +184,10 @@ class Dropped:
                 t.grad_fn.register_prehook(lambda grads, node=node: _recompute(node))
 
 
-def produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True,
-            stash: Stash | tuple[Stash | None, ...] | None = None) -> Dropped:
+def _produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True,
+             stash: Stash | tuple[Stash | None, ...] | None = None) -> Dropped:
     """Run ``producer(*inputs)`` keeping only its inputs; ``Dropped.outputs`` feed the consumer, then
-    ``Dropped.release(result)``. For consumers that cannot be one call (e.g. a generator that yields
-    while an all-to-all is in flight); otherwise use ``produce_consume``."""
+    ``Dropped.release(result)``."""
     if not (enabled and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
         out = producer(*inputs)
         return Dropped((out,) if isinstance(out, torch.Tensor) else tuple(out))
@@ -165,10 +199,10 @@ def produce_consume(producer: Callable, consumer: Callable, *inputs: torch.Tenso
                     stash: Stash | tuple[Stash | None, ...] | None = None):
     """``consumer(*producer(*inputs))``, keeping ``inputs`` instead of the producer's outputs for backward
     when ``enabled`` (see the module docstring)."""
-    dropped = produce(producer, *inputs, enabled=enabled, stash=stash)
+    dropped = _produce(producer, *inputs, enabled=enabled, stash=stash)
     result = consumer(*dropped.outputs)
     dropped.release(result)
     return result
 
 
-__all__ = ["Dropped", "Stash", "produce", "produce_consume", "recomputing"]
+__all__ = ["Stash", "maybe_recompute", "produce_consume", "recomputing"]

@@ -1,0 +1,62 @@
+"""The grouped layout the routed experts' GEMMs read: tokens copied once per chosen expert into
+expert-contiguous blocks (DeepGEMM's "contiguous" layout: each expert's rows padded to the alignment,
+pad rows indexed -1), and the way back. Shared by the one-rank MoE and expert parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PermuteState:
+    """How to undo ``permute``: where each (token, slot) assignment sits in the grouped buffer."""
+
+    rows: torch.Tensor  # [T * k] row of assignment (t, j) in x_grouped, at index t * k + j
+    num_tokens: int
+    tokens_per_expert: torch.Tensor  # [E] int64, unpadded
+
+
+def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int,
+            alignment: int) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
+    """Copy each token once per chosen expert into expert-contiguous groups padded to ``alignment`` rows.
+
+    x ``[T, D]``, indices ``[T, k]`` (values in ``[0, num_experts)``) -> ``x_grouped [M, D]`` (pad rows 0),
+    ``m_indices [M]`` (expert of each row, -1 for padding) and the state ``unpermute`` needs.
+    """
+    num_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + alignment - 1) // alignment * alignment
+    group_start = padded.cumsum(0) - padded
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    rows = torch.empty_like(flat)
+    rows[order] = group_start[sorted_experts] + rank_in_expert
+    total = int(padded.sum())
+    m_indices = torch.full((total,), -1, dtype=torch.int32, device=x.device)
+    m_indices[rows] = flat.to(torch.int32)
+    # one gather from x plus a zero row (index num_tokens) for the padding: ~35% faster fwd+bwd on a CPU
+    # than scattering gathered rows into a zero buffer
+    source = torch.full((total,), num_tokens, dtype=torch.long, device=x.device)
+    source[rows] = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
+    x_grouped = torch.cat([x, x.new_zeros(1, x.shape[-1])])[source]
+    return x_grouped, m_indices, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
+
+
+def group_weights(weights: torch.Tensor, state: PermuteState, num_rows: int) -> torch.Tensor:
+    """The routing weights ``[T, k]`` of each assignment at its row of the grouped layout: ``[num_rows]``,
+    0 on padding rows (differentiable; backward gathers the rows' gradients back)."""
+    return weights.new_zeros(num_rows).index_put((state.rows,), weights.reshape(-1))
+
+
+def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather each assignment's expert output and sum them per token, weighted by ``weights [T, k]`` when
+    given (None: the rows are already weighted, see ``Experts.forward``)."""
+    k = state.rows.numel() // max(state.num_tokens, 1) if weights is None else weights.shape[-1]
+    y = y_grouped[state.rows].view(state.num_tokens, k, y_grouped.shape[-1])  # k explicit: T may be 0
+    if weights is None:
+        return y.sum(dim=1)
+    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # 2x faster than a [T] batch of 1xk bmm on CPU
