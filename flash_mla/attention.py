@@ -74,46 +74,6 @@ def mla_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return torch.cat(outs, dim=0).to(q.dtype)
 
 
-def _kernels():
-    """``flash_mla.kernels.attention``, imported on first use: the package works without Triton."""
-    from flash_mla.kernels import attention
-
-    return attention
-
-
-class _MLAAttention(torch.autograd.Function):
-    """The Triton forward kernel; its backward is the registered backward op (verifiable, strict-aware)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
-        out, lse = _kernels().attention_forward(q, k, v, cu, max_seqlen, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.args = (max_seqlen, causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        max_seqlen, causal, scale = ctx.args
-        dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
-        return dq, dk, dv, None, None, None, None
-
-
-def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
-    """Triton path of ``mla_attention`` (arguments already validated)."""
-    unit = _kernels().unit_stride
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if cu_seqlens is None:
-        b, s, h, _ = q.shape
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        flat = [unit(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
-        out = _MLAAttention.apply(*flat, cu, s, causal, scale)
-        return out.view(b, s, h, v.shape[-1])
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _MLAAttention.apply(unit(q), unit(k), unit(v), cu_seqlens, max_seqlen, causal, scale)
-
-
 def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = torch.Generator(device="cpu").manual_seed(seed)
     b, s, h, dqk, dv = shape["b"], shape["s"], shape["h"], shape["dqk"], shape["dv"]
@@ -131,7 +91,7 @@ def _flops(shape: dict) -> float:
 mla_attention_op = registry.register(
     OP_NAME,
     reference=mla_attention_reference,
-    triton=mla_attention_triton,
+    triton="flash_mla.kernels.attention:mla_attention_triton",  # imported at first use: no Triton needed here
     verify=VerifySpec(
         make_case=_make_case,
         # bf16 inputs: on a GPU the kernel rounds P to bf16 before P @ V like every flash kernel, the fp32
@@ -153,10 +113,6 @@ def mla_attention_backward_reference(dout, q, k, v, out, lse, cu_seqlens, max_se
         o = mla_attention_reference.__wrapped__(*leaves, causal, softmax_scale, cu_seqlens, max_seqlen)
         grads = torch.autograd.grad(o, leaves, dout.float())
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-
-
-def _mla_attention_backward_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
-    return _kernels().attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
 
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
@@ -193,7 +149,7 @@ def _backward_flops(shape: dict) -> float:
 mla_attention_backward_op = registry.register(
     BWD_OP_NAME,
     reference=mla_attention_backward_reference,
-    triton=_mla_attention_backward_triton,
+    triton="flash_mla.kernels.attention:attention_backward",
     verify=VerifySpec(
         make_case=_make_backward_case,
         # bf16: gradients rounded to bf16, delta = rowsum(dO * O) from the bf16 O, and on a GPU P and dS rounded

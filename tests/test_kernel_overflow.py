@@ -51,7 +51,8 @@ def _decode_case(fp8: bool) -> dict:
 
 def _attention_case() -> dict:
     from accel.verify import calc_diff
-    from flash_mla.attention import mla_attention_reference, mla_attention_triton
+    from flash_mla.attention import mla_attention_reference
+    from flash_mla.kernels.attention import mla_attention_triton
 
     g = torch.Generator().manual_seed(7)
     lens, dqk, dv, stride = [34, 6], 48, 32, 2**26  # rows from 33 on (and the 2nd sequence's start) pass 2^31

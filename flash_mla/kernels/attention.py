@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from accel import autotune, registry
+from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
@@ -370,3 +371,35 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a contiguous copy when its last dimension is strided (the kernels index d with stride 1)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _MLAAttention(torch.autograd.Function):
+    """The Triton forward kernel; its backward is the registered backward op (verifiable, strict-aware)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
+        out, lse = attention_forward(q, k, v, cu, max_seqlen, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.args = (max_seqlen, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        max_seqlen, causal, scale = ctx.args
+        dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    """Triton path of ``flash_mla.mla_attention`` (arguments already validated)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens is None:
+        b, s, h, _ = q.shape
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        flat = [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
+        out = _MLAAttention.apply(*flat, cu, s, causal, scale)
+        return out.view(b, s, h, v.shape[-1])
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return _MLAAttention.apply(unit_stride(q), unit_stride(k), unit_stride(v), cu_seqlens, max_seqlen, causal, scale)
