@@ -18,6 +18,7 @@ from models.deepseek_v3.expert_parallel import ExpertParallel
 from models.deepseek_v3.moe import MoE
 from tests.dist_utils import run_distributed
 from tests.tolerances import assert_reorder_close
+from training.stages import expert_range
 
 TOKENS = 12  # per rank: 2 sequences of 6
 
@@ -42,7 +43,8 @@ def _inputs(world, dim, seed=1):
 
 
 def _ep_moe(args, balance, full, group, fp8=False):
-    moe = MoE(args, balance=balance, ep_group=group, fp8_dispatch=fp8)
+    moe = MoE(args, balance=balance, expert_ids=expert_range(args, dist.get_rank(group), dist.get_world_size(group)))
+    moe.ep = ExpertParallel(args.n_routed_experts, group, fp8_dispatch=fp8)
     with torch.no_grad():
         for name, p in moe.named_parameters():
             src = dict(full.named_parameters())[name]

@@ -182,9 +182,11 @@ def _ep_ffn_rank(rank, world):
     import torch.distributed as dist
 
     from models.deepseek_v3 import Block
+    from models.deepseek_v3.expert_parallel import ExpertParallel
     from models.deepseek_v3.moe import MoE
     from models.deepseek_v3.plan import Exchange, Run, layer_pieces
     from models.deepseek_v3.rope import rope_cos_sin
+    from training.stages import expert_range
 
     out = {}
     for recompute in ((), ("v3", "swiglu"), ("block",)):
@@ -192,7 +194,8 @@ def _ep_ffn_rank(rank, world):
             torch.manual_seed(0)
             args = ModelArgs.preset("debug_tiny", recompute=recompute)
             block = Block(args, layer_id=1)
-            block.ffn = MoE(args, 1, ep_group=dist.group.WORLD)
+            block.ffn = MoE(args, 1, expert_range(args, rank, world))
+            block.ffn.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD)
             g = torch.Generator().manual_seed(1)
             with torch.no_grad():
                 for p in block.parameters():

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from accel import specs
-from dualpipe.schedules import built
+from dualpipe.ir import Overlap
+from dualpipe.schedules import built, min_microbatches
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
 from training import memory_measure as measure
@@ -126,9 +127,7 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int
             parts.append("embed")
         if s == num - 1:
             parts += ["norm", "head", "mtp"]
-            shares_embed = any(0 in stage_ids(par.schedule, par.pp, r) and s in stage_ids(par.schedule, par.pp, r)
-                               for r in range(par.pp))
-            if s != 0 and args.n_mtp_layers and not shares_embed:
+            if s != 0 and args.n_mtp_layers and not par.layout.same_rank(0, s):
                 parts.append("embed")  # a separate copy for MTP
         dense = sum(counts[n][0] for n in parts)
         expert = sum(counts[n][1] for n in parts)
@@ -156,22 +155,9 @@ class RankMemory:
     def total_bytes(self) -> int:
         return sum(self.items.values())
 
-    # names kept from the first version of this module
-    @property
-    def param_bytes(self) -> int:
-        return self.items["weights"]
-
-    @property
-    def grad_bytes(self) -> int:
-        return self.items["gradients"]
-
     @property
     def optim_bytes(self) -> int:
         return self.items["optimizer"]
-
-    @property
-    def act_bytes(self) -> int:
-        return self.items["activations"]
 
     def largest(self, n: int = 3) -> list[tuple[str, int]]:
         return sorted(self.items.items(), key=lambda kv: -kv[1])[:n]
@@ -354,12 +340,21 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
         dispatch = FP8_BYTES if args.fp8 else p.act
         rows = tokens * args.n_activated_experts
         out += rows * d * (2 * dispatch + p.act)
-        if par.schedule in ("dualpipe", "dualpipev") and par.overlap:
+        if par.overlap and _has_overlapped_chunks(par.schedule, par.pp):
             out *= 2
     if par.pp > 1:
-        directions = 2 if par.schedule in ("dualpipe", "dualpipev", "zbv") else 1
+        directions = par.layout.num_stages // par.pp  # chains through a rank: two for a V or mirrored pipeline
         out += 2 * directions * tokens * d * p.act
     return int(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _has_overlapped_chunks(schedule: str, pp: int) -> bool:
+    """Whether the schedule pairs a forward with a backward (two micro-batches' exchanges in flight at once)."""
+    if schedule == "none":
+        return False
+    sched = built(schedule, pp, min_microbatches(schedule, pp))
+    return any(isinstance(item, Overlap) for items in sched.actions for item in items)
 
 
 def _optimizer_step_transient(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:

@@ -209,7 +209,7 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
     MoE layer (replicas start as exact copies: experts are initialised per logical id).
     """
     num_stages = num_model_stages(schedule, pp)
-    if args.n_mtp_layers and pp > 1 and schedule in ("1f1b", "zb1p"):
+    if args.n_mtp_layers and not pipeline_layout(schedule, pp).same_rank(0, num_stages - 1):
         raise ValueError(f"MTP (model n_mtp_layers={args.n_mtp_layers}) needs the embedding on the last stage's "
                          f"rank: use parallel.schedule dualpipev, zbv or dualpipe, or set "
                          "model.overrides.n_mtp_layers=0")

@@ -26,6 +26,7 @@ import triton.language as tl
 import accel
 from accel import autotune, registry
 from deep_gemm.kernels.rounding import round_to_bf16
+from deep_gemm.utils import get_num_sms
 
 AUTOTUNE_ENV = "DSV3_DEEP_GEMM_AUTOTUNE"  # "0": skip autotuning (first config), e.g. for GPU correctness tests
 
@@ -278,7 +279,6 @@ def split_k_for(m: int, n: int, k: int) -> int:
 
     Uses ``get_num_sms()`` (so ``set_num_sms`` also bounds it); 1 (no split) in the interpreter.
     """
-    from deep_gemm.utils import get_num_sms
 
     if accel.triton_interpreted():
         return 1

@@ -184,21 +184,15 @@ class MoE(nn.Module):
     """DeepSeekMoE layer: routed experts (top-k of ``n_routed_experts``) plus always-on shared experts.
 
     ``balance`` (``balancing.BalanceConfig``) picks the balancing strategy; ``self.balancer`` applies
-    it in ``route`` and counts the load. ``ep_group`` shards the routed experts over an
-    expert-parallel group (this rank builds its slice) and replaces permute/unpermute with
-    ``expert_parallel.ExpertParallel``'s asynchronous dispatch/combine, overlapped with the shared experts.
+    it in ``route`` and counts the load. Under expert parallelism the layer holds its rank's slice
+    (``expert_ids``) and ``ep`` is set to an ``expert_parallel.ExpertParallel`` over the group
+    (``training.experts.wire_moe_layers``): its all-to-alls replace permute/unpermute.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int = 0, expert_ids: range | None = None,
-                 balance: BalanceConfig | None = None, ep_group=None, fp8_dispatch: bool = False):
+                 balance: BalanceConfig | None = None):
         super().__init__()
-        self.ep = None
-        if ep_group is not None:
-            self.ep = ExpertParallel(args.n_routed_experts, ep_group, fp8_dispatch=fp8_dispatch)
-            mine = range(self.ep.rank * self.ep.local, (self.ep.rank + 1) * self.ep.local)
-            if expert_ids is not None and expert_ids != mine:
-                raise ValueError(f"MoE: expert_ids={expert_ids} but expert-parallel rank {self.ep.rank} hosts {mine}")
-            expert_ids = mine
+        self.ep: ExpertParallel | None = None
         self.layer_id, self.dim = layer_id, args.dim
         recompute_swiglu = args.recomputes("swiglu", layer_id)
         self.gate = Gate(args)
