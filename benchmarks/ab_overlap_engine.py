@@ -2,7 +2,8 @@
 
     python benchmarks/ab_overlap_engine.py --old /work/wt/old --new . [--rounds 3] [--steps 2]
         [--comm-ratio 0.5 1.0] [--host-rounds 3] [--host-steps 4] [--host-layers 4] [--host-dim 32]
-        [--tree NAME=PATH ...] [--out DIR] [--skip-delay] [--skip-host]
+        [--tree NAME=PATH ...] [--nice N] [--out DIR] [--skip-delay] [--skip-host]
+    python benchmarks/ab_overlap_engine.py --from-summary DIR1/summary.json DIR2/summary.json   (pool runs)
 
 Written for issue 26 (the per-layer plan, ``models/deepseek_v3/plan.py``, replacing the autograd-walking
 engine, ``models/deepseek_v3/steps.py`` at 40c490a), but it compares any two checkouts: each measurement
@@ -132,14 +133,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tolerance", type=float, default=0.15,
                     help="also tabulate only the delay rounds whose measured comm / compute is within this "
                          "fraction of the ratio asked")
-    ap.add_argument("--from-summary", type=Path, default=None,
-                    help="print the tables of an earlier run's summary.json instead of measuring")
+    ap.add_argument("--from-summary", type=Path, nargs="+", default=None,
+                    help="print the tables of earlier runs' summary.json (their rounds pooled) instead of measuring")
     ap.add_argument("--skip-delay", action="store_true")
     ap.add_argument("--skip-host", action="store_true")
     ns = ap.parse_args(argv)
     if ns.from_summary is not None:
-        summary = json.loads(ns.from_summary.read_text())
-        _print_tables(ns, summary["delay"], summary["host"])
+        pooled: dict[str, dict[str, list[dict]]] = {"delay": {}, "host": {}}
+        for path in ns.from_summary:
+            for kind, by_engine in json.loads(path.read_text()).items():
+                for engine, runs in by_engine.items():
+                    pooled[kind].setdefault(engine, []).extend(runs)
+        _print_tables(ns, pooled["delay"], pooled["host"])
         return 0
     if ns.old is None or ns.new is None:
         ap.error("--old and --new are required (unless --from-summary)")
