@@ -1,7 +1,11 @@
 """accel: the one place that knows the backend (cuda / musa / cpu), and the kernel registry."""
 
-from accel import registry, specs
-from accel.backend import (
+from accel.torch_support import require_supported_torch
+
+require_supported_torch()  # before anything else: an untested torch is refused in one line (accel/torch_support.py)
+
+from accel import registry, specs  # noqa: E402
+from accel.backend import (  # noqa: E402
     BACKENDS,
     BackendError,
     Event,
@@ -25,9 +29,9 @@ from accel.backend import (
     triton_interpreted,
     triton_unavailable_reason,
 )
-from accel.registry import Case, KernelFallbackError, Unsupported, VerifySpec
-from accel.specs import DeviceSpec, lookup, mfu
-from accel.timing import do_bench
+from accel.registry import Case, KernelFallbackError, Unsupported, VerifySpec  # noqa: E402
+from accel.specs import DeviceSpec, lookup, mfu  # noqa: E402
+from accel.timing import do_bench  # noqa: E402
 
 __all__ = [
     "BACKENDS", "BackendError", "Case", "DeviceSpec", "Event", "KernelFallbackError", "Unsupported", "VerifySpec",

@@ -57,6 +57,7 @@ import torch
 
 from accel import fallback, registry, verify
 from accel.backend import backend, default_device, synchronize
+from accel.report import format_table
 from accel.timing import do_bench
 
 GATES = ("compiles", "correct", "no_fallback", "faster")
@@ -674,8 +675,6 @@ def suite_summary(verdicts: Sequence[Verdict]) -> dict[str, Any]:
 
 
 def format_suite(verdicts: Sequence[Verdict]) -> str:
-    from accel.report import format_table
-
     rows = [{"candidate": Path(v.candidate).parent.name + "/" + Path(v.candidate).name,
              **{g: ("BAD INPUT" if v.bad_input else v.gates[g].status) for g in GATES},
              "speedup": v.speedup} for v in verdicts]

@@ -223,7 +223,6 @@ def _launch_hook(run: Any, state: dict) -> Any:
                 if key is not None and key not in record.input_keys:
                     record.provenance[key] = KERNEL
 
-    launch.__wrapped_launch__ = run
     return launch
 
 

@@ -16,6 +16,9 @@ Kernel modules register like this::
     fp8_gemm_nt_op = registry.register("deep_gemm.fp8_gemm_nt", reference=fp8_gemm_nt_reference,
                                        triton=fp8_gemm_nt_triton, verify=VerifySpec(...))
 
+(``triton`` may also be ``"package.module:function"``, imported at its first use: the kernel package then
+imports without Triton, and the public op reaches the launch through this registry and that function only.)
+
 and allocate outputs they return through ``registry.empty`` so the verification harness can
 poison them with NaN. References wrapped by ``reference_for`` count their calls even when called
 directly, which is how the harness proves a kernel did not quietly run the reference.
@@ -172,23 +175,31 @@ def _first_device(obj: Any) -> torch.device | None:
 class KernelOp:
     """A public kernel op: a counted reference, an optional Triton implementation, a verify spec."""
 
-    def __init__(self, name: str, reference: Callable, triton: Callable | None, verify: VerifySpec | None):
+    def __init__(self, name: str, reference: Callable, triton: Callable | str | None, verify: VerifySpec | None):
         if getattr(reference, "__reference_op__", None) is None:
             reference = reference_for(name)(reference)
         self.name = name
         self.reference = reference
-        self.triton = triton
+        self._triton = triton
         self.verify = verify
         self._logged: set[tuple[str, str | None]] = set()
         self.last_impl: str | None = None
         self.last_reason: str | None = None
+
+    @property
+    def triton(self) -> Callable | None:
+        """The Triton implementation (a ``"module:function"`` given at registration is imported now)."""
+        if isinstance(self._triton, str):
+            module, _, name = self._triton.partition(":")
+            self._triton = getattr(importlib.import_module(module), name)
+        return self._triton
 
     def resolve(self, device: torch.device | None = None) -> tuple[str, str | None]:
         """('triton' or 'reference', reason for a fall-back or None) for inputs on ``device``."""
         mode = requested_impl()
         if mode == "reference":
             return "reference", None
-        if self.triton is None:
+        if self._triton is None:
             reason = "no Triton implementation"
         else:
             reason = triton_unavailable_reason(device or default_device())
@@ -234,7 +245,7 @@ _OPS: dict[str, KernelOp] = {}
 
 
 def register(
-    name: str, reference: Callable, triton: Callable | None = None, verify: VerifySpec | None = None
+    name: str, reference: Callable, triton: Callable | str | None = None, verify: VerifySpec | None = None
 ) -> KernelOp:
     """Register (or replace) the op ``name`` and return the dispatching callable."""
     op = KernelOp(name, reference, triton, verify)
@@ -318,9 +329,6 @@ def poison_value(dtype: torch.dtype) -> float | int:
     if dtype == torch.bool:
         return True
     return torch.iinfo(dtype).max
-
-
-_poison_value = poison_value  # the earlier private name
 
 
 @contextlib.contextmanager

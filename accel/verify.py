@@ -542,15 +542,6 @@ def select_ops(patterns: str | Iterable[str] | None = None) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-def verify_ops(patterns: str | Iterable[str] | None = None, seeds: int | Sequence[int] = 5, *, bench: bool = True,
-               bench_shapes: bool = False, on_result: Callable[[Result], None] | None = None) -> list[Result]:
-    """Verify every registered op matching ``patterns`` (import the kernel packages first)."""
-    results = []
-    for name in select_ops(patterns):
-        results += verify_op(name, seeds=seeds, bench=bench, bench_shapes=bench_shapes, on_result=on_result)
-    return results
-
-
 # ----------------------------------------------------------------------------- reporting
 
 

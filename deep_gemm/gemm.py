@@ -3,7 +3,8 @@
 ``D = A @ B^T`` in the ``nt`` layout (A [m, k], B [n, k], both K-major). ``nn`` takes B as [k, n]
 (the dgrad layout, ``dX = dY @ W``), ``tn`` takes A as [k, m] and B as [k, n] (the wgrad layout,
 ``dW = dY^T @ X``, reduction over the token dimension) and ``tt`` takes A as [k, m], B as [n, k].
-Each layout is a strided view of the nt problem, so one Triton kernel serves all four.
+Each layout is a strided view of the nt problem, so one Triton kernel serves all four
+(``deep_gemm.kernels.gemm``).
 
 FP8 scales: A per 1x128 tile along K (``[m, k/128]``; ``[k/128, m]`` for tn); B per 128x128
 block (``[ceil(n/128), k/128]``) or per 1x128 tile (``[n, k/128]``), told apart by shape.
@@ -33,11 +34,6 @@ from deep_gemm.utils import (
 _LAYOUTS = {"nt": ("mk", "nk"), "nn": ("mk", "kn"), "tn": ("km", "kn"), "tt": ("km", "nk")}
 
 
-def _logical(t: torch.Tensor, letters: str, first: str) -> torch.Tensor:
-    """The [first, k] view of a tensor stored with dims ``letters``."""
-    return t if letters[0] == first else t.T
-
-
 def _dims(kind: str, a: torch.Tensor, b: torch.Tensor, names=("a", "b")) -> tuple[int, int, int]:
     la, lb = _LAYOUTS[kind]
     dims = dict(zip(la, a.shape))
@@ -53,12 +49,8 @@ def _scale_shapes(letters: str, m_or_n: int, k: int, per_block_allowed: bool) ->
     return [tuple(r if ch != "k" else k // BLOCK for ch in letters) for r in row_counts]
 
 
-def _sfb_gran(sfb_logical: torch.Tensor, n: int) -> int:
-    return 1 if sfb_logical.shape[0] == n else BLOCK
-
-
-def check_fp8_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, ...]:
-    """Validate a dense FP8 call; return the logical nt views ``(A, sfa, B, sfb)``."""
+def check_fp8_args(kind: str, a, b, d, c) -> None:
+    """Validate a dense FP8 call."""
     a_t, sfa = unpack_pair("a", a)
     b_t, sfb = unpack_pair("b", b)
     la, lb = _LAYOUTS[kind]
@@ -70,59 +62,14 @@ def check_fp8_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, ...]:
     check_scale("b[1] (scales of b)", sfb, _scale_shapes(lb, n, k, per_block_allowed=True))
     check_out(d, (m, n), c)
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
-    return _logical(a_t, la, "m"), _logical(sfa, la, "m"), _logical(b_t, lb, "n"), _logical(sfb, lb, "n")
 
 
-def check_bf16_args(kind: str, a, b, d, c) -> tuple[torch.Tensor, torch.Tensor]:
-    la, lb = _LAYOUTS[kind]
+def check_bf16_args(kind: str, a, b, d, c) -> None:
     check_tensor("a", a, (torch.bfloat16,), (None, None))
     check_tensor("b", b, (torch.bfloat16,), (None, None))
     m, n, _ = _dims(kind, a, b)
     check_out(d, (m, n), c)
     check_same_device(a=a, b=b, d=d, c=c)
-    return _logical(a, la, "m"), _logical(b, lb, "n")
-
-
-def launch_dense(a, b, d, c, sfa=None, sfb=None, split_k: int | None = None) -> torch.Tensor:
-    """Triton launch on logical views (shared by the dense ops and their tests); ``split_k`` None = heuristic."""
-    from deep_gemm.kernels import gemm as kernels
-
-    kernels.require_fp8_hardware(sfa is not None)  # before touching d
-    if c is not None and c.data_ptr() != d.data_ptr():
-        d.copy_(c)
-    if d.numel() == 0:
-        return d
-    gran = _sfb_gran(sfb, b.shape[0]) if sfb is not None else BLOCK
-    m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    split = kernels.split_k_for(m, n, k) if split_k is None else split_k
-    if split <= 1:
-        kernels.launch(kernels.DENSE, a, b, d, sfa=sfa, sfb=sfb, sfb_gran_n=gran, accumulate=c is not None)
-        return d
-    partial = torch.zeros(m, n, dtype=torch.float32, device=d.device)
-    kernels.launch(kernels.DENSE, a, b, partial, sfa=sfa, sfb=sfb, sfb_gran_n=gran, split_k=split)
-    if c is not None:
-        partial += d.float()  # d holds c
-    d.copy_(partial)
-    return d
-
-
-def _fp8_triton(kind: str):
-    la, lb = _LAYOUTS[kind]
-
-    def run(a, b, d, c=None):
-        return launch_dense(_logical(a[0], la, "m"), _logical(b[0], lb, "n"), d, c,
-                            sfa=_logical(a[1], la, "m"), sfb=_logical(b[1], lb, "n"))
-
-    return run
-
-
-def _bf16_triton(kind: str):
-    la, lb = _LAYOUTS[kind]
-
-    def run(a, b, d, c=None):
-        return launch_dense(_logical(a, la, "m"), _logical(b, lb, "n"), d, c)
-
-    return run
 
 
 # ---------------------------------------------------------------- verification cases
@@ -189,12 +136,12 @@ def _dense_bytes(fp8: bool):
 TRAINING_BENCH_SHAPES = [{"m": 4096, "n": n, "k": k} for n, k in NK_SHAPES[3:]]
 
 
-# The PyTorch work of launch_dense outside its kernel, declared for accel.fallback's gate.
+# The PyTorch work of the dense wrapper (deep_gemm.kernels.gemm.gemm) outside its kernel, declared for
+# accel.fallback's gate.
 TRITON_ALLOW = {
     "aten.copy_": "d = c + A @ B with c distinct from d: c is copied into d and the kernel accumulates onto it "
                   "(DeepGEMM's in-place contract); split-K copies its fp32 partial sums into d",
-    "aten.add_": "split-K with c: adds c (held in d) to the fp32 partial sums the kernel wrote",
-    "aten._to_copy": "split-K with c: reads d as fp32 for that addition",
+    "aten._to_copy": "split-K with c: the fp32 workspace the K slices add into starts as d (holding c)",
 }
 
 
@@ -213,9 +160,8 @@ _REFS = {
     ("tn", False): reference.bf16_gemm_tn_reference, ("tt", False): reference.bf16_gemm_tt_reference,
 }
 _OPS = {
-    (kind, fp8): registry.register(
-        f"deep_gemm.{'fp8' if fp8 else 'bf16'}_gemm_{kind}", reference=ref,
-        triton=_fp8_triton(kind) if fp8 else _bf16_triton(kind), verify=_spec(kind, fp8))
+    (kind, fp8): registry.register(f"deep_gemm.{'fp8' if fp8 else 'bf16'}_gemm_{kind}", reference=ref,
+                                   triton=f"deep_gemm.kernels.gemm:gemm_{kind}", verify=_spec(kind, fp8))
     for (kind, fp8), ref in _REFS.items()
 }
 

@@ -149,91 +149,6 @@ def _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c):
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
 
 
-# ---------------------------------------------------------------- Triton implementations
-
-
-def _kernels():
-    from deep_gemm.kernels import gemm as kernels
-
-    return kernels
-
-
-def _gran(sfb: torch.Tensor, n: int) -> int:
-    return 1 if sfb.shape[-2] == n else BLOCK
-
-
-def _contiguous_triton(nn: bool):
-    def run(a, b, d, m_indices):
-        k = _kernels()
-        b_t, sfb = (b[0].transpose(1, 2), b[1].transpose(1, 2)) if nn else (b[0], b[1])
-        if d.numel():
-            k.launch(k.CONTIGUOUS, a[0], b_t, d, sfa=a[1], sfb=sfb, sfb_gran_n=_gran(sfb, b_t.shape[1]), grp=m_indices)
-        return d
-
-    return run
-
-
-def _contiguous_bf16_triton(a, b, d, m_indices):
-    k = _kernels()
-    if d.numel():
-        k.launch(k.CONTIGUOUS, a, b, d, grp=m_indices)
-    return d
-
-
-def _masked_triton(a, b, d, masked_m, expected_m=None):
-    k = _kernels()
-    if d.numel():
-        k.launch(k.MASKED, a[0], b[0], d, sfa=a[1], sfb=b[1], sfb_gran_n=_gran(b[1], b[0].shape[1]), grp=masked_m,
-                 num_groups=d.shape[0])
-    return d
-
-
-def _masked_bf16_triton(a, b, d, masked_m, expected_m=None):
-    k = _kernels()
-    if d.numel():
-        k.launch(k.MASKED, a, b, d, grp=masked_m, num_groups=d.shape[0])
-    return d
-
-
-def _k_offsets(ks: Sequence[int], device: torch.device) -> torch.Tensor:
-    offsets = [0]
-    for k in ks:
-        offsets.append(offsets[-1] + k)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
-
-
-def _k_grouped_launch(a, b, d, ks, c, sfa=None, sfb=None):
-    k = _kernels()
-    k.require_fp8_hardware(sfa is not None)  # before touching d
-    if c is not None and c.data_ptr() != d.data_ptr():
-        d.copy_(c)
-    if d.numel():
-        k.launch(k.K_GROUPED, a.T, b.T, d, sfa=None if sfa is None else sfa.T, sfb=None if sfb is None else sfb.T,
-                 sfb_gran_n=1, grp=_k_offsets(ks, d.device), num_groups=len(ks), accumulate=c is not None)
-    return d
-
-
-def _k_grouped_triton(a, b, d, ks, ks_tensor=None, c=None):
-    return _k_grouped_launch(a[0], b[0], d, ks, c, sfa=a[1], sfb=b[1])
-
-
-def _k_grouped_nt_triton(a, b, d, ks, ks_tensor=None, c=None):
-    k = _kernels()
-    k.require_fp8_hardware()
-    if c is not None and c.data_ptr() != d.data_ptr():
-        d.copy_(c)
-    if d.numel():
-        _, m, n = d.shape
-        sum_k = sum(ks)
-        k.launch(k.K_GROUPED, a[0].view(m, sum_k), b[0].view(n, sum_k), d, sfa=a[1], sfb=b[1], sfb_gran_n=1,
-                 grp=_k_offsets(ks, d.device), num_groups=len(ks), accumulate=c is not None, flat_k_major=True)
-    return d
-
-
-def _k_grouped_bf16_triton(a, b, d, ks, ks_tensor=None, c=None):
-    return _k_grouped_launch(a, b, d, ks, c)
-
-
 # ---------------------------------------------------------------- verification cases
 
 
@@ -376,39 +291,39 @@ def _spec(make, shapes, bench, flops, bytes_moved) -> VerifySpec:
 
 _contiguous = registry.register(
     "deep_gemm.m_grouped_fp8_gemm_nt_contiguous", reference=reference.m_grouped_fp8_gemm_nt_contiguous_reference,
-    triton=_contiguous_triton(nn=False),
+    triton="deep_gemm.kernels.gemm:m_grouped_contiguous",
     verify=_spec(_make_contiguous_case(True), _CONTIGUOUS_SHAPES, _CONTIGUOUS_BENCH, _flops_contiguous,
                  _bytes_contiguous))
 _contiguous_nn = registry.register(
     "deep_gemm.m_grouped_fp8_gemm_nn_contiguous", reference=reference.m_grouped_fp8_gemm_nn_contiguous_reference,
-    triton=_contiguous_triton(nn=True),
+    triton="deep_gemm.kernels.gemm:m_grouped_contiguous_nn",
     verify=_spec(_make_contiguous_case(True, nn=True), _CONTIGUOUS_SHAPES, _CONTIGUOUS_BENCH, _flops_contiguous,
                  _bytes_contiguous))
 _contiguous_bf16 = registry.register(
     "deep_gemm.m_grouped_bf16_gemm_nt_contiguous", reference=reference.m_grouped_bf16_gemm_nt_contiguous_reference,
-    triton=_contiguous_bf16_triton,
+    triton="deep_gemm.kernels.gemm:m_grouped_contiguous",
     verify=_spec(_make_contiguous_case(False), _CONTIGUOUS_SHAPES, _CONTIGUOUS_BENCH, _flops_contiguous,
                  _bytes_contiguous))
 _masked = registry.register(
     "deep_gemm.m_grouped_fp8_gemm_nt_masked", reference=reference.m_grouped_fp8_gemm_nt_masked_reference,
-    triton=_masked_triton,
+    triton="deep_gemm.kernels.gemm:m_grouped_masked",
     verify=_spec(_make_masked_case(True), _MASKED_SHAPES, _MASKED_BENCH, _flops_masked, _bytes_masked))
 _masked_bf16 = registry.register(
     "deep_gemm.m_grouped_bf16_gemm_nt_masked", reference=reference.m_grouped_bf16_gemm_nt_masked_reference,
-    triton=_masked_bf16_triton,
+    triton="deep_gemm.kernels.gemm:m_grouped_masked",
     verify=_spec(_make_masked_case(False), _MASKED_SHAPES, _MASKED_BENCH, _flops_masked, _bytes_masked))
 _k_grouped = registry.register(
     "deep_gemm.k_grouped_fp8_gemm_tn_contiguous", reference=reference.k_grouped_fp8_gemm_tn_contiguous_reference,
-    triton=_k_grouped_triton,
+    triton="deep_gemm.kernels.gemm:k_grouped",
     verify=_spec(_make_k_grouped_case(True), _K_GROUPED_SHAPES, _K_GROUPED_BENCH, _flops_k_grouped,
                  _bytes_k_grouped))
 _k_grouped_nt = registry.register(
     "deep_gemm.k_grouped_fp8_gemm_nt_contiguous", reference=reference.k_grouped_fp8_gemm_nt_contiguous_reference,
-    triton=_k_grouped_nt_triton,
+    triton="deep_gemm.kernels.gemm:k_grouped_packed",
     verify=_spec(_make_k_grouped_nt_case, _K_GROUPED_SHAPES, _K_GROUPED_BENCH, _flops_k_grouped, _bytes_k_grouped))
 _k_grouped_bf16 = registry.register(
     "deep_gemm.k_grouped_bf16_gemm_tn_contiguous",
-    reference=reference.k_grouped_bf16_gemm_tn_contiguous_reference, triton=_k_grouped_bf16_triton,
+    reference=reference.k_grouped_bf16_gemm_tn_contiguous_reference, triton="deep_gemm.kernels.gemm:k_grouped",
     verify=_spec(_make_k_grouped_case(False), _K_GROUPED_SHAPES, _K_GROUPED_BENCH, _flops_k_grouped,
                  _bytes_k_grouped))
 

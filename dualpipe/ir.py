@@ -15,6 +15,7 @@ two halves of the micro-batches.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,12 @@ class Chain:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where stages live and how they connect: ``stage_rank[s]`` is the rank holding stage ``s``."""
+    """Where stages live and how they connect: ``stage_rank[s]`` is the rank holding stage ``s``.
+
+    A chain is a micro-batch's path through the whole model, so the ``i``-th stage of every chain runs model
+    part ``i``. With two chains (DualPipe's mirrored ones) each part is held twice in the world, and its two
+    copies must stay equal.
+    """
 
     num_ranks: int
     stage_rank: tuple[int, ...]
@@ -97,6 +103,37 @@ class Layout:
     @property
     def num_stages(self) -> int:
         return len(self.stage_rank)
+
+    @functools.cached_property
+    def parts(self) -> tuple[int, ...]:
+        """The model part each stage runs: its place in its chain."""
+        return tuple(self.chain_of(s).stages.index(s) for s in range(self.num_stages))
+
+    @functools.cached_property
+    def num_parts(self) -> int:
+        """How many pieces the model is cut into."""
+        return len(set(self.parts))
+
+    @property
+    def copies(self) -> int:
+        """How many stages run each part (2 under DualPipe, else 1)."""
+        return self.num_stages // self.num_parts
+
+    def parts_of(self, rank: int) -> tuple[int, ...]:
+        """The parts ``rank`` holds, in the order of its stages (``stages_of``)."""
+        return self._rank_parts[rank]
+
+    @functools.cached_property
+    def _rank_parts(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.parts[s] for s in self.stages_of(r)) for r in range(self.num_ranks))
+
+    def part_rank(self, part: int) -> int:
+        """The rank of the first stage that runs ``part`` (under DualPipe: the down chain's)."""
+        return self.stage_rank[self.parts.index(part)]
+
+    def same_rank(self, part_a: int, part_b: int) -> bool:
+        """Whether some rank holds both parts (e.g. the embedding's and the head's, so they can share it)."""
+        return any(part_a in held and part_b in held for held in map(self.parts_of, range(self.num_ranks)))
 
     def chain_of(self, stage: int) -> Chain:
         for chain in self.chains:

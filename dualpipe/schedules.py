@@ -39,6 +39,24 @@ def dualpipe_layout(num_ranks: int, num_microbatches: int) -> Layout:
     return Layout(p, stage_rank, chains)
 
 
+_LAYOUTS = {"1f1b": linear_layout, "zb1p": linear_layout, "zbv": v_layout, "dualpipe": dualpipe_layout,
+            "dualpipev": v_layout}
+
+
+@functools.lru_cache(maxsize=256)
+def layout(name: str, num_ranks: int) -> Layout:
+    """Where ``name`` puts its stages over ``num_ranks`` ranks and which model part each runs: the facts a
+    trainer builds its stages from (the chains carry no micro-batches here; ``build(...).layout`` has them)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    return _LAYOUTS[name](num_ranks, 0)
+
+
+def min_microbatches(name: str, num_ranks: int) -> int:
+    """The fewest micro-batches ``name`` schedules over ``num_ranks`` ranks (DualPipe README rules)."""
+    return 2 * num_ranks if name in ("dualpipe", "dualpipev") else 1
+
+
 # -- checks ---------------------------------------------------------------------------------
 def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
     """ValueError unless ``name`` can schedule ``num_microbatches`` over ``num_ranks``."""
@@ -48,14 +66,14 @@ def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_chunks (micro-batches) must be a positive int, got {num_microbatches!r}")
+    least = min_microbatches(name, num_ranks)
     if name == "dualpipe":
         if num_ranks % 2:
             raise ValueError(f"DualPipe needs an even number of ranks, got {num_ranks}")
-        if num_microbatches % 2 or num_microbatches < 2 * num_ranks:
-            raise ValueError(f"DualPipe needs num_chunks even and >= 2 x ranks = {2 * num_ranks}, "
-                             f"got {num_microbatches}")
-    if name == "dualpipev" and num_microbatches < 2 * num_ranks:
-        raise ValueError(f"DualPipeV needs num_chunks >= 2 x ranks = {2 * num_ranks}, got {num_microbatches}")
+        if num_microbatches % 2 or num_microbatches < least:
+            raise ValueError(f"DualPipe needs num_chunks even and >= 2 x ranks = {least}, got {num_microbatches}")
+    if name == "dualpipev" and num_microbatches < least:
+        raise ValueError(f"DualPipeV needs num_chunks >= 2 x ranks = {least}, got {num_microbatches}")
 
 
 def build(name: str, num_ranks: int, num_microbatches: int) -> Schedule:

@@ -74,12 +74,6 @@ def mla_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return torch.cat(outs, dim=0).to(q.dtype)
 
 
-def _mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
-    from flash_mla.kernels.attention import mla_attention_triton
-
-    return mla_attention_triton(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
-
-
 def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = torch.Generator(device="cpu").manual_seed(seed)
     b, s, h, dqk, dv = shape["b"], shape["s"], shape["h"], shape["dqk"], shape["dv"]
@@ -97,7 +91,7 @@ def _flops(shape: dict) -> float:
 mla_attention_op = registry.register(
     OP_NAME,
     reference=mla_attention_reference,
-    triton=_mla_attention_triton,
+    triton="flash_mla.kernels.attention:mla_attention_triton",  # imported at first use: no Triton needed here
     verify=VerifySpec(
         make_case=_make_case,
         # bf16 inputs: on a GPU the kernel rounds P to bf16 before P @ V like every flash kernel, the fp32
@@ -119,12 +113,6 @@ def mla_attention_backward_reference(dout, q, k, v, out, lse, cu_seqlens, max_se
         o = mla_attention_reference.__wrapped__(*leaves, causal, softmax_scale, cu_seqlens, max_seqlen)
         grads = torch.autograd.grad(o, leaves, dout.float())
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-
-
-def _mla_attention_backward_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
-    from flash_mla.kernels.attention import attention_backward
-
-    return attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
 
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
@@ -161,7 +149,7 @@ def _backward_flops(shape: dict) -> float:
 mla_attention_backward_op = registry.register(
     BWD_OP_NAME,
     reference=mla_attention_backward_reference,
-    triton=_mla_attention_backward_triton,
+    triton="flash_mla.kernels.attention:attention_backward",
     verify=VerifySpec(
         make_case=_make_backward_case,
         # bf16: gradients rounded to bf16, delta = rowsum(dO * O) from the bf16 O, and on a GPU P and dS rounded

@@ -116,7 +116,6 @@ def build_configs(ns: argparse.Namespace, strategies: list[str]) -> dict[str, An
         if ns.eplb is not None:
             configs[f"{s}@eplb"] = build_config(ns, s, eplb=True)
     for cfg in configs.values():
-        cfg.balance.model_config()
         check_eplb(cfg, model_args(cfg))
     # world size (torchrun's, else 1), data files and corpus size: the same for every strategy
     check_static(next(iter(configs.values())), int(os.environ.get("WORLD_SIZE", "1")))

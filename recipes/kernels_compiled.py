@@ -49,32 +49,38 @@ def _cfg_label(kwargs: dict, warps: int, stages: int) -> str:
 def gemm_cases() -> list[Case]:
     from deep_gemm.kernels import gemm
 
-    variants = [  # (mode, fp8, flat, split_k, label); SPLIT_K > 1 is one binary per value: 4 stands for all
-        (gemm.DENSE, True, False, 1, "fp8 dense"), (gemm.DENSE, True, False, 4, "fp8 dense split-k"),
-        (gemm.CONTIGUOUS, True, False, 1, "fp8 m-grouped contiguous"), (gemm.MASKED, True, False, 1, "fp8 masked"),
-        (gemm.K_GROUPED, True, False, 1, "fp8 k-grouped"), (gemm.K_GROUPED, True, True, 1, "fp8 k-grouped flat"),
-        (gemm.DENSE, False, False, 1, "bf16 dense"), (gemm.K_GROUPED, False, False, 1, "bf16 k-grouped"),
+    dense, k_grouped = {"ACCUMULATE": False, "SPLIT_K": 1}, {"ACCUMULATE": True, "PACKED": False}
+    # (label, kernel, fp8, constexprs, unit strides), as the wrappers launch them on a GPU: FP8 operands K-major
+    # (copied if needed), bf16 k-grouped ones MN-major. SPLIT_K > 1 is one binary per value: 4 stands for all.
+    variants = [
+        ("fp8 dense", gemm._dense_kernel, True, dense, ("s_ak", "s_bk")),
+        ("fp8 dense split-k", gemm._dense_kernel, True, {**dense, "SPLIT_K": 4}, ("s_ak", "s_bk")),
+        ("fp8 m-grouped contiguous", gemm._contiguous_kernel, True, {}, ("s_bk",)),
+        ("fp8 masked", gemm._masked_kernel, True, {}, ()),
+        ("fp8 k-grouped", gemm._k_grouped_kernel, True, k_grouped, ("s_ak", "s_bk")),
+        ("fp8 k-grouped flat", gemm._k_grouped_kernel, True, {**k_grouped, "PACKED": True}, ("s_ak", "s_bk")),
+        ("bf16 dense", gemm._dense_kernel, False, dense, ("s_ak", "s_bk")),
+        ("bf16 k-grouped", gemm._k_grouped_kernel, False, k_grouped, ("s_am", "s_bn")),
     ]
     cases = []
-    for mode, fp8, flat, split_k, label in variants:
-        kernel = gemm._fp8_kernel if fp8 else gemm._bf16_kernel
+    for label, kernel, fp8, consts, unit in variants:
+        grouped_k = kernel is gemm._k_grouped_kernel
         elem = "*fp8e4nv" if fp8 else "*bf16"
-        fp32_out = mode == gemm.K_GROUPED or split_k > 1
-        pointers = {"a_ptr": elem, "b_ptr": elem, "d_ptr": "*fp32" if fp32_out else "*bf16", "sfa_ptr": "*fp32",
-                    "sfb_ptr": "*fp32", "grp_ptr": "*i32"}
-        # what launch() passes on a GPU: FP8 operands K-major (copied if needed); bf16 k-grouped stays MN-major
-        unit = ("s_am", "s_bn", "s_dn") if (mode == gemm.K_GROUPED and not fp8) else ("s_ak", "s_bk", "s_dn")
+        fp32_out = grouped_k or consts.get("SPLIT_K", 1) > 1
+        names = kernel.fn.arg_names
+        pointers = {n: elem for n in ("a_ptr", "b_ptr")} | {"d_ptr": "*fp32" if fp32_out else "*bf16"} | {
+            n: "*i32" if n in ("m_indices_ptr", "masked_m_ptr", "k_offsets_ptr") else "*fp32"
+            for n in names if n.endswith("_ptr") and n not in ("a_ptr", "b_ptr", "d_ptr")}
         for i, cfg in enumerate(kernel.configs):
-            consts = {"MODE": mode, "FP8": fp8, "SFB_GRAN_N": 1 if mode == gemm.K_GROUPED else 128,
-                      "ACCUMULATE": mode == gemm.K_GROUPED, "FLAT_K_MAJOR": flat, "SPLIT_K": split_k,
-                      "INTERPRETED": False, **cfg.kwargs, **{n: 1 for n in unit}}
-            names = kernel.fn.arg_names
-            divisible = tuple(n for n in names if n not in consts and (n in pointers or n.startswith("s_")
-                                                                         or n in ("N", "K")))
-            cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(cfg.kwargs, cfg.num_warps, cfg.num_stages),
-                              kernel, pointers, consts, divisible, cfg.num_warps, cfg.num_stages,
-                              mma_rows=cfg.kwargs["BLOCK_M"] // max(1, cfg.num_warps // 4),
-                              default=(i == 0)))
+            tile = {"BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_K": gemm.block_k(fp8),
+                    "GROUP_M": cfg.kwargs["GROUP_M"]}
+            full = {"FP8": fp8, "SFB_GRAN_N": 1 if grouped_k else 128, "INTERPRETED": False, **consts, **tile,
+                    **{n: 1 for n in unit}}
+            divisible = tuple(n for n in names if n not in full and (n in pointers or n.startswith("s_")
+                                                                     or n in ("N", "K")))
+            cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(tile, cfg.num_warps, cfg.num_stages), kernel,
+                              pointers, full, divisible, cfg.num_warps, cfg.num_stages,
+                              mma_rows=tile["BLOCK_M"] // max(1, cfg.num_warps // 4), default=(i == 0)))
     from deep_gemm.kernels import cast
 
     for tile in ((1, 128), (128, 1), (128, 128)):

@@ -29,7 +29,7 @@ def shard_count() -> int:
     from deep_gemm.kernels import gemm
     from flash_mla.kernels import attention, decode
 
-    lists = [gemm._fp8_kernel.configs, gemm._bf16_kernel.configs, *decode.DECODE_CONFIGS.values(),
+    lists = [gemm._dense_kernel.configs, *decode.DECODE_CONFIGS.values(),
              attention.FWD_CONFIGS, attention.DKDV_CONFIGS, attention.DQ_CONFIGS]
     return max(len(c) for c in lists)
 

@@ -59,7 +59,7 @@ def test_every_value_rounds_to_nearest_even(impl):
 @pytest.mark.parametrize("shape", [(1, 128), (129, 256), (256, 200), (2, 130, 256)])
 def test_triton_cast_matches_reference_bitwise(kind, tile, shape):
     x = torch.randn(*shape) * torch.exp(torch.randn(*shape[:-1], 1) * 2)
-    x[..., 0, :3] = torch.tensor([124.3, -1e-3, 0.0])
+    x[..., 0, :4] = torch.tensor([124.3, -1e-3, 0.0, -1e-6])  # -1e-6 rounds to -0.0 (+0.0 if negated as 0 - x)
     x = x.to(torch.bfloat16)
     fn = getattr(deep_gemm, f"{kind}_cast_to_fp8")
     with registry.poisoned_outputs(), registry.force("triton"):

@@ -115,7 +115,7 @@ def test_per_row_b_scales_and_mn_major_scale_views():
 def test_split_k_partial_sums(fp8):
     # Small-M problems split K across programs that add fp32 partials atomically (forced here: the
     # heuristic only splits on a GPU with idle SMs). With an accumulator c, and a ragged last slice.
-    from deep_gemm.gemm import launch_dense
+    from deep_gemm.kernels.gemm import gemm_nt
 
     m, n, k = 64, 128, 640  # 5 K blocks over 3 slices: 2 + 2 + 1
     a, b = _inputs(m, n, k)
@@ -123,10 +123,10 @@ def test_split_k_partial_sums(fp8):
     d = _poisoned(m, n, dtype=torch.float32)
     if fp8:
         (a_q, sfa), (b_q, sfb) = _operands("nt", a, b)
-        launch_dense(a_q, b_q, d, c, sfa=sfa, sfb=sfb, split_k=3)
+        gemm_nt((a_q, sfa), (b_q, sfb), d, c, split_k=3)
         want = deep_gemm.fp8_gemm_nt((a_q, sfa), (b_q, sfb), _poisoned(m, n, dtype=torch.float32), c=c)
     else:
-        launch_dense(a.bfloat16(), b.bfloat16(), d, c, split_k=3)
+        gemm_nt(a.bfloat16(), b.bfloat16(), d, c, split_k=3)
         want = a @ b.T + c
     assert calc_diff(d, want) < SAME_INPUT_TOL
 

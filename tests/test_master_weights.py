@@ -199,12 +199,11 @@ def test_checkpoint_resume_with_master_weights_is_bit_exact_and_export_takes_the
     from recipes.export_hf import assemble_model
     from tests.test_checkpoint_trainer import _cfg, _train
     from training.checkpoint.reshard import split_expert_name
-    from training.checkpoint.resume import param_names
 
     straight, a = _train(tmp_path / "a", _cfg(5, V3_PRECISION))
     first, stopped = _train(tmp_path / "b", _cfg(5, V3_PRECISION), stop_at=3)
     exported = assemble_model(tmp_path / "b" / "checkpoints" / "step_000000003").state_dict()
-    names = param_names(stopped)
+    names = stopped.param_names()
     rounded_somewhere = False
     for p, state in ((p, s) for opt in stopped.optimizer.optimizers for p, s in opt.state.items()):
         key = split_expert_name(names[id(p)])[0]

@@ -4,8 +4,9 @@ A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, `
 ``[data]``, ``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
 rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
 nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
-any process group exists. ``config_hash`` fingerprints everything that changes the numerics,
-so checkpoints can refuse a resume under a different model or data setup.
+any process group exists. ``numerics_dict`` is everything that changes the numerics; checkpoints
+store it with its hash (``training.checkpoint.format.config_hash``), so a resume under a different
+model or data setup is refused.
 
 Layout rule (as DeepSeek-V3): world = pp x dp; expert parallelism spans ``ep`` data-parallel ranks
 of the same pipeline stage, so ``ep`` divides ``dp`` and there are ``dp / ep`` replicas of each
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import json
 import math
 import sys
@@ -31,15 +31,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+from dualpipe import schedules
+from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
-from models.deepseek_v3.balancing import BalanceConfig as ModelBalanceConfig
+from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
-SCHEDULES = ("none", "1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
-# Schedules whose ranks each hold two stages (so the model is cut into 2 x pp stages).
-TWO_STAGES_PER_RANK = ("zbv", "dualpipev", "dualpipe")
+SCHEDULES = ("none", *schedules.SCHEDULES)
+
+
+def pipeline_layout(schedule: str, pp: int) -> Layout:
+    """Where ``parallel.schedule`` puts the model's parts (stages) on ``pp`` pipeline ranks: the schedule IR's
+    layout (``dualpipe.schedules.layout``); ``none`` is one rank holding the whole model."""
+    return schedules.layout("1f1b" if schedule == "none" else schedule, pp)
 
 
 @dataclass
@@ -87,8 +93,13 @@ class ParallelConfig:
         return self.pp * self.dp
 
     @property
+    def layout(self) -> Layout:
+        return pipeline_layout(self.schedule, self.pp)
+
+    @property
     def num_stages(self) -> int:
-        return self.pp * (2 if self.schedule in TWO_STAGES_PER_RANK and self.schedule != "dualpipe" else 1)
+        """The model parts (``training.stages``) the schedule cuts the model into."""
+        return self.layout.num_parts
 
 
 @dataclass
@@ -119,26 +130,6 @@ class OptimConfig:
     # an FP32 master copy in the (ZeRO-1 sharded) optimizer state and FP32 gradient accumulation (V3)
     master_dtype: str = "param"
     ema_decay: float = 0.0  # > 0: keep an EMA of the parameters in host memory, updated asynchronously (V3)
-
-
-@dataclass
-class BalanceConfig:
-    """Mirrors ``models.deepseek_v3.balancing.BalanceConfig`` (same names), plus when gamma stops."""
-
-    strategy: str = "aux_free"  # parts of none | aux_free | seq_aux | aux | z_loss joined by '+'
-    alpha: float = 1e-4  # seq_aux / aux coefficient (V3: 1e-4 sequence-wise)
-    z_loss_coeff: float = 1e-3
-    gamma: float = 1e-3  # aux-loss-free bias update speed (V3: 0.001)
-    gamma_stop_step: int = 0  # V3 sets gamma to 0 for the last 500B tokens (0 = never)
-    recenter: bool = False
-    num_nodes: int = 1
-    max_nodes: int | None = None  # node-limited routing (V3: 4)
-    capacity_factor: float | None = None  # None: no token dropping (V3)
-    drop_policy: str = "probs"
-
-    def model_config(self):
-        """The model package's BalanceConfig."""
-        return ModelBalanceConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelBalanceConfig)})
 
 
 @dataclass
@@ -290,7 +281,10 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
             kwargs[key] = _build(tp, value, f"{dotted}.")
         else:
             kwargs[key] = _coerce(dotted, value, tp)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a table's own checks (``[balance]`` is the model's BalanceConfig)
+        raise ValueError(f"config table [{prefix.rstrip('.')}]: {exc}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -352,7 +346,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 def min_microbatches(par: ParallelConfig) -> int:
     """The fewest micro-batches per step the schedule accepts (DualPipe README rules)."""
-    return 2 * par.pp if par.schedule in ("dualpipe", "dualpipev") else 1
+    return 1 if par.schedule == "none" else schedules.min_microbatches(par.schedule, par.pp)
 
 
 def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None:
@@ -390,7 +384,7 @@ def check_finite(node: Any, prefix: str = "") -> None:
 def validate(cfg: TrainConfig) -> None:
     """Every check that needs no model, no data and no process group; errors name the key."""
     check_finite(cfg)
-    r, p, d, o, b = cfg.run, cfg.parallel, cfg.data, cfg.optim, cfg.balance
+    r, p, d, o = cfg.run, cfg.parallel, cfg.data, cfg.optim
     if r.timeout_s <= 0:
         raise ValueError(f"run.timeout_s must be > 0, got {r.timeout_s}")
     if r.sample_temperature < 0:
@@ -471,8 +465,6 @@ def validate(cfg: TrainConfig) -> None:
     if o.ema_decay and o.name != "adamw":
         raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' (the EMA lives in its per-parameter state); "
                          f"got optim.name={o.name!r}")
-    if b.gamma < 0 or b.alpha < 0:
-        raise ValueError(f"balance.gamma and balance.alpha must be >= 0, got {b.gamma}, {b.alpha}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep_last < 1:
@@ -544,12 +536,6 @@ def numerics_dict(cfg: TrainConfig) -> dict[str, Any]:
             for k in keys:
                 table[section].pop(k, None)
     return table
-
-
-def config_hash(cfg: TrainConfig) -> str:
-    """SHA-256 (16 hex digits) of the settings that change the numerics (not logging, not steps)."""
-    blob = json.dumps(numerics_dict(cfg), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _toml_value(v: Any) -> str:

@@ -38,7 +38,7 @@ def moe_layers(modules: list[nn.Module]) -> list[MoE]:
 
 def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState,
                     recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None) -> None:
-    balance = cfg.balance.model_config()
+    balance = cfg.balance
     for moe in moe_layers(stages):
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
         if cfg.parallel.ep > 1:
@@ -50,9 +50,9 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
 def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs, gamma: float,
                   device: torch.device) -> None:
     """The aux-loss-free bias update after an optimizer step, from the loads of the whole global batch."""
-    if "aux_free" not in cfg.balance.model_config().parts:
+    if not cfg.balance.uses_bias:
         return
-    if cfg.parallel.schedule == "dualpipe":
+    if cfg.parallel.layout.copies > 1:  # DualPipe: each stage's two copies saw half of the micro-batches each
         sum_mirrored_counts(stages, ps.group("pp"), args, device)
     if not moe_layers(stages):
         return
@@ -99,7 +99,7 @@ def load_metrics(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, a
     vio, weight = 0.0, 0.0
     imbalance = rank_imbalance(layers, ps.group("ep"), device) if cfg.parallel.ep > 1 else None
     counts = torch.stack([m.balancer.counts_for_metrics.float().to(device) for m in layers]) if layers else None
-    if cfg.parallel.schedule == "dualpipe":  # collective on every pp rank, with or without MoE layers
+    if cfg.parallel.layout.copies > 1:  # collective on every pp rank, with or without MoE layers
         counts = mirror_sum(counts if counts is not None else torch.zeros(0, args.n_routed_experts, device=device),
                             [m.layer_id for m in layers], ps.group("pp"), args.n_layers + args.n_mtp_layers)
     if layers:

@@ -17,14 +17,13 @@ import torch.distributed as dist
 from training.config import ParallelConfig
 from training.data import TokenCorpus
 from training.parallel import ParallelState
-from training.stages import DeepSeekV3Stage, num_model_stages, stage_ids
+from training.stages import DeepSeekV3Stage
 
 
-def stage_owner(schedule: str, pp: int) -> dict[int, int]:
-    """Global stage -> pipeline rank that runs it here (``dualpipe``: chain 0, stage s on rank s)."""
-    if schedule == "dualpipe":
-        return {s: s for s in range(pp)}
-    return {s: r for r in range(pp) for s in stage_ids(schedule, pp, r)}
+def stage_owner(par: ParallelConfig) -> list[int]:
+    """Global stage -> pipeline rank that runs it here (``dualpipe``: the down chain's copy, stage s on rank s)."""
+    lay = par.layout
+    return [lay.part_rank(s) for s in range(lay.num_parts)]
 
 
 @contextlib.contextmanager
@@ -44,14 +43,14 @@ def pipeline_hidden(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Para
                     tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Last hidden state (before the final norm) for ``tokens [b, s]`` on the rank holding the last
     stage; None elsewhere. Every rank must call it with the same shapes."""
-    owner = stage_owner(par.schedule, par.pp)
+    owner = stage_owner(par)
     me = ps.coords.pp_rank
     local = {st.stage_id: st for st in stages}
     pp_ranks = ps.ranks["pp"]
     h: torch.Tensor | None = None
     shape = (*tokens.shape, stages[0].args.dim)
     with eval_mode(stages):
-        for s in range(num_model_stages(par.schedule, par.pp)):
+        for s in range(len(owner)):
             if owner[s] != me:
                 continue
             if s == 0:
@@ -65,8 +64,7 @@ def pipeline_hidden(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Para
             nxt = s + 1
             if nxt < len(owner) and owner[nxt] != me:
                 dist.send(h.contiguous(), dst=pp_ranks[owner[nxt]], group=ps.group("pp"))
-    last = num_model_stages(par.schedule, par.pp) - 1
-    return h if owner[last] == me else None
+    return h if owner[-1] == me else None
 
 
 @torch.no_grad()
@@ -87,7 +85,7 @@ def pipeline_generate(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Pa
         window = corpus.window(corpus.num_train + c % corpus.num_valid)
         rows.append(window[: len(ids)].tolist())
     tokens = torch.tensor(rows, dtype=torch.long, device=device)
-    holder = stage_owner(par.schedule, par.pp)[num_model_stages(par.schedule, par.pp) - 1]
+    holder = stage_owner(par)[-1]
     gen = torch.Generator(device=device).manual_seed(seed)
     for _ in range(max_new_tokens):
         ctx = tokens[:, -seq_len:]

@@ -12,17 +12,23 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   master copy (4 B) when ``optim.master_dtype = "float32"``, sharded by ZeRO-1 over the stage's ``dp``
   ranks (dense parameters) and the ``dp / ep`` expert replicas (experts), as an even split
   (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
-- **activations**: the bytes each (stage, micro-batch) keeps for backward (``saved_per_token``: every
-  tensor autograd saves, item by item, under the recompute policy, FP8 activation caching, the
-  attention implementation and the criterion), summed over the (stage, micro-batch) pairs alive at
-  once on the rank, walking the schedule's timeline from ``dualpipe.simulator`` (1F1B: pp - rank,
-  DualPipe: pp + 1, ...);
-- **transient**: the largest working set on top of that (the criterion's logits and their gradient,
-  one block recomputed in backward, the optimizer step's temporaries);
-- **comm**: expert all-to-all send/receive buffers in flight and pipeline P2P buffers;
+- **activations**: the bytes each (stage, micro-batch) keeps for backward, *measured*: every block, MTP
+  module and loss head of the stage runs forward and backward at the config's micro-batch shape on the
+  ``meta`` device (``training.memory_measure``: the model's own code, the GPU kernels' wrappers on an
+  accelerator, the PyTorch references on a CPU; balanced routing), counting the storages still alive after
+  its forward; summed over the (stage, micro-batch) pairs alive at once on the rank, walking each rank's
+  schedule from ``dualpipe.schedules`` (1F1B: pp - rank, DualPipe: pp + 1, ...);
+- **transient**: the most bytes alive on top of those while one piece runs (measured the same way: a GEMM's
+  backward buffers, what recompute rebuilds, the loss head's chunked logits and its fp32 weight gradient),
+  or the optimizer step's temporaries (``_optimizer_step_transient``: three fp32 tensors of the largest
+  parameter or ``training.optim.STEP_CHUNK``, as ``torch.optim.AdamW`` and ``training.optim.AdamW`` update);
+- **comm**: expert all-to-all send/receive buffers in flight and pipeline P2P buffers (``_comm_bytes``:
+  sizes of the buffers ``expert_parallel`` and the pipeline runtime post, not measured: they are not
+  autograd tensors of a piece);
 - **margin**: a stated allocator margin on accelerators (``ALLOCATOR_MARGIN``): 10% of the dynamic
   part for the caching allocator's fragmentation plus 2 GiB for the CUDA/MUSA context, the
-  communicator's buffers and library workspaces, none of which ``max_memory_allocated`` sees.
+  communicator's buffers and library workspaces, none of which ``max_memory_allocated`` sees (an
+  assumption, not measured: no GPU run has calibrated it).
 
 The host holds the parameter EMA (``optim.ema_decay``) apart from the device. MoE rows assume
 balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the grouped GEMM's alignment).
@@ -31,7 +37,6 @@ balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the gr
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +44,10 @@ import torch
 from accel import specs
 from dualpipe.schedules import built
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v3.args import RECOMPUTE_KINDS
+from training import memory_measure as measure
 from training.config import TrainConfig
+from training.memory_measure import Measured
 from training.optim import STEP_CHUNK, is_expert_param
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
 from training.trainer import model_args
@@ -47,8 +55,6 @@ from training.trainer import model_args
 GiB = 1024**3
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 FP8_BYTES = 1 + 4 / 128  # e4m3 value + one fp32 scale per 1x128 tile
-INDEX_BYTES = 8  # int64 indices
-ALIGNMENT = 128  # rows per expert block of the contiguous grouped GEMM layout (deep_gemm)
 ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
 
 
@@ -69,216 +75,6 @@ class Precision:
     def grad(self) -> int:
         """Gradient bytes per parameter: the master's (FP32 ``main_grad`` buffers) when there is a master copy."""
         return self.master or self.param
-
-
-# ---- activations ------------------------------------------------------------------------------------
-
-def _recomputes(args: ModelArgs, kind: str, layer_id: int) -> bool:
-    """``args.recomputes`` (``v3`` = norm + mla_up; ``block`` turns the finer kinds off in its layers)."""
-    return args.recomputes(kind, layer_id)
-
-
-def _fp8_cache(args: ModelArgs) -> bool:
-    """FP8 activation caching: GEMM inputs kept only as e4m3 + 1x128 scales (``ModelArgs.fp8_cache``)."""
-    return bool(args.fp8 and getattr(args, "fp8_cache", False))
-
-
-def fp8_cached_row(k: int) -> float:
-    """Bytes of one row of an FP8 Linear's cached input: e4m3 values padded to 128 columns, one fp32 scale
-    per 128."""
-    return -(-k // 128) * (128 + 4)
-
-
-def fp8_stash_row(k: int) -> float:
-    """Bytes of one row of an FP8-stashed SwiGLU input (not padded), one fp32 scale per 128 columns."""
-    return k + 4 * -(-k // 128)
-
-
-def linear_out_cols(args: ModelArgs, n: int, grouped: bool = False, act: float = 4) -> int:
-    """Columns of the storage behind an ``[*, n]`` Linear output: the FP8 GEMMs write ``n`` padded to 128
-    and return a view of it when the output dtype is the GEMM's (bf16, fp32; grouped: bf16 only)."""
-    if args.fp8 and (not grouped or act == 2):
-        return -(-n // 128) * 128
-    return n
-
-
-def attention_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision) -> dict[str, float]:
-    """Bytes per token the pre-norm MLA half of a block keeps for backward, by tensor.
-
-    The q/kv latents (before their norms) are always kept; the normed latents, the norm statistics
-    and the attn_norm output only without ``norm`` recompute; q, k, v only without ``mla_up``
-    recompute (then the up-projections are re-run from the latents and the rotated rope key). The
-    flash kernel keeps its output and log-sum-exp (the output doubles as wo's input); the CPU
-    reference recomputes them. Under FP8 caching each FP8 GEMM keeps its own e4m3 copy of its input.
-    """
-    d, h, a = args.dim, args.n_heads, p.act
-    qk, v, nope = args.qk_head_dim, args.v_head_dim, args.qk_nope_head_dim
-    ql, kvl, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
-    norm, up = _recomputes(args, "norm", layer_id), _recomputes(args, "mla_up", layer_id)
-    cache = _fp8_cache(args)
-    out: dict[str, float] = {"block input": d * a}
-    if not norm:
-        out["norm rstd"] = 4 + (0 if up else (2 if ql else 1) * 4)  # q_norm/kv_norm re-run with the up-projections
-        out["attn_norm out"] = 2 * fp8_cached_row(d) if cache else d * a  # input of wq_a (or wq) and wkv_a
-    if ql:
-        out["q latent"] = linear_out_cols(args, ql) * a  # wq_a out, q_norm's input
-    out["kv latent"] = linear_out_cols(args, kvl + rope) * a  # wkv_a out: kv_norm's input and the rope key
-    if not up:
-        for name, k in (("q latent normed", ql), ("kv latent normed", kvl)):
-            if k:  # wq_b / wkv_b inputs (a recomputed norm's output is released)
-                out[name] = 0.0 if norm else (fp8_cached_row(k) if cache else k * a)
-        out["q, k"] = 2 * h * qk * a
-        out["v"] = linear_out_cols(args, h * (nope + v)) * a  # a view of wkv_b's output
-    else:
-        out["rotated rope key"] = rope * a
-    out["rope cos/sin"] = (1 if up else 2) * rope * 4 / micro_batch  # complex64 [s, rope/2] per rotation
-    if p.attention == "flash":  # wo saves this same output (``flash_mla.keeps_output``): no copy of its own
-        out["attention out + lse"] = h * v * a + h * 4
-    else:
-        out["wo input"] = fp8_cached_row(h * v) if cache else h * v * a
-    return out
-
-
-def _mlp_saved(args: ModelArgs, rows: float, inter: int, a: float, recompute_swiglu: bool,
-               grouped: bool = False) -> dict[str, float]:
-    """Bytes a SwiGLU MLP keeps for ``rows`` rows after ``w13``'s input (counted by the caller). The SwiGLU
-    keeps only its input (``layers.swiglu``); the routed experts' also keeps each row's routing weight."""
-    out = {"routing weight per row": rows * 4} if grouped else {}
-    if args.fp8 and _fp8_cache(args):  # SwiGLU input stashed in FP8, its output recomputed for w2
-        out["SwiGLU input (fp8)"] = rows * fp8_stash_row(2 * inter)
-        return out
-    out["w13 out"] = rows * linear_out_cols(args, 2 * inter, grouped, a) * a  # the SwiGLU's input
-    if not recompute_swiglu:
-        out["w2 input"] = rows * inter * a
-    return out
-
-
-def expert_rows(args: ModelArgs, tokens: int, slots: int) -> int:
-    """Rows of the grouped expert GEMMs on one EP rank (balanced routing): each of the ``ep`` ranks sends
-    ``tokens k`` rows spread over all ``slots x ep`` expert slots, so each local slot gets ``tokens k / slots``
-    rows, padded to ``ALIGNMENT``."""
-    per_expert = tokens * args.n_activated_experts / slots if slots else 0.0
-    return slots * ALIGNMENT * max(1, math.ceil(per_expert / ALIGNMENT)) if per_expert else 0
-
-
-def ffn_saved(args: ModelArgs, layer_id: int, tokens: int, micro_batch: int, p: Precision, ep: int = 1,
-              slots: int | None = None) -> dict[str, float]:
-    """Bytes per token the FFN half of a block keeps for backward (``tokens`` per micro-batch), by tensor."""
-    d, a = args.dim, p.act
-    norm = _recomputes(args, "norm", layer_id)
-    swiglu = _recomputes(args, "swiglu", layer_id)
-    cache = _fp8_cache(args)
-    out: dict[str, float] = {"ffn input": d * a}
-
-    def add(prefix: str, items: dict[str, float]) -> None:
-        out.update({f"{prefix} {k}": v for k, v in items.items()})
-
-    if not args.is_moe_layer(layer_id):
-        if not norm:
-            out["ffn_norm out + rstd"] = (fp8_cached_row(d) if cache else d * a) + 4
-        add("dense", _mlp_saved(args, 1, args.inter_dim, a, swiglu))
-        return out
-    e, k = args.n_routed_experts, args.n_activated_experts
-    slots = e // ep if slots is None else slots
-    rows = expert_rows(args, tokens, slots) / tokens
-    if not norm:  # the router and the shared experts' w13 read it (the latter as its FP8 copy when caching)
-        out["ffn_norm out + rstd"] = d * a + 4 + (fp8_cached_row(d) if cache and args.n_shared_experts else 0)
-    groups = args.n_expert_groups if args.n_expert_groups > 1 else 0
-    # scores; top-k weights and their sum; top-k and row indices; group top-2 and mask
-    out["router"] = e * 4 + (k + 1) * 4 + 3 * k * INDEX_BYTES + groups * (2 * INDEX_BYTES + 1)
-    # the grouped rows (as w13's FP8 copy when caching), their source index and expert id
-    out["expert rows in"] = rows * ((fp8_cached_row(d) if cache else d * a) + INDEX_BYTES + 4)
-    add("experts", _mlp_saved(args, rows, args.moe_inter_dim, a, swiglu, grouped=True))
-    if args.n_shared_experts:
-        add("shared", _mlp_saved(args, 1, args.n_shared_experts * args.moe_inter_dim, a, swiglu))
-    return out
-
-
-def block_saved(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
-                slots: int | None = None) -> float:
-    """Bytes per token one block keeps for backward; a block recomputed whole keeps only its input."""
-    if _recomputes(args, "block", layer_id):
-        return args.dim * p.act
-    tokens = seq_len * micro_batch
-    return (sum(attention_saved(args, layer_id, seq_len, micro_batch, p).values())
-            + sum(ffn_saved(args, layer_id, tokens, micro_batch, p, ep, slots).values()))
-
-
-def gemm_backward_working_set(args: ModelArgs, rows: float, n: int, k: int, groups: int, p: Precision) -> float:
-    """Bytes alive while one (grouped) GEMM ``[rows, k] x [groups, n, k]^T`` runs backward, besides what was
-    saved: the output and input gradients, the weight gradient before it is added to ``.grad``, and for FP8
-    the casts of the gradient, the input and the weight. On a CPU the reference casts hold about three
-    fp32 copies of the tile-padded operand they quantize (padded copy, scaled tiles, rounded values)."""
-    a = p.act
-    np_, kp = -(-n // 128) * 128, -(-k // 128) * 128
-    ws = rows * (n + k) * a + groups * n * k * 4
-    if args.fp8:
-        ws += rows * k * 4 if _fp8_cache(args) else 0  # the cached input, dequantized for the wgrad
-        if p.attention == "reference":  # CPU reference casts
-            ws += 3 * 4 * max(rows * max(np_, kp), groups * np_ * kp)
-        else:
-            ws += rows * (np_ + kp) + groups * np_ * kp
-    return ws
-
-
-def block_working_set(args: ModelArgs, layer_id: int, seq_len: int, micro_batch: int, p: Precision, ep: int = 1,
-                      slots: int | None = None) -> float:
-    """Bytes per token alive on top of the saved ones while one block runs backward: the largest GEMM
-    backward (``gemm_backward_working_set``) with the residual stream's gradient, and what recompute rebuilds
-    there (a whole block: everything it would otherwise have kept)."""
-    tokens = seq_len * micro_batch
-    d, h = args.dim, args.n_heads
-    gemms = [(1, args.n_heads * args.v_head_dim, d, 1), (1, d, args.n_heads * args.v_head_dim, 1),
-             (1, h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank, 1)]
-    if args.q_lora_rank:
-        gemms.append((1, h * args.qk_head_dim, args.q_lora_rank, 1))
-    if args.is_moe_layer(layer_id):
-        slots = args.n_routed_experts // ep if slots is None else slots
-        rows = expert_rows(args, tokens, slots) / tokens
-        inter = args.moe_inter_dim
-        gemms += [(rows, 2 * inter, d, slots), (rows, d, inter, slots)]
-        if args.n_shared_experts:
-            si = args.n_shared_experts * inter
-            gemms += [(1, 2 * si, d, 1), (1, d, si, 1)]
-    else:
-        gemms += [(1, 2 * args.inter_dim, d, 1), (1, d, args.inter_dim, 1)]
-    # per token: the rows scale with tokens, the weight-sized parts do not
-    ws = max(gemm_backward_working_set(args, r * tokens, n, k, g, p) for r, n, k, g in gemms) / tokens
-    ws += 2 * d * p.act  # the residual stream's gradient, flowing and accumulated
-    # what recompute (and the recomputed SwiGLU of FP8 caching) rebuilds in this layer's backward
-    full = args.replace(recompute=(), fp8_cache_activations=False) if hasattr(args, "fp8_cache_activations") \
-        else args.replace(recompute=())
-    ws += max(0.0, block_saved(full, layer_id, seq_len, micro_batch, p, ep, slots)
-              - block_saved(args, layer_id, seq_len, micro_batch, p, ep, slots))
-    return ws
-
-
-def criterion_saved(args: ModelArgs, fused: bool, p: Precision, micro_batch: int) -> float:
-    """Bytes per token the last stage's loss keeps: final norm and head input, the fp32 log-probabilities
-    of the head and of each MTP depth (none with a fused cross-entropy), the MTP modules' own inputs."""
-    d, a, v = args.dim, p.act, args.vocab_size
-    heads = 1 + args.n_mtp_layers
-    out = heads * (2 * d * a + 4)  # norm input/out + rstd per head
-    out += 0 if fused else heads * v * 4
-    # embedding out, enorm/hnorm rstd, eh_proj input (eh_proj is a BF16 GEMM even under FP8: no padded output)
-    out += args.n_mtp_layers * (d * a + 2 * 4 + 2 * d * a)
-    return out
-
-
-def criterion_working_set(args: ModelArgs, fused: bool, p: Precision, tokens: int) -> float:
-    """Bytes per token alive on top of the saved ones around the loss: the logits of every head and
-    their fp32 copy in forward, a logits gradient and its input in backward; a fused loss keeps one
-    chunk of logits (no larger than the hidden states) at a time."""
-    v = args.vocab_size
-    if fused:  # a chunk of logits and of their gradient, each no larger than the hidden states (fused_ce)
-        return 3 * args.dim * 4
-    heads = 1 + args.n_mtp_layers
-    return max(heads * v * p.act, 2 * v * 4)  # forward: every head's logits; backward: dlogp and dlogits
-
-
-def fused_cross_entropy(args: ModelArgs) -> bool:
-    """The trainer's loss is ``fused_ce.linear_cross_entropy`` (logits made a chunk of rows at a time)."""
-    return True
 
 
 # ---- parameters ---------------------------------------------------------------------------------------
@@ -449,36 +245,62 @@ def _device(device: str | None) -> tuple[str, int | None, bool]:
     return spec.name, int(spec.memory_gib * GiB) if spec.memory_gib else None, True
 
 
+def _layer(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, p: Precision, slots: int) -> Measured:
+    """One block as ``memory_measure`` measured it (all routed experts on the rank), with its routed experts
+    swapped for one expert-parallel rank's ``slots`` (their rows and weight-gradient buffers differ)."""
+    accelerator = p.attention == "flash"
+    m = measure.block(args, layer_id, micro_batch, seq, p.act, accelerator)
+    e = args.n_routed_experts
+    if args.is_moe_layer(layer_id) and slots != e:
+        tokens = micro_batch * seq
+        out, into = (measure.experts(args, layer_id, tokens, n, p.act, accelerator) for n in (e, slots))
+        if args.recomputes("block", layer_id):  # a recomputed block keeps only its input: the rest is transient
+            out, into = Measured(0, out.saved + out.transient), Measured(0, into.saved + into.transient)
+        m = m.swap(out, into)
+    return m
+
+
+def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, p: Precision, slots: int) -> Measured:
+    """MTP depth ``depth + 1``: its input projection, its block and its loss head, on ``seq`` positions
+    (depth k really runs on ``seq - k``: at most ``k / seq`` less), its experts swapped as ``_layer``'s."""
+    accelerator, layer_id = p.attention == "flash", args.n_layers + depth
+    return (measure.mtp_projection(args, depth, micro_batch, seq, p.act, accelerator)
+            .then(_layer(args, layer_id, micro_batch, seq, p, slots))
+            .then(measure.head(args, args.recomputes("norm", layer_id), micro_batch, seq, p.act, accelerator)))
+
+
 def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:
-    """(bytes one micro-batch keeps on each stage, the stage's working set on top, per-item detail)."""
+    """(bytes one micro-batch keeps on each stage, the most bytes alive on top of those while one of its pieces
+    runs, per-piece detail: the largest bytes one micro-batch keeps in each kind of piece), measured
+    (``training.memory_measure``) at the config's micro-batch shape; the layers' pieces keep their own input
+    (the block before hands it on), the last stage adds the loss heads and the MTP modules."""
     par, data = cfg.parallel, cfg.data
     seq, mb = data.seq_len, data.micro_batch
-    tokens = seq * mb
     num = num_model_stages(par.schedule, par.pp)
-    slots = None
-    if cfg.eplb.enabled:
-        slots = (args.n_routed_experts + cfg.eplb.redundant_experts) // par.ep
-    fused = fused_cross_entropy(args)
+    slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
+    layers: dict[tuple, Measured] = {}  # layers alike (kind, recompute) measure alike
+
+    def layer(i: int) -> Measured:
+        key = (args.is_moe_layer(i), *(args.recomputes(k, i) for k in RECOMPUTE_KINDS))
+        if key not in layers:
+            layers[key] = _layer(args, i, mb, seq, p, slots)
+        return layers[key]
+
+    accelerator = p.attention == "flash"
     saved, work = [], []
-    detail: dict[str, float] = {}
+    detail: dict[str, int] = {}
     for s, (lo, hi) in enumerate(split_layers(args, num)):
-        per_token = sum(block_saved(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi))
-        ws = max((block_working_set(args, i, seq, mb, p, par.ep, slots) for i in range(lo, hi)), default=0.0)
-        if s == 0:
-            per_token += 0  # the embedding's backward keeps only the token ids
+        pieces = [("MoE layer" if args.is_moe_layer(i) else "dense layer", layer(i)) for i in range(lo, hi)]
         if s == num - 1:
-            per_token += criterion_saved(args, fused, p, mb)
-            per_token += sum(block_saved(args, args.n_layers + k, seq, mb, p, par.ep, slots)
-                             for k in range(args.n_mtp_layers))
-            ws = max(ws, criterion_working_set(args, fused, p, tokens))
-        if lo < hi:
-            for k, v in attention_saved(args, lo, seq, mb, p).items():
-                detail[f"attention: {k}"] = max(detail.get(f"attention: {k}", 0), v * tokens)
-            for k, v in ffn_saved(args, hi - 1, tokens, mb, p, par.ep, slots).items():
-                detail[f"ffn: {k}"] = max(detail.get(f"ffn: {k}", 0), v * tokens)
-        saved.append(int(per_token * tokens))
-        work.append(int(ws * tokens))
-    return saved, work, {k: int(v) for k, v in detail.items()}
+            recompute_norm = "norm" in args.recompute_kinds  # the main head's (``lm_losses_from_hidden``)
+            pieces.append(("loss head", measure.head(args, recompute_norm, mb, seq, p.act, accelerator)))
+            pieces += [(f"MTP depth {k + 1} (module + head)", _mtp(args, k, mb, seq, p, slots))
+                       for k in range(args.n_mtp_layers)]
+        saved.append(sum(m.saved for _, m in pieces))
+        work.append(max((m.transient for _, m in pieces), default=0))
+        for kind, m in pieces:
+            detail[kind] = max(detail.get(kind, 0), m.saved)
+    return saved, work, detail
 
 
 def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[int], list[int]]:
@@ -605,7 +427,7 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
                                         " (no capacity: pass --device, e.g. --device H800)"),
              f"per-rank memory ({weights}, AdamW moments {moments} ZeRO-1 "
              f"{'on' if cfg.parallel.zero1 else 'off'}, activations {act}, recompute {list(args.recompute) or 'none'}, "
-             f"fp8 {args.fp8} (activation caching {_fp8_cache(args)}), fused CE {fused_cross_entropy(args)}, "
+             f"fp8 {args.fp8} (activation caching {args.fp8_cache}), "
              f"micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} tokens; GiB):",
              f"{'pp rank':>7} {'stages':>7} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'live mb':>7} "
              f"{'act':>7} {'transnt':>7} {'comm':>6} {'margin':>7} {'total':>7}"]
@@ -617,6 +439,11 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
                      f"{it['comm'] / GiB:>6.2f} {it.get('margin', 0) / GiB:>7.2f} {e.total_bytes / GiB:>7.2f}")
     if est.ranks and est.ranks[0].host:
         lines.append(f"host (not on the device): parameter EMA {est.ranks[0].host['ema'] / GiB:.2f} GiB per rank")
+    par = cfg.parallel
+    slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
+    parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len, p.act, p.attention == "flash", slots)
+    lines.append("measured per micro-batch, saved for backward (MiB; training.memory_measure, on meta): " + ", ".join(
+        f"{k} {m.saved / 2**20:.1f}" for k, m in parts.items()) + f" (routed experts: {slots} slots of one EP rank)")
     if est.capacity_bytes is not None:
         share, fixed = ALLOCATOR_MARGIN
         lines.append(f"margin = {share:.0%} of activations + transient + comm, + {fixed / GiB:.0f} GiB "

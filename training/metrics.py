@@ -123,7 +123,6 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=project, name=run_name, dir=str(self.run_dir), config=config,
                                      mode=wandb_mode, reinit="finish_previous")
-        self._t_last = time.perf_counter()
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation against the device's dense peak from ``accel.specs`` (None on CPU)."""

@@ -84,14 +84,6 @@ class ParallelState:
     def rank(self) -> int:
         return self.coords.rank
 
-    @property
-    def is_first_pp_rank(self) -> bool:
-        return self.coords.pp_rank == 0
-
-    @property
-    def is_last_pp_rank(self) -> bool:
-        return self.coords.pp_rank == self.par.pp - 1
-
     def group(self, kind: str) -> dist.ProcessGroup | None:
         return self.groups.get(kind)
 

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from accel import cli
 from training.checkpoint import format as fmt
 from training.checkpoint.trainer_hooks import CheckpointHooks
 from training.fault import FaultToleranceError
+
+if TYPE_CHECKING:  # the run's trainer, which imports this module only for its types
+    from training.trainer import Trainer
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TIME_BUDGET = 1  # agreement code of the budget; signals use their numbers (2, 15): MAX reports a signal first
@@ -125,7 +128,7 @@ class Preemption:
         return Stop(step, code) if code else None
 
 
-def save_on_stop(trainer: Any, hooks: CheckpointHooks | None, stop: Stop, max_minutes: float = 0.0
+def save_on_stop(trainer: Trainer, hooks: CheckpointHooks | None, stop: Stop, max_minutes: float = 0.0
                  ) -> tuple[CheckpointHooks | None, int, str]:
     """Commit a synchronous checkpoint of ``trainer.step`` (every rank calls this); returns (hooks, exit status,
     the line to print). ``hooks`` None (checkpointing off) gets hooks made here under ``run_dir/checkpoints``.

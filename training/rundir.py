@@ -1,9 +1,9 @@
 """Which run folder a launch uses, the ``--resume`` argument checked before any work, and the saved config.
 
 ``--resume auto`` without ``--run-dir`` continues the newest run under ``run.runs_root`` whose saved
-``config.toml`` has this launch's ``config_hash`` (the settings that change the numerics; steps, logging
-and checkpointing may differ) and that has a committed checkpoint; without one it starts a new run
-folder and says so.
+``config.toml`` hashes like this launch's (``fmt.config_hash`` of ``numerics_dict``, as the checkpoint's
+``config_hash``: the settings that change the numerics; steps, logging and checkpointing may differ) and
+that has a committed checkpoint; without one it starts a new run folder and says so.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.checkpoint import format as fmt
-from training.config import TrainConfig, config_hash, load_config
+from training.config import TrainConfig, load_config, numerics_dict
 
 CONFIG_FILE = "config.toml"
 
@@ -46,7 +46,7 @@ def newest_run_of(cfg: TrainConfig) -> tuple[Path, int] | None:
     root = Path(cfg.run.runs_root)
     if not root.is_dir():
         return None
-    want = config_hash(cfg)
+    want = fmt.config_hash(numerics_dict(cfg))
     found: list[tuple[float, str, Path, int]] = []
     for run in root.iterdir():
         saved = run / CONFIG_FILE
@@ -54,7 +54,7 @@ def newest_run_of(cfg: TrainConfig) -> tuple[Path, int] | None:
             if not saved.is_file():
                 continue
             step = fmt.read_pointer(run / "checkpoints", fmt.LATEST_FILE)
-            if step is None or config_hash(load_config(saved)) != want:
+            if step is None or fmt.config_hash(numerics_dict(load_config(saved))) != want:
                 continue
             found.append((saved.stat().st_mtime, run.name, run, step))
         except (OSError, ValueError):  # unreadable, or a config this version no longer accepts: not ours

@@ -32,19 +32,17 @@ from models.deepseek_v3.model import run_layers
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
 from models.deepseek_v3.rope import rope_cos_sin
+from training.config import pipeline_layout
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    """The global stage numbers pipeline rank ``pp_rank`` holds, in local order."""
-    if schedule in ("dualpipev", "zbv"):
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    if schedule == "dualpipe":
-        return [pp_rank, pp - 1 - pp_rank]
-    return [pp_rank]
+    """The global stage numbers pipeline rank ``pp_rank`` holds, in local order (the schedule layout's parts)."""
+    return list(pipeline_layout(schedule, pp).parts_of(pp_rank))
 
 
 def num_model_stages(schedule: str, pp: int) -> int:
-    return 2 * pp if schedule in ("dualpipev", "zbv") else pp
+    """How many stages the schedule cuts the model into (the schedule layout's parts)."""
+    return pipeline_layout(schedule, pp).num_parts
 
 
 def split_layers(args: ModelArgs, num_stages: int) -> list[tuple[int, int]]:

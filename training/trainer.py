@@ -14,8 +14,9 @@ Hooks, for checkpointing and fault tolerance (``training/checkpoint``, ``trainin
 - ``step_end_hooks``: ``fn(trainer, metrics)``; after the step, before logging. May add metrics
   (e.g. ``checkpoint_stall_s``).
 
-``state_dict()`` / ``load_state_dict()`` cover model (with expert biases), optimizer, LR scheduler,
-sampler, step and tokens seen; RNG states are captured by the checkpoint manager.
+``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds: model (with expert biases), optimizer
+states keyed by parameter name, LR scheduler, sampler, step and tokens seen (and EPLB's plan); RNG states
+are captured by the checkpoint manager.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from accel.trace import TraceRecorder
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
-from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, config_hash, numerics_dict
+from training.checkpoint.format import CheckpointMismatchError
+from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
+from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
@@ -96,7 +99,7 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     split_layers(args, num_model_stages(par.schedule, par.pp))
     if par.ep > 1:
         expert_range(args, 0, par.ep)
-    if args.n_mtp_layers and par.pp > 1 and par.schedule in ("1f1b", "zb1p"):
+    if args.n_mtp_layers and not par.layout.same_rank(0, par.layout.num_parts - 1):
         raise ValueError(f"model.overrides.n_mtp_layers={args.n_mtp_layers} with parallel.schedule={par.schedule!r} "
                          f"and parallel.pp={par.pp}: MTP shares the embedding, which this schedule puts on another "
                          "rank than the last stage; use parallel.schedule dualpipev / zbv / dualpipe, or set "
@@ -105,7 +108,6 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
         check_microbatches(par, cfg.microbatches_at(step), f"data.global_batch at step {step}")
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-    cfg.balance.model_config()  # the model package validates the strategy names
     check_eplb(cfg, args)
     return args
 
@@ -174,7 +176,7 @@ class Trainer:
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
         self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
-                                mirror_group=ps.group("pp") if cfg.parallel.schedule == "dualpipe" else None
+                                mirror_group=ps.group("pp") if cfg.parallel.layout.copies > 1 else None
                                 ) if cfg.eplb.enabled else None
         self.step, self.tokens_seen = 0, 0
         self.after_backward_hooks: list[Callable[[Trainer, dict[str, Any]], bool]] = []
@@ -210,25 +212,40 @@ class Trainer:
                 out.setdefault(k, v)
         return self.eplb.logical_model_state(out) if self.eplb is not None else out
 
+    def param_names(self) -> dict[int, str]:
+        """``id(param) -> name`` of this rank's parameters as checkpoints key them (``checkpoint.resume``)."""
+        return param_names(self.stages, self.args, self.ps.coords.ep_rank, self.cfg.parallel.ep)
+
     def state_dict(self) -> dict[str, Any]:
-        """Model (logical expert layout), optimizer (as this rank holds it), scheduler, sampler, step; EPLB's
-        plan and load average when it is on (``training.checkpoint`` re-keys the optimizer by name and puts
-        expert moments in the logical layout too)."""
+        """What a checkpoint holds: model (logical expert layout), optimizer states keyed by parameter name (the
+        ZeRO-1 shard this rank holds; re-partitionable, expert moments in the logical layout too), scheduler,
+        sampler, step; EPLB's plan and load average when it is on. Under EPLB every rank of the EP group must
+        call this (the logical layout takes collectives)."""
+        model = self.model_state_dict()
+        names = self.param_names()
+        optimizer = [named_optimizer_state(opt, names) for opt in self.optimizer.optimizers]
+        if self.eplb is not None:
+            self.eplb.logical_optimizer_state(optimizer, names)
         state = {
-            "model": self.model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "config_hash": config_hash(self.cfg)},
+            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen},
         }
         if self.eplb is not None:
             state["eplb"] = self.eplb.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of ``state_dict``. Under EPLB the saved plan (if any) is adopted first and the logical
-        expert weights are materialised into its physical slots; a checkpoint without EPLB state keeps the
-        current plan. The optimizer part is loaded as given (it must match this rank's physical layout)."""
+        """Inverse of ``state_dict``, from this layout's checkpoint or one re-partitioned for it
+        (``training.checkpoint.reshard``). Under EPLB the saved plan (if any) is adopted first and the logical
+        expert weights and moments are materialised into its physical slots; a checkpoint without EPLB state
+        keeps the current plan."""
+        named = state["optimizer"]
+        optimizers = self.optimizer.optimizers
+        if len(named) != len(optimizers):
+            raise CheckpointMismatchError(f"{len(named)} optimizer states for this run's {len(optimizers)} optimizers")
         model = state["model"]
         if self.eplb is not None:
             self.eplb.load_plan(state.get("eplb"))
@@ -240,7 +257,11 @@ class Trainer:
                 raise ValueError(f"checkpoint model state lacks {len(missing)} tensors of stage {st.stage_id}, "
                                  f"e.g. {missing[:3]}")
             st.load_state_dict({k: model[k] for k in own}, strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        names = self.param_names()
+        for opt, saved in zip(optimizers, named):
+            load_named_optimizer_state(opt, names, saved)
+        if self.eplb is not None:  # saved moments are logical: into this plan's slots
+            self.eplb.optimizer_state_from_logical()
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["trainer"]["step"])
@@ -328,7 +349,7 @@ class Trainer:
             self.eplb.sync_grads()
             grad_sync_s = time.perf_counter() - t_sync
         grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
-                                   stage_copies=2 if cfg.parallel.schedule == "dualpipe" else 1,
+                                   stage_copies=cfg.parallel.layout.copies,
                                    expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None,
                                    flight=self.flight)
         parts = {name: criterion.mean(name) if criterion is not None and self.holds_loss else None

@@ -1,27 +1,25 @@
-"""One Triton GEMM kernel for every deep_gemm layout: D = A @ B^T (+ D), FP8 with block scales or bf16.
+"""deep_gemm's Triton GEMMs: one short kernel per layout family around one shared main loop.
 
-Modes (a constexpr, so each compiles to its own specialised kernel):
-  DENSE      one problem; A [M, K], B [N, K] through arbitrary strides (nt, nn and tn are views).
-  CONTIGUOUS MoE rows grouped by expert: each M tile reads its group from ``m_indices`` and
-             multiplies by that group's B; rows whose index differs (-1 padding) are not stored,
-             tiles with no row of a group skip all work.
-  MASKED     grid axis 1 is the group; rows >= ``masked_m[g]`` of group g are skipped.
-  (DENSE with SPLIT_K > 1: grid axis 1 slices K and programs add fp32 partials atomically into a
-  zeroed workspace: small-M problems would otherwise leave most SMs idle.)
-  K_GROUPED  grid axis 1 is the group; group g reduces over its own K range (weight gradients);
-             with FLAT_K_MAJOR, group g's operands are K-major [M, K_g] blocks packed one after another
-             (DeepGEMM's SM90 ``k_grouped_fp8_gemm_nt_contiguous`` layout).
+    _dense_kernel       D [M, N] (+)= A [M, K] @ B [N, K]^T through strides (nt, nn, tn, tt are views);
+                        SPLIT_K > 1 slices K over grid axis 1 and adds fp32 partial sums atomically
+    _contiguous_kernel  MoE rows grouped by expert: each M tile multiplies by B[m_indices of its rows]
+    _masked_kernel      grid axis 1 is the group g: rows >= masked_m[g] of A[g] are skipped
+    _k_grouped_kernel   grid axis 1 is the group g, which reduces over its own K range (weight gradients)
 
-FP8 numerics are DeepGEMM's: each 128-wide K block is accumulated exactly in fp32 by ``tl.dot``,
-then multiplied by ``sfa[m, kb] * sfb[n or n // 128, kb]`` and added into the main fp32
-accumulator (per-K-block scale promotion). Programs are ordered in groups of GROUP_M tile rows so
-neighbouring programs share B tiles in L2.
+FP8 numerics are DeepGEMM's: each 128-wide K block is multiplied exactly in fp32 by ``tl.dot``, then
+scaled by ``sfa[m, kb] * sfb[n or n // 128, kb]`` and added into the fp32 accumulator (per-K-block
+promotion). bf16 accumulates in fp32. Programs are ordered in groups of GROUP_M tile rows so neighbours
+share B tiles in L2. Each kernel's wrapper (check, allocate, grid, launch) is the Triton implementation
+that ``accel.registry`` calls for the public op.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -29,166 +27,250 @@ import accel
 from accel import autotune, registry
 from deep_gemm.kernels.rounding import round_to_bf16
 
-DENSE, CONTIGUOUS, MASKED, K_GROUPED = 0, 1, 2, 3
 AUTOTUNE_ENV = "DSV3_DEEP_GEMM_AUTOTUNE"  # "0": skip autotuning (first config), e.g. for GPU correctness tests
 
 
-def _configs(fp8: bool) -> list[triton.Config]:
-    """Autotune candidates per backend. MUSA's Triton wants single-stage pipelines."""
+def _configs() -> list[triton.Config]:
+    """Autotune candidates (output tiles; BLOCK_K is fixed by the dtype). MUSA's Triton wants one stage."""
     if accel.triton_interpreted():
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 4}, num_warps=4,
-                              num_stages=1)]
-    bk = 128 if fp8 else 64
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     # (BLOCK_M, BLOCK_N, num_warps, num_stages), Hopper-sized tiles first: each warp group (4 warps) holds a
     # 64-row slice, so the fp32 accumulator and one K block's partial product fit in registers. 128 x 256 is
     # left out: it spills (benchmarks/kernels_compiled.md).
     shapes = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)]
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
-    musa = accel.backend() == "musa"
-    return autotune.shard([
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w,
-                      num_stages=1 if musa else s)
-        for bm, bn, w, s in shapes
-    ])
+    stages = (lambda s: 1) if accel.backend() == "musa" else (lambda s: s)
+    return autotune.shard([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w,
+                                         num_stages=stages(s)) for bm, bn, w, s in shapes])
 
 
-def _kernel_body():
-    """Returns the jitted kernel; built per dtype family so each has its own autotune configs."""
+def _autotune(*key: str):
+    # M_BUCKET: the next power of two of M, so varying token counts share tunings. Tuning reruns the kernel:
+    # accumulation and rows it must not touch need D restored.
+    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "FP8", "SFB_GRAN_N", *key],
+                           restore_value=["d_ptr"])
 
-    @triton.jit
-    def kernel(
-        a_ptr, b_ptr, d_ptr, sfa_ptr, sfb_ptr, grp_ptr,
-        M, N, K, M_BUCKET,
-        s_ag, s_am, s_ak, s_bg, s_bn, s_bk, s_dg, s_dm, s_dn,
-        s_sag, s_sam, s_sak, s_sbg, s_sbn, s_sbk,
-        MODE: tl.constexpr, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-        FLAT_K_MAJOR: tl.constexpr, SPLIT_K: tl.constexpr,
-        INTERPRETED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        g = tl.program_id(1)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        # Grouped ordering: GROUP_M consecutive tile rows sweep the tile columns together.
-        per_group = GROUP_M * tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % rows_here
-        pid_n = (pid % per_group) // rows_here
 
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        k_lo = 0
-        k_hi = K
-        if MODE == 0 and SPLIT_K > 1:  # split-K: grid axis 1 is a slice of K; partial sums are added atomically
-            k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-            k_lo = g * k_per
-            k_hi = tl.minimum(K, k_lo + k_per)
-            g = g * 0
-        elif MODE == 1:  # CONTIGUOUS: the tile's group is the largest index among its rows
-            gids = tl.load(grp_ptr + offs_m, mask=m_ok, other=-1)
-            g = tl.max(gids, axis=0)
-            m_ok = m_ok & (gids == g) & (gids >= 0)
-            k_hi = tl.where(g >= 0, K, 0)  # an all-padding tile does no work
-            g = tl.maximum(g, 0)
-        elif MODE == 2:  # MASKED
-            m_ok = m_ok & (offs_m < tl.load(grp_ptr + g))
-            k_hi = tl.where(pid_m * BLOCK_M < tl.load(grp_ptr + g), K, 0)
-        elif MODE == 3:  # K_GROUPED: grp_ptr holds the G + 1 prefix sums of the groups' K
-            k_lo = tl.load(grp_ptr + g)
-            k_hi = tl.load(grp_ptr + g + 1)
-            if FP8:  # FP8 groups start on 128-row boundaries: say so, or the loads cannot be vectorised
-                k_lo = tl.multiple_of(k_lo, 128)
+def block_k(fp8: bool) -> int:
+    """K per main-loop step: FP8's scale block; 64 for bf16 on a GPU (128 would not fit 4 stages)."""
+    return 128 if fp8 or accel.triton_interpreted() else 64
 
-        # Addresses: a 64-bit tile base plus row offsets (once, before the loop: a view's row stride may be
-        # huge), 32-bit K offsets, pointers advanced by BLOCK_K per step. Rows / columns past M / N read row
-        # M-1 / column N-1 (FP8) instead of masking the loads: their results are never stored.
-        g64 = g.to(tl.int64)
-        if FP8:  # K-major operands: clamping rows keeps the K-contiguous loads vectorised
-            rows = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
-            cols = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
-        else:  # bf16 operands may be MN-major, whose contiguity a clamp would hide: masked loads instead
-            rows = tl.arange(0, BLOCK_M)
-            cols = tl.arange(0, BLOCK_N)
-        m0 = (pid_m * BLOCK_M).to(tl.int64)
-        n0 = (pid_n * BLOCK_N).to(tl.int64)
-        if FLAT_K_MAJOR:  # K_GROUPED, DeepGEMM's SM90 layout: group g's A is a K-major [M, K_g] block at k_lo * M
-            k_len = tl.multiple_of(k_hi - k_lo, 128)
-            a_ptrs = (a_ptr + k_lo.to(tl.int64) * M + m0 * k_len + rows[:, None].to(tl.int64) * k_len
-                      + offs_k[None, :] * s_ak)
-            b_ptrs = (b_ptr + k_lo.to(tl.int64) * N + n0 * k_len + cols[None, :].to(tl.int64) * k_len
-                      + offs_k[:, None] * s_bk)
-        else:
-            a_ptrs = (a_ptr + (g64 * s_ag + m0 * s_am + k_lo.to(tl.int64) * s_ak) + rows[:, None].to(tl.int64) * s_am
-                      + offs_k[None, :] * s_ak)
-            b_ptrs = (b_ptr + (g64 * s_bg + n0 * s_bn + k_lo.to(tl.int64) * s_bk) + cols[None, :].to(tl.int64) * s_bn
-                      + offs_k[:, None] * s_bk)
-        kb0 = k_lo // BLOCK_K
-        sfa_ptrs = sfa_ptr + g64 * s_sag + (pid_m * BLOCK_M + rows) * s_sam + kb0 * s_sak
-        if SFB_GRAN_N >= BLOCK_N:  # the tile lies in one 128-wide weight block: one scalar scale per K block
-            sfb_ptrs = sfb_ptr + g64 * s_sbg + (pid_n * BLOCK_N // SFB_GRAN_N) * s_sbn + kb0 * s_sbk
-        else:
-            sfb_ptrs = sfb_ptr + g64 * s_sbg + ((pid_n * BLOCK_N + cols) // SFB_GRAN_N) * s_sbn + kb0 * s_sbk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # Count iterations from 0 (a canonical loop the software pipeliner accepts for any k_lo).
-        for it in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
-            if FP8:  # K is a multiple of 128 = BLOCK_K: no K mask
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-                sa = tl.load(sfa_ptrs)
-                sb = tl.load(sfb_ptrs)
-                if SFB_GRAN_N >= BLOCK_N:
-                    scale = sa[:, None] * sb
-                else:
-                    scale = sa[:, None] * sb[None, :]
-                acc = tl.fma(tl.dot(a, b), scale, acc)  # per-K-block promotion, one FFMA per element
-                sfa_ptrs += s_sak
-                sfb_ptrs += s_sbk
+
+# ---------------------------------------------------------------- shared device code
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """First row and column of this program's output tile (grid axis 0), GROUP_M tile rows sweeping the columns."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return (first_m + (pid % per_group) % rows_here) * BLOCK_M, (pid % per_group) // rows_here * BLOCK_N
+
+
+@triton.jit
+def _mainloop(a_ptr, b_ptr, sfa_ptr, sfb_ptr, m0, n0, M, N, k_len, s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk,
+              FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``A @ B^T`` of the output tile at (m0, n0) over ``k_len`` of K: per K block load, dot, scale, advance.
+
+    ``a_ptr`` / ``b_ptr``: the tile's first row / column at its first K (a 64-bit offset: a view's row stride
+    may be huge); ``sfa_ptr`` / ``sfb_ptr``: the scales' first K block. K offsets are 32-bit, advanced per step.
+    """
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if FP8:  # past the edge read row M-1 / column N-1 (never stored): K-major loads stay unmasked, vectorised
+        rows = tl.minimum(offs_m, M - 1) - m0
+        cols = tl.minimum(offs_n, N - 1) - n0
+    else:  # bf16 operands may be MN-major, whose contiguity a clamp would hide: masked loads instead
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + cols[None, :].to(tl.int64) * s_bn + offs_k[:, None] * s_bk
+    sfa_ptrs = sfa_ptr + (m0 + rows) * s_sam
+    if SFB_GRAN_N >= BLOCK_N:  # the tile lies in one 128-wide weight block: one scalar scale per K block
+        sfb_ptrs = sfb_ptr + (n0 // SFB_GRAN_N) * s_sbn
+    else:
+        sfb_ptrs = sfb_ptr + ((n0 + cols) // SFB_GRAN_N) * s_sbn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(k_len, BLOCK_K)):  # counted from 0: a canonical loop the software pipeliner accepts
+        if FP8:  # K is a multiple of 128 = BLOCK_K: no K mask
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            sa = tl.load(sfa_ptrs)
+            sb = tl.load(sfb_ptrs)
+            if SFB_GRAN_N >= BLOCK_N:
+                scale = sa[:, None] * sb
             else:
-                k_ok = it * BLOCK_K + offs_k < k_hi - k_lo
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
-                    acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
-                else:
-                    acc += tl.dot(a, b)
-            a_ptrs += BLOCK_K * s_ak
-            b_ptrs += BLOCK_K * s_bk
-
-        d_ptrs = d_ptr + g64 * s_dg + offs_m[:, None].to(tl.int64) * s_dm + offs_n[None, :] * s_dn
-        store_ok = m_ok[:, None] & n_ok[None, :]
-        if ACCUMULATE:  # D already holds C (copied by the launcher when C is a separate tensor)
-            acc += tl.load(d_ptrs, mask=store_ok, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:  # D is a zeroed fp32 workspace
-            tl.atomic_add(d_ptrs, acc, mask=store_ok)
+                scale = sa[:, None] * sb[None, :]
+            acc = tl.fma(tl.dot(a, b), scale, acc)  # per-K-block promotion, one FFMA per element
+            sfa_ptrs += s_sak
+            sfb_ptrs += s_sbk
         else:
-            if INTERPRETED and d_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates fp32 -> bf16
-                acc = round_to_bf16(acc)
-            tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=store_ok)
-
-    return kernel
-
-
-def _autotuned(fp8: bool):
-    return triton.autotune(
-        configs=_configs(fp8),
-        key=["M_BUCKET", "N", "K", "MODE", "SFB_GRAN_N", "ACCUMULATE", "FLAT_K_MAJOR", "SPLIT_K"],
-        restore_value=["d_ptr"],  # tuning reruns the kernel; accumulation and untouched rows need D restored
-    )(_kernel_body())
+            k_ok = i * BLOCK_K + offs_k < k_len
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if INTERPRETED:  # the CPU interpreter multiplies bf16 bit patterns: go through fp32
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            else:
+                acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+    return acc
 
 
-_fp8_kernel = _autotuned(True)
-_bf16_kernel = _autotuned(False)
+@triton.jit
+def _store(d_ptr, acc, m0, n0, row_ok, N, ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr, INTERPRETED: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the tile at (m0, n0) to row-major D with N columns, rows where ``row_ok``. ACCUMULATE adds the C
+    that D holds; ATOMIC adds fp32 partial sums into D (split-K)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    d_ptrs = d_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    ok = row_ok[:, None] & (offs_n < N)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(d_ptrs, mask=ok, other=0.0).to(tl.float32)
+    if ATOMIC:
+        tl.atomic_add(d_ptrs, acc, mask=ok)
+    else:
+        if INTERPRETED and d_ptr.dtype.element_ty == tl.bfloat16:  # the interpreter truncates fp32 -> bf16
+            acc = round_to_bf16(acc)
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------- one kernel per layout family
+
+
+@_autotune("ACCUMULATE", "SPLIT_K")
+@triton.jit
+def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
+                  sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+                  SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k0 = 0
+    k_len = K
+    if SPLIT_K > 1:  # grid axis 1 is a slice of K; D is a fp32 workspace the slices add into
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k0 = tl.program_id(1) * k_per
+        k_len = tl.minimum(K, k0 + k_per) - k0
+    k64 = k0.to(tl.int64)
+    acc = _mainloop(a_ptr + (m0.to(tl.int64) * s_am + k64 * s_ak), b_ptr + (n0.to(tl.int64) * s_bn + k64 * s_bk),
+                    sfa_ptr + k0 // BLOCK_K * s_sak, sfb_ptr + k0 // BLOCK_K * s_sbk, m0, n0, M, N, k_len,
+                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    _store(d_ptr, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, SPLIT_K > 1, INTERPRETED,
+           BLOCK_M, BLOCK_N)
+
+
+@_autotune()
+@triton.jit
+def _contiguous_kernel(a_ptr, b_ptr, d_ptr, m_indices_ptr, M, N, K, M_BUCKET, s_bg, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
+                       sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr,
+                       INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ids = tl.load(m_indices_ptr + offs_m, mask=offs_m < M, other=-1)
+    g = tl.max(ids, axis=0)  # BLOCK_M <= 128 rows lie in one group's 128-row block (or padding, -1)
+    k_len = tl.where(g >= 0, K, 0)  # an all-padding tile does no work
+    g = tl.maximum(g, 0).to(tl.int64)
+    acc = _mainloop(a_ptr + m0.to(tl.int64) * K, b_ptr + (g * s_bg + n0.to(tl.int64) * s_bn), sfa_ptr,
+                    sfb_ptr + g * s_sbg, m0, n0, M, N, k_len, K, 1, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk,
+                    FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
+    _store(d_ptr, acc, m0, n0, ids == g, N, False, False, INTERPRETED, BLOCK_M, BLOCK_N)
+
+
+@_autotune()
+@triton.jit
+def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr, s_sag, s_sam, s_sak,
+                   sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    g = tl.program_id(1)
+    rows = tl.load(masked_m_ptr + g)
+    acc = _mainloop(a_ptr + (g * M + m0).to(tl.int64) * K, b_ptr + (g * N + n0).to(tl.int64) * K,
+                    sfa_ptr + g * s_sag, sfb_ptr + g * s_sbg, m0, n0, M, N, tl.where(m0 < rows, K, 0),
+                    K, 1, K, 1, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, (offs_m < M) & (offs_m < rows), N, False, False,
+           INTERPRETED, BLOCK_M, BLOCK_N)
+
+
+@_autotune("ACCUMULATE", "PACKED")
+@triton.jit
+def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk,
+                      sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr,
+                      ACCUMULATE: tl.constexpr, PACKED: tl.constexpr, INTERPRETED: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    g = tl.program_id(1)
+    k0 = tl.load(k_offsets_ptr + g)
+    k_len = tl.load(k_offsets_ptr + g + 1) - k0
+    if FP8:  # FP8 groups start on 128-row boundaries: say so, or the loads cannot be vectorised
+        k0 = tl.multiple_of(k0, 128)
+    k64 = k0.to(tl.int64)
+    if PACKED:  # DeepGEMM's SM90 layout: group g's A is a row-major [M, k_len] block at k0 * M, B likewise
+        s_am = tl.multiple_of(k_len, 128)
+        s_bn = s_am
+        a_ptr += k64 * M + m0.to(tl.int64) * s_am
+        b_ptr += k64 * N + n0.to(tl.int64) * s_bn
+    else:
+        a_ptr += m0.to(tl.int64) * s_am + k64 * s_ak
+        b_ptr += n0.to(tl.int64) * s_bn + k64 * s_bk
+    kb0 = k0 // BLOCK_K
+    acc = _mainloop(a_ptr, b_ptr, sfa_ptr + kb0 * s_sak, sfb_ptr + kb0 * s_sbk, m0, n0, M, N, k_len,
+                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, False,
+           INTERPRETED, BLOCK_M, BLOCK_N)
+
+
+# ---------------------------------------------------------------- wrappers: check, allocate, grid, launch
+
+
+def require_fp8_hardware(fp8: bool = True) -> None:
+    """FP8 kernels need e4m3 hardware (CUDA sm89+, MUSA 3.1+); elsewhere the registry uses the reference."""
+    if fp8 and not accel.triton_interpreted() and not accel.fp8_native():
+        raise registry.Unsupported(f"{accel.device_name()} has no FP8 (e4m3) tensor cores")
+
+
+def _operands(a, b, transpose_a: bool = False, transpose_b: bool = False):
+    """``(A, B, sfa, sfb, constexprs)``: logical ``[.., M, K]`` / ``[.., N, K]`` views of FP8 ``(tensor, scales)``
+    pairs (scales along their K blocks) or of bf16 tensors (scales None)."""
+    fp8 = isinstance(a, (tuple, list))
+    require_fp8_hardware(fp8)
+    (a, sfa), (b, sfb) = (a, b) if fp8 else ((a, None), (b, None))
+    if transpose_a:
+        a, sfa = a.mT, sfa.mT if fp8 else None
+    if transpose_b:
+        b, sfb = b.mT, sfb.mT if fp8 else None
+    if fp8 and not accel.triton_interpreted():
+        # Hopper's FP8 tensor cores (wgmma) take K-major operands only; an MN-major tile would be transposed in
+        # registers and the loads would not pipeline. One fp8 copy (memory-bound, ~1% of the GEMM) makes nn,
+        # tn and k-grouped layouts run as fast as nt.
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        b = b if b.stride(-1) == 1 else b.contiguous()
+    gran = 1 if fp8 and sfb.shape[-2] == b.shape[-2] else 128  # B scaled per row (1x128) or per 128x128 block
+    return a, b, sfa, sfb, dict(FP8=fp8, SFB_GRAN_N=gran, INTERPRETED=accel.triton_interpreted(), BLOCK_K=block_k(fp8))
+
+
+def _scales(sf: torch.Tensor | None, dims: int, d: torch.Tensor) -> tuple:
+    """A scale tensor's kernel arguments: pointer and its last ``dims`` strides (bf16: ``d``, never read, and 0s)."""
+    return (sf, *sf.stride()[-dims:]) if sf is not None else (d,) + (0,) * dims
 
 
 def _bucket(m: int) -> int:
-    """Autotune key for M: the next power of two (capped), so varying token counts share tunings."""
     return min(triton.next_power_of_2(max(m, 1)), 8192)
+
+
+def _grid(m: int, n: int, axis1: int):
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), axis1)
 
 
 def split_k_for(m: int, n: int, k: int) -> int:
@@ -207,43 +289,72 @@ def split_k_for(m: int, n: int, k: int) -> int:
     return max(1, min(sms // tiles, k // 512, 16))  # keep >= 4 K blocks of 128 per slice
 
 
-def require_fp8_hardware(fp8: bool = True) -> None:
-    """FP8 kernels need e4m3 hardware (CUDA sm89+, MUSA 3.1+); elsewhere the registry uses the reference."""
-    if fp8 and not accel.triton_interpreted() and not accel.fp8_native():
-        raise registry.Unsupported(f"{accel.device_name()} has no FP8 (e4m3) tensor cores")
+def gemm(layout: str, a, b, d: torch.Tensor, c: torch.Tensor | None = None, split_k: int | None = None):
+    """``{fp8,bf16}_gemm_{layout}``: ``d = (c +) a @ b^T`` with A stored [m, k] (layout "n.") or [k, m] ("t."),
+    B stored [n, k] (".t") or [k, n] (".n"). ``split_k``: K slices (None: ``split_k_for``'s choice)."""
+    a, b, sfa, sfb, static = _operands(a, b, layout[0] == "t", layout[1] == "n")
+    if c is not None and c.data_ptr() != d.data_ptr():
+        d.copy_(c)
+    (m, k), n = a.shape, b.shape[0]
+    split = split_k_for(m, n, k) if split_k is None else split_k
+    out = d
+    if split > 1:  # a fp32 workspace that holds c (or 0); the K slices add their partial sums into it
+        out = d.float() if c is not None else torch.zeros(m, n, dtype=torch.float32, device=d.device)
+    if d.numel():
+        _dense_kernel[_grid(m, n, split)](a, b, out, m, n, k, _bucket(m), *a.stride(), *b.stride(), *_scales(sfa, 2, d),
+                                          *_scales(sfb, 2, d), ACCUMULATE=c is not None and split == 1, SPLIT_K=split,
+                                          **static)
+    if out is not d:
+        d.copy_(out)
+    return d
 
 
-def launch(mode: int, a, b, d, *, sfa=None, sfb=None, sfb_gran_n: int = 128, grp=None, num_groups: int = 1,
-           accumulate: bool = False, flat_k_major: bool = False, split_k: int = 1) -> None:
-    """Run the kernel on logical views ``a [G?, M, K]``, ``b [G?, N, K]``, ``d [G?, M, N]``.
+gemm_nt, gemm_nn, gemm_tn, gemm_tt = (functools.partial(gemm, layout) for layout in ("nt", "nn", "tn", "tt"))
 
-    2-D views get group strides of 0. ``sfa`` [G?, M, K/128] and ``sfb`` [G?, N or ceil(N/128), K/128]
-    are read through their strides, so transposed scale views (nn, tn, MN-major) need no copy.
-    """
-    fp8 = sfa is not None
-    require_fp8_hardware(fp8)
-    if fp8 and not accel.triton_interpreted():
-        # Hopper's FP8 tensor cores (wgmma) take K-major operands only; an MN-major tile would be
-        # transposed in registers and the loads would not pipeline. One fp8 copy (memory-bound,
-        # ~1% of the GEMM) makes nn, tn and k-grouped layouts run as fast as nt.
-        a = a if a.stride(-1) == 1 else a.contiguous()
-        b = b if b.stride(-1) == 1 else b.contiguous()
 
-    def strides3(t):
-        return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
+def m_grouped_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, nn: bool = False):
+    """``m_grouped_{fp8,bf16}_gemm_{nt,nn}_contiguous``: ``d[r] = a[r] @ b[m_indices[r]]^T`` (``b[g]`` stored
+    [k, n] when ``nn``); rows with ``m_indices[r] = -1`` are left untouched."""
+    a, b, sfa, sfb, static = _operands(a, b, transpose_b=nn)
+    (m, k), n = a.shape, b.shape[1]
+    if d.numel():
+        _contiguous_kernel[_grid(m, n, 1)](a, b, d, m_indices, m, n, k, _bucket(m), *b.stride(), *_scales(sfa, 2, d),
+                                           *_scales(sfb, 3, d), **static)
+    return d
 
-    m, k = a.shape[-2:]
-    n = b.shape[-2]
-    s_a, s_b, s_d = strides3(a), strides3(b), strides3(d)
-    s_sa = strides3(sfa) if fp8 else (0, 0, 0)
-    s_sb = strides3(sfb) if fp8 else (0, 0, 0)
-    dummy = d  # any pointer for the unused arguments
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), max(num_groups, split_k))
-    kernel = _fp8_kernel if fp8 else _bf16_kernel
-    kernel[grid](
-        a, b, d, sfa if fp8 else dummy, sfb if fp8 else dummy, grp if grp is not None else dummy,
-        m, n, k, _bucket(m),
-        *s_a, *s_b, *s_d, *s_sa, *s_sb,
-        MODE=mode, FP8=fp8, SFB_GRAN_N=sfb_gran_n, ACCUMULATE=accumulate, FLAT_K_MAJOR=flat_k_major, SPLIT_K=split_k,
-        INTERPRETED=accel.triton_interpreted(),
-    )
+
+m_grouped_contiguous_nn = functools.partial(m_grouped_contiguous, nn=True)
+
+
+def m_grouped_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int | None = None):
+    """``m_grouped_{fp8,bf16}_gemm_nt_masked``: ``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T``."""
+    a, b, sfa, sfb, static = _operands(a, b)
+    groups, m, k = a.shape
+    n = b.shape[1]
+    if d.numel():
+        _masked_kernel[_grid(m, n, groups)](a, b, d, masked_m, m, n, k, _bucket(m), *_scales(sfa, 3, d),
+                                            *_scales(sfb, 3, d), **static)
+    return d
+
+
+def k_grouped(a, b, d: torch.Tensor, ks, ks_tensor=None, c: torch.Tensor | None = None, packed: bool = False):
+    """``k_grouped_{fp8,bf16}_gemm_tn_contiguous``: ``d[g] = (c[g] +) a_g^T @ b_g`` over group g's ``ks[g]`` rows
+    of ``a [sum_k, m]``, ``b [sum_k, n]``; ``packed``: DeepGEMM's SM90 ``k_grouped_fp8_gemm_nt_contiguous``, each
+    group's A ``[m, ks[g]]`` K-major and packed one after another (B likewise)."""
+    groups, m, n = d.shape
+    sum_k = sum(ks)
+    if packed:  # logical [m, sum_k] views: only the K stride (1) and the scales are read through them
+        a, b, sfa, sfb, static = _operands((a[0].view(m, sum_k), a[1]), (b[0].view(n, sum_k), b[1]))
+    else:
+        a, b, sfa, sfb, static = _operands(a, b, transpose_a=True, transpose_b=True)
+    if c is not None and c.data_ptr() != d.data_ptr():
+        d.copy_(c)
+    if d.numel():
+        offsets = torch.tensor(list(itertools.accumulate(ks, initial=0)), dtype=torch.int32, device=d.device)
+        _k_grouped_kernel[_grid(m, n, groups)](a, b, d, offsets, m, n, sum_k, _bucket(m), *a.stride(), *b.stride(),
+                                               *_scales(sfa, 2, d), *_scales(sfb, 2, d), ACCUMULATE=c is not None,
+                                               PACKED=packed, **static)
+    return d
+
+
+k_grouped_packed = functools.partial(k_grouped, packed=True)

@@ -15,10 +15,12 @@ def round_to_e4m3_grid(y):
     # Normal range: keep 3 of 23 mantissa bits; the carry may correctly bump the exponent.
     keep_lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + keep_lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
-    # Subnormal range (|y| < 2^-6): multiples of 2^-9; adding 2^14 makes fp32's ulp 2^-9.
+    # Subnormal range (|y| < 2^-6): multiples of 2^-9; adding 2^14 makes fp32's ulp 2^-9. Negated as sub * -1.0,
+    # not -sub: Triton 3.6 compiles (and interprets) a float's unary minus as 0 - x, which turns a negative that
+    # rounds to zero into +0.0 where torch's cast gives -0.0 (3.9 emits a true negation; its code is unchanged).
     mag = tl.abs(y)
     sub = (mag + 16384.0) - 16384.0
-    sub = tl.where(y < 0, -sub, sub)
+    sub = tl.where(y < 0, sub * -1.0, sub)
     out = tl.where(mag < 0.015625, sub, normal)
     return tl.minimum(tl.maximum(out, -448.0), 448.0)
 

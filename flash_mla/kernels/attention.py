@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from accel import autotune, registry
+from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
@@ -344,7 +345,7 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     """Gradients (dq, dk, dv) of ``attention_forward`` given dout [T, H, dv]."""
     total, heads, dqk = q.shape
     dv_dim = v.shape[-1]
-    dout = _unit_stride(dout)
+    dout = unit_stride(dout)
     delta = torch.empty(heads, total, dtype=torch.float32, device=q.device)
     block_t = 16 if interpreted() else 64
     _delta_kernel[(triton.cdiv(total, block_t), heads)](
@@ -367,7 +368,14 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     return dq, dk, dv
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when its last dimension is strided (the kernels index d with stride 1)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class _MLAAttention(torch.autograd.Function):
+    """The Triton forward kernel; its backward is the registered backward op (verifiable, strict-aware)."""
+
     @staticmethod
     def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
         out, lse = attention_forward(q, k, v, cu, max_seqlen, causal, scale)
@@ -377,16 +385,10 @@ class _MLAAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
-
         q, k, v, out, lse, cu = ctx.saved_tensors
         max_seqlen, causal, scale = ctx.args
         dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
         return dq, dk, dv, None, None, None, None
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
@@ -395,10 +397,9 @@ def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=No
     if cu_seqlens is None:
         b, s, h, _ = q.shape
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        flat = [_unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
+        flat = [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
         out = _MLAAttention.apply(*flat, cu, s, causal, scale)
         return out.view(b, s, h, v.shape[-1])
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _MLAAttention.apply(_unit_stride(q), _unit_stride(k), _unit_stride(v), cu_seqlens, max_seqlen, causal,
-                               scale)
+    return _MLAAttention.apply(unit_stride(q), unit_stride(k), unit_stride(v), cu_seqlens, max_seqlen, causal, scale)

@@ -47,6 +47,8 @@ class BalanceConfig:
     alpha: coefficient of the ``seq_aux`` / ``aux`` balance loss (V3: 1e-4 sequence-wise).
     z_loss_coeff: coefficient of the router z-loss (ST-MoE: 1e-3).
     gamma: bias update speed of ``aux_free`` (V3: 1e-3, then 0 late in training).
+    gamma_stop_step: the optimizer step from which the trainer updates the biases with gamma 0 (V3: the
+        last 500B tokens); 0 = never. The model does not read it.
     recenter: subtract the mean bias after each update, so the biases stay centred on zero.
     num_nodes / max_nodes: experts split into ``num_nodes`` contiguous blocks (one per node or
         device); each token may use experts on at most ``max_nodes`` of them (V3: 4). None = no limit.
@@ -60,6 +62,7 @@ class BalanceConfig:
     alpha: float = 1e-4
     z_loss_coeff: float = 1e-3
     gamma: float = 1e-3
+    gamma_stop_step: int = 0
     recenter: bool = False
     num_nodes: int = 1
     max_nodes: int | None = None

@@ -15,7 +15,7 @@ to the lowest index, as upstream, so plans match upstream's bit for bit.
 
 Around it: ``ExpertLoadEMA`` (a moving average of measured loads from which plans are made) and
 the between-steps plan application for a sharded EP run (``redistribute_expert_weights``, and
-``sync_replica_grads`` / ``sync_replica_grads_`` to keep replicas identical).
+``sync_replica_grads_`` to keep replicas identical).
 """
 
 from __future__ import annotations

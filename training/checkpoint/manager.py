@@ -126,10 +126,6 @@ class CheckpointManager:
         self._writer.close()
 
     @property
-    def snapshot_bytes(self) -> int:
-        return self._snapshotter.bytes
-
-    @property
     def last_write_seconds(self) -> float:
         return self._writer.last_write_seconds
 

@@ -20,20 +20,19 @@ valid (pp, dp, ep, schedule, EPLB, ZeRO-1) can read it:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from models.deepseek_v3 import ModelArgs
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import check_config, read_metadata
-from training.checkpoint.resume import load_named_optimizer_state, param_names
-from training.checkpoint.rng import restore_rng_state
 from training.config import ParallelConfig
-from training.optim import is_expert_param, split_zero
-from training.parallel import coords
+from training.optim import is_expert_param
+from training.parallel import RankCoords, coords
 from training.stages import expert_range
 
 EXPERT_SEP = "@"
@@ -213,40 +212,31 @@ def optimizer_state(index: CheckpointIndex, param_groups: list[list[str]]) -> di
     return {"state": state, "param_groups": named_groups}
 
 
-def load_resharded(trainer, folder: Path) -> int:
-    """Load ``folder`` into ``trainer`` whatever layout wrote it; returns the step."""
-    index = CheckpointIndex(folder, trainer.args)
-    expect = trainer.checkpoint_meta()["config"]
+def read_resharded(folder: Path, args: ModelArgs, par: ParallelConfig, at: RankCoords, expect_config: dict[str, Any],
+                   model_keys: Iterable[str], optimizer_groups: list[list[list[str]]], eplb: bool
+                   ) -> tuple[int, dict[str, Any], Any]:
+    """(step, state, RNG state) of ``folder`` for the rank at ``at`` of the layout ``par``, whatever layout
+    wrote it: the state as ``Trainer.state_dict`` gives it (model tensors ``model_keys``, this rank's expert
+    rows; each optimizer's name-keyed states for its parameter groups ``optimizer_groups``, names from
+    ``resume.local_param_groups``); with ``eplb``, the saved plan too when the saved layout gave a rank this
+    rank's stage and experts. The RNG state is the saved rank's of this number, if there is one."""
+    index = CheckpointIndex(folder, args)
     saved_config = fmt.decode_tree(index.metadata.get("config"), {}) if "config" in index.metadata else None
-    if isinstance(expect, dict) and isinstance(saved_config, dict) and "parallel" in saved_config:
-        expect = {**expect, "parallel": saved_config["parallel"]}  # the layout may change, nothing else
-    check_config(index.metadata, expect, index.folder)
-    par = trainer.cfg.parallel
-    c = trainer.ps.coords
-    rows = expert_range(trainer.args, c.ep_rank, par.ep) if trainer.args.n_routed_experts else None
-    wanted = {k: None for st in trainer.stages for k in st.state_dict()}
-    model = model_state(index, wanted, rows, is_expert_param)
+    if isinstance(saved_config, dict) and "parallel" in saved_config:
+        expect_config = {**expect_config, "parallel": saved_config["parallel"]}  # the layout may change, nothing else
+    check_config(index.metadata, expect_config, index.folder)
+    rows = expert_range(args, at.ep_rank, par.ep) if args.n_routed_experts else None
+    model = model_state(index, dict.fromkeys(model_keys), rows, is_expert_param)
     ref = min(index.records)
-    state = {"model": model, "optimizer": trainer.optimizer.state_dict()}
+    state = {"model": model, "optimizer": [optimizer_state(index, groups) for groups in optimizer_groups]}
     for section in ("lr_scheduler", "sampler", "trainer"):
         state[section] = fmt.decode_tree(index.skeleton(ref, section), {})
     saved = index.saved_parallel
     same_experts = (saved.pp, saved.ep, saved.schedule) == (par.pp, par.ep, par.schedule) and index.saved_eplb
-    if trainer.eplb is not None and same_experts:  # the plan of a saved rank with this rank's stage and experts
-        src = next(r for r, sc in index.coords.items() if (sc.pp_rank, sc.ep_rank) == (c.pp_rank, c.ep_rank))
+    if eplb and same_experts:  # the plan of a saved rank with this rank's stage and experts
+        src = next(r for r, sc in index.coords.items() if (sc.pp_rank, sc.ep_rank) == (at.pp_rank, at.ep_rank))
         state["eplb"] = fmt.decode_tree(index.skeleton(src, "eplb"), _AllTensors(index, "eplb", src))
-    trainer.load_state_dict(state)
-    names = param_names(trainer)
-    for opt in trainer.optimizer.optimizers:
-        local, _ = split_zero(opt)
-        groups = [[names[id(p)] for p in g["params"]] for g in local.param_groups]
-        load_named_optimizer_state(opt, names, optimizer_state(index, groups))
-    if trainer.eplb is not None:
-        trainer.eplb.optimizer_state_from_logical()
-    rng = index.rng(trainer.ps.rank)
-    if rng is not None:
-        restore_rng_state(rng)
-    return int(index.metadata["step"])
+    return int(index.metadata["step"]), state, index.rng(at.rank)
 
 
 class _AllTensors(Mapping):

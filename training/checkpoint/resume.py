@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from models.deepseek_v3 import ModelArgs
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
 from training.optim import is_expert_param, split_zero
@@ -29,8 +31,13 @@ log = logging.getLogger(__name__)
 
 def local_param_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
     """Names of the parameters whose states this rank holds (its ZeRO shard, or all)."""
+    return [name for group in local_param_groups(optimizer, names) for name in group]
+
+
+def local_param_groups(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[list[str]]:
+    """``local_param_names`` per parameter group."""
     local, _ = split_zero(optimizer)
-    return [names[id(p)] for g in local.param_groups for p in g["params"]]
+    return [[names[id(p)] for p in g["params"]] for g in local.param_groups]
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
@@ -161,22 +168,23 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def param_names(trainer) -> dict[int, str]:
+def param_names(stages: Sequence[nn.Module], args: ModelArgs, ep_rank: int, ep_size: int) -> dict[int, str]:
     """``id(param) -> name`` that is the same on every rank holding the same tensor, whatever the DP size.
 
     Model-level names (``layers.3.attn.wq_a.weight``); routed-expert tensors hold one expert range per
     EP rank, so their names carry it (``...experts.w1@0-4``). Under EPLB a rank holds physical slots,
-    but checkpoints keep the logical layout, so the name carries the rank's logical range as without EPLB.
+    but checkpoints keep the logical layout, so the name carries the rank's logical range as without EPLB
+    (``expert_range(args, ep_rank, ep_size)``).
     """
     names: dict[int, str] = {}
-    for st in trainer.stages:
+    for st in stages:
         for name, p in st.named_parameters():
             if id(p) in names:
                 continue
             if is_expert_param(name):
                 ids = _expert_ids(st, name)
                 if ids is not None and not isinstance(ids, range):  # EPLB slots: saved as the logical range
-                    ids = expert_range(trainer.args, trainer.ps.coords.ep_rank, trainer.cfg.parallel.ep)
+                    ids = expert_range(args, ep_rank, ep_size)
                 name = f"{name}@{ids.start}-{ids.stop}" if ids is not None else name
             names[id(p)] = name
     return names

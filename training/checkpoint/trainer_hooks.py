@@ -25,68 +25,59 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import CheckpointManager, read_checkpoint, read_metadata
-from training.checkpoint.reshard import load_resharded
-from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names, restart_count
+from training.checkpoint.reshard import read_resharded
+from training.checkpoint.resume import local_param_groups, restart_count
 from training.checkpoint.rng import restore_rng_state
 from training.checkpoint.writer import paused_writer
-from training.config import ParallelConfig
+from training.config import ParallelConfig, TrainConfig
 from training.fault import FaultPolicy, FaultTolerance, FaultToleranceError, Verdict
 from training.metrics import NullLogger
 from training.runlock import owns
 
+if TYPE_CHECKING:  # hooks of the trainer, which does not import them
+    from training.trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 
-def checkpoint_state(trainer) -> dict[str, Any]:
-    """``trainer.state_dict()`` with the optimizer states keyed by parameter name (re-partitionable);
-    under EPLB the expert moments are put in the logical layout, like the expert weights."""
-    state = trainer.state_dict()
-    names = param_names(trainer)
-    state["optimizer"] = [named_optimizer_state(opt, names) for opt in trainer.optimizer.optimizers]
-    if getattr(trainer, "eplb", None) is not None:
-        trainer.eplb.logical_optimizer_state(state["optimizer"], names)
-    return state
-
-
-def load_checkpoint(trainer, folder: Path) -> int:
-    """Load ``folder`` into ``trainer``; returns the step. Under the layout that wrote it this is the rank's
-    own files (bit-exact, RNG included); under any other valid layout ``reshard.load_resharded`` reads what
-    each rank now owns by global name and expert id."""
+def load_checkpoint(trainer: Trainer, folder: Path) -> int:
+    """Load ``folder`` into ``trainer`` (``Trainer.load_state_dict``); returns the step. Under the layout that
+    wrote it this is the rank's own files (bit-exact, RNG included); under any other valid layout
+    ``reshard.read_resharded`` reads what each rank now owns by global name and expert id."""
     metadata = read_metadata(folder)
     full = fmt.decode_tree(metadata["full_config"], {}) if "full_config" in metadata else None
-    saved_par = ParallelConfig(**full["parallel"]) if full is not None else trainer.cfg.parallel
     par = trainer.cfg.parallel
+    saved_par = ParallelConfig(**full["parallel"]) if full is not None else par
+    expect = trainer.checkpoint_meta()["config"]
     # EPLB on/off needs no resharding: experts and their moments are saved in the logical layout either way
     if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.schedule, saved_par.zero1) != \
             (par.pp, par.dp, par.ep, par.schedule, par.zero1):
-        return load_resharded(trainer, folder)
-    loaded = read_checkpoint(folder, trainer.ps.rank, expect_config=trainer.checkpoint_meta()["config"])
-    state = loaded.state
-    names = param_names(trainer)
-    optimizers = trainer.optimizer.optimizers
-    named = state["optimizer"]
-    if len(named) != len(optimizers):
-        raise fmt.CheckpointMismatchError(f"checkpoint {folder} holds {len(named)} optimizers, this run has "
-                                          f"{len(optimizers)}")
-    # model, LR scheduler, sampler, step; the optimizers get their own (unchanged here) states, then the named ones
-    trainer.load_state_dict({**state, "optimizer": trainer.optimizer.state_dict()})
-    for opt, saved in zip(optimizers, named):
-        load_named_optimizer_state(opt, names, saved)
-    if getattr(trainer, "eplb", None) is not None:  # saved moments are logical: into this plan's slots
-        trainer.eplb.optimizer_state_from_logical()
-    if loaded.rng is not None:
-        restore_rng_state(loaded.rng)
-    return loaded.step
+        names = trainer.param_names()
+        step, state, rng = read_resharded(folder, trainer.args, par, trainer.ps.coords, expect,
+                                          model_keys=[k for st in trainer.stages for k in st.state_dict()],
+                                          optimizer_groups=[local_param_groups(opt, names)
+                                                            for opt in trainer.optimizer.optimizers],
+                                          eplb=trainer.eplb is not None)
+    else:
+        loaded = read_checkpoint(folder, trainer.ps.rank, expect_config=expect)
+        step, state, rng = loaded.step, loaded.state, loaded.rng
+    try:
+        trainer.load_state_dict(state)
+    except fmt.CheckpointMismatchError as exc:
+        raise fmt.CheckpointMismatchError(f"checkpoint {folder}: {exc}") from None
+    if rng is not None:
+        restore_rng_state(rng)
+    return step
 
 
 class CheckpointHooks:
     """The manager, the fault guard and the two trainer hooks of one run."""
 
-    def __init__(self, trainer, root: str | Path, resume: str | None = None) -> None:
+    def __init__(self, trainer: Trainer, root: str | Path, resume: str | None = None) -> None:
         cfg = trainer.cfg
         ck = cfg.checkpoint
         self.trainer, self.cfg = trainer, cfg
@@ -96,13 +87,12 @@ class CheckpointHooks:
                                          save_tensors=paused_writer(ck.write_delay_s) if ck.write_delay_s else None,
                                          sweep=owns(Path(root).parent))  # only under the run folder's lock
         self.fault = None
-        if getattr(cfg, "fault", None) is not None and cfg.fault.enabled:
+        if cfg.fault.enabled:
             policy = FaultPolicy.from_config(cfg.fault)
             policy.collective_timeout_s = cfg.run.timeout_s
             self.fault = FaultTolerance(policy, self.manager, self._log_event)
         self._pending: Verdict | None = None
         self._early_events: list[dict[str, Any]] = []
-        self.resumed_from: Path | None = None
         self.saved_step: int | None = None  # the step of the last save started (a stop need not repeat it)
         if resume:
             self._resume(resume)
@@ -120,7 +110,6 @@ class CheckpointHooks:
         if folder is None:
             return
         step = load_checkpoint(self.trainer, folder)
-        self.resumed_from = folder
         event = "restart" if restart_count() else "resume"
         self._log_event({"event": event, "step": step, "checkpoint": str(folder), "restart_count": restart_count()})
         if self.trainer.ps.rank == 0:
@@ -183,7 +172,7 @@ class CheckpointHooks:
 
     def _checked_state(self) -> tuple[dict[str, Any], Verdict]:
         """The state to save and, with the guard on, every rank's verdict on its finiteness (a fault when not)."""
-        state = checkpoint_state(self.trainer)
+        state = self.trainer.state_dict()
         if self.fault is None:
             return state, Verdict(ok=True, step=self.trainer.step)
         return state, self.fault.check_state(self.trainer.step, state)
@@ -218,8 +207,8 @@ class CheckpointHooks:
 
     def _logger(self):
         """The trainer's metrics logger once ``fit`` started it (rank 0), else None."""
-        logger = getattr(self.trainer, "logger", None)
-        return None if logger is None or isinstance(logger, NullLogger) else logger
+        logger = self.trainer.logger
+        return None if isinstance(logger, NullLogger) else logger
 
     def _log_event(self, record: dict[str, Any]) -> None:
         if self.trainer.ps.rank != 0:
@@ -231,10 +220,10 @@ class CheckpointHooks:
             logger.log(int(record.get("step", self.trainer.step)), record)
 
 
-def attach(trainer, cfg, run_dir: str | Path, resume: str | None = None) -> CheckpointHooks | None:
+def attach(trainer: Trainer, cfg: TrainConfig, run_dir: str | Path, resume: str | None = None
+           ) -> CheckpointHooks | None:
     """Checkpointing (and fault tolerance) for ``trainer`` under ``run_dir/checkpoints``; None when off."""
     ck = cfg.checkpoint
-    fault_on = getattr(cfg, "fault", None) is not None and cfg.fault.enabled
-    if not (ck.interval or ck.final or resume or fault_on):
+    if not (ck.interval or ck.final or resume or cfg.fault.enabled):
         return None
     return CheckpointHooks(trainer, Path(run_dir) / "checkpoints", resume)

@@ -53,10 +53,8 @@ class Snapshotter:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.Size, torch.dtype], torch.Tensor] = {}
-        self.bytes = 0
 
     def snapshot(self, tree: Any) -> Any:
-        self.bytes = 0
         used: set[tuple] = set()
         on_device = [False]
         out = self._copy(tree, "", used, on_device)
@@ -82,7 +80,6 @@ class Snapshotter:
                 self._buffers[key] = buf
             buf.copy_(src, non_blocking=pin)
             on_device[0] |= pin
-            self.bytes += buf.numel() * buf.element_size()
             return buf
         if isinstance(tree, dict):
             return {k: self._copy(v, f"{path}/{k}", used, on_device) for k, v in tree.items()}

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dualpipe.ir import Overlap
+from dualpipe.schedules import SCHEDULES
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
 from training.config import TrainConfig, validate
@@ -35,7 +36,7 @@ from training.planner.system import System
 from training.stages import num_model_stages, split_layers
 from training.trainer import check_layout
 
-SEARCH_SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
                "zero1")
 
@@ -245,9 +246,7 @@ def assemble(schedule: str, pp: int, microbatches: int, parts: list[Durations], 
     ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch."""
     name = "1f1b" if schedule == "none" else schedule
     prog = program(name, pp, microbatches)
-    n_stages = prog.schedule.layout.num_stages
-    part_of = [st % pp for st in range(n_stages)] if name == "dualpipe" else list(range(n_stages))
-    return prog.run(StageCosts(parts, part_of, p2p, sm_fraction, overhead, send, recv))
+    return prog.run(StageCosts(parts, list(prog.schedule.layout.parts), p2p, sm_fraction, overhead, send, recv))
 
 
 def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, factor: float) -> float:
