@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 
 from accel.verify import calc_diff  # noqa: F401 - re-exported for schedule tests and users
 
@@ -31,9 +31,10 @@ def gather(micro_outputs: Sequence[Sequence[torch.Tensor]], dim: int) -> tuple[t
 
 
 def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """Backward from ``tensors`` with ``grads``, accumulating into ``.grad`` (no shape re-check:
-    the outputs of a stage may have had their storage freed after being sent)."""
-    Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), keep_graph=False, create_graph=False,
-                                            allow_unreachable=True, accumulate_grad=True)
+    """Backward from ``tensors`` with ``grads``, accumulating into ``.grad``. The outputs of a stage may have
+    had their data freed after being sent (an empty tensor in its place), so the backward starts from their
+    gradient edges (public API), which autograd checks against the shapes recorded in the graph, not the
+    tensors' current ones."""
+    torch.autograd.backward([get_gradient_edge(t) for t in tensors], list(grads))
 
 
