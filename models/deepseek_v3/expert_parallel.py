@@ -566,7 +566,8 @@ class ExpertParallel:
         count_work[0].wait()
         recv_splits = recv_counts.sum(1).tolist()
         total = sum(recv_splits)
-        rows = send.new_zeros(total + 1, send.shape[1])  # one spare zero row: the regrouping's pad rows read it
+        rows = send.new_empty(total + 1, send.shape[1])
+        rows[total:].zero_()  # one spare zero row: the regrouping's pad rows read it; the rest is overwritten
         wire = send if packed is None else packed
         recv = rows[:total] if packed is None else packed.new_empty(total, packed.shape[1])
         works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
