@@ -8,7 +8,7 @@ model's last hidden state before the final norm. Each depth is one sequence shor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -46,17 +46,23 @@ class MTPModule(nn.Module):
         return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
 
 
+def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor) -> Iterator[tuple]:
+    """``(k, n, module, cos, sin)`` per depth k = 1..D that has positions left: depth k runs on the first
+    ``n = s - k`` positions."""
+    for k, module in enumerate(modules, start=1):
+        n = tokens.shape[1] - k
+        if n <= 0:
+            return
+        yield (k, n, module, *rope_cos_sin(args, torch.arange(n, device=tokens.device)))
+
+
 def mtp_hidden(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, h: torch.Tensor,
                tokens: torch.Tensor) -> list[torch.Tensor]:
     """MTP hidden states per depth k = 1..D (before each depth's ``norm``) from the main model's last
     hidden state ``h`` (before the final norm); depth k's ``[b, s - k, dim]``. Takes the modules
     explicitly so that a pipeline's last stage runs exactly this with the modules it holds."""
     out = []
-    for k, module in enumerate(modules, start=1):
-        n = tokens.shape[1] - k
-        if n <= 0:
-            break
-        cos, sin = rope_cos_sin(args, torch.arange(n, device=h.device))
+    for k, n, module, cos, sin in _depths(args, modules, tokens):
         h = module(h[:, :n], embed(tokens[:, k:]), cos, sin)
         out.append(h)
     return out
@@ -67,12 +73,8 @@ def mtp_pieces(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, 
     """``mtp_hidden`` as plan pieces (``models.deepseek_v3.plan``) reading the main hidden state ``stream``;
     also the names of the depths' hidden states."""
     pieces, names, prev = [], [], stream
-    for k, module in enumerate(modules, start=1):
-        n = tokens.shape[1] - k
-        if n <= 0:
-            break
+    for k, n, module, cos, sin in _depths(args, modules, tokens):
         name = f"mtp{k}"
-        cos, sin = rope_cos_sin(args, torch.arange(n, device=tokens.device))
         project = lambda h, module=module, n=n, k=k, name=name: {name: module.project(h[:, :n], embed(tokens[:, k:]))}  # noqa: E731
         pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)), *layer_pieces(module.block, cos, sin, name)]
         names.append(name)
