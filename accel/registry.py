@@ -271,7 +271,7 @@ def ops() -> list[str]:
     return sorted(_OPS)
 
 
-KERNEL_PACKAGES = ("deep_gemm", "flash_mla", "fused_ce")
+KERNEL_PACKAGES = ("deep_gemm", "flash_mla", "fused_ce", "fused_ops")
 
 
 def import_kernel_packages(packages: Sequence[str] = KERNEL_PACKAGES) -> dict[str, str | None]:

@@ -1,0 +1,13 @@
+"""fused_ops: the memory-bound steps of a DeepSeek-V3 layer, each fused into one Triton kernel (CUDA and MUSA).
+
+RMSNorm with the residual add (and the next GEMM's 1x128 FP8 cast), SwiGLU (with its FP8 cast), rotary
+embedding in place (MLA's interleaved pairs, the V3.2 indexer's halves), MoE permute / unpermute (FP8 values
+with their scales, and the routing weights) and the router's sigmoid + bias + group-limited top-k. Each kernel
+op has a PyTorch reference in ``accel.registry`` (``fused_ops.ops``); ``fused_ops.functions`` wraps them as
+differentiable functions. A kernel package: it imports only ``accel`` (and torch, triton).
+"""
+
+from fused_ops.functions import apply_rope, permute, rmsnorm, rope_, route, swiglu, unpermute
+from fused_ops.grouping import Grouping, grouping
+
+__all__ = ["Grouping", "apply_rope", "grouping", "permute", "rmsnorm", "rope_", "route", "swiglu", "unpermute"]

@@ -1,0 +1,280 @@
+"""The fused ops as differentiable functions (``torch.autograd.Function`` around the kernel ops of ``ops``).
+
+Each forward saves only what V3's memory discipline keeps: RMSNorm its input (the updated residual) and the
+per-row ``rstd``, never its output; SwiGLU its input; RoPE nothing but cos/sin; permute and unpermute the
+index vectors (and unpermute's grouped input when it has routing weights, for their gradient).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fused_ops import ops
+from fused_ops.grouping import Grouping
+
+
+class NormOut(NamedTuple):
+    y: torch.Tensor
+    residual: torch.Tensor | None  # x + residual, the stream the next layer adds to (None without a residual)
+    fp8: tuple[torch.Tensor, torch.Tensor] | None  # y's 1x128 e4m3 cast (values, scales) when asked for
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, fp8):
+        rows = x.reshape(-1, x.shape[-1])
+        res = None if residual is None else residual.reshape(rows.shape)
+        out = (ops.rmsnorm_fp8_op if fp8 else ops.rmsnorm_op)(rows, weight, res, eps)
+        y, rest = out[0], list(out[1:])
+        h = rest.pop(0) if residual is not None else rows
+        rstd = rest.pop(0)
+        q, sf = rest if fp8 else (None, None)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.has_residual = residual is not None
+        if fp8:
+            ctx.mark_non_differentiable(q, sf)
+        h_out = h.view(x.shape) if residual is not None else None
+        return y.view(*x.shape[:-1], y.shape[-1]), h_out, q, sf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, grad_h, _q, _sf):
+        h, weight, rstd = ctx.saved_tensors
+        dh = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
+        dx, dw = ops.rmsnorm_backward_op(h, weight, rstd, grad_y.reshape(h.shape).contiguous(), dh)
+        dx = dx.view(grad_y.shape)
+        return dx, dw.to(weight.dtype), dx if ctx.has_residual else None, None, None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, eps: float = 1e-6,
+            fp8: bool = False):
+    """``(h * rstd).to(dtype) * weight`` with ``h = x + residual`` (or ``x``), one kernel forward and backward.
+
+    Returns ``y`` alone for ``rmsnorm(x, weight)``; with a residual or ``fp8`` a ``NormOut(y, residual, fp8)``:
+    the updated residual ``h`` and ``y``'s 1x128 e4m3 cast (not differentiable: the FP8 GEMM consumes it in
+    the forward, the gradient reaches ``y``). The backward recomputes the normalised values from ``h`` and
+    ``rstd``; the output is never kept.
+    """
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
+        raise ValueError(f"rmsnorm: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rmsnorm: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    y, h, q, sf = _RMSNorm.apply(x, weight, residual, eps, fp8)
+    if residual is None and not fp8:
+        return y
+    return NormOut(y, h, (q, sf) if fp8 else None)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, weights, fp8):
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        w = None if weights is None else weights.reshape(-1).float().contiguous()
+        out = (ops.swiglu_fp8_op if fp8 else ops.swiglu_op)(rows, w)
+        y, q, sf = out if fp8 else (out, None, None)
+        ctx.save_for_backward(gate_up, weights)
+        if fp8:
+            ctx.mark_non_differentiable(q, sf)
+        return y.view(*gate_up.shape[:-1], y.shape[-1]), q, sf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _q, _sf):
+        gate_up, weights = ctx.saved_tensors
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        w = None if weights is None else weights.reshape(-1).float().contiguous()
+        d_gu, dw = ops.swiglu_backward_op(rows, w, grad.reshape(rows.shape[0], -1).contiguous())
+        dw = None if dw is None or not ctx.needs_input_grad[1] else dw.view(weights.shape).to(weights.dtype)
+        return d_gu.view(gate_up.shape), dw, None
+
+
+def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fp8: bool = False):
+    """``silu(gate) * up`` of ``gate_up [..., 2 * inter]``, each row times ``weights [...]`` when given.
+
+    ``fp8``: returns ``(out, (values, scales))`` with ``out``'s 1x128 e4m3 cast from the same kernel (for the
+    down projection's FP8 GEMM). The backward recomputes ``silu`` from ``gate_up``.
+    """
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu: gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
+    if weights is not None and weights.shape != gate_up.shape[:-1]:
+        raise ValueError(f"swiglu: weights must be {list(gate_up.shape[:-1])} (one per row), got "
+                         f"{list(weights.shape)}")
+    y, q, sf = _SwiGLU.apply(gate_up, weights, fp8)
+    return (y, (q, sf)) if fp8 else y
+
+
+def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool,
+                 inverse: bool) -> torch.Tensor:
+    return ops.rope_op(x, cos.float().contiguous(), sin.float().contiguous(), out, interleaved=interleaved,
+                       inverse=inverse)
+
+
+def _inverse_rotation(grad: torch.Tensor, cos, sin, interleaved: bool) -> torch.Tensor:
+    g = grad.contiguous()
+    return _rotate_into(g, cos, sin, torch.empty_like(g), interleaved, True)
+
+
+class _RopeInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved):
+        _rotate_into(x, cos, sin, x, interleaved, False)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _inverse_rotation(grad, cos, sin, ctx.interleaved), None, None, None
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved):
+        src = x.contiguous()
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate_into(src, cos, sin, torch.empty_like(src), interleaved, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _inverse_rotation(grad, cos, sin, ctx.interleaved), None, None, None
+
+
+def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"rope: x must be [batch, seq, heads, d] with d even, got {list(x.shape)}")
+    want = (x.shape[1], x.shape[-1] // 2)
+    if cos.shape != sin.shape or tuple(cos.shape[-2:]) != want or cos.dim() not in (2, 3):
+        raise ValueError(f"rope: cos and sin must be [seq, d/2] = {list(want)} (or [batch, seq, d/2]), got "
+                         f"{list(cos.shape)} and {list(sin.shape)}")
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotate ``x [batch, seq, heads, d]`` in place by ``cos/sin [seq, d/2]`` (or ``[batch, seq, d/2]``;
+    YaRN's frequencies and scale included in them) and return it. ``interleaved``: pairs ``(x0, x1), ...`` as
+    DeepSeek-V3's MLA; else halves ``(x_i, x_{i+d/2})`` as the V3.2 indexer. Backward: the inverse rotation."""
+    _check_rope(x, cos, sin)
+    return _RopeInPlace.apply(x, cos, sin, interleaved)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """``rope_`` into a new tensor (for inputs that must stay as they are)."""
+    _check_rope(x, cos, sin)
+    return _Rope.apply(x, cos, sin, interleaved)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, layout: Grouping):
+        w = None if weights is None else weights.reshape(-1).float().contiguous()
+        grouped, _, grouped_w = ops.permute_gather_op(x.contiguous(), layout.assign, layout.k, None, w)
+        ctx.layout = layout
+        return grouped, grouped_w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, grad_w):
+        layout = ctx.layout
+        dx = ops.unpermute_sum_op(grad.contiguous(), layout.rows, layout.k) if ctx.needs_input_grad[0] else None
+        dw = None if grad_w is None or not ctx.needs_input_grad[1] else grad_w[layout.rows].view(-1, layout.k)
+        return dx, dw, None
+
+
+def permute(x: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+            fp8: bool = False):
+    """Tokens ``x [T, d]`` into the grouped layout: ``(x_grouped [M, d], scales_grouped, weights_grouped [M])``.
+
+    - bf16/fp32 ``x``: differentiable (backward: each token's rows summed back); ``scales_grouped`` None.
+    - ``fp8=True``: ``x`` cast to e4m3 with 1x128 scales on the way (DeepGEMM's cast of the grouped rows).
+    - e4m3 ``x`` with its ``scales [T, ceil(d/128)]``: values and scales moved together.
+    The FP8 forms feed an FP8 GEMM's forward and carry no gradient. ``weights [T, k]`` (routing weights): moved
+    to their rows (0 on padding), differentiable. Padding rows are zeros.
+    """
+    if x.dim() != 2 or x.shape[0] != layout.num_tokens:
+        raise ValueError(f"permute: x must be [{layout.num_tokens}, d] (the layout's tokens), got {list(x.shape)}")
+    if weights is not None and weights.shape != (layout.num_tokens, layout.k):
+        raise ValueError(f"permute: weights must be [{layout.num_tokens}, {layout.k}], got {list(weights.shape)}")
+    if (x.dtype == ops.FP8) != (scales is not None):
+        raise ValueError("permute: scales go with (and only with) e4m3 x")
+    if scales is None and not fp8:
+        grouped, grouped_w = _Permute.apply(x, weights, layout)
+        return grouped, None, grouped_w
+    w = None if weights is None else weights.detach().reshape(-1).float().contiguous()
+    if scales is not None:
+        return ops.permute_gather_op(x.contiguous(), layout.assign, layout.k, scales.contiguous(), w)
+    return ops.permute_gather_fp8_op(x.contiguous(), layout.assign, layout.k, w)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, layout: Grouping):
+        w = None if weights is None else weights.reshape(-1).float().contiguous()
+        ctx.layout = layout
+        ctx.save_for_backward(y if w is not None else None, w)
+        return ops.unpermute_sum_op(y.contiguous(), layout.rows, layout.k, w)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        y, w = ctx.saved_tensors
+        layout = ctx.layout
+        grad = grad.contiguous()
+        if w is None:
+            return ops.permute_gather_op(grad, layout.assign, layout.k)[0], None, None
+        dy, dw = ops.unpermute_spread_op(grad, y.contiguous(), layout.assign, layout.k, w)
+        return dy, dw.view(-1, layout.k), None
+
+
+def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped rows back to tokens: ``[T, d]``, each token's ``k`` rows summed, weighted by ``weights [T, k]``
+    when given (in ``y``'s dtype, as ``(y * w).sum``); fp32 accumulation."""
+    if y_grouped.dim() != 2 or y_grouped.shape[0] != layout.assign.numel():
+        raise ValueError(f"unpermute: y_grouped must be [{layout.assign.numel()}, d] (the layout's rows), got "
+                         f"{list(y_grouped.shape)}")
+    return _Unpermute.apply(y_grouped, weights, layout)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm):
+        weights, indices, scores = ops.route_op(logits.contiguous(), bias.float().contiguous(), topk, groups,
+                                                topk_groups, route_scale, norm)
+        ctx.save_for_backward(scores, indices)
+        ctx.route_scale, ctx.norm = route_scale, norm
+        ctx.mark_non_differentiable(indices)
+        return weights, indices, scores
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_w, _grad_indices, grad_scores):
+        scores, indices = ctx.saved_tensors
+        picked = scores.gather(1, indices)
+        g = grad_w * ctx.route_scale
+        if ctx.norm:
+            total = picked.sum(-1, keepdim=True) + 1e-20
+            g = (g - (g * picked).sum(-1, keepdim=True) / total) / total
+        d_scores = grad_scores.clone() if grad_scores is not None else torch.zeros_like(scores)
+        d_scores.scatter_add_(1, indices, g)
+        return d_scores * scores * (1 - scores), None, None, None, None, None, None
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+          norm: bool = True):
+    """DeepSeek-V3's sigmoid router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
+
+    Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums;
+    weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. The forward is one kernel;
+    the backward (``[T, E]`` elementwise and a ``[T, k]`` scatter) is torch.
+    """
+    if logits.dim() != 2 or logits.shape[-1] % groups or bias.shape != logits.shape[-1:]:
+        raise ValueError(f"route: logits must be [tokens, experts] with experts divisible by groups={groups} and "
+                         f"bias [experts]; got {list(logits.shape)} and {list(bias.shape)}")
+    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm)

@@ -1,0 +1,75 @@
+"""DeepSeek-V3's router after its fp32 logits GEMM, one program per token: sigmoid, + the balancing bias
+(selection only), group-limited top-k, weights from the unbiased scores, normalised, times ``route_scale``.
+
+Groups are the rows of a ``[groups, experts / groups]`` tile. A group's score is the sum of its two largest
+biased scores; the ``topk_groups`` best groups stay, the others are masked to -inf; then ``topk`` experts by
+repeated arg-max (largest first, as ``torch.topk``; the lower index wins an exact tie).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from accel import registry
+
+
+@triton.jit
+def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_scale, GROUPS: tl.constexpr,
+                  PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    expert = g * PER_GROUP + e
+    ok = (g < GROUPS) & (e < PER_GROUP)
+    logits = tl.load(LOGITS + t * stride_l + expert, mask=ok, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    tl.store(SCORES + t * E + expert, scores, mask=ok)
+    choice = tl.where(ok, scores + tl.load(BIAS + expert, mask=ok, other=0.0), float("-inf"))
+    if GROUPS > 1:
+        first = tl.max(choice, axis=1)
+        first_at = tl.min(tl.where(choice == first[:, None], e, BLOCK_E), axis=1)
+        second = tl.max(tl.where(e == first_at[:, None], float("-inf"), choice), axis=1)
+        group_score = tl.where(tl.arange(0, BLOCK_G) < GROUPS, first + second, float("-inf"))
+        kept = tl.zeros([BLOCK_G], tl.int1)
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.max(group_score, axis=0)
+            best_at = tl.min(tl.where(group_score == best, tl.arange(0, BLOCK_G), BLOCK_G), axis=0)
+            kept = kept | (tl.arange(0, BLOCK_G) == best_at)
+            group_score = tl.where(tl.arange(0, BLOCK_G) == best_at, float("-inf"), group_score)
+        choice = tl.where(kept[:, None], choice, float("-inf"))
+    slots = tl.arange(0, TOPK)
+    picked = tl.zeros([TOPK], tl.int32)
+    weights = tl.zeros([TOPK], tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        at = tl.min(tl.min(tl.where(choice == best, expert, GROUPS * PER_GROUP), axis=1), axis=0)
+        picked = tl.where(slots == j, at, picked)
+        weights = tl.where(slots == j, tl.sum(tl.sum(tl.where(expert == at, scores, 0.0), axis=1), axis=0), weights)
+        choice = tl.where(expert == at, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    tl.store(WEIGHTS + t * TOPK + slots, weights * route_scale)
+    tl.store(INDICES + t * TOPK + slots, picked.to(tl.int64))
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+          norm: bool = True):
+    """(weights ``[T, topk]`` fp32, indices ``[T, topk]`` int64, scores ``[T, E]`` fp32)."""
+    tokens, experts = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or bias.dtype != torch.float32:
+        raise registry.Unsupported(f"logits and bias must be float32 (logits with contiguous rows), got "
+                                   f"{logits.dtype} and {bias.dtype}")
+    if topk & (topk - 1):
+        raise registry.Unsupported(f"topk must be a power of two for the kernel, got {topk}")
+    weights = registry.empty(tokens, topk, dtype=torch.float32, device=logits.device)
+    indices = registry.empty(tokens, topk, dtype=torch.int64, device=logits.device)
+    scores = registry.empty(tokens, experts, dtype=torch.float32, device=logits.device)
+    per_group = experts // groups
+    if tokens:
+        _route_kernel[(tokens,)](logits, bias, weights, indices, scores, experts, logits.stride(0), route_scale,
+                                 GROUPS=groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOPK=topk, NORM=norm,
+                                 BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group))
+    return weights, indices, scores
