@@ -43,11 +43,12 @@ def _row_rstd(X, R, H, D, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _normalised(X, R, W, start, rstd, D, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _normalised(X, R, W, Y, start, rstd, D, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """``(h * rstd).to(x's dtype) * weight`` rounded to the output's dtype (torch's promotion of the two)."""
     h = _row_chunk(X, R, start, D, HAS_RESIDUAL, BLOCK)
     cols = start + tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
-    return on_grid(on_grid(h * rstd, X.dtype.element_ty) * w, W.dtype.element_ty)
+    return on_grid(on_grid(h * rstd, X.dtype.element_ty) * w, Y.dtype.element_ty)
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _rmsnorm_kernel(X, R, W, Y, H, RSTD, D, stride_x, stride_r, stride_y, stride
     rstd = _row_rstd(X, R, H, D, eps, HAS_RESIDUAL, BLOCK)
     tl.store(RSTD + row, rstd)
     for start in range(0, D, BLOCK):
-        y = _normalised(X, R, W, start, rstd, D, HAS_RESIDUAL, BLOCK)
+        y = _normalised(X, R, W, Y, start, rstd, D, HAS_RESIDUAL, BLOCK)
         cols = start + tl.arange(0, BLOCK)
         tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=cols < D)
 
@@ -71,7 +72,7 @@ def _rmsnorm_fp8_kernel(X, R, W, Y, H, RSTD, Q, S, D, stride_x, stride_r, stride
     rstd = _row_rstd(X, R, H, D, eps, HAS_RESIDUAL, BLOCK)
     tl.store(RSTD + row, rstd)
     for start in range(0, D, BLOCK):
-        y = _normalised(X, R, W, start, rstd, D, HAS_RESIDUAL, BLOCK)
+        y = _normalised(X, R, W, Y, start, rstd, D, HAS_RESIDUAL, BLOCK)
         cols = start + tl.arange(0, BLOCK)
         tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=cols < D)
         store_fp8(Q + row * stride_q, S + row * stride_s, y, start, D, BLOCK)

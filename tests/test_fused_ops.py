@@ -1,0 +1,311 @@
+"""fused_ops: every fused op (Triton under the interpreter, and its PyTorch reference) against float64 math,
+forward and backward, on odd shapes; FP8 outputs bit-equal to DeepGEMM's cast of the stored output.
+
+Tolerances. bf16: the op rounds at the same points as the unfused torch sequence (at most three roundings of
+2^-8 relative each, bf16's unit roundoff: residual sum, normalised value, times the weight; or silu, times up,
+times the routing weight), so each element is within 3 * 2^-8 relative of float64 math, plus a tiny absolute term for values that cancel (RoPE's
+two products: 2^-8 of each product, the products bounded by |x| |cos|). fp32: evaluation order and the
+exp/rsqrt ulps, 1e-5 relative covers 7168-term sums (~7168 * 2^-24 = 4e-4 worst case, sqrt(7168) * 2^-24 ~
+5e-6 typical; our sums are <= 384 terms: 384 * 2^-24 = 2.3e-5 worst, so 3e-5). Gradients of bf16 inputs pass
+through one more rounding (the stored gradient): 4 * 2^-8. A wrong row, column, pair, sign or mask is off by
+O(1) relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accel import registry
+from deep_gemm.reference import per_token_cast_reference
+from fused_ops import apply_rope, grouping, permute, rmsnorm, rope_, route, swiglu, unpermute
+
+BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
+GRAD_REL = 4 * 2.0 ** -8
+FP32_REL = 3e-5
+IMPLS = ["triton", "reference"]
+
+
+def _rel(dtype: torch.dtype, grad: bool = False) -> float:
+    return (GRAD_REL if grad else BF16_REL) if dtype == torch.bfloat16 else FP32_REL
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    """|got - want| <= rel * (|want| + 2^-6 * max|want|): relative, with a floor for values that cancel."""
+    got, want = got.double(), want.double()
+    bound = rel * (want.abs() + 2.0 ** -6 * want.abs().max())
+    bad = (got - want).abs() > bound
+    assert not bad.any() and got.isfinite().all(), (f"{what}: {int(bad.sum())} of {want.numel()} elements off, worst "
+                                                    f"{float(((got - want).abs() / bound).max()):.3g}x the bound")
+
+
+def _randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _grads(fn, *inputs: torch.Tensor, grad_out=None):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads_out = grad_out or [_randn(*o.shape, dtype=o.dtype, seed=99 + i) for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, grads_out)
+    return [o.detach() for o in outs], [x.grad for x in leaves], grads_out
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,rows,dim", [(torch.bfloat16, 5, 200), (torch.float32, 3, 384)])
+def test_rmsnorm_with_residual_matches_float64(impl, dtype, rows, dim):
+    x, r = _randn(2, rows, dim, dtype=dtype, seed=1), _randn(2, rows, dim, dtype=dtype, seed=2, scale=3.0)
+    w = (1 + 0.1 * _randn(dim, seed=3)).to(dtype)
+    with registry.force(impl):
+        (y, h), (gx, gw, gr), (gy, gh) = _grads(lambda a, b, c: tuple(rmsnorm(a, b, c)[:2]), x, w, r)
+
+    def exact(a, b, c):
+        hh = a + c
+        return F.rms_norm(hh, (dim,), b, 1e-6), hh
+
+    (y64, h64), (gx64, gw64, gr64), _ = _grads(exact, x.double(), w.double(), r.double(),
+                                              grad_out=[gy.double(), gh.double()])
+    assert y.dtype == h.dtype == dtype and y.shape == x.shape
+    _close(h, h64, _rel(dtype), "residual")  # one rounding of the add
+    _close(y, y64, _rel(dtype), "y")
+    _close(gx, gx64, _rel(dtype, True), "dx")
+    torch.testing.assert_close(gx, gr, rtol=0, atol=0)  # x and residual enter as their sum
+    _close(gw, gw64, _rel(dtype, True) * 2, "dweight")  # plus a sum over rows in fp32
+
+
+def test_rmsnorm_fp8_cast_is_deep_gemms_cast_of_the_output():
+    x = (_randn(7, 300, seed=4) * torch.exp(_randn(7, 1, seed=5))).to(torch.bfloat16)
+    w = (1 + 0.1 * _randn(300, seed=6)).to(torch.bfloat16)
+    w[:3] = torch.tensor([124.3, 1e-3, 448.0]) / x[0, :3].float().abs()  # aim y at a carry into the exponent,
+    # a subnormal and the largest e4m3 value of its row
+    residual = _randn(7, 300, dtype=torch.bfloat16, seed=7)
+    for weight in (w, w.float()):  # bf16 output; fp32 output (torch promotes a bf16 x_hat times an fp32 weight)
+        with registry.poisoned_outputs(), registry.force("triton"):
+            y, h, (q, sf) = rmsnorm(x, weight, residual, fp8=True)
+        q_dg, sf_dg = per_token_cast_reference(y)
+        assert torch.equal(q.view(torch.uint8), q_dg.view(torch.uint8)) and torch.equal(sf, sf_dg)
+        y_ref, h_ref, _ = registry.get("fused_ops.rmsnorm").reference(x, weight, residual)
+        assert y.dtype == y_ref.dtype and torch.equal(h, h_ref)
+        # the same rounding points: equal but for a rare 1-ulp flip from the fp32 sum of squares' order
+        assert (y != y_ref).float().mean() < 0.01
+        assert ((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2.0 ** -7).all()
+
+
+def test_rmsnorm_backward_recomputes_from_the_input_only():
+    """The saved tensors are the (updated) input and the per-row rstd: no output is kept for backward."""
+    x, w = _randn(4, 64, dtype=torch.bfloat16, seed=7).requires_grad_(), torch.ones(64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with registry.force("triton"):
+            y = rmsnorm(x, w)
+    assert sorted(tuple(t.shape) for t in saved) == [(4,), (4, 64), (64,)]
+    assert not any(t.data_ptr() == y.data_ptr() for t in saved)
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,inter,weighted", [(torch.bfloat16, 200, True), (torch.float32, 130, False),
+                                                  (torch.bfloat16, 256, False)])
+def test_swiglu_matches_float64(impl, dtype, inter, weighted):
+    gu = _randn(3, 5, 2 * inter, dtype=dtype, seed=8, scale=2.0)
+    wt = torch.rand(3, 5, generator=torch.Generator().manual_seed(9)) if weighted else None
+    fn = (lambda a, b: swiglu(a, b)) if weighted else (lambda a: swiglu(a))
+    args = (gu, wt) if weighted else (gu,)
+    with registry.force(impl):
+        (out,), grads, (g,) = _grads(fn, *args)
+
+    def exact(a, b=None):
+        gate, up = a.chunk(2, -1)
+        o = F.silu(gate) * up
+        return o if b is None else o * b.unsqueeze(-1)
+
+    (out64,), grads64, _ = _grads(exact, *(t.double() for t in args), grad_out=[g.double()])
+    assert out.dtype == dtype and out.shape == (3, 5, inter)
+    _close(out, out64, _rel(dtype), "out")
+    _close(grads[0], grads64[0], _rel(dtype, True), "d gate_up")
+    if weighted:
+        _close(grads[1], grads64[1], 2 * _rel(dtype, True), "d weights")  # a sum over the row in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_fp8_cast_is_deep_gemms_cast_of_the_output(dtype):
+    gu = _randn(6, 2 * 330, dtype=dtype, seed=10, scale=3.0)
+    wt = torch.rand(6, generator=torch.Generator().manual_seed(11))
+    with registry.poisoned_outputs(), registry.force("triton"):
+        out, (q, sf) = swiglu(gu, wt, fp8=True)
+    q_dg, sf_dg = per_token_cast_reference(out)
+    assert torch.equal(q.view(torch.uint8), q_dg.view(torch.uint8)) and torch.equal(sf, sf_dg)
+    ref = registry.get("fused_ops.swiglu").reference(gu, wt)
+    if dtype == torch.bfloat16:  # the same rounding points: a rare 1-ulp exp difference may flip one
+        assert (out != ref).float().mean() < 0.01
+    else:  # fp32: exp within a few ulps
+        torch.testing.assert_close(out, ref, rtol=4 * 2.0 ** -23, atol=1e-30)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """float64 rotation through complex numbers (interleaved) or the rotate-half formula (halves)."""
+    c, s = cos[None, :, None].double(), sin[None, :, None].double()
+    if interleaved:
+        z = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(z * torch.complex(c, s)).flatten(-2)
+    x0, x1 = x.double().chunk(2, -1)
+    return torch.cat([x0, x1], -1) * torch.cat([c, c], -1) + torch.cat([-x1, x0], -1) * torch.cat([s, s], -1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_in_place_on_a_strided_view_matches_float64(impl, interleaved, dtype):
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.rope import rope_cos_sin
+
+    args = ModelArgs(qk_rope_head_dim=64, rope_factor=40.0, original_seq_len=4, mscale=1.0,
+                     mscale_all_dim=0.8)  # YaRN on, with a cos/sin scale != 1
+    cos, sin = rope_cos_sin(args, torch.arange(5) * 3)
+    q = _randn(2, 5, 3, 128 + 64, dtype=dtype, seed=12)  # MLA's query head: 128 nope dims, then 64 rotary
+    with registry.force(impl):
+        leaf = q.clone().requires_grad_()
+        full = leaf * 1  # a non-leaf to modify in place
+        rope_(full[..., 128:], cos, sin, interleaved)
+        g = _randn(*q.shape, dtype=dtype, seed=13)
+        full.backward(g)
+    want = _rope64(q[..., 128:], cos, sin, interleaved)
+    assert torch.equal(full[..., :128].detach(), q[..., :128])
+    _close(full[..., 128:].detach(), want, _rel(dtype), "rotated")
+    # backward: the transpose (inverse) rotation of the gradient; the nope part passes through
+    _close(leaf.grad[..., 128:], _rope64(g[..., 128:], cos, -sin, interleaved), _rel(dtype, True), "grad")
+    assert torch.equal(leaf.grad[..., :128], g[..., :128])
+
+
+def test_apply_rope_matches_the_models_rotation():
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.rope import apply_rotary_emb, rope_cos_sin
+
+    cos, sin = rope_cos_sin(ModelArgs(qk_rope_head_dim=64), torch.arange(7))
+    x = _randn(2, 7, 5, 64, dtype=torch.bfloat16, seed=14)
+    with registry.force("triton"):
+        got = apply_rope(x, cos, sin)
+    want = apply_rotary_emb(x, cos, sin)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7 + 2.0 ** -12).all()
+
+
+# ---------------------------------------------------------------------------------------------- permute
+
+
+def _layout(tokens: int, k: int, experts: int, seed: int):
+    indices = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(seed)).topk(k, -1).indices
+    return indices, grouping(indices, experts, 8)
+
+
+def test_grouping_matches_the_models_permute():
+    from models.deepseek_v3.permute import permute as model_permute
+
+    indices, layout = _layout(11, 3, 5, seed=15)
+    x = _randn(11, 16, seed=16)
+    x_grouped, m_indices, state = model_permute(x, indices, 5, 8)
+    assert torch.equal(layout.rows, state.rows) and torch.equal(layout.m_indices, m_indices)
+    with registry.force("triton"):
+        got, _, _ = permute(x, layout)
+    assert torch.equal(got, x_grouped)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_permute_and_weighted_unpermute_match_float64(impl, dtype):
+    indices, layout = _layout(9, 3, 4, seed=17)
+    x = _randn(9, 200, dtype=dtype, seed=18)
+    w = torch.rand(9, 3, generator=torch.Generator().manual_seed(19))
+
+    def fused(a, b):
+        grouped, _, gw = permute(a, layout, b)
+        return unpermute(grouped * 2, layout, b), gw
+
+    def exact(a, b):
+        rows = a[torch.arange(27) // 3]  # assignment t * k + j is token t's
+        gw = torch.zeros(layout.assign.numel(), dtype=b.dtype).index_put((layout.rows,), b.reshape(-1))
+        return (2 * rows.view(9, 3, -1) * b.unsqueeze(-1)).sum(1), gw
+
+    with registry.force(impl):
+        (y, gw), (gx, gwt), grads = _grads(fused, x, w)
+    (y64, gw64), (gx64, gwt64), _ = _grads(exact, x.double(), w.double(), grad_out=[g.double() for g in grads])
+    _close(y, y64, 2 * _rel(dtype), "unpermuted")  # weight rounded to dtype, then the fp32 sum rounded
+    assert torch.equal(gw.double(), gw64)
+    _close(gx, gx64, 2 * _rel(dtype, True), "dx")
+    _close(gwt, gwt64, 2 * _rel(dtype, True), "d weights")
+
+
+def test_permute_fp8_moves_values_with_their_scales_and_casts_like_deep_gemm():
+    indices, layout = _layout(6, 2, 3, seed=20)
+    x = _randn(6, 300, dtype=torch.bfloat16, seed=21) * torch.exp(_randn(6, 1, seed=22))
+    w = torch.rand(6, 2, generator=torch.Generator().manual_seed(23))
+    with registry.poisoned_outputs(), registry.force("triton"):
+        q, sf, gw = permute(x, layout, w, fp8=True)
+        plain, _, _ = permute(x, layout)
+        xq, xs = per_token_cast_reference(x)
+        q2, sf2, gw2 = permute(xq, layout, w, scales=xs)
+    q_dg, sf_dg = per_token_cast_reference(plain)  # pad rows included: zeros, scale 1e-4 / 448
+    assert torch.equal(q.view(torch.uint8), q_dg.view(torch.uint8)) and torch.equal(sf, sf_dg)
+    real = layout.assign >= 0
+    assert torch.equal(q2.view(torch.uint8)[real], q_dg.view(torch.uint8)[real])  # a row's cast is the token's
+    assert torch.equal(sf2[real], sf_dg[real]) and torch.equal(gw, gw2)
+    assert torch.equal(gw[real], w.reshape(-1)[layout.assign[real]]) and not gw[~real].any()
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("experts,k,groups,topk_groups", [(64, 8, 8, 4), (24, 4, 3, 2), (16, 2, 1, 1)])
+def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.moe import Gate
+
+    args = ModelArgs(dim=32, n_routed_experts=experts, n_activated_experts=k, n_expert_groups=groups,
+                     n_limited_groups=topk_groups, route_scale=2.5, score_func="sigmoid")
+    gate = Gate(args)
+    gate.reset_parameters(0.3)
+    gate.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(24))
+    x = _randn(13, 32, seed=25)
+    want = gate(x.double().float())
+    logits = want.logits.detach().clone().requires_grad_()
+    with registry.force(impl):
+        weights, indices, scores = route(logits, gate.e_score_correction_bias, k, groups, topk_groups, 2.5)
+    assert torch.equal(indices, want.indices)
+    torch.testing.assert_close(scores, want.scores, rtol=2 ** -22, atol=0)
+    torch.testing.assert_close(weights, want.weights, rtol=4 * 2 ** -23, atol=0)
+    gw, gs = _randn(13, k, seed=26), _randn(13, experts, seed=27)
+    torch.autograd.backward([weights, scores], [gw, gs])
+    logits64 = want.logits.detach().double().requires_grad_()
+    s64 = logits64.sigmoid()
+    picked = s64.gather(1, indices)
+    w64 = picked / picked.sum(-1, keepdim=True) * 2.5
+    torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
+    _close(logits.grad, logits64.grad, FP32_REL, "d logits")
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="rmsnorm: weight must be"):
+        rmsnorm(torch.randn(2, 8), torch.ones(4))
+    with pytest.raises(ValueError, match="swiglu: gate_up's last dim must be even"):
+        swiglu(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="rope: cos and sin must be"):
+        rope_(torch.randn(1, 2, 3, 8), torch.randn(2, 3), torch.randn(2, 3))
+    _, layout = _layout(4, 2, 3, seed=0)
+    with pytest.raises(ValueError, match="permute: x must be"):
+        permute(torch.randn(5, 8), layout)
+    with pytest.raises(ValueError, match="grouping: indices must be"):
+        grouping(torch.rand(3, 2), 4, 8)
