@@ -31,6 +31,7 @@ class KernelStats:
     loop_instructions: int  # SASS instructions in one iteration of the main loop (0: no MMA loop)
     loop_global_loads: int  # LDG / LDGSTS / UTMALDG in that loop body
     loop_mmas: int
+    vector_loads: int  # 128-bit global loads (LDG.E.128) anywhere in the kernel: vectorised memory-bound passes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -122,4 +123,5 @@ def kernel_stats(compiled) -> KernelStats:
         spill_stores=len(re.findall(r"\bSTL\b", sass)), smem_bytes=int(compiled.metadata.shared),
         wgmma=bool(re.search(r"\b[HQ]GMMA\b", sass)), tma=bool(re.search(r"\bUTMALDG\b", sass)),
         async_copies=bool(re.search(r"\b(LDGSTS|UTMALDG)\b", sass)),
-        loop_instructions=loop, loop_global_loads=loads, loop_mmas=mmas)
+        loop_instructions=loop, loop_global_loads=loads, loop_mmas=mmas,
+        vector_loads=len(re.findall(r"\bLDG\.E\.128\b", sass)))

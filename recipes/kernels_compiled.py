@@ -1,4 +1,4 @@
-"""The compile table: every deep_gemm / flash_mla Triton kernel at every autotune config, built for sm_90a on a CPU.
+"""The compile table: every deep_gemm / flash_mla / fused_ops Triton kernel at every autotune config, built for sm_90a on a CPU.
 
     python -m recipes.kernels_compiled                                  # every case, table on stdout
     python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md --jobs 2
@@ -39,6 +39,7 @@ class Case:
     num_stages: int = 2
     mma_rows: int = 0  # rows of the MMA tile (0: no MMA): wgmma needs >= 64 per warp group
     default: bool = False  # part of the quick subset the test suite runs
+    vector_loads: bool = False  # a memory-bound pass: its row loads must be 128-bit (LDG.E.128)
     extra: dict = field(default_factory=dict)
 
 
@@ -153,13 +154,65 @@ def attention_cases() -> list[Case]:
     return cases
 
 
+def fused_cases() -> list[Case]:
+    """fused_ops at V3's shapes (rows of 7168 / 2048 values, 64-dim rotary heads), launched as the wrappers do."""
+    from fused_ops.kernels import norm, permute, rope, router, swiglu
+
+    def case(name, fn, pointers, consts, warps=4):
+        divisible = tuple(pointers) + tuple(n for n in fn.arg_names if n.startswith("stride_") or n in ("D", "I"))
+        cfg = " ".join(f"{k}={v}" for k, v in consts.items() if k.startswith("BLOCK")) + f" w{warps}"
+        return Case(f"fused_ops.{name}", cfg, fn, pointers, consts, divisible, warps, 1, default=True,
+                    vector_loads=True)
+
+    row = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "H": "*bf16", "RSTD": "*fp32"}
+    fp8 = {"Q": "*fp8e4nv", "S": "*fp32"}
+    block = norm.MAX_CHUNK
+    gu = {"GU": "*bf16", "WT": "*fp32"}
+    gather = {"ASSIGN": "*i64", "W": "*fp32", "OUTW": "*fp32"}
+    return [
+        case("rmsnorm[bf16 +residual]", norm._rmsnorm_kernel, row, {"HAS_RESIDUAL": True, "BLOCK": block},
+             norm._warps(block)),
+        case("rmsnorm_fp8[bf16 +residual]", norm._rmsnorm_fp8_kernel, {**row, **fp8},
+             {"HAS_RESIDUAL": True, "BLOCK": block}, norm._warps(block)),
+        case("rmsnorm_backward[bf16 +residual grad]", norm._rmsnorm_backward_kernel,
+             {"H": "*bf16", "W": "*bf16", "RSTD": "*fp32", "DY": "*bf16", "DH": "*bf16", "DX": "*bf16", "DW": "*fp32"},
+             {"HAS_DH": True, "BLOCK": block}, norm._warps(block)),
+        case("swiglu[bf16 weighted]", swiglu._swiglu_kernel, {**gu, "OUT": "*bf16"},
+             {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),
+        case("swiglu_fp8[bf16 weighted]", swiglu._swiglu_fp8_kernel, {**gu, "OUT": "*bf16", **fp8},
+             {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),
+        case("swiglu_backward[bf16 weighted]", swiglu._swiglu_backward_kernel,
+             {**gu, "G": "*bf16", "DGU": "*bf16", "DWT": "*fp32"}, {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),
+        case("rope[interleaved]", rope._rope_interleaved_kernel,
+             {"X": "*bf16", "OUT": "*bf16", "COS": "*fp32", "SIN": "*fp32"}, {"HALF": 32, "BLOCK_H": rope.BLOCK_H}),
+        case("rope[half-split]", rope._rope_half_kernel,
+             {"X": "*bf16", "OUT": "*bf16", "COS": "*fp32", "SIN": "*fp32"}, {"HALF": 32, "BLOCK_H": rope.BLOCK_H}),
+        case("permute_gather[fp8 +scales +weights]", permute._gather_kernel,
+             {**gather, "X": "*fp8e4nv", "XS": "*fp32", "OUT": "*fp8e4nv", "OUTS": "*fp32"},
+             {"HAS_SCALES": True, "HAS_WEIGHTS": True, "BLOCK": permute.CHUNK_BYTES, "BLOCK_S": 64}),
+        case("permute_gather_fp8[bf16 +weights]", permute._gather_fp8_kernel, {**gather, "X": "*bf16", **fp8},
+             {"HAS_WEIGHTS": True, "BLOCK": permute.CHUNK_BYTES // 2}),
+        case("unpermute_sum[bf16]", permute._sum_rows_kernel, {"ROWS": "*i64", "Y": "*bf16", "W": "*fp32",
+                                                              "OUT": "*bf16"},
+             {"HAS_WEIGHTS": False, "BLOCK": permute.CHUNK_BYTES // 2}),
+        case("unpermute_spread[bf16]", permute._spread_kernel, {"ASSIGN": "*i64", "G": "*bf16", "Y": "*bf16",
+                                                               "W": "*fp32", "DY": "*bf16", "DW": "*fp32"},
+             {"BLOCK": permute.CHUNK_BYTES // 2}),
+        case("route[256 experts, 8 groups]", router._route_kernel,
+             {"LOGITS": "*fp32", "BIAS": "*fp32", "WEIGHTS": "*fp32", "INDICES": "*i64", "SCORES": "*fp32"},
+             {"GROUPS": 8, "PER_GROUP": 32, "TOPK_GROUPS": 4, "TOPK": 8, "NORM": True, "BLOCK_G": 8, "BLOCK_E": 32},
+             router.WARPS),
+    ]
+
+
 def all_cases() -> list[Case]:
-    return gemm_cases() + decode_cases() + attention_cases()
+    return gemm_cases() + decode_cases() + attention_cases() + fused_cases()
 
 
 def _compile_one(index: int) -> dict:
     case = all_cases()[index]
-    row = {"kernel": case.kernel, "config": case.config, "mma_rows": case.mma_rows}
+    row = {"kernel": case.kernel, "config": case.config, "mma_rows": case.mma_rows,
+           "needs_vector_loads": case.vector_loads}
     try:
         compiled = aot.compile_for(case.fn, case.pointers, case.constexprs, case.divisible, case.num_warps,
                                    case.num_stages)
@@ -180,6 +233,8 @@ def gate_failures(row: dict) -> list[str]:
         bad.append(f"{row['smem_bytes']} B shared memory > {aot.H100_SMEM_PER_BLOCK}")
     if row["mma_rows"] >= 64 and not row["wgmma"]:
         bad.append("no wgmma although the tile has >= 64 rows per warp group")
+    if row.get("needs_vector_loads") and not row["vector_loads"]:
+        bad.append("no 128-bit global loads in a memory-bound kernel")
     return bad
 
 
@@ -195,7 +250,7 @@ def compile_table(subset: str = "all", jobs: int = 2, match: str = "") -> list[d
 
 
 COLUMNS = ("kernel", "config", "registers", "stack_bytes", "smem_bytes", "loop_instructions", "loop_global_loads",
-           "loop_mmas", "wgmma", "tma", "gate")
+           "loop_mmas", "wgmma", "tma", "vector_loads", "gate")
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -205,7 +260,8 @@ def markdown(rows: list[dict], title: str) -> str:
     lines = [f"## {title}", "",
              f"{datetime.date.today().isoformat()}, Triton {triton.__version__}, torch {torch.__version__}, target "
              "cuda sm_90a (compiled offline on a CPU: no GPU involved). loop_* = one iteration of the innermost "
-             "MMA loop in the SASS; gate = no spills, shared memory <= 227 KB, wgmma where the tile allows.", "",
+             "MMA loop in the SASS; vector_loads = 128-bit global loads; gate = no spills, shared memory <= 227 KB, wgmma "
+             "where the tile allows, 128-bit loads in the memory-bound (fused_ops) kernels.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         cells = [str(r.get(c, "")) for c in COLUMNS[:-1]]

@@ -4,7 +4,7 @@
 shapes and reads the cubin back (``accel.aot``). Every case must pass the gates: no register
 spills (stack bytes / STL), shared memory within an sm_90 block (227 KB), and Hopper warp-group
 MMAs wherever the tile has >= 64 rows per warp group; GEMM loads must be asynchronous copies
-(pipelined). The FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite
+(pipelined); the memory-bound fused_ops kernels must load with 128-bit accesses (LDG.E.128). The FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite
 (before it, at 128x128x128 on 8 warps: 247 registers, 323 SASS instructions and 42 global loads per
 K block, Triton 3.9).
 
@@ -35,6 +35,12 @@ KERNELS = {  # every kernel variant the table must hold
     "flash_mla.decode[fp8 causal]", "flash_mla.combine", "flash_mla.attention.fwd[192/128 causal]",
     "flash_mla.attention.bwd_dkdv[192/128 causal]", "flash_mla.attention.bwd_dq[192/128 causal]",
     "flash_mla.attention.delta",
+    "fused_ops.rmsnorm[bf16 +residual]", "fused_ops.rmsnorm_fp8[bf16 +residual]",
+    "fused_ops.rmsnorm_backward[bf16 +residual grad]", "fused_ops.swiglu[bf16 weighted]",
+    "fused_ops.swiglu_fp8[bf16 weighted]", "fused_ops.swiglu_backward[bf16 weighted]", "fused_ops.rope[interleaved]",
+    "fused_ops.rope[half-split]", "fused_ops.permute_gather[fp8 +scales +weights]",
+    "fused_ops.permute_gather_fp8[bf16 +weights]", "fused_ops.unpermute_sum[bf16]", "fused_ops.unpermute_spread[bf16]",
+    "fused_ops.route[256 experts, 8 groups]",
 }
 
 
@@ -74,6 +80,8 @@ def test_every_kernel_passes_the_gates(table):
                 bad.append("no wgmma")
             if r["kernel"].startswith("deep_gemm.gemm") and not r["async_copies"]:
                 bad.append("GEMM loads not pipelined")
+            if r["kernel"].startswith("fused_ops.") and not r["vector_loads"]:
+                bad.append("memory-bound kernel without 128-bit loads")
         if bad:
             failures.append(f"{r['kernel']} {r['config']}: {'; '.join(bad)}")
     assert not failures, "\n".join(failures)

@@ -22,7 +22,7 @@ import triton.language as tl
 from accel import registry
 from fused_ops.kernels.common import on_grid, store_fp8
 
-BLOCK = 1024
+CHUNK_BYTES = 2048  # per row step: 16 bytes (one 128-bit access) per thread of 4 warps
 
 
 @triton.jit
@@ -97,6 +97,10 @@ def _spread_kernel(ASSIGN, G, Y, W, DY, DW, K, D, stride_g, stride_y, stride_dy,
         tl.store(DW + a, tl.sum(dot, axis=0))
 
 
+def _block(x: torch.Tensor, d: int, floor: int = 1) -> int:
+    return min(CHUNK_BYTES // x.element_size(), max(floor, triton.next_power_of_2(d)))
+
+
 def _rows_ok(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise registry.Unsupported(f"{name} must be 2-D with contiguous rows, got shape {list(x.shape)}")
@@ -118,7 +122,7 @@ def gather(x: torch.Tensor, assign: torch.Tensor, k: int, scales: torch.Tensor |
                                 out if outs is None else outs, out if outw is None else outw, k, d, ds, x.stride(0),
                                 0 if scales is None else scales.stride(0), out.stride(0),
                                 0 if outs is None else outs.stride(0), HAS_SCALES=scales is not None,
-                                HAS_WEIGHTS=weights is not None, BLOCK=min(BLOCK, triton.next_power_of_2(d)),
+                                HAS_WEIGHTS=weights is not None, BLOCK=_block(x, d),
                                 BLOCK_S=triton.next_power_of_2(ds))
     return out, outs, outw
 
@@ -135,7 +139,7 @@ def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Ten
     if rows:
         _gather_fp8_kernel[(rows,)](assign, x, x if weights is None else weights, q, sf, q if outw is None else outw,
                                     k, d, x.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
-                                    BLOCK=min(BLOCK, max(128, triton.next_power_of_2(d))))
+                                    BLOCK=_block(x, d, 128))
     return q, sf, outw
 
 
@@ -148,7 +152,7 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, weights: torch.Tensor 
     out = registry.empty(tokens, d, dtype=y.dtype, device=y.device)
     if tokens:
         _sum_rows_kernel[(tokens,)](rows, y, y if weights is None else weights, out, k, d, y.stride(0), out.stride(0),
-                                    HAS_WEIGHTS=weights is not None, BLOCK=min(BLOCK, triton.next_power_of_2(d)))
+                                    HAS_WEIGHTS=weights is not None, BLOCK=_block(y, d))
     return out
 
 
@@ -161,5 +165,5 @@ def spread(grad: torch.Tensor, y: torch.Tensor, assign: torch.Tensor, k: int, we
     dw = registry.empty(weights.numel(), dtype=torch.float32, device=y.device)
     if rows:
         _spread_kernel[(rows,)](assign, grad, y, weights, dy, dw, k, d, grad.stride(0), y.stride(0), dy.stride(0),
-                                BLOCK=min(BLOCK, triton.next_power_of_2(d)))
+                                BLOCK=_block(y, d))
     return dy, dw

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from accel import registry
 
+WARPS = 2  # V3's 256 fp32 logits of a token: four (one 128-bit load) per thread
+
 
 @triton.jit
 def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_scale, GROUPS: tl.constexpr,
@@ -71,5 +73,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     if tokens:
         _route_kernel[(tokens,)](logits, bias, weights, indices, scores, experts, logits.stride(0), route_scale,
                                  GROUPS=groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOPK=topk, NORM=norm,
-                                 BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group))
+                                 BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group),
+                                 num_warps=WARPS)
     return weights, indices, scores
