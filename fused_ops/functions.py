@@ -70,40 +70,42 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, weights, fp8):
+    def forward(ctx, gate_up, weights):
         rows = gate_up.reshape(-1, gate_up.shape[-1])
-        w = None if weights is None else weights.reshape(-1).float().contiguous()
-        out = (ops.swiglu_fp8_op if fp8 else ops.swiglu_op)(rows, w)
-        y, q, sf = out if fp8 else (out, None, None)
+        y = ops.swiglu_op(rows, None if weights is None else weights.reshape(-1).float().contiguous())
         ctx.save_for_backward(gate_up, weights)
-        if fp8:
-            ctx.mark_non_differentiable(q, sf)
-        return y.view(*gate_up.shape[:-1], y.shape[-1]), q, sf
+        return y.view(*gate_up.shape[:-1], y.shape[-1])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad, _q, _sf):
+    def backward(ctx, grad):
         gate_up, weights = ctx.saved_tensors
         rows = gate_up.reshape(-1, gate_up.shape[-1])
         w = None if weights is None else weights.reshape(-1).float().contiguous()
         d_gu, dw = ops.swiglu_backward_op(rows, w, grad.reshape(rows.shape[0], -1).contiguous())
         dw = None if dw is None or not ctx.needs_input_grad[1] else dw.view(weights.shape).to(weights.dtype)
-        return d_gu.view(gate_up.shape), dw, None
+        return d_gu.view(gate_up.shape), dw
 
 
-def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fp8: bool = False):
+def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [..., 2 * inter]``, each row times ``weights [...]`` when given.
-
-    ``fp8``: returns ``(out, (values, scales))`` with ``out``'s 1x128 e4m3 cast from the same kernel (for the
-    down projection's FP8 GEMM). The backward recomputes ``silu`` from ``gate_up``.
-    """
+    The backward recomputes ``silu`` from ``gate_up`` (nothing but the input and the weights is kept)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
     if weights is not None and weights.shape != gate_up.shape[:-1]:
         raise ValueError(f"swiglu: weights must be {list(gate_up.shape[:-1])} (one per row), got "
                          f"{list(weights.shape)}")
-    y, q, sf = _SwiGLU.apply(gate_up, weights, fp8)
-    return (y, (q, sf)) if fp8 else y
+    return _SwiGLU.apply(gate_up, weights)
+
+
+def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1x128 e4m3 cast ``(values [rows, inter], scales [rows, ceil(inter / 128)])`` of ``swiglu(gate_up,
+    weights)`` for ``gate_up [rows, 2 * inter]``, without the bf16 result ever stored: the input of the down
+    projection's FP8 GEMM, recomputed in backward from ``gate_up`` (V3 keeps that in FP8). Not differentiable."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_fp8: gate_up must be [rows, 2 * inter], got {list(gate_up.shape)}")
+    w = None if weights is None else weights.detach().reshape(-1).float().contiguous()
+    return ops.swiglu_fp8_op(gate_up.detach(), w)
 
 
 def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool,

@@ -5,7 +5,7 @@
 ``fused_ops.rmsnorm_fp8``              the same plus ``y``'s 1x128 e4m3 cast ``(q, scales)``
 ``fused_ops.rmsnorm_backward``         ``(h, weight, rstd, dy[, dh]) -> (dx, dweight)``
 ``fused_ops.swiglu``                   ``silu(gate) * up [* w]``
-``fused_ops.swiglu_fp8``               the same plus its 1x128 e4m3 cast
+``fused_ops.swiglu_fp8``               only its 1x128 e4m3 cast (the bf16 result is never stored)
 ``fused_ops.swiglu_backward``          ``-> (d gate_up, d w)``
 ``fused_ops.rope``                     rotary embedding, interleaved pairs (MLA) or halves (indexer), into ``out``
 ``fused_ops.permute_gather``           tokens (values, scales, routing weights) into the grouped layout
@@ -78,8 +78,7 @@ def swiglu_reference(gate_up: torch.Tensor, weights: torch.Tensor | None = None)
 
 @registry.reference_for("fused_ops.swiglu_fp8")
 def swiglu_fp8_reference(gate_up: torch.Tensor, weights: torch.Tensor | None = None):
-    out = swiglu_reference.__wrapped__(gate_up, weights)
-    return (out, *cast_1x128(out))
+    return cast_1x128(swiglu_reference.__wrapped__(gate_up, weights))
 
 
 @registry.reference_for("fused_ops.swiglu_backward")
@@ -341,7 +340,7 @@ swiglu_op = registry.register(
 swiglu_fp8_op = registry.register(
     "fused_ops.swiglu_fp8", reference=swiglu_fp8_reference, triton=_impl("swiglu:swiglu_fp8"),
     verify=VerifySpec(make_case=_swiglu_case, shapes=_SWIGLU_SHAPES, bench_shapes=_SWIGLU_BENCH, tolerance=TOL,
-                      compare=_fp8_compare(TOL), bytes_moved=lambda s: _row_bytes(s, 2, 1.5, "inter")))
+                      compare=_fp8_compare(TOL), bytes_moved=lambda s: _row_bytes(s, 2, 0.5, "inter")))
 swiglu_backward_op = registry.register(
     "fused_ops.swiglu_backward", reference=swiglu_backward_reference, triton=_impl("swiglu:swiglu_backward"),
     verify=VerifySpec(make_case=_swiglu_backward_case, shapes=_SWIGLU_SHAPES, bench_shapes=_SWIGLU_BENCH,

@@ -179,7 +179,7 @@ def fused_cases() -> list[Case]:
              {"HAS_DH": True, "BLOCK": block}, norm._warps(block)),
         case("swiglu[bf16 weighted]", swiglu._swiglu_kernel, {**gu, "OUT": "*bf16"},
              {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),
-        case("swiglu_fp8[bf16 weighted]", swiglu._swiglu_fp8_kernel, {**gu, "OUT": "*bf16", **fp8},
+        case("swiglu_fp8[bf16 weighted]", swiglu._swiglu_fp8_kernel, {**gu, **fp8},
              {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),
         case("swiglu_backward[bf16 weighted]", swiglu._swiglu_backward_kernel,
              {**gu, "G": "*bf16", "DGU": "*bf16", "DWT": "*fp32"}, {"HAS_WEIGHTS": True, "BLOCK": swiglu.BLOCK}),

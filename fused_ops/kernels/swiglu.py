@@ -1,4 +1,4 @@
-"""SwiGLU ``silu(gate) * up`` (times a per-row routing weight), optionally with the 1x128 FP8 cast of the result.
+"""SwiGLU ``silu(gate) * up`` (times a per-row routing weight), or straight to its 1x128 FP8 cast.
 
 ``gate_up [rows, 2 * inter]`` is the fused gate/up projection's output. The rounding follows the unfused torch
 sequence in the input dtype: ``silu(gate)`` rounded, times ``up`` rounded, times the fp32 weight rounded. One
@@ -41,13 +41,12 @@ def _swiglu_kernel(GU, WT, OUT, I, stride_gu, stride_out, HAS_WEIGHTS: tl.conste
 
 
 @triton.jit
-def _swiglu_fp8_kernel(GU, WT, OUT, Q, S, I, stride_gu, stride_out, stride_q, stride_s, HAS_WEIGHTS: tl.constexpr,
+def _swiglu_fp8_kernel(GU, WT, Q, S, I, stride_gu, stride_q, stride_s, HAS_WEIGHTS: tl.constexpr,
                        BLOCK: tl.constexpr):
+    """Only the e4m3 values and scales leave: the FP8 GEMM reads them, the backward recomputes from ``gate_up``."""
     row = tl.program_id(0).to(tl.int64)
     for start in range(0, I, BLOCK):
         y = _swiglu_chunk(GU + row * stride_gu, WT + row, start, I, HAS_WEIGHTS, BLOCK)
-        cols = start + tl.arange(0, BLOCK)
-        tl.store(OUT + row * stride_out + cols, y.to(OUT.dtype.element_ty), mask=cols < I)
         store_fp8(Q + row * stride_q, S + row * stride_s, y, start, I, BLOCK)
 
 
@@ -99,14 +98,13 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
 def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None):
     _check(gate_up, weights)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = registry.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     q = registry.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     sf = registry.empty(rows, triton.cdiv(inter, 128), dtype=torch.float32, device=gate_up.device)
     if rows:
-        _swiglu_fp8_kernel[(rows,)](gate_up, gate_up if weights is None else weights, out, q, sf, inter,
-                                    gate_up.stride(0), out.stride(0), q.stride(0), sf.stride(0),
-                                    HAS_WEIGHTS=weights is not None, BLOCK=BLOCK)
-    return out, q, sf
+        _swiglu_fp8_kernel[(rows,)](gate_up, gate_up if weights is None else weights, q, sf, inter,
+                                    gate_up.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
+                                    BLOCK=BLOCK)
+    return q, sf
 
 
 def swiglu_backward(gate_up: torch.Tensor, weights: torch.Tensor | None, grad: torch.Tensor):
