@@ -2,6 +2,7 @@
 
     python -m recipes.bench_kernels deep_gemm [args...]   # -> recipes.bench_deep_gemm.main(args)
     python -m recipes.bench_kernels flash_mla [args...]   # -> recipes.bench_flash_mla.main(args)
+    python -m recipes.bench_kernels fused [args...]       # -> recipes.bench_fused.main(args)
     python -m recipes.bench_kernels all [args...]         # each in turn, with the same args
 
 Each benchmark module owns its arguments (``... deep_gemm --help``). Exit status: the worst of the
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 
 from accel.cli import BAD_INPUT, ArgumentParser
 
-BENCHMARKS = {"deep_gemm": "recipes.bench_deep_gemm", "flash_mla": "recipes.bench_flash_mla"}
+BENCHMARKS = {"deep_gemm": "recipes.bench_deep_gemm", "flash_mla": "recipes.bench_flash_mla",
+              "fused": "recipes.bench_fused"}
 EXIT_MISSING = BAD_INPUT
 
 

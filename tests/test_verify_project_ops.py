@@ -1,5 +1,5 @@
 """The project's own registered ops under the stricter fall-back gate (accel.fallback via accel.verify):
-every deep_gemm and flash_mla Triton path launches its kernels, runs no PyTorch compute beyond its
+every deep_gemm, flash_mla and fused_ops Triton path launches its kernels, runs no PyTorch compute beyond its
 VerifySpec's declared allow-list, and writes its outputs with its own launches.
 
 One seed on each op's first (smallest) verify shape keeps this inside the CPU test budget; the full
@@ -13,7 +13,7 @@ import pytest
 from accel import registry, verify
 
 registry.load_all()
-OPS = verify.select_ops(["deep_gemm.*", "flash_mla.*"])
+OPS = verify.select_ops(["deep_gemm.*", "flash_mla.*", "fused_ops.*"])
 
 
 def test_every_kernel_package_registered_ops():

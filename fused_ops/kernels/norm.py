@@ -123,7 +123,7 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float):
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, eps: float = 1e-6):
     """(y, h, rstd) for a residual, else (y, rstd); see ``fused_ops.ops.rmsnorm_reference``."""
     _check(x, weight)
     y, h, rstd, r = _launch_args(x, weight, residual)
@@ -135,7 +135,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     return (y, rstd) if residual is None else (y, h, rstd)
 
 
-def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float):
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, eps: float = 1e-6):
     """``rmsnorm`` plus the 1x128 e4m3 cast of ``y``: (y, [h,] rstd, y_fp8, scales)."""
     _check(x, weight)
     rows, dim = x.shape
@@ -157,7 +157,7 @@ def backward_programs(rows: int, device: torch.device) -> int:
 
 
 def rmsnorm_backward(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad_y: torch.Tensor,
-                     grad_h: torch.Tensor | None):
+                     grad_h: torch.Tensor | None = None):
     """(dx, dw): the input's gradient (plus ``grad_h``, the updated residual's) and the weight's (fp32)."""
     _check(h, weight)
     rows, dim = h.shape
