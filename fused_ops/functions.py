@@ -258,14 +258,10 @@ class _Route(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_w, _grad_indices, grad_scores):
         scores, indices = ctx.saved_tensors
-        picked = scores.gather(1, indices)
-        g = grad_w * ctx.route_scale
-        if ctx.norm:
-            total = picked.sum(-1, keepdim=True) + 1e-20
-            g = (g - (g * picked).sum(-1, keepdim=True) / total) / total
-        d_scores = grad_scores.clone() if grad_scores is not None else torch.zeros_like(scores)
-        d_scores.scatter_add_(1, indices, g)
-        return d_scores * scores * (1 - scores), None, None, None, None, None, None
+        grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
+        grad_scores = None if grad_scores is None else grad_scores.contiguous()
+        d_logits = ops.route_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
+        return d_logits, None, None, None, None, None, None
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
@@ -273,8 +269,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     """DeepSeek-V3's sigmoid router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
 
     Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums;
-    weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. The forward is one kernel;
-    the backward (``[T, E]`` elementwise and a ``[T, k]`` scatter) is torch.
+    weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. One kernel each way;
+    ``bias`` gets no gradient (it is updated by the balancing rule).
     """
     if logits.dim() != 2 or logits.shape[-1] % groups or bias.shape != logits.shape[-1:]:
         raise ValueError(f"route: logits must be [tokens, experts] with experts divisible by groups={groups} and "

@@ -13,6 +13,7 @@
 ``fused_ops.unpermute_sum``            grouped rows back to tokens, weighted sum over the top-k
 ``fused_ops.unpermute_spread``         the unpermute backward
 ``fused_ops.route``                    sigmoid + bias + group-limited top-k + normalised weights
+``fused_ops.route_backward``           the logits' gradient from the weights' and the scores'
 =====================================  ===============================================================
 
 The references are the unfused torch sequences the model ran before (its rounding points included), so a
@@ -159,6 +160,18 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups:
     return weights * route_scale, indices, scores
 
 
+@registry.reference_for("fused_ops.route_backward")
+def route_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                             grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+    picked = scores.gather(1, indices)
+    g = grad_weights * route_scale
+    if norm:
+        total = picked.sum(-1, keepdim=True) + 1e-20
+        g = (g - (g * picked).sum(-1, keepdim=True) / total) / total
+    d = torch.zeros_like(scores) if grad_scores is None else grad_scores.clone()
+    return d.scatter_add_(1, indices, g) * scores * (1 - scores)
+
+
 # ------------------------------------------------------------------------------------------------ verify cases
 
 
@@ -260,6 +273,13 @@ def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
     logits = (torch.randn(shape["rows"], shape["experts"], generator=g) * 2).to(device)
     bias = (torch.randn(shape["experts"], generator=g) * 0.1).to(device)
     return Case(args=(logits, bias, shape["k"], shape["groups"], shape["topk_groups"], 2.5))
+
+
+def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
+    weights, indices, scores = route_reference.__wrapped__(*_route_case(shape, seed, device).args)
+    g = _gen(seed + 1)
+    grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
+    return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 2.5))
 
 
 def _fp8_compare(tolerance: float):
@@ -369,3 +389,7 @@ route_op = registry.register(
     "fused_ops.route", reference=route_reference, triton=_impl("router:route"),
     verify=VerifySpec(make_case=_route_case, shapes=_ROUTE_SHAPES, bench_shapes=_ROUTE_BENCH, tolerance=TOL,
                       bytes_moved=lambda s: s["rows"] * s["experts"] * 8))
+route_backward_op = registry.register(
+    "fused_ops.route_backward", reference=route_backward_reference, triton=_impl("router:route_backward"),
+    verify=VerifySpec(make_case=_route_backward_case, shapes=_ROUTE_SHAPES, bench_shapes=_ROUTE_BENCH,
+                      tolerance=TOL, bytes_moved=lambda s: s["rows"] * s["experts"] * 12))

@@ -66,6 +66,7 @@ def rows(device, quick: bool) -> list[Row]:
     cos, sin = angles.cos(), angles.sin()
     logits = torch.randn(TOKENS, EXPERTS, device=device)
     bias = torch.randn(EXPERTS, device=device) * 0.1
+    route_idx = indices.contiguous()
     e = 2  # bf16 bytes
     tile = 4 / 128  # one fp32 scale per 128 values
     out = [
@@ -111,6 +112,9 @@ def rows(device, quick: bool) -> list[Row]:
         Row("route (sigmoid+bias+group top-k)", f"{TOKENS}x{EXPERTS}",
             lambda: ops.route_op(logits, bias, TOPK, 8, 4, 2.5),
             lambda: ops.route_reference(logits, bias, TOPK, 8, 4, 2.5), TOKENS * EXPERTS * 8),
+        Row("route backward", f"{TOKENS}x{EXPERTS}",
+            lambda: ops.route_backward_op(logits, route_idx, route_w, logits, 2.5),
+            lambda: ops.route_backward_reference(logits, route_idx, route_w, logits, 2.5), TOKENS * EXPERTS * 12),
     ]
 
 

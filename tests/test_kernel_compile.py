@@ -40,7 +40,7 @@ KERNELS = {  # every kernel variant the table must hold
     "fused_ops.swiglu_fp8[bf16 weighted]", "fused_ops.swiglu_backward[bf16 weighted]", "fused_ops.rope[interleaved]",
     "fused_ops.rope[half-split]", "fused_ops.permute_gather[fp8 +scales +weights]",
     "fused_ops.permute_gather_fp8[bf16 +weights]", "fused_ops.unpermute_sum[bf16]", "fused_ops.unpermute_spread[bf16]",
-    "fused_ops.route[256 experts, 8 groups]",
+    "fused_ops.route[256 experts, 8 groups]", "fused_ops.route_backward[256 experts]",
 }
 
 

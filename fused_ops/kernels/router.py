@@ -1,4 +1,4 @@
-"""DeepSeek-V3's router after its fp32 logits GEMM, one program per token: sigmoid, + the balancing bias
+"""DeepSeek-V3's router after its fp32 logits GEMM (forward and backward), one program per token: sigmoid, + the balancing bias
 (selection only), group-limited top-k, weights from the unbiased scores, normalised, times ``route_scale``.
 
 Groups are the rows of a ``[groups, experts / groups]`` tile. A group's score is the sum of its two largest
@@ -57,6 +57,27 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
     tl.store(INDICES + t * TOPK + slots, picked.to(tl.int64))
 
 
+@triton.jit
+def _route_backward_kernel(SCORES, INDICES, GW, GS, DL, E, route_scale, HAS_GS: tl.constexpr, TOPK: tl.constexpr,
+                           NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """``d logits = s (1 - s) (d scores + the weights' gradient at the picked experts)``, the weights'
+    gradient through ``w = s_picked / sum(s_picked) * route_scale``."""
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK)
+    ok = experts < E
+    s = tl.load(SCORES + t * E + experts, mask=ok, other=0.0)
+    idx = tl.load(INDICES + t * TOPK + tl.arange(0, TOPK))
+    picked = tl.load(SCORES + t * E + idx)
+    g = tl.load(GW + t * TOPK + tl.arange(0, TOPK)) * route_scale
+    if NORM:
+        total = tl.sum(picked, axis=0) + 1e-20
+        g = (g - tl.sum(g * picked, axis=0) / total) / total
+    d = tl.sum(tl.where(experts[None, :] == idx[:, None], g[:, None], 0.0), axis=0)
+    if HAS_GS:
+        d += tl.load(GS + t * E + experts, mask=ok, other=0.0)
+    tl.store(DL + t * E + experts, d * s * (1.0 - s), mask=ok)
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
           norm: bool = True):
     """(weights ``[T, topk]`` fp32, indices ``[T, topk]`` int64, scores ``[T, E]`` fp32)."""
@@ -76,3 +97,20 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
                                  BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group),
                                  num_warps=WARPS)
     return weights, indices, scores
+
+
+def route_backward(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                   grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+    """The logits' gradient ``[T, E]`` fp32 from the weights' (and optionally the scores') gradient."""
+    tokens, experts = scores.shape
+    topk = indices.shape[1]
+    if topk & (topk - 1) or not all(t.is_contiguous() for t in (scores, indices, grad_weights)):
+        raise registry.Unsupported("contiguous inputs and a power-of-two topk expected")
+    if grad_scores is not None and not grad_scores.is_contiguous():
+        raise registry.Unsupported("grad_scores must be contiguous")
+    dl = registry.empty(tokens, experts, dtype=torch.float32, device=scores.device)
+    if tokens:
+        _route_backward_kernel[(tokens,)](scores, indices, grad_weights, scores if grad_scores is None else grad_scores,
+                                          dl, experts, route_scale, HAS_GS=grad_scores is not None, TOPK=topk,
+                                          NORM=norm, BLOCK=triton.next_power_of_2(experts), num_warps=WARPS)
+    return dl
