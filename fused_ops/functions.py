@@ -114,9 +114,13 @@ def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
                        inverse=inverse)
 
 
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _inverse_rotation(grad: torch.Tensor, cos, sin, interleaved: bool) -> torch.Tensor:
-    g = grad.contiguous()
-    return _rotate_into(g, cos, sin, torch.empty_like(g), interleaved, True)
+    g = grad if grad.stride(-1) == 1 else grad.contiguous()
+    return _rotate_into(g, cos, sin, _fresh(g), interleaved, True)
 
 
 class _RopeInPlace(torch.autograd.Function):
@@ -138,10 +142,10 @@ class _RopeInPlace(torch.autograd.Function):
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, interleaved):
-        src = x.contiguous()
+        src = x if x.stride(-1) == 1 else x.contiguous()
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        return _rotate_into(src, cos, sin, torch.empty_like(src), interleaved, False)
+        return _rotate_into(src, cos, sin, _fresh(src), interleaved, False)
 
     @staticmethod
     @once_differentiable

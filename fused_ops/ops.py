@@ -331,7 +331,7 @@ _ROPE_BENCH = [dict(b=1, s=4096, h=128, d=64, interleaved=True), dict(b=1, s=409
 _PERMUTE_SHAPES = [dict(rows=9, k=3, experts=5, dim=384), dict(rows=7, k=2, experts=4, dim=200, dtype="float32"),
                    dict(rows=6, k=2, experts=3, dim=256, dtype="float8_e4m3fn")]
 _PERMUTE_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168)]
-_ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(rows=5, experts=24, k=4, groups=3,
+_ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(rows=5, experts=24, k=6, groups=3,
                                                                               topk_groups=2),
                  dict(rows=4, experts=16, k=2, groups=1, topk_groups=1)]
 _ROUTE_BENCH = [dict(rows=4096, experts=256, k=8, groups=8, topk_groups=4)]

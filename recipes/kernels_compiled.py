@@ -200,11 +200,12 @@ def fused_cases() -> list[Case]:
              {"BLOCK": permute.CHUNK_BYTES // 2}),
         case("route[256 experts, 8 groups]", router._route_kernel,
              {"LOGITS": "*fp32", "BIAS": "*fp32", "WEIGHTS": "*fp32", "INDICES": "*i64", "SCORES": "*fp32"},
-             {"GROUPS": 8, "PER_GROUP": 32, "TOPK_GROUPS": 4, "TOPK": 8, "NORM": True, "BLOCK_G": 8, "BLOCK_E": 32},
+             {"GROUPS": 8, "PER_GROUP": 32, "TOPK_GROUPS": 4, "TOPK": 8, "NORM": True, "BLOCK_G": 8, "BLOCK_E": 32,
+              "BLOCK_K": 8},
              router.WARPS),
         case("route_backward[256 experts]", router._route_backward_kernel,
              {"SCORES": "*fp32", "INDICES": "*i64", "GW": "*fp32", "GS": "*fp32", "DL": "*fp32"},
-             {"HAS_GS": True, "TOPK": 8, "NORM": True, "BLOCK": 256}, router.WARPS),
+             {"HAS_GS": True, "TOPK": 8, "NORM": True, "BLOCK": 256, "BLOCK_K": 8}, router.WARPS),
     ]
 
 

@@ -267,7 +267,7 @@ def test_permute_fp8_moves_values_with_their_scales_and_casts_like_deep_gemm():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("experts,k,groups,topk_groups", [(64, 8, 8, 4), (24, 4, 3, 2), (16, 2, 1, 1)])
+@pytest.mark.parametrize("experts,k,groups,topk_groups", [(64, 8, 8, 4), (24, 6, 3, 2), (16, 2, 1, 1)])
 def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
     from models.deepseek_v3.args import ModelArgs
     from models.deepseek_v3.moe import Gate

@@ -5,7 +5,7 @@ Two layouts, one kernel each around the same rotation: DeepSeek-V3's MLA rotates
 ``[seq, d/2]`` or ``[batch, seq, d/2]`` (fp32, YaRN's frequencies and scale already in them) are read once per
 token for all its heads. The backward is the inverse rotation (``sign = -1``: ``sin`` negated) of the gradient,
 in place as well. In place means ``out`` is ``x``: each element is read and written by the same
-program, so no other reads it after it is overwritten. Math in fp32, one rounding to ``x``'s dtype.
+program, so no other reads it after it is overwritten; otherwise ``out`` may have its own strides. Math in fp32, one rounding to ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -26,55 +26,61 @@ def _rotate(x0, x1, c, s):
 
 
 @triton.jit
-def _token(pid, S, stride_b, stride_s, stride_cb, stride_cs):
+def _token(S, stride_b, stride_s, stride_ob, stride_os, stride_cb, stride_cs):
+    """Offsets of this program's token in x, out and cos/sin."""
+    pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     t = (pid % S).to(tl.int64)
-    return b * stride_b + t * stride_s, b * stride_cb + t * stride_cs
+    return b * stride_b + t * stride_s, b * stride_ob + t * stride_os, b * stride_cb + t * stride_cs
 
 
 @triton.jit
-def _rope_interleaved_kernel(X, OUT, COS, SIN, S, H, stride_b, stride_s, stride_h, stride_cb, stride_cs, sign,
+def _rope_interleaved_kernel(X, OUT, COS, SIN, S, H, stride_b, stride_s, stride_h, stride_ob, stride_os, stride_oh,
+                      stride_cb, stride_cs, sign,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    x_off, c_off = _token(tl.program_id(0), S, stride_b, stride_s, stride_cb, stride_cs)
+    x_off, o_off, c_off = _token(S, stride_b, stride_s, stride_ob, stride_os, stride_cb, stride_cs)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, HALF)
     c = tl.load(COS + c_off + pairs)[None, :]
     s = tl.load(SIN + c_off + pairs)[None, :] * sign
     cols = tl.arange(0, 2 * HALF)
     at = x_off + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
+    to = o_off + heads[:, None].to(tl.int64) * stride_oh + cols[None, :]
     ok = heads[:, None] < H
     x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
     x0, x1 = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
     y0, y1 = _rotate(x0, x1, c, s)
     y = tl.reshape(tl.join(y0, y1), (BLOCK_H, 2 * HALF))
-    tl.store(OUT + at, on_grid(y, X.dtype.element_ty).to(X.dtype.element_ty), mask=ok)
+    tl.store(OUT + to, on_grid(y, X.dtype.element_ty).to(X.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rope_half_kernel(X, OUT, COS, SIN, S, H, stride_b, stride_s, stride_h, stride_cb, stride_cs, sign,
+def _rope_half_kernel(X, OUT, COS, SIN, S, H, stride_b, stride_s, stride_h, stride_ob, stride_os, stride_oh,
+                      stride_cb, stride_cs, sign,
                       HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    x_off, c_off = _token(tl.program_id(0), S, stride_b, stride_s, stride_cb, stride_cs)
+    x_off, o_off, c_off = _token(S, stride_b, stride_s, stride_ob, stride_os, stride_cb, stride_cs)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)
     c = tl.load(COS + c_off + cols)[None, :]
     s = tl.load(SIN + c_off + cols)[None, :] * sign
     at = x_off + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
+    to = o_off + heads[:, None].to(tl.int64) * stride_oh + cols[None, :]
     ok = heads[:, None] < H
     x0 = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
     x1 = tl.load(X + at + HALF, mask=ok, other=0.0).to(tl.float32)
     y0, y1 = _rotate(x0, x1, c, s)
     dtype = X.dtype.element_ty
-    tl.store(OUT + at, on_grid(y0, dtype).to(dtype), mask=ok)
-    tl.store(OUT + at + HALF, on_grid(y1, dtype).to(dtype), mask=ok)
+    tl.store(OUT + to, on_grid(y0, dtype).to(dtype), mask=ok)
+    tl.store(OUT + to + HALF, on_grid(y1, dtype).to(dtype), mask=ok)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool = True,
          inverse: bool = False) -> torch.Tensor:
     """Write ``x`` rotated (``inverse``: by the opposite angles, the backward) into ``out`` (``x`` itself for
-    in place, or a tensor with ``x``'s strides) and return it."""
+    in place) and return it."""
     batch, seq, heads, d = x.shape
-    if out.shape != x.shape or out.stride() != x.stride() or out.dtype != x.dtype:
-        raise registry.Unsupported("out must have x's shape, strides and dtype")
+    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise registry.Unsupported("out must have x's shape and dtype and a unit last stride")
     half = d // 2
     if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1 or half & (half - 1):
         raise registry.Unsupported(f"x must be float32/bfloat16 with a unit last stride and a power-of-two rotary "
@@ -86,6 +92,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     kernel = _rope_interleaved_kernel if interleaved else _rope_half_kernel
     if x.numel():
         kernel[(batch * seq, triton.cdiv(heads, BLOCK_H))](
-            x, out, c3, s3, seq, heads, x.stride(0), x.stride(1), x.stride(2), stride_cb, c3.stride(1),
+            x, out, c3, s3, seq, heads, *x.stride()[:3], *out.stride()[:3], stride_cb, c3.stride(1),
             -1.0 if inverse else 1.0, HALF=half, BLOCK_H=BLOCK_H)
     return out

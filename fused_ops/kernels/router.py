@@ -20,7 +20,7 @@ WARPS = 2  # V3's 256 fp32 logits of a token: four (one 128-bit load) per thread
 @triton.jit
 def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_scale, GROUPS: tl.constexpr,
                   PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
@@ -42,9 +42,9 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
             kept = kept | (tl.arange(0, BLOCK_G) == best_at)
             group_score = tl.where(tl.arange(0, BLOCK_G) == best_at, float("-inf"), group_score)
         choice = tl.where(kept[:, None], choice, float("-inf"))
-    slots = tl.arange(0, TOPK)
-    picked = tl.zeros([TOPK], tl.int32)
-    weights = tl.zeros([TOPK], tl.float32)
+    slots = tl.arange(0, BLOCK_K)  # TOPK rounded up to a power of two; the extra slots stay 0 and are not stored
+    picked = tl.zeros([BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_K], tl.float32)
     for j in tl.static_range(TOPK):
         best = tl.max(tl.max(choice, axis=1), axis=0)
         at = tl.min(tl.min(tl.where(choice == best, expert, GROUPS * PER_GROUP), axis=1), axis=0)
@@ -53,25 +53,26 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
         choice = tl.where(expert == at, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    tl.store(WEIGHTS + t * TOPK + slots, weights * route_scale)
-    tl.store(INDICES + t * TOPK + slots, picked.to(tl.int64))
+    tl.store(WEIGHTS + t * TOPK + slots, weights * route_scale, mask=slots < TOPK)
+    tl.store(INDICES + t * TOPK + slots, picked.to(tl.int64), mask=slots < TOPK)
 
 
 @triton.jit
 def _route_backward_kernel(SCORES, INDICES, GW, GS, DL, E, route_scale, HAS_GS: tl.constexpr, TOPK: tl.constexpr,
-                           NORM: tl.constexpr, BLOCK: tl.constexpr):
+                           NORM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     """``d logits = s (1 - s) (d scores + the weights' gradient at the picked experts)``, the weights'
     gradient through ``w = s_picked / sum(s_picked) * route_scale``."""
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK)
     ok = experts < E
     s = tl.load(SCORES + t * E + experts, mask=ok, other=0.0)
-    idx = tl.load(INDICES + t * TOPK + tl.arange(0, TOPK))
-    picked = tl.load(SCORES + t * E + idx)
-    g = tl.load(GW + t * TOPK + tl.arange(0, TOPK)) * route_scale
+    slots = tl.arange(0, BLOCK_K)
+    idx = tl.load(INDICES + t * TOPK + slots, mask=slots < TOPK, other=0)
+    picked = tl.load(SCORES + t * E + idx, mask=slots < TOPK, other=0.0)
+    g = tl.load(GW + t * TOPK + slots, mask=slots < TOPK, other=0.0) * route_scale
     if NORM:
         total = tl.sum(picked, axis=0) + 1e-20
-        g = (g - tl.sum(g * picked, axis=0) / total) / total
+        g = tl.where(slots < TOPK, (g - tl.sum(g * picked, axis=0) / total) / total, 0.0)
     d = tl.sum(tl.where(experts[None, :] == idx[:, None], g[:, None], 0.0), axis=0)
     if HAS_GS:
         d += tl.load(GS + t * E + experts, mask=ok, other=0.0)
@@ -85,8 +86,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or bias.dtype != torch.float32:
         raise registry.Unsupported(f"logits and bias must be float32 (logits with contiguous rows), got "
                                    f"{logits.dtype} and {bias.dtype}")
-    if topk & (topk - 1):
-        raise registry.Unsupported(f"topk must be a power of two for the kernel, got {topk}")
     weights = registry.empty(tokens, topk, dtype=torch.float32, device=logits.device)
     indices = registry.empty(tokens, topk, dtype=torch.int64, device=logits.device)
     scores = registry.empty(tokens, experts, dtype=torch.float32, device=logits.device)
@@ -95,7 +94,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
         _route_kernel[(tokens,)](logits, bias, weights, indices, scores, experts, logits.stride(0), route_scale,
                                  GROUPS=groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOPK=topk, NORM=norm,
                                  BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group),
-                                 num_warps=WARPS)
+                                 BLOCK_K=triton.next_power_of_2(topk), num_warps=WARPS)
     return weights, indices, scores
 
 
@@ -104,13 +103,14 @@ def route_backward(scores: torch.Tensor, indices: torch.Tensor, grad_weights: to
     """The logits' gradient ``[T, E]`` fp32 from the weights' (and optionally the scores') gradient."""
     tokens, experts = scores.shape
     topk = indices.shape[1]
-    if topk & (topk - 1) or not all(t.is_contiguous() for t in (scores, indices, grad_weights)):
-        raise registry.Unsupported("contiguous inputs and a power-of-two topk expected")
+    if not all(t.is_contiguous() for t in (scores, indices, grad_weights)):
+        raise registry.Unsupported("scores, indices and grad_weights must be contiguous")
     if grad_scores is not None and not grad_scores.is_contiguous():
         raise registry.Unsupported("grad_scores must be contiguous")
     dl = registry.empty(tokens, experts, dtype=torch.float32, device=scores.device)
     if tokens:
         _route_backward_kernel[(tokens,)](scores, indices, grad_weights, scores if grad_scores is None else grad_scores,
                                           dl, experts, route_scale, HAS_GS=grad_scores is not None, TOPK=topk,
-                                          NORM=norm, BLOCK=triton.next_power_of_2(experts), num_warps=WARPS)
+                                          NORM=norm, BLOCK=triton.next_power_of_2(experts),
+                                          BLOCK_K=triton.next_power_of_2(topk), num_warps=WARPS)
     return dl
