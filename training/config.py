@@ -73,6 +73,7 @@ class RunConfig:
 class ModelConfig:
     preset: str = "debug_tiny"
     fp8: bool = False  # route attention projections and experts through deep_gemm's FP8 layers
+    fused_ops: bool = True  # memory-bound steps as fused_ops' Triton kernels on a GPU; false: the unfused torch ops
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)

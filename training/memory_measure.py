@@ -518,7 +518,7 @@ def _head(args: ModelArgs, recompute_norm: bool, micro_batch: int, seq: int, act
     from models.deepseek_v3.layers import RMSNorm
 
     dtype = _dtype(act)
-    norm = _build(lambda: RMSNorm(args.dim, args.norm_eps), dtype)
+    norm = _build(lambda: RMSNorm(args.dim, args.norm_eps, args.fused_ops), dtype)
     head = _build(lambda: torch.nn.Linear(args.dim, args.vocab_size, bias=False), dtype)
     targets = torch.zeros(micro_batch, seq, dtype=torch.long)
     return measure(lambda h, t: head_loss(norm, head, h, t, recompute_norm), [_hidden(args, micro_batch, seq, dtype),

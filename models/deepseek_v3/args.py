@@ -69,6 +69,9 @@ class ModelArgs:
     # FP8 GEMMs keep their inputs for backward only as e4m3 + 1x128 scales, and the SwiGLU input is kept in
     # FP8 with its output recomputed (V3 report 3.3.3). None: on exactly when ``fp8`` is.
     fp8_cache_activations: bool | None = None
+    # RMSNorm, SwiGLU, RoPE, the MoE permute / unpermute and the router through fused_ops' kernels wherever they
+    # run (a GPU); False: the unfused torch ops everywhere (the A/B reference). No effect where they cannot run.
+    fused_ops: bool = True
     recompute: tuple[str, ...] = ()  # names of RECOMPUTE_NAMES (kinds, or aliases such as "v3")
     recompute_layers: tuple[int, ...] | None = None  # None: every layer (MTP blocks are layer n_layers + k)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown HF config fields, kept for round trips

@@ -289,12 +289,16 @@ class ExpertBalancer(nn.Module):
             self.counts_total = torch.zeros(self.num_experts, dtype=torch.float64, device=device)
             self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
+    @property
+    def limits_nodes(self) -> bool:
+        """Whether selection is node-limited (``selection_mask`` restricts anything)."""
+        return self.config.max_nodes is not None and self.config.max_nodes < self.config.num_nodes
+
     def selection_mask(self, scores: torch.Tensor) -> torch.Tensor | None:
         """[T, E] bool of experts each token may select (node limit), or None when unrestricted."""
-        cfg = self.config
-        if cfg.max_nodes is None or cfg.max_nodes >= cfg.num_nodes:
+        if not self.limits_nodes:
             return None
-        return node_limited_mask(scores, cfg.num_nodes, cfg.max_nodes, self.top_k)
+        return node_limited_mask(scores, self.config.num_nodes, self.config.max_nodes, self.top_k)
 
     def forward(self, scores: torch.Tensor, logits: torch.Tensor | None, indices: torch.Tensor,
                 weights: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

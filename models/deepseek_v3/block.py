@@ -26,14 +26,14 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.recompute_norm = args.recomputes("norm", layer_id)
         self.recompute_block = args.recomputes("block", layer_id)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.attn = MLA(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         if args.is_moe_layer(layer_id):
             self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
         else:
             self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
-                           fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm)
+                           fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm, fused=args.fused_ops)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                   start_pos: int = 0) -> torch.Tensor:

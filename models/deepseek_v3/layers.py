@@ -8,12 +8,15 @@ Embedding, output head, router, norms and the attention core never go through he
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 import deep_gemm
+import fused_ops
 from deep_gemm.reference import dequantize
 from models.deepseek_v3.recompute import Stash, produce_consume
 
@@ -56,17 +59,20 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations).
 
     Recomputing it (``recompute`` kind "norm") is up to the caller, which knows the consumer:
-    ``recompute.produce_consume(norm, consumer, x)``.
+    ``recompute.produce_consume(norm, consumer, x)``. ``fused``: one ``fused_ops.rmsnorm`` kernel each way
+    where it runs (same rounding points).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = False):
         super().__init__()
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.fused = dim, eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
+        if self.fused and fused_ops.kernels_run(x.device):
+            return fused_ops.rmsnorm(x, self.weight, eps=self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
@@ -120,10 +126,13 @@ class _SwiGLUFunction(torch.autograd.Function):
         return torch.cat([grad_gate, g * silu], dim=-1).to(gate_up.dtype), grad_weights
 
 
-def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for the fused ``[..., 2 * inter]`` gate/up projection output; with ``weights``
     (``[...]``, one per row: the MoE's routing weights) each row is scaled by its weight, so the expert
-    outputs need no weighted sum afterwards (and nothing ``[rows, dim]`` is kept for the weights' gradient)."""
+    outputs need no weighted sum afterwards (and nothing ``[rows, dim]`` is kept for the weights' gradient).
+    ``fused``: one ``fused_ops.swiglu`` kernel each way where it runs (same rounding points)."""
+    if fused and fused_ops.kernels_run(gate_up.device):
+        return fused_ops.swiglu(gate_up, weights)
     return _SwiGLUFunction.apply(gate_up, weights)
 
 
@@ -151,13 +160,14 @@ class MLP(nn.Module):
     """
 
     def __init__(self, dim: int, inter_dim: int, fp8: bool = False, recompute_swiglu: bool = False,
-                 fp8_cache: bool = False, input_recomputed: bool = False):
+                 fp8_cache: bool = False, input_recomputed: bool = False, fused: bool = False):
         super().__init__()
-        self.dim, self.inter_dim = dim, inter_dim
+        self.dim, self.inter_dim, self.fused = dim, inter_dim, fused
         self.recompute_swiglu = recompute_swiglu or (fp8 and fp8_cache)
         self.stash = FP8_STASH if fp8 and fp8_cache else None
         self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8, fp8_cache=fp8_cache and not input_recomputed)
         self.w2 = Linear(inter_dim, dim, fp8=fp8)  # its input is recomputed whenever caching is on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return produce_consume(swiglu, self.w2, self.w13(x), enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, self.w13(x),
+                               enabled=self.recompute_swiglu, stash=self.stash)

@@ -58,7 +58,7 @@ class MLA(nn.Module):
         fp8, cache = args.fp8, args.fp8_cache
         if self.q_lora_rank:
             self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8, fp8_cache=cache and not input_recomputed)
-            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps, args.fused_ops)
             self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, fp8=fp8,
                                fp8_cache=cache and not up_recomputed)
         else:
@@ -66,7 +66,8 @@ class MLA(nn.Module):
                              fp8_cache=cache and not input_recomputed)
         self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, fp8=fp8,
                             fp8_cache=cache and not input_recomputed)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, args.fused_ops)
+        self.fused = args.fused_ops  # RoPE through fused_ops where its kernel runs
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
@@ -87,13 +88,13 @@ class MLA(nn.Module):
     def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c_kv [b, s, kv_lora] before kv_norm, rope(k_pe) [b, s, 1, rope_dim])``."""
         c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        return c_kv, apply_rotary_emb(k_pe.unsqueeze(2), cos, sin)
+        return c_kv, apply_rotary_emb(k_pe.unsqueeze(2), cos, sin, self.fused)
 
     # ---- naive form -------------------------------------------------------------------------------
     def _up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+        q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
         kv = produce_consume(self.kv_norm, self.wkv_b, c_kv, enabled=self.recompute_norm)
         k_nope, v = kv.unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim)).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -131,7 +132,7 @@ class MLA(nn.Module):
         cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
         w_uk, w_uv = self._absorbed_weights()
         q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
-                           apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+                           apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
         kwargs = cache.attention_args(self.layer_id)
         if q_abs.dtype == torch.float32:  # FlashMLA's kernels take bf16/fp16 only; fp32 (CPU) models take this path
             out = _latent_attention_fp32(q_abs, kwargs["k_cache"], kwargs["block_table"], kwargs["cache_seqlens"],

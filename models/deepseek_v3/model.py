@@ -40,7 +40,7 @@ class Transformer(nn.Module):
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i, expert_ids) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.head.weight = self.embed.weight

@@ -22,6 +22,7 @@ The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 import deep_gemm
+import fused_ops
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
@@ -77,11 +79,13 @@ class Gate(nn.Module):
     (auxiliary-loss-free balancing; it never touches the gate weights) -> group-limited routing
     (group score = sum of the group's top-2 biased scores, or its max without a bias; losing groups
     masked to -inf) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid),
-    times ``route_scale``.
+    times ``route_scale``. With ``args.fused_ops``, a sigmoid gate with its bias and no node limit runs all of that
+    after the logits as one ``fused_ops.route`` kernel (each way) where it runs.
     """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.fused = args.fused_ops
         self.dim, self.topk = args.dim, args.n_activated_experts
         self.n_experts, self.n_groups = args.n_routed_experts, args.n_expert_groups
         self.topk_groups = args.n_limited_groups
@@ -96,6 +100,13 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, selection_mask=None) -> Routing:
         """x ``[T, dim]`` -> ``Routing``. ``selection_mask(choice) -> [T, E] bool`` limits selection (node limit)."""
         logits = _Fp32Logits.apply(x, self.weight)
+        # (not on the meta device: the memory model's unfused top-k gets balanced index values; it keeps at
+        # least what the fused router keeps, its scores and indices)
+        if self.fused and selection_mask is None and self.e_score_correction_bias is not None \
+                and self.score_func == "sigmoid" and fused_ops.kernels_run(logits.device) and not logits.is_meta:
+            weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, self.topk, self.n_groups,
+                                                       self.topk_groups, self.route_scale, self.norm_topk_prob)
+            return Routing(weights=weights, indices=indices, scores=scores, logits=logits)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_groups > 1:
@@ -154,6 +165,7 @@ class Experts(nn.Module):
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
+        self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
         self.recompute_swiglu = recompute_swiglu or self.fp8_cache
         self.stash = FP8_STASH if self.fp8_cache else None
         self.w13 = nn.Parameter(torch.empty(n, 2 * args.moe_inter_dim, args.dim))
@@ -172,8 +184,8 @@ class Experts(nn.Module):
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
         down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8)  # noqa: E731 (its input is recomputed)
         if weights is None:
-            return produce_consume(swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
-        return produce_consume(swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
+            return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
@@ -199,9 +211,9 @@ class MoE(nn.Module):
         self.experts = Experts(args, expert_ids, recompute_swiglu=recompute_swiglu)
         self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, fp8=args.fp8,
                                    recompute_swiglu=recompute_swiglu, fp8_cache=args.fp8_cache,
-                                   input_recomputed=args.recomputes("norm", layer_id))
+                                   input_recomputed=args.recomputes("norm", layer_id), fused=args.fused_ops)
                                if args.n_shared_experts else None)
-        self.n_routed_experts = args.n_routed_experts
+        self.n_routed_experts, self.fused = args.n_routed_experts, args.fused_ops
         self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout()
         if balance is None:  # aux-loss-free where the gate has its bias (V3), else measure only
             balance = BalanceConfig(strategy="aux_free" if self.gate.e_score_correction_bias is not None else "none")
@@ -217,7 +229,7 @@ class MoE(nn.Module):
 
         seq_len: tokens per sequence (the sequence-wise balance loss); None = one sequence.
         """
-        routing = self.gate(x, self.balancer.selection_mask)
+        routing = self.gate(x, self.balancer.selection_mask if self.balancer.limits_nodes else None)
         indices, weights = self.balancer(routing.scores, routing.logits, routing.indices, routing.weights, seq_len)
         return replace(routing, indices=indices, weights=weights)
 
@@ -227,11 +239,11 @@ class MoE(nn.Module):
             raise ValueError(f"MoE.permute: this layer holds experts {self.experts.expert_ids} of "
                              f"{self.n_routed_experts}; tokens must be dispatched across expert-parallel ranks")
         if self.balancer.config.capacity_factor is None:
-            return permute(x, routing.indices, self.n_routed_experts, self.m_alignment)
+            return permute(x, routing.indices, self.n_routed_experts, self.m_alignment, self.fused)
         # dropped assignments (-1) go to a sentinel group past the real experts, whose rows compute 0
         dropped = self.n_routed_experts
         indices = torch.where(routing.indices >= 0, routing.indices, torch.full_like(routing.indices, dropped))
-        x_grouped, m_indices, state = permute(x, indices, self.n_routed_experts + 1, self.m_alignment)
+        x_grouped, m_indices, state = permute(x, indices, self.n_routed_experts + 1, self.m_alignment, self.fused)
         m_indices = m_indices.masked_fill(m_indices == dropped, -1)
         return x_grouped, m_indices, replace(state, tokens_per_expert=state.tokens_per_expert[:dropped])
 

@@ -27,12 +27,12 @@ class MTPModule(nn.Module):
     def __init__(self, args: ModelArgs, depth: int, expert_ids: range | None = None):
         super().__init__()
         self.depth, self.layer_id = depth, args.n_layers + depth
-        self.enorm = RMSNorm(args.dim, args.norm_eps)
-        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.enorm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.recompute_norm = args.recomputes("norm", self.layer_id)
         self.eh_proj = Linear(2 * args.dim, args.dim)  # a BF16 GEMM even in FP8 training, as V3 (released unquantised)
         self.block = Block(args, self.layer_id, expert_ids)
-        self.norm = RMSNorm(args.dim, args.norm_eps)  # HF: shared_head.norm
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)  # HF: shared_head.norm
 
     def project(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """The block's input: ``eh_proj(cat[enorm(emb), hnorm(h)])``."""

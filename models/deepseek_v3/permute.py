@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+import fused_ops
+
 
 @dataclass
 class PermuteState:
@@ -16,15 +18,22 @@ class PermuteState:
     rows: torch.Tensor  # [T * k] row of assignment (t, j) in x_grouped, at index t * k + j
     num_tokens: int
     tokens_per_expert: torch.Tensor  # [E] int64, unpadded
+    layout: fused_ops.Grouping | None = None  # set when the rows moved through fused_ops (unpermute does too)
 
 
-def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int,
-            alignment: int) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
+def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int, alignment: int,
+            fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
     """Copy each token once per chosen expert into expert-contiguous groups padded to ``alignment`` rows.
 
     x ``[T, D]``, indices ``[T, k]`` (values in ``[0, num_experts)``) -> ``x_grouped [M, D]`` (pad rows 0),
-    ``m_indices [M]`` (expert of each row, -1 for padding) and the state ``unpermute`` needs.
+    ``m_indices [M]`` (expert of each row, -1 for padding) and the state ``unpermute`` needs. ``fused``: the
+    same layout, rows moved by ``fused_ops.permute`` (one kernel each way) where it runs.
     """
+    if fused and fused_ops.kernels_run(x.device):
+        layout = fused_ops.grouping(indices, num_experts, alignment)
+        x_grouped = fused_ops.permute(x, layout)[0]
+        return x_grouped, layout.m_indices, PermuteState(rows=layout.rows, num_tokens=layout.num_tokens,
+                                                         tokens_per_expert=layout.tokens_per_expert, layout=layout)
     num_tokens, k = indices.shape
     flat = indices.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -55,6 +64,8 @@ def group_weights(weights: torch.Tensor, state: PermuteState, num_rows: int) -> 
 def unpermute(y_grouped: torch.Tensor, state: PermuteState, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Gather each assignment's expert output and sum them per token, weighted by ``weights [T, k]`` when
     given (None: the rows are already weighted, see ``Experts.forward``)."""
+    if state.layout is not None:
+        return fused_ops.unpermute(y_grouped, state.layout, weights)
     k = state.rows.numel() // max(state.num_tokens, 1) if weights is None else weights.shape[-1]
     y = y_grouped[state.rows].view(state.num_tokens, k, y_grouped.shape[-1])  # k explicit: T may be 0
     if weights is None:

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+import fused_ops
 from models.deepseek_v3.args import ModelArgs
 
 
@@ -55,12 +56,15 @@ def attention_factor(args: ModelArgs) -> float:
     return _yarn_mscale(args.rope_factor, 1.0)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """Rotate interleaved pairs of ``x [b, s, h, d]`` by ``cos/sin [s, d/2]`` (or ``[b, s, d/2]``); fp32 math.
 
     The output keeps DeepSeek's pair layout ``(y0, y1), (y2, y3), ...`` (transformers de-interleaves
     into halves instead; attention scores are the same because q and k are permuted alike).
+    ``fused``: one ``fused_ops.apply_rope`` kernel each way where it runs (one rounding, as here).
     """
+    if fused and fused_ops.kernels_run(x.device):
+        return fused_ops.apply_rope(x, cos, sin)
     if cos.dim() == 2:
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     else:
