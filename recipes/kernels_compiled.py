@@ -1,4 +1,5 @@
-"""The compile table: every deep_gemm / flash_mla / fused_ops Triton kernel at every autotune config, built for sm_90a on a CPU.
+"""The compile table: every deep_gemm / flash_mla / fused_ops Triton kernel at every autotune config, built for
+sm_90a on a CPU.
 
     python -m recipes.kernels_compiled                                  # every case, table on stdout
     python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md --jobs 2
@@ -264,8 +265,8 @@ def markdown(rows: list[dict], title: str) -> str:
     lines = [f"## {title}", "",
              f"{datetime.date.today().isoformat()}, Triton {triton.__version__}, torch {torch.__version__}, target "
              "cuda sm_90a (compiled offline on a CPU: no GPU involved). loop_* = one iteration of the innermost "
-             "MMA loop in the SASS; vector_loads = 128-bit global loads; gate = no spills, shared memory <= 227 KB, wgmma "
-             "where the tile allows, 128-bit loads in the memory-bound (fused_ops) kernels.", "",
+             "MMA loop in the SASS; vector_loads = 128-bit global loads; gate = no spills, shared memory <= 227 KB, "
+             "wgmma where the tile allows, 128-bit loads in the memory-bound (fused_ops) kernels.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         cells = [str(r.get(c, "")) for c in COLUMNS[:-1]]

@@ -3,12 +3,13 @@ forward and backward, on odd shapes; FP8 outputs bit-equal to DeepGEMM's cast of
 
 Tolerances. bf16: the op rounds at the same points as the unfused torch sequence (at most three roundings of
 2^-8 relative each, bf16's unit roundoff: residual sum, normalised value, times the weight; or silu, times up,
-times the routing weight), so each element is within 3 * 2^-8 relative of float64 math, plus a tiny absolute term for values that cancel (RoPE's
-two products: 2^-8 of each product, the products bounded by |x| |cos|). fp32: evaluation order and the
-exp/rsqrt ulps, 1e-5 relative covers 7168-term sums (~7168 * 2^-24 = 4e-4 worst case, sqrt(7168) * 2^-24 ~
-5e-6 typical; our sums are <= 384 terms: 384 * 2^-24 = 2.3e-5 worst, so 3e-5). Gradients of bf16 inputs pass
-through one more rounding (the stored gradient): 4 * 2^-8. A wrong row, column, pair, sign or mask is off by
-O(1) relative.
+times the routing weight), so each element is within 3 * 2^-8 relative of float64 math, plus a tiny
+absolute term for values that cancel (RoPE's two products: 2^-8 of each product, the products bounded
+by |x| |cos|). fp32: only evaluation order and the exp/rsqrt ulps differ; the sums here have <= 384 terms,
+so at most 384 * 2^-24 = 2.3e-5 relative: 3e-5. Gradients of bf16 inputs pass through one more rounding
+(the stored gradient): 4 * 2^-8; the weight gradients add a sum over rows in fp32, bounded at twice that.
+The absolute floor, 2^-6 of the tensor's largest value times the same relative bound, covers elements that
+cancel to near zero. A wrong row, column, pair, sign or mask is off by O(1) relative.
 """
 
 from __future__ import annotations

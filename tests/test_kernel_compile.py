@@ -1,12 +1,13 @@
-"""Compile-time quality gates: the deep_gemm and flash_mla kernels, built for sm_90a on a CPU (no GPU).
+"""Compile-time quality gates: the deep_gemm, flash_mla and fused_ops kernels, built for sm_90a on a CPU (no GPU).
 
 ``recipes.kernels_compiled`` compiles each kernel as the JIT would specialise it at the benchmark
 shapes and reads the cubin back (``accel.aot``). Every case must pass the gates: no register
 spills (stack bytes / STL), shared memory within an sm_90 block (227 KB), and Hopper warp-group
 MMAs wherever the tile has >= 64 rows per warp group; GEMM loads must be asynchronous copies
-(pipelined); the memory-bound fused_ops kernels must load with 128-bit accesses (LDG.E.128). The FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite
-(before it, at 128x128x128 on 8 warps: 247 registers, 323 SASS instructions and 42 global loads per
-K block, Triton 3.9).
+(pipelined); the memory-bound fused_ops kernels must load with 128-bit accesses (LDG.E.128). The
+FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite (before it, at
+128x128x128 on 8 warps: 247 registers, 323 SASS instructions and 42 global loads per K block,
+Triton 3.9).
 
 Default run: each kernel variant at its first autotune config (the one correctness runs use with
 autotuning off; ~20 compiles, ~60 s of CPU over 2 processes, ~250 s wall on the loaded dev box).

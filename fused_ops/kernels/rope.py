@@ -5,7 +5,8 @@ Two layouts, one kernel each around the same rotation: DeepSeek-V3's MLA rotates
 ``[seq, d/2]`` or ``[batch, seq, d/2]`` (fp32, YaRN's frequencies and scale already in them) are read once per
 token for all its heads. The backward is the inverse rotation (``sign = -1``: ``sin`` negated) of the gradient,
 in place as well. In place means ``out`` is ``x``: each element is read and written by the same
-program, so no other reads it after it is overwritten; otherwise ``out`` may have its own strides. Math in fp32, one rounding to ``x``'s dtype.
+program, so no other reads it after it is overwritten; otherwise ``out`` may have its own strides. Math in fp32, one
+rounding to ``x``'s dtype.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's router after its fp32 logits GEMM (forward and backward), one program per token: sigmoid, + the balancing bias
-(selection only), group-limited top-k, weights from the unbiased scores, normalised, times ``route_scale``.
+"""DeepSeek-V3's router after its fp32 logits GEMM (forward and backward), one program per token: sigmoid,
++ the balancing bias (selection only), group-limited top-k, weights from the unbiased scores, normalised,
+times ``route_scale``.
 
 Groups are the rows of a ``[groups, experts / groups]`` tile. A group's score is the sum of its two largest
 biased scores; the ``topk_groups`` best groups stay, the others are masked to -inf; then ``topk`` experts by
