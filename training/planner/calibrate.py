@@ -32,7 +32,7 @@ from accel.timing import do_bench
 from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
 from training.planner.costs import Op, attention_core, attention_ops, ffn_ops, gemm
-from training.planner.system import System, load_system
+from training.planner.system import PASSES, System, load_system
 
 
 def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op]:
@@ -42,7 +42,7 @@ def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op
     ops += ffn_ops(args, 0, tokens, ep, False, 1.0) + ffn_ops(args, args.n_layers - 1, tokens, ep, False, 1.0)
     seen, out = set(), []
     for op in ops:
-        if op.kind != "memory" and (op.kind, op.shape) not in seen:
+        if op.flops > 0 and (op.kind, op.shape) not in seen:
             seen.add((op.kind, op.shape))
             out.append(op)
     return out
@@ -112,9 +112,13 @@ def measure(base: System, args: ModelArgs, tokens: int, seq_len: int, ep: int, d
     for kind, table in shape_eff.items():
         eff[kind] = min(1.0, statistics.median(table.values()))
     eff["memory"] = min(1.0, _copy_gbps(device, copy_bytes) / base.memory_gbps)
-    sources = {**base.sources, "efficiency": f"measured by recipes.plan calibrate on {accel.device_name()} at "
-               f"{args.dim}-dim shapes, {tokens} tokens per micro-batch"}
-    return dataclasses.replace(base, calibrated=True, efficiency=eff, shape_efficiency=shape_eff, sources=sources)
+    where = (f"measured by recipes.plan calibrate on {accel.device_name()} at {args.dim}-dim shapes, {tokens} tokens "
+             "per micro-batch")
+    sources = {**base.sources, "efficiency.memory": f"{where} (device copy)",
+               **{f"efficiency.{k}": f"{where} (median over shapes)" for k in shape_eff},
+               **{f"shape_efficiency.{k}": f"{where} (forward; used for all three passes)" for k in shape_eff}}
+    tables = {k: {shape: dict.fromkeys(PASSES, min(1.0, e)) for shape, e in t.items()} for k, t in shape_eff.items()}
+    return dataclasses.replace(base, calibrated=True, efficiency=eff, shape_efficiency=tables, sources=sources)
 
 
 def measure_collectives(system: System, nbytes: int = 64 << 20) -> System:
