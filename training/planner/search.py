@@ -143,6 +143,8 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
     recompute = list(RECOMPUTE_POLICIES[lay.recompute])
     cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
+    if hasattr(cfg.model, "fp8_recipe"):  # the config field of the MXFP8 work; until it lands the request carries it
+        cfg.model = dataclasses.replace(cfg.model, fp8_recipe=req.fp8_recipe)
     cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
     cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
     if cfg.data.batch_ramp_start:
