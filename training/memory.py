@@ -58,7 +58,6 @@ _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 # bytes per FP8 activation value with its scale, per model.fp8_recipe: blockwise (V3) one fp32 scale per 1x128
 # tile, mxfp8 one UE8M0 byte per 1x32 block -- the same 1/32 byte of scale per value either way
 FP8_VALUE_BYTES = {"blockwise": 1 + 4 / 128, "mxfp8": 1 + 1 / 32}
-FP8_BYTES = FP8_VALUE_BYTES["blockwise"]
 ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
 
 

@@ -40,7 +40,7 @@ from training.planner.system import System
 BF16 = 2
 # scale bytes per FP8 value of an activation: blockwise one fp32 per 1x128 tile, MXFP8 one UE8M0 byte per 1x32 block
 FP8_SCALE_BYTES = {"blockwise": 4 / 128, "mxfp8": 1 / 32}
-FP8_BYTES = 1 + FP8_SCALE_BYTES["blockwise"]  # E4M3 value plus its scale
+FP8_BYTES = 1 + FP8_SCALE_BYTES["blockwise"]  # E4M3 value plus its scale (the same under MXFP8: 1/32 byte per value)
 MEMORY_KINDS = ("memory", "permute", "cross_entropy")  # memory-bound ops, each kind its own efficiency class
 # planner policy -> model.overrides.recompute names ("v3" = every RMSNorm and the MLA up-projections)
 RECOMPUTE_POLICIES = {"none": (), "v3": ("v3",), "block": ("block",)}
