@@ -9,8 +9,9 @@ parts, so zero-bubble schedules can place W on their own:
 - the causal attention core costs ``2 s^2 h (d_qk + d_v) / 2`` per sequence forward and 2.5x that
   backward (FlashAttention's five GEMMs against two), all in I;
 - memory-bound ops (norms, RoPE, SwiGLU, the MoE permute/unpermute, cross-entropy) move their bytes
-  forward and twice that backward; permutes and cross-entropy have their own kernel classes (their
-  index gathers and vocabulary-wide softmax run well below a plain copy's bandwidth).
+  forward and twice that backward, plus the system's fixed cost per kernel (``memory_latency_us``) in each
+  pass; permutes and cross-entropy have their own kernel classes (their index gathers and vocabulary-wide
+  softmax run well below a plain copy's bandwidth).
 
 Duration = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) with the system
 file's efficiency for the kernel class, or for the shape and pass (F, I, W) where its tables have it.
@@ -201,8 +202,8 @@ class OpTimer:
     def _seconds(self, flops: float, nbytes: float, kind: str, shape: str | None, fp8: bool, pass_: str) -> float:
         s = self.system
         mem = nbytes / (s.memory_gbps * 1e9 * s.kernel_efficiency(kind if kind in MEMORY_KINDS else "memory"))
-        if kind in MEMORY_KINDS or flops == 0.0:
-            return mem
+        if kind in MEMORY_KINDS or flops == 0.0:  # a memory-bound kernel: its bytes and its fixed cost
+            return mem + s.memory_latency_us * 1e-6 if nbytes else 0.0
         if kind == "attention_bwd" or kind == "attention_fwd":
             peak = s.bf16_tflops
         else:
@@ -212,9 +213,9 @@ class OpTimer:
 
     def op(self, op: Op) -> tuple[float, float, float]:
         """(F, I, W) seconds of ``op``."""
-        if op.kind in MEMORY_KINDS:
+        if op.kind in MEMORY_KINDS:  # backward moves twice the bytes, in one kernel
             f = self._seconds(0.0, op.nbytes, op.kind, None, False, "f")
-            return f, 2 * f, 0.0
+            return f, self._seconds(0.0, 2 * op.nbytes, op.kind, None, False, "i"), 0.0
         if op.kind == "attention":
             return (self._seconds(op.flops, op.nbytes, "attention_fwd", op.shape, False, "f"),
                     self._seconds(2.5 * op.flops, 2 * op.nbytes, "attention_bwd", op.shape, False, "f"), 0.0)

@@ -4,8 +4,8 @@ A system file holds the device's dense peaks and memory, per-class kernel effici
 the peak a kernel class reaches), per-shape efficiency tables (``"MxNxK"`` per group, one number or one
 per pass ``{"f", "i", "w"}``: forward, input gradient, weight gradient), the two links (inside a node,
 between nodes) with bandwidth and latency, collective efficiencies, the all-to-all's fixed cost per call
-by group size, the per-node step-time jitter (stragglers) and the share of SMs the all-to-all takes while
-it overlaps computation. Every efficiency figure names its source in ``sources`` (key ``efficiency.<class>``,
+by group size, the per-node step-time jitter (stragglers), the fixed cost of a memory-bound kernel and the
+share of SMs the all-to-all takes while it overlaps computation. Every efficiency figure names its source in ``sources`` (key ``efficiency.<class>``,
 ``shape_efficiency.<class>``, ``all_to_all_latency_us``, ``jitter_cv``); a file without one is refused.
 Files shipped in ``systems/`` take their figures from public measurements and are marked
 ``"calibrated": false``; ``recipes.plan calibrate`` writes measured ones.
@@ -23,7 +23,8 @@ KERNEL_CLASSES = ("gemm", "grouped_gemm", "fp8_gemm", "fp8_grouped_gemm", "mxfp8
                   "attention_fwd", "attention_bwd", "memory", "permute", "cross_entropy")
 LOW_PRECISION = ("fp8_", "mxfp8_")  # classes that may be 0: the device has no such tensor-core path
 PASSES = ("f", "i", "w")
-SOURCED = ("peaks", "links", "collective_efficiency", "comm_sm_fraction", "all_to_all_latency_us", "jitter_cv")
+SOURCED = ("peaks", "links", "collective_efficiency", "comm_sm_fraction", "all_to_all_latency_us", "jitter_cv",
+           "memory_latency_us")
 COLLECTIVES = ("all_to_all", "ring", "p2p")
 
 
@@ -55,6 +56,7 @@ class System:
     sources: dict[str, str] = field(default_factory=dict)
     all_to_all_latency_us: dict[int, float] = field(default_factory=dict)  # fixed cost of one call, by group size
     jitter_cv: float = 0.0  # per-node step-time coefficient of variation (stragglers)
+    memory_latency_us: float = 0.0  # fixed cost of one memory-bound kernel (launch, tail), per pass
     action_overhead_us: float = 0.0  # host time the runtime adds to each computation pass (calibrated)
     send_overhead_us: float = 0.0  # host time to post one P2P message
     recv_overhead_us: float = 0.0  # host time to take one arrived P2P message
@@ -90,7 +92,7 @@ class System:
                 "collective_efficiency": dict(self.collective_efficiency), "comm_sm_fraction": self.comm_sm_fraction,
                 "gpus_per_node": self.gpus_per_node, "action_overhead_us": self.action_overhead_us,
                 "all_to_all_latency_us": {str(k): v for k, v in self.all_to_all_latency_us.items()},
-                "jitter_cv": self.jitter_cv,
+                "jitter_cv": self.jitter_cv, "memory_latency_us": self.memory_latency_us,
                 "send_overhead_us": self.send_overhead_us, "recv_overhead_us": self.recv_overhead_us,
                 "sources": self.sources}
 
@@ -197,6 +199,7 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
         sources=dict(sources),
         all_to_all_latency_us={int(n): _non_negative(v, f"{where}: all_to_all_latency_us.{n}") for n, v in a2a.items()},
         jitter_cv=_non_negative(doc.get("jitter_cv", 0.0), f"{where}: jitter_cv"),
+        memory_latency_us=_non_negative(doc.get("memory_latency_us", 0.0), f"{where}: memory_latency_us"),
         **{k: _non_negative(doc.get(k, 0.0), f"{where}: {k}")
            for k in ("action_overhead_us", "send_overhead_us", "recv_overhead_us")},
     )
