@@ -64,6 +64,7 @@ def test_bad_system_files_give_one_line_errors_naming_file_and_key():
     cases = [
         (lambda d: d["sources"].pop("efficiency.permute"), r"f\.json: sources\.efficiency\.permute missing"),
         (lambda d: d["sources"].pop("shape_efficiency.grouped_gemm"), r"sources\.shape_efficiency\.grouped_gemm"),
+        (lambda d: d["sources"].pop("memory_latency_us"), r"sources\.memory_latency_us missing"),
         (lambda d: d["efficiency"].pop("cross_entropy"), r"\[efficiency\]: missing key 'cross_entropy'"),
         (lambda d: d["shape_efficiency"]["gemm"].__setitem__("4096x1536x7168", {"f": 0.5, "i": 0.5}),
          r"shape_efficiency\.gemm\.4096x1536x7168 must be a number or"),

@@ -5,8 +5,9 @@ the peak a kernel class reaches), per-shape efficiency tables (``"MxNxK"`` per g
 per pass ``{"f", "i", "w"}``: forward, input gradient, weight gradient), the two links (inside a node,
 between nodes) with bandwidth and latency, collective efficiencies, the all-to-all's fixed cost per call
 by group size, the per-node step-time jitter (stragglers), the fixed cost of a memory-bound kernel and the
-share of SMs the all-to-all takes while it overlaps computation. Every efficiency figure names its source in ``sources`` (key ``efficiency.<class>``,
-``shape_efficiency.<class>``, ``all_to_all_latency_us``, ``jitter_cv``); a file without one is refused.
+share of SMs the all-to-all takes while it overlaps computation. Every figure names its source in
+``sources`` (keys ``efficiency.<class>``, ``shape_efficiency.<class>``, ``all_to_all_latency_us``, ``jitter_cv``,
+``memory_latency_us``, ...; a term left at 0 needs none); a file without one is refused.
 Files shipped in ``systems/`` take their figures from public measurements and are marked
 ``"calibrated": false``; ``recipes.plan calibrate`` writes measured ones.
 """
@@ -172,7 +173,7 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
     if not isinstance(a2a, dict) or any(not str(n).isdigit() or int(n) < 2 for n in a2a):
         raise ValueError(f"{where}: 'all_to_all_latency_us' must map group sizes >= 2 to microseconds, got {a2a!r}")
     needed = ([f"efficiency.{k}" for k, v in efficiency.items() if v > 0] + [f"shape_efficiency.{k}" for k in shapes]
-              + [k for k in SOURCED if k in doc or k in ("peaks", "links")])
+              + [k for k in SOURCED if doc.get(k) or k in ("peaks", "links")])  # a term at 0 or {} needs none
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ValueError(f"{where}: sources.{key} missing: every figure of a system file names its source")
