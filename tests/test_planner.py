@@ -366,6 +366,7 @@ def test_calibrate_measure_writes_a_loadable_system_file(tmp_path):
                   copy_bytes=1 << 20)
     assert got.calibrated and {"gemm", "grouped_gemm", "attention_fwd", "attention_bwd"} <= set(got.shape_efficiency)
     assert all(0 < v <= 1 for table in got.shape_efficiency.values() for per in table.values() for v in per.values())
+    assert all(set(per) == {"f", "i", "w"} for per in got.shape_efficiency["gemm"].values())  # each pass measured
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(got.to_json()))
     again = load_system(str(path))
