@@ -160,13 +160,14 @@ def _sparse_bwd_kernel(Q, KV, IDX, O, DO, LSE, DQ, DKV, s_kv, h_q, topk, sm_scal
         s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
         p = tl.where(valid[None, :], tl.exp2(s * qk_scale_log2 - lse[:, None]), 0.0)
         ds = (p * (tl.dot(do, tl.trans(k_v)) - delta[:, None])).to(q_v.dtype)
+        # each dkv part is added as soon as it exists, so the two never hold registers at once
+        dkv_rows = DKV + rows[:, None] * stride_dkv
+        dk_v = tl.dot(tl.trans(ds), q_v) * sm_scale + tl.dot(tl.trans(p.to(do.dtype)), do)
+        tl.atomic_add(dkv_rows + cols_v[None, :], dk_v, mask=valid[:, None] & (cols_v < D_V)[None, :])
+        dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
+        tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
         dq_v = tl.dot(ds, k_v, dq_v)
         dq_r = tl.dot(ds, k_r, dq_r)
-        dk_v = tl.dot(tl.trans(ds), q_v) * sm_scale + tl.dot(tl.trans(p.to(do.dtype)), do)
-        dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
-        dkv_rows = DKV + rows[:, None] * stride_dkv
-        tl.atomic_add(dkv_rows + cols_v[None, :], dk_v, mask=valid[:, None] & (cols_v < D_V)[None, :])
-        tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
     dq_ptr = DQ + t * stride_dqt + heads[:, None] * stride_dqh
     h_ok = (heads < h_q)[:, None]
     tl.store(dq_ptr + cols_v[None, :], cast_out(dq_v * sm_scale, DQ.dtype.element_ty, UPCAST),
@@ -188,13 +189,15 @@ def _cast_kernel(SRC, DST, n, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
 # FlashMLA's 64-head tile (two warp groups on a 64 x 512 fp32 accumulator, wgmma) fits in Triton 3.6 (the H200
 # image's) and spills in 3.9 for the reason flash_mla/kernels/decode.py gives (per-thread wgmma descriptors over the
 # 36 K steps of 576), so 3.9 gets 32/16-head tiles (mma.sync). The FP8 decode's dequantisation adds registers:
-# 16 heads in both. The backward holds dq (16 x 576 fp32) besides the recomputed tiles: 16 heads per program.
+# 16 heads in both. The backward holds dq (heads x 576 fp32) besides the recomputed tiles: 32 heads per program
+# fit in 3.6 (half the atomics of 16), 16 in 3.9.
 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
     FWD_CONFIGS = [(64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 3)]
+    BWD_CONFIGS = [(32, 16, 8, 1), (32, 16, 8, 2), (16, 32, 8, 1)]
 else:
     FWD_CONFIGS = [(32, 32, 8, 2), (16, 32, 4, 3), (16, 64, 4, 2)]
+    BWD_CONFIGS = [(16, 32, 8, 1), (16, 16, 8, 1)]
 DECODE_FP8_CONFIGS = [(16, 32, 8, 2), (16, 16, 4, 2), (16, 16, 4, 1)]
-BWD_CONFIGS = [(16, 32, 8, 1), (16, 16, 4, 1)]
 _INTERP = [(16, 16, 1, 1)]
 _tuned: dict = {}
 
