@@ -190,6 +190,17 @@ def _cpu(args) -> int:
         want[m_indices == g] = a[m_indices == g] @ b[g].T
     rows.append({"op": "m_grouped_fp8_gemm_nt_contiguous", "shape": "groups=2 rows=100,60 n=128 k=128",
                  "diff_vs_fp32": deep_gemm.calc_diff(d, want), "diff_vs_reference": deep_gemm.calc_diff(d, d_ref)})
+    q8 = torch.randn(40, 4, 32).to(torch.float8_e4m3fn)
+    k8, k_scale, w = torch.randn(70, 32).to(torch.float8_e4m3fn), torch.rand(70) + 0.5, torch.randn(40, 4)
+    ks, ke = torch.zeros(40, dtype=torch.int32), torch.arange(1, 41, dtype=torch.int32)
+    want = deep_gemm.fp8_mqa_logits(q8, (k8, k_scale), w, ks, ke)
+    with registry.force("triton"):
+        got = deep_gemm.fp8_mqa_logits(q8, (k8, k_scale), w, ks, ke)
+    same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
+    diff = deep_gemm.calc_diff(got.masked_fill(torch.isinf(want), 0), want.masked_fill(torch.isinf(want), 0))
+    rows.append({"op": "fp8_mqa_logits", "shape": "s_q=40 s_kv=70 heads=4 d=32 causal",
+                 "diff_vs_fp32": diff if same_mask else float("inf"), "diff_vs_reference": diff if same_mask
+                 else float("inf")})
     print_report("deep_gemm: CPU correctness-only pass (Triton interpreter, tiny sizes; NOT a benchmark)", rows,
                  json_path=args.json,
                  notes=["no GPU here: the TFLOP/s benchmark needs a CUDA or MUSA GPU "
