@@ -272,3 +272,25 @@ def test_sparse_matches_reference_on_gpu():
     want_dq, want_dkv = sparse_mla_attention_backward_reference(dout, q, kv, idx, None, None, 576 ** -0.5, 512)
     assert calc_diff(dq, want_dq) < 1e-4 and calc_diff(dkv, want_dkv) < 1e-4
     assert (dkv[torch.isnan(kv[:, 0])] == 0).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block_h,block_k", [(64, 32), (32, 32), (16, 64), (32, 16), (16, 16)])
+def test_triton_gpu_tile_shapes(monkeypatch, block_h, block_k):
+    """The tile shapes the GPU configs use (the interpreter otherwise runs 16 x 16 only), with head tiles only
+    partly filled (20 heads) and top-k not a multiple of the key tile."""
+    from flash_mla.kernels import sparse as kernels
+
+    monkeypatch.setattr(kernels, "_INTERP", [(block_h, block_k, 1, 1)])
+    monkeypatch.setattr(kernels, "_tuned", {})
+    q, kv, idx, dout = _case(5, 40, 20, 48, 37, torch.float32, seed=block_h + block_k)
+    dout = dout[..., :32].contiguous()
+    qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    with registry.force("triton"), registry.poisoned_outputs():
+        o = flash_mla.sparse_mla_attention(qr, kvr, idx, 0.15, 32)
+        dq, dkv = torch.autograd.grad(o, (qr, kvr), dout)
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    want = _dense_float64(q64, kv64, idx, 0.15, 32)[0]
+    grads = torch.autograd.grad(want, (q64, kv64), dout.double())
+    for name, got, ref in (("out", o, want), ("dq", dq, grads[0]), ("dkv", dkv, grads[1])):
+        assert torch.isfinite(got).all() and calc_diff(got, ref) < 1e-10, (name, calc_diff(got, ref))
