@@ -9,8 +9,9 @@ Dense: M in {64, 128, 4096} x (N, K) in DeepGEMM's DeepSeek-V3 table; grouped (c
 TFLOP/s and GB/s for ours (``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous``, 1x128 x 128x128
 scales), torch bf16 (``a @ b.T``; grouped: one matmul per group) and ``torch._scaled_mm`` (row-wise
 scales, the finest granularity it takes everywhere), plus calc_diff against the fp32 product of the
-unquantized inputs. The DSA indexer's ``fp8_mqa_logits`` at s = 4K-32K (causal, 64 heads of 128). Inputs are quantized once, outside the timing. On a cpu there is no GPU to
-measure: a tiny correctness pass runs in the Triton interpreter instead, clearly labelled.
+unquantized inputs. The DSA indexer's ``fp8_mqa_logits`` at s = 4K-32K (causal, 64 heads of 128).
+Inputs are quantized once, outside the timing. On a cpu there is no GPU to measure: a tiny correctness
+pass runs in the Triton interpreter instead, clearly labelled.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ s_q in {1, 2} (causal), lengths equal or varied (normal around the mean, sd mean
 plus FP8-cache rows. Baseline: torch SDPA on the same KV laid out densely (no paging; equal lengths
 only). Training: ``mla_attention`` forward+backward (q/k 192, v 128, causal, bf16) vs SDPA at seq
 2048-8192. DSA: ``flash_mla_sparse_fwd`` forward and ``sparse_mla_attention`` forward+backward at s 8K-64K,
-h_q 128, top-k 2048, with dense ``mla_attention`` forward+backward at the same s beside them. On a cpu there is no GPU to measure: a tiny correctness pass runs in the Triton
-interpreter instead, clearly labelled, and its timings mean nothing.
+h_q 128, top-k 2048, with dense ``mla_attention`` forward+backward at the same s beside them. On a cpu
+there is no GPU to measure: a tiny correctness pass runs in the Triton interpreter instead, clearly
+labelled, and its timings mean nothing.
 """
 
 from __future__ import annotations

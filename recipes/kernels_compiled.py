@@ -167,7 +167,8 @@ def dsa_cases() -> list[Case]:
     bwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
                 "DQ": "*bf16", "DKV": "*fp32"}
     kernels = [("fwd[576/512]", sparse._sparse_fwd_kernel, sparse.FWD_CONFIGS, fwd_ptrs, tiles),
-               ("decode[fp8]", sparse._sparse_decode_fp8_kernel, sparse.DECODE_FP8_CONFIGS, fp8_ptrs, {"UPCAST": False}),
+               ("decode[fp8]", sparse._sparse_decode_fp8_kernel, sparse.DECODE_FP8_CONFIGS, fp8_ptrs,
+                {"UPCAST": False}),
                ("bwd[576/512]", sparse._sparse_bwd_kernel, sparse.BWD_CONFIGS, bwd_ptrs, tiles)]
     for name, fn, configs, pointers, consts in kernels:
         strides = [n for n in fn.arg_names if n.startswith("stride_")]

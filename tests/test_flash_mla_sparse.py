@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-import flash_mla
 import accel
+import flash_mla
 from accel import registry
 from accel.verify import calc_diff
 from flash_mla.sparse import poison_unselected, random_selection, sparse_mla_attention_reference
@@ -254,8 +254,7 @@ def test_sparse_matches_reference_on_gpu():
     """V3.2's dims on a GPU (every autotune config timed, so the dkv accumulator must be reset between trials):
     forward against the fp32 reference at FlashMLA's pass marks, backward at 1e-4 (P and dS rounded to bf16 for
     the tensor cores, as every flash backward)."""
-    from flash_mla.sparse import (compare_sparse, flash_mla_sparse_fwd_reference,
-                                  sparse_mla_attention_backward_reference)
+    from flash_mla.sparse import compare_sparse, flash_mla_sparse_fwd_reference, sparse_mla_attention_backward_reference
 
     device = accel.default_device()
     q, kv, idx, dout = (t.to(device) for t in _case(256, 2048, 128, 576, 512, torch.bfloat16, seed=5))
