@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import accel
 import deep_gemm
 from accel import registry
 
@@ -139,8 +140,6 @@ def test_logits_match_reference_on_gpu():
     """V3.2's indexer (64 heads of 128) on a GPU against the reference on the same e4m3 inputs: Hopper's FP8 MMAs
     keep fewer accumulator bits than fp32 (about 14 mantissa bits over one 128-long K block, the DeepSeek-V3
     report), a relative error of ~1e-4 per score, calc_diff ~1e-8; 1e-6 still flags any mask or index bug."""
-    import accel
-
     device = accel.default_device()
     _, _, weights, ks, ke, q8, k8, scale = _inputs(512, 2048, 64, 128, seed=3)
     args = [t.to(device) for t in (q8, k8, scale, weights, ks, ke)]

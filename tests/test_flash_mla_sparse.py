@@ -15,7 +15,15 @@ import accel
 import flash_mla
 from accel import registry
 from accel.verify import calc_diff
-from flash_mla.sparse import poison_unselected, random_selection, sparse_mla_attention_reference
+from flash_mla.kernels import sparse as kernels
+from flash_mla.sparse import (
+    compare_sparse,
+    flash_mla_sparse_fwd_reference,
+    poison_unselected,
+    random_selection,
+    sparse_mla_attention_backward_reference,
+    sparse_mla_attention_reference,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -254,8 +262,6 @@ def test_sparse_matches_reference_on_gpu():
     """V3.2's dims on a GPU (every autotune config timed, so the dkv accumulator must be reset between trials):
     forward against the fp32 reference at FlashMLA's pass marks, backward at 1e-4 (P and dS rounded to bf16 for
     the tensor cores, as every flash backward)."""
-    from flash_mla.sparse import compare_sparse, flash_mla_sparse_fwd_reference, sparse_mla_attention_backward_reference
-
     device = accel.default_device()
     q, kv, idx, dout = (t.to(device) for t in _case(256, 2048, 128, 576, 512, torch.bfloat16, seed=5))
     dout = dout[..., :512].contiguous()
@@ -278,8 +284,6 @@ def test_sparse_matches_reference_on_gpu():
 def test_triton_gpu_tile_shapes(monkeypatch, block_h, block_k):
     """The tile shapes the GPU configs use (the interpreter otherwise runs 16 x 16 only), with head tiles only
     partly filled (20 heads) and top-k not a multiple of the key tile."""
-    from flash_mla.kernels import sparse as kernels
-
     monkeypatch.setattr(kernels, "_INTERP", [(block_h, block_k, 1, 1)])
     monkeypatch.setattr(kernels, "_tuned", {})
     q, kv, idx, dout = _case(5, 40, 20, 48, 37, torch.float32, seed=block_h + block_k)
