@@ -10,7 +10,7 @@ FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite
 Triton 3.9).
 
 Default run: each kernel variant at its first autotune config (the one correctness runs use with
-autotuning off; ~20 compiles, ~60 s of CPU over 2 processes, ~250 s wall on the loaded dev box).
+autotuning off; ~40 compiles (14 of them the small fused_ops kernels), ~300 s wall on the loaded dev box).
 ``DSV3_FULL_COMPILE=1`` compiles every config of every kernel (~80 compiles), the same set
 ``python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md`` tabulates. Skipped when this
 Triton cannot compile for CUDA offline.
