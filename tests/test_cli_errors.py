@@ -231,7 +231,8 @@ HELP = [(m, []) for m in (
     "recipes.bench_overlap", "recipes.bench_a2a_delay", "recipes.bench_checkpoint", "recipes.bench_ep_overlap",
     "recipes.bench_memory", "recipes.bench_model", "recipes.bench_kernels", "recipes.compare_simumax",
     "recipes.kernels_compiled", "recipes.warm_kernels", "dualpipe.simulate", "dualpipe.bench")] + [
-    ("recipes.plan", ["calibrate"]), ("recipes.bench_kernels", ["deep_gemm"]), ("recipes.bench_kernels", ["flash_mla"])]
+    ("recipes.plan", ["calibrate"]), ("recipes.bench_kernels", ["deep_gemm"]), ("recipes.bench_kernels", ["flash_mla"]),
+    ("recipes.bench_kernels", ["fused"])]
 
 
 @pytest.mark.parametrize("module, prefix", HELP, ids=[" ".join([m, *p]) for m, p in HELP])
