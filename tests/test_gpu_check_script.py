@@ -165,3 +165,44 @@ def test_autotune_shards_cover_every_config_once(monkeypatch):
     monkeypatch.setenv(autotune.SHARD_ENV, "3/2")
     with pytest.raises(ValueError, match="DSV3_AUTOTUNE_SHARD"):
         autotune.shard(configs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("capability", ["90", "100"])
+def test_dry_run_fits_the_budget_on_hopper_and_blackwell(tmp_path, capability):
+    """GPU_CHECK_CAPABILITY picks the per-capability configs; the whole check fits 580 s on either generation."""
+    proc, summary = _dry(tmp_path, GPU_CHECK_CAPABILITY=capability)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert f"capability sm_{capability}," in proc.stdout and f"summary, sm_{capability} " in proc.stdout
+    assert sum(int(row[2].rstrip("s")) for row in summary) <= 580
+
+
+@pytest.mark.timeout(60)
+def test_step_timeouts_by_capability(tmp_path):
+    areas = tmp_path / "areas"
+    areas.mkdir()
+    (areas / "bench.sh").write_text("# timeout: 30\n# timeout@100: 40\necho hi\n")
+    times = {}
+    for capability in ("90", "100"):
+        proc, summary = _dry(tmp_path / capability, GPU_CHECK_CAPABILITY=capability, GPU_CHECK_D=str(areas),
+                             GPU_CHECK_STEPS="bench")
+        times[capability] = summary[0][2]
+    assert times == {"90": "30s", "100": "40s"}
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, GPU_CHECK_DRY="1", GPU_CHECK_CAPABILITY="sm100"), timeout=30)
+    assert proc.returncode == 2 and "GPU_CHECK_CAPABILITY must be" in proc.stderr
+
+
+@pytest.mark.parametrize("capability, runs", [
+    ("90", [["--quick", "--json"]]),
+    ("100", [["--quick", "--m", "4096", "--json"], ["--quick", "--m", "4096", "--recipe", "mxfp8", "--no-baseline"]]),
+])
+def test_deep_gemm_area_picks_rows_by_capability(tmp_path, capability, runs):
+    env = dict(os.environ, PY="echo", GPU_CHECK_CAPABILITY=capability, GPU_CHECK_OUT=str(tmp_path))
+    env.pop("DEEP_GEMM_BENCH_ARGS", None)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.d" / "deep_gemm.sh")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == len(runs)
+    for line, want in zip(lines, runs):
+        assert " ".join(want) in line and line.startswith("-m recipes.bench_kernels deep_gemm")
