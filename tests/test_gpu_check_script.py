@@ -206,3 +206,13 @@ def test_deep_gemm_area_picks_rows_by_capability(tmp_path, capability, runs):
     assert proc.returncode == 0 and len(lines) == len(runs)
     for line, want in zip(lines, runs):
         assert " ".join(want) in line and line.startswith("-m recipes.bench_kernels deep_gemm")
+
+
+def test_autotune_lists_by_capability():
+    from accel import autotune
+    from deep_gemm.kernels import gemm
+
+    lists = {90: ["hopper"], 100: ["blackwell"]}
+    assert [autotune.for_capability(lists, c) for c in ((9, 0), 90, (10, 0), (12, 0), (8, 9), None)] == [
+        ["hopper"], ["hopper"], ["blackwell"], ["blackwell"], ["hopper"], ["hopper"]]
+    assert gemm.tiles_for((10, 0)) == gemm.TILES[100] != gemm.TILES[90] == gemm.tiles_for(None)

@@ -46,8 +46,7 @@ TILES = {
 def tiles_for(capability: tuple[int, int] | int | None) -> list[tuple[int, int, int, int]]:
     """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``): Blackwell's from sm_100 up, else Hopper's
     (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions)."""
-    major = capability[0] if isinstance(capability, tuple) else (capability or 0) // 10
-    return TILES[100] if major >= 10 else TILES[90]
+    return autotune.for_capability(TILES, capability)
 
 
 def _configs() -> list[triton.Config]:
