@@ -18,7 +18,7 @@ _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _triton(along: str):
-    """The Triton cast with ``gran_k`` along the columns (``"token"``), the rows (``"channel"``) or both (``"block"``)."""
+    """The Triton cast, ``gran_k`` along the columns (``"token"``), the rows (``"channel"``) or both (``"block"``)."""
     def run(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
         from deep_gemm.kernels import cast
 
@@ -63,7 +63,8 @@ def _spec() -> VerifySpec:
 _per_token = registry.register("deep_gemm.per_token_cast_to_fp8", reference=reference.per_token_cast_reference,
                                triton=_triton("token"), verify=_spec())
 _per_channel = registry.register("deep_gemm.per_channel_cast_to_fp8",
-                                 reference=reference.per_channel_cast_reference, triton=_triton("channel"), verify=_spec())
+                                 reference=reference.per_channel_cast_reference, triton=_triton("channel"),
+                                 verify=_spec())
 _per_block = registry.register("deep_gemm.per_block_cast_to_fp8", reference=reference.per_block_cast_reference,
                                triton=_triton("block"), verify=_spec())
 

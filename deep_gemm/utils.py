@@ -164,7 +164,7 @@ def kernel_scales(name: str, sf: object, k: int, k_dim: int, gran_k: int | None)
 
 
 def recipe_gran_k(recipe: object) -> int | None:
-    """K granularity of a DeepGEMM ``recipe`` (``(1, 128, 128)``, ``(1, 1, 128)``, ``(1, 1, 32)``...); None: none given."""
+    """K granularity of a DeepGEMM ``recipe`` (``(1, 128, 128)``, ``(1, 1, 32)``...); None when none is given."""
     if recipe is None:
         return None
     if not (isinstance(recipe, (tuple, list)) and len(recipe) in (2, 3) and all(isinstance(r, int) for r in recipe)

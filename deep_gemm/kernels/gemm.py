@@ -178,8 +178,8 @@ def _store(d_ptr, acc, m0, n0, row_ok, N, ACCUMULATE: tl.constexpr, ATOMIC: tl.c
 @triton.jit
 def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
                   sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr, SFB_GRAN_N: tl.constexpr,
-                  ACCUMULATE: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                  ACCUMULATE: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k0 = 0
     k_len = K
@@ -200,8 +200,8 @@ def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk
 @triton.jit
 def _contiguous_kernel(a_ptr, b_ptr, d_ptr, m_indices_ptr, M, N, K, M_BUCKET, s_bg, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
                        sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
-                       SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     ids = tl.load(m_indices_ptr + offs_m, mask=offs_m < M, other=-1)
@@ -218,7 +218,8 @@ def _contiguous_kernel(a_ptr, b_ptr, d_ptr, m_indices_ptr, M, N, K, M_BUCKET, s_
 @triton.jit
 def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr, s_sag, s_sam, s_sak,
                    sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr, SFB_GRAN_N: tl.constexpr,
-                   INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     g = tl.program_id(1)
     rows = tl.load(masked_m_ptr + g)
@@ -234,8 +235,9 @@ def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr
 @triton.jit
 def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk,
                       sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
-                      SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr, PACKED: tl.constexpr, INTERPRETED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr, PACKED: tl.constexpr,
+                      INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     g = tl.program_id(1)
     k0 = tl.load(k_offsets_ptr + g)
