@@ -43,6 +43,7 @@ class KernelStats:
     tcgen05: bool  # Blackwell's tensor-core MMA (UTC*MMA, accumulator in tensor memory)
     tensor_core_mma: bool  # the architecture's tensor-core MMA: wgmma on sm_90, tcgen05 on sm_100
     tmem_loads: int  # LDTM in the SASS: tensor memory read back into registers (tcgen05 accumulators)
+    block_scaled_mma: bool  # tcgen05.mma ... block_scale in the PTX: the MMA applies MX (1x32 UE8M0) scales itself
     tma: bool
     async_copies: bool  # global -> shared copies that run ahead of use (cp.async LDGSTS or TMA): pipelined loads
     loop_instructions: int  # SASS instructions in one iteration of the main loop (0: no MMA loop)
@@ -143,6 +144,7 @@ def kernel_stats(compiled) -> KernelStats:
         registers=field("REG"), stack_bytes=max(field("STACK"), field("LOCAL")),
         spill_stores=len(re.findall(r"\bSTL\b", sass)), smem_bytes=int(compiled.metadata.shared),
         wgmma=wgmma, tcgen05=tcgen05, tensor_core_mma=wgmma or tcgen05,
-        tmem_loads=len(re.findall(r"\bLDTM\b", sass)), tma=bool(re.search(r"\bUTMALDG\b", sass)),
+        tmem_loads=len(re.findall(r"\bLDTM\b", sass)),
+        block_scaled_mma=bool(re.search(r"tcgen05\.mma\S*\.block_scale", compiled.asm.get("ptx", ""))), tma=bool(re.search(r"\bUTMALDG\b", sass)),
         async_copies=bool(re.search(r"\b(LDGSTS|UTMALDG)\b", sass)),
         loop_instructions=loop, loop_global_loads=loads, loop_mmas=mmas)

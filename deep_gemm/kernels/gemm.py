@@ -41,20 +41,24 @@ TILES = {
     90: [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)],
     100: [(128, 128, 8, 4), (128, 128, 8, 5), (64, 128, 4, 4), (64, 256, 8, 3)],
 }
+# The k-grouped kernel (weight gradients) scales B per row, so each K block's promotion multiplies by a full
+# 128 x 128 tile of scales: on sm_100a, with the tcgen05 product read back from tensor memory beside it, the
+# 128 x 128 tile on 8 warps spills (648 B of stack, Triton 3.9); Hopper's wgmma fits it in 243-254 registers.
+K_GROUPED_TILES = {90: TILES[90], 100: [t for t in TILES[100] if t[:2] != (128, 128)]}
 
 
-def tiles_for(capability: tuple[int, int] | int | None) -> list[tuple[int, int, int, int]]:
+def tiles_for(capability: tuple[int, int] | int | None, tiles: dict = TILES) -> list[tuple[int, int, int, int]]:
     """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``): Blackwell's from sm_100 up, else Hopper's
     (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions)."""
-    return autotune.for_capability(TILES, capability)
+    return autotune.for_capability(tiles, capability)
 
 
-def _configs() -> list[triton.Config]:
+def _configs(tiles: dict) -> list[triton.Config]:
     """Autotune candidates for this device (BLOCK_K is fixed by the dtype). MUSA's Triton wants one stage."""
     if accel.triton_interpreted():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     capability = accel.device_capability() if accel.backend() == "cuda" else None
-    shapes = tiles_for(capability)
+    shapes = tiles_for(capability, tiles)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
     stages = (lambda s: 1) if accel.backend() == "musa" else (lambda s: s)
@@ -62,10 +66,10 @@ def _configs() -> list[triton.Config]:
                                          num_stages=stages(s)) for bm, bn, w, s in shapes])
 
 
-def _autotune(*key: str):
+def _autotune(*key: str, tiles: dict = TILES):
     # M_BUCKET: the next power of two of M, so varying token counts share tunings. Tuning reruns the kernel:
     # accumulation and rows it must not touch need D restored.
-    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
+    return triton.autotune(configs=_configs(tiles), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
                            restore_value=["d_ptr"])
 
 
@@ -231,7 +235,7 @@ def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr
            INTERPRETED, BLOCK_M, BLOCK_N)
 
 
-@_autotune("ACCUMULATE", "PACKED")
+@_autotune("ACCUMULATE", "PACKED", tiles=K_GROUPED_TILES)
 @triton.jit
 def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk,
                       sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
