@@ -145,6 +145,7 @@ def kernel_stats(compiled) -> KernelStats:
         spill_stores=len(re.findall(r"\bSTL\b", sass)), smem_bytes=int(compiled.metadata.shared),
         wgmma=wgmma, tcgen05=tcgen05, tensor_core_mma=wgmma or tcgen05,
         tmem_loads=len(re.findall(r"\bLDTM\b", sass)),
-        block_scaled_mma=bool(re.search(r"tcgen05\.mma\S*\.block_scale", compiled.asm.get("ptx", ""))), tma=bool(re.search(r"\bUTMALDG\b", sass)),
+        block_scaled_mma=bool(re.search(r"tcgen05\.mma\S*\.block_scale", compiled.asm.get("ptx", ""))),
+        tma=bool(re.search(r"\bUTMALDG\b", sass)),
         async_copies=bool(re.search(r"\b(LDGSTS|UTMALDG)\b", sass)),
         loop_instructions=loop, loop_global_loads=loads, loop_mmas=mmas)
