@@ -81,7 +81,7 @@ def gemm_cases(capability: int = 90) -> list[Case]:
             n: "*i32" if n in ("m_indices_ptr", "masked_m_ptr", "k_offsets_ptr") else scale
             for n in names if n.endswith("_ptr") and n not in ("a_ptr", "b_ptr", "d_ptr")}
         tiles = gemm.K_GROUPED_TILES if grouped_k else gemm.TILES
-        for i, (bm, bn, warps, stages) in enumerate(gemm.tiles_for(capability, tiles)):
+        for i, (bm, bn, warps, stages) in enumerate(gemm.tiles_for(capability, tiles, mx=bool(consts.get("MX")))):
             tile = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": gemm.block_k(fp8), "GROUP_M": 8}
             full = {"FP8": fp8, "MX": False, "SFB_GRAN_N": 1 if grouped_k else 128, "INTERPRETED": False, **consts,
                     **tile, **{n: 1 for n in unit}}

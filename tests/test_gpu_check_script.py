@@ -216,3 +216,17 @@ def test_autotune_lists_by_capability():
     assert [autotune.for_capability(lists, c) for c in ((9, 0), 90, (10, 0), (12, 0), (8, 9), None)] == [
         ["hopper"], ["hopper"], ["blackwell"], ["blackwell"], ["hopper"], ["hopper"]]
     assert gemm.tiles_for((10, 0)) == gemm.TILES[100] != gemm.TILES[90] == gemm.tiles_for(None)
+
+
+def test_mxfp8_tiles_by_capability():
+    """Hopper emulates MXFP8's block-scaled dot with bf16 wgmma: only 128-row tiles fit there (the autotuner prunes
+    the others at launch); Blackwell's native block-scaled MMA keeps the whole list."""
+    import triton
+
+    from deep_gemm.kernels import gemm
+
+    assert {t[0] for t in gemm.tiles_for(90, mx=True)} == {128}
+    assert gemm.tiles_for(100, mx=True) == gemm.TILES[100]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8}) for bm in (128, 64)]
+    assert [c.kwargs["BLOCK_M"] for c in gemm._prune(configs, {}, MX=True)] == [128]  # no GPU: Hopper's rule
+    assert gemm._prune(configs, {}, MX=False) == configs

@@ -47,10 +47,27 @@ TILES = {
 K_GROUPED_TILES = {90: TILES[90], 100: [t for t in TILES[100] if t[:2] != (128, 128)]}
 
 
-def tiles_for(capability: tuple[int, int] | int | None, tiles: dict = TILES) -> list[tuple[int, int, int, int]]:
+def tiles_for(capability: tuple[int, int] | int | None, tiles: dict = TILES,
+              mx: bool = False) -> list[tuple[int, int, int, int]]:
     """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``): Blackwell's from sm_100 up, else Hopper's
-    (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions)."""
-    return autotune.for_capability(tiles, capability)
+    (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions); ``mx``: those MXFP8 can use."""
+    picked = autotune.for_capability(tiles, capability)
+    return [t for t in picked if mx_tile_fits(t[0], capability)] or picked if mx else picked
+
+
+def mx_tile_fits(block_m: int, capability: tuple[int, int] | int | None) -> bool:
+    """Whether MXFP8's main loop fits a BLOCK_M-row tile in registers. Below sm_100 there is no block-scaled MMA:
+    Triton upcasts both tiles to bf16 times their scales for wgmma, and 64-row tiles spill (8-24 B, Triton 3.9)."""
+    cap = autotune.capability_number(capability)
+    return block_m >= 128 or (cap is not None and cap >= 100)
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """Autotuner hook: MXFP8 launches drop the tiles ``mx_tile_fits`` rules out on this device."""
+    if not kwargs.get("MX"):
+        return configs
+    capability = accel.device_capability() if accel.backend() == "cuda" else None
+    return [c for c in configs if mx_tile_fits(c.kwargs["BLOCK_M"], capability)] or configs
 
 
 def _configs(tiles: dict) -> list[triton.Config]:
@@ -70,7 +87,7 @@ def _autotune(*key: str, tiles: dict = TILES):
     # M_BUCKET: the next power of two of M, so varying token counts share tunings. Tuning reruns the kernel:
     # accumulation and rows it must not touch need D restored.
     return triton.autotune(configs=_configs(tiles), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
-                           restore_value=["d_ptr"])
+                           restore_value=["d_ptr"], prune_configs_by={"early_config_prune": _prune})
 
 
 def block_k(fp8: bool) -> int:
