@@ -60,6 +60,7 @@ def gemm_cases(capability: int = 90) -> list[Case]:
     variants = [
         ("fp8 dense", gemm._dense_kernel, True, dense, ("s_ak", "s_bk")),
         ("fp8 dense split-k", gemm._dense_kernel, True, {**dense, "SPLIT_K": 4}, ("s_ak", "s_bk")),
+        ("fp8 dense wgrad", gemm._dense_kernel, True, {**dense, "SFB_GRAN_N": 1}, ("s_ak", "s_bk")),  # 1x128 B
         ("fp8 m-grouped contiguous", gemm._contiguous_kernel, True, {}, ("s_bk",)),
         ("fp8 masked", gemm._masked_kernel, True, {}, ()),
         ("fp8 k-grouped", gemm._k_grouped_kernel, True, k_grouped, ("s_ak", "s_bk")),
@@ -80,11 +81,12 @@ def gemm_cases(capability: int = 90) -> list[Case]:
         pointers = {n: elem for n in ("a_ptr", "b_ptr")} | {"d_ptr": "*fp32" if fp32_out else "*bf16"} | {
             n: "*i32" if n in ("m_indices_ptr", "masked_m_ptr", "k_offsets_ptr") else scale
             for n in names if n.endswith("_ptr") and n not in ("a_ptr", "b_ptr", "d_ptr")}
-        tiles = gemm.K_GROUPED_TILES if grouped_k else gemm.TILES
-        for i, (bm, bn, warps, stages) in enumerate(gemm.tiles_for(capability, tiles, mx=bool(consts.get("MX")))):
+        gran = consts.get("SFB_GRAN_N", 1 if grouped_k else 128)
+        tiles = gemm.tiles_for(capability, mx=bool(consts.get("MX")), row_scaled_b=fp8 and gran == 1)
+        for i, (bm, bn, warps, stages) in enumerate(tiles):
             tile = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": gemm.block_k(fp8), "GROUP_M": 8}
-            full = {"FP8": fp8, "MX": False, "SFB_GRAN_N": 1 if grouped_k else 128, "INTERPRETED": False, **consts,
-                    **tile, **{n: 1 for n in unit}}
+            full = {"FP8": fp8, "MX": False, "SFB_GRAN_N": gran, "INTERPRETED": False, **consts, **tile,
+                    **{n: 1 for n in unit}}
             divisible = tuple(n for n in names if n not in full and (n in pointers or n.startswith("s_")
                                                                      or n in ("N", "K")))
             cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(tile, warps, stages), kernel,

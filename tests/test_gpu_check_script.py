@@ -218,15 +218,18 @@ def test_autotune_lists_by_capability():
     assert gemm.tiles_for((10, 0)) == gemm.TILES[100] != gemm.TILES[90] == gemm.tiles_for(None)
 
 
-def test_mxfp8_tiles_by_capability():
-    """Hopper emulates MXFP8's block-scaled dot with bf16 wgmma: only 128-row tiles fit there (the autotuner prunes
-    the others at launch); Blackwell's native block-scaled MMA keeps the whole list."""
+def test_tiles_by_operand_kind_and_capability():
+    """MXFP8 takes 128-row tiles (Blackwell's block-scaled MMA needs them; Hopper's bf16 emulation spills smaller
+    ones); blockwise FP8 with per-row B scales drops 128x128 on Blackwell (it spills there). The autotuner prunes
+    per launch by the same rule."""
     import triton
 
     from deep_gemm.kernels import gemm
 
-    assert {t[0] for t in gemm.tiles_for(90, mx=True)} == {128}
-    assert gemm.tiles_for(100, mx=True) == gemm.TILES[100]
+    for cap in (90, 100):
+        assert {t[0] for t in gemm.tiles_for(cap, mx=True)} == {128}
+    assert (128, 128) not in {t[:2] for t in gemm.tiles_for(100, row_scaled_b=True)}
+    assert gemm.tiles_for(90, row_scaled_b=True) == gemm.TILES[90]
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8}) for bm in (128, 64)]
-    assert [c.kwargs["BLOCK_M"] for c in gemm._prune(configs, {}, MX=True)] == [128]  # no GPU: Hopper's rule
-    assert gemm._prune(configs, {}, MX=False) == configs
+    assert [c.kwargs["BLOCK_M"] for c in gemm._prune(configs, {}, MX=True, FP8=True, SFB_GRAN_N=1)] == [128]
+    assert gemm._prune(configs, {}, MX=False, FP8=True, SFB_GRAN_N=1) == configs  # no GPU here: Hopper's rule

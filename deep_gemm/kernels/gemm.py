@@ -37,45 +37,50 @@ AUTOTUNE_ENV = "DSV3_DEEP_GEMM_AUTOTUNE"  # "0": skip autotuning (first config),
 # Blackwell each K block's product comes back from tensor memory (tcgen05 is asynchronous, LDTM reads it), so
 # the list trades Hopper's 3-stage 128 x 128 for a 5-stage one (160 KB of the 227 KB): a deeper copy pipeline
 # to cover that latency. Which tile wins is the autotuner's call on the GPU (no Blackwell timing here yet).
+# ``tile_fits`` then drops, per launch, the tiles a kind of operand cannot use (the autotuner's prune hook).
 TILES = {
     90: [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)],
     100: [(128, 128, 8, 4), (128, 128, 8, 5), (64, 128, 4, 4), (64, 256, 8, 3)],
 }
-# The k-grouped kernel (weight gradients) scales B per row, so each K block's promotion multiplies by a full
-# 128 x 128 tile of scales: on sm_100a, with the tcgen05 product read back from tensor memory beside it, the
-# 128 x 128 tile on 8 warps spills (648 B of stack, Triton 3.9); Hopper's wgmma fits it in 243-254 registers.
-K_GROUPED_TILES = {90: TILES[90], 100: [t for t in TILES[100] if t[:2] != (128, 128)]}
 
 
-def tiles_for(capability: tuple[int, int] | int | None, tiles: dict = TILES,
-              mx: bool = False) -> list[tuple[int, int, int, int]]:
-    """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``): Blackwell's from sm_100 up, else Hopper's
-    (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions); ``mx``: those MXFP8 can use."""
-    picked = autotune.for_capability(tiles, capability)
-    return [t for t in picked if mx_tile_fits(t[0], capability)] or picked if mx else picked
+def tile_fits(block_m: int, block_n: int, capability: tuple[int, int] | int | None, mx: bool = False,
+              row_scaled_b: bool = False) -> bool:
+    """Whether a tile suits an operand kind on a capability (compile evidence, benchmarks/kernels_compiled.md).
+
+    MXFP8 (``mx``) takes 128-row tiles only: on sm_100 the block-scaled tcgen05 MMA needs 128 rows (Triton lowers a
+    64-row ``dot_scaled`` to an upcast and a plain MMA), and below sm_100 Triton always upcasts both tiles to bf16
+    times their scales, which spills 64-row tiles. Blockwise FP8 with per-row B scales (weight gradients) multiplies
+    each K block by a full scale tile, which at 128 x 128 spills on sm_100 beside the product read back from
+    tensor memory (648 B of stack, Triton 3.9; Hopper fits it in 243-254 registers)."""
+    cap = autotune.capability_number(capability) or 0
+    if mx:
+        return block_m == 128
+    return not (row_scaled_b and cap >= 100 and (block_m, block_n) == (128, 128))
 
 
-def mx_tile_fits(block_m: int, capability: tuple[int, int] | int | None) -> bool:
-    """Whether MXFP8's main loop fits a BLOCK_M-row tile in registers. Below sm_100 there is no block-scaled MMA:
-    Triton upcasts both tiles to bf16 times their scales for wgmma, and 64-row tiles spill (8-24 B, Triton 3.9)."""
-    cap = autotune.capability_number(capability)
-    return block_m >= 128 or (cap is not None and cap >= 100)
+def tiles_for(capability: tuple[int, int] | int | None, mx: bool = False,
+              row_scaled_b: bool = False) -> list[tuple[int, int, int, int]]:
+    """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``) and operand kind: Blackwell's list from
+    sm_100 up, else Hopper's (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions)."""
+    picked = autotune.for_capability(TILES, capability)
+    return [t for t in picked if tile_fits(t[0], t[1], capability, mx, row_scaled_b)] or picked
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
-    """Autotuner hook: MXFP8 launches drop the tiles ``mx_tile_fits`` rules out on this device."""
-    if not kwargs.get("MX"):
-        return configs
+    """Autotuner hook: drop the tiles ``tile_fits`` rules out for this launch's operands on this device."""
     capability = accel.device_capability() if accel.backend() == "cuda" else None
-    return [c for c in configs if mx_tile_fits(c.kwargs["BLOCK_M"], capability)] or configs
+    mx, row_scaled_b = bool(kwargs.get("MX")), bool(kwargs.get("FP8")) and kwargs.get("SFB_GRAN_N") == 1
+    return [c for c in configs if tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], capability, mx,
+                                            row_scaled_b)] or configs
 
 
-def _configs(tiles: dict) -> list[triton.Config]:
+def _configs() -> list[triton.Config]:
     """Autotune candidates for this device (BLOCK_K is fixed by the dtype). MUSA's Triton wants one stage."""
     if accel.triton_interpreted():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     capability = accel.device_capability() if accel.backend() == "cuda" else None
-    shapes = tiles_for(capability, tiles)
+    shapes = autotune.for_capability(TILES, capability)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
     stages = (lambda s: 1) if accel.backend() == "musa" else (lambda s: s)
@@ -83,10 +88,10 @@ def _configs(tiles: dict) -> list[triton.Config]:
                                          num_stages=stages(s)) for bm, bn, w, s in shapes])
 
 
-def _autotune(*key: str, tiles: dict = TILES):
+def _autotune(*key: str):
     # M_BUCKET: the next power of two of M, so varying token counts share tunings. Tuning reruns the kernel:
     # accumulation and rows it must not touch need D restored.
-    return triton.autotune(configs=_configs(tiles), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
+    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
                            restore_value=["d_ptr"], prune_configs_by={"early_config_prune": _prune})
 
 
@@ -252,7 +257,7 @@ def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr
            INTERPRETED, BLOCK_M, BLOCK_N)
 
 
-@_autotune("ACCUMULATE", "PACKED", tiles=K_GROUPED_TILES)
+@_autotune("ACCUMULATE", "PACKED")
 @triton.jit
 def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk,
                       sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
