@@ -39,6 +39,8 @@ KERNELS = {  # every kernel variant each table must hold
     "flash_mla.decode[fp8 causal]", "flash_mla.combine", "flash_mla.attention.fwd[192/128 causal]",
     "flash_mla.attention.bwd_dkdv[192/128 causal]", "flash_mla.attention.bwd_dq[192/128 causal]",
     "flash_mla.attention.delta",
+    "flash_mla.sparse.fwd[576/512]", "flash_mla.sparse.decode[fp8]", "flash_mla.sparse.bwd[576/512]",
+    "deep_gemm.mqa_logits", "deep_gemm.paged_mqa_logits",
 }
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90 and sm_100 (CUDA programming guide)
 # (what fails, which rows it applies to, the failing test on a row)
