@@ -13,7 +13,8 @@ per K block, Triton 3.9).
 Default run: each kernel variant at its first autotune config for each target (the one correctness runs use
 with autotuning off; ~40 compiles per target over 2 processes, 14 of them the small fused_ops kernels).
 ``DSV3_FULL_COMPILE=1`` compiles every config of every kernel, the set ``python -m recipes.kernels_compiled
---capability C --write benchmarks/kernels_compiled.md`` tabulates. Skipped when this Triton cannot compile for CUDA offline.
+--capability C --write benchmarks/kernels_compiled.md`` tabulates. Skipped when this Triton cannot compile for
+CUDA offline.
 New kernels: add their table names to ``KERNELS`` (and a row to ``GATES`` for a new kind of check).
 """
 
