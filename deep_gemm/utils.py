@@ -151,6 +151,8 @@ def kernel_scales(name: str, sf: object, k: int, k_dim: int, gran_k: int | None)
     moved = sf.movedim(k_dim, -1)
     if sf.dtype == torch.int32:
         if gran_k == MX_BLOCK:
+            if sf.numel() and scale_values_checked(sf) and not is_ue8m0(unpack_ue8m0(moved, k // MX_BLOCK)):
+                raise ValueError(f"{name}: packed UE8M0 exponents must lie in 1..254 (finite, non-zero scales)")
             return sf, True
         if along_k != ceil_div(k // BLOCK, 4):
             raise ValueError(f"{name}: packed UE8M0 scales with 1x{BLOCK} blocks must have {ceil_div(k // BLOCK, 4)} "

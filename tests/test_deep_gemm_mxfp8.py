@@ -228,3 +228,8 @@ def test_bad_mx_input_is_a_one_line_error():
         deep_gemm.Fp8Linear(256, 128, fp8="fp4")
     with pytest.raises(ValueError, match="recipe"):
         deep_gemm.fp8_gemm_nt(xq, wq, d, recipe=(1, 1, 64))
+    bad = deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(xq[1]).clone()
+    bad[3, 1] = 0  # exponent byte 0: a zero scale
+    with pytest.raises(ValueError, match="1..254"):
+        deep_gemm.fp8_gemm_nt((xq[0], bad), (wq[0], deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(wq[1])),
+                              d, recipe=(1, 1, 32))
