@@ -76,8 +76,8 @@ def _sum_rows_kernel(ROWS, Y, W, OUT, K, D, stride_y, stride_out, HAS_WEIGHTS: t
         for j in range(K):
             row = tl.load(ROWS + t * K + j).to(tl.int64)
             y = tl.load(Y + row * stride_y + cols, mask=cols < D, other=0.0).to(tl.float32)
-            if HAS_WEIGHTS:
-                y *= on_grid(tl.load(W + t * K + j), dtype)  # the weight in y's dtype, as the reference
+            if HAS_WEIGHTS:  # the weight in y's dtype and the product rounded to it, as the unfused ``(y * w).sum``
+                y = on_grid(y * on_grid(tl.load(W + t * K + j), dtype), dtype)
             acc += y
         tl.store(OUT + t * stride_out + cols, on_grid(acc, dtype).to(dtype), mask=cols < D)
 
