@@ -268,11 +268,22 @@ def _spread_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(grad, y, assign, shape["k"], weights))
 
 
+def _near_ties(logits: torch.Tensor, bias: torch.Tensor, groups: int, gap: float) -> torch.Tensor:
+    """Rows whose selection scores (or group scores) have two values closer than ``gap``: there a few-ulp
+    difference between two sigmoids (a GPU's fast ``exp``) may legitimately swap two experts."""
+    choice = torch.sigmoid(logits.double()) + bias.double()
+    group_scores = choice.view(len(choice), groups, -1).topk(min(2, choice.shape[-1] // groups), -1).values.sum(-1)
+    close = [(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in (choice, group_scores)]
+    return close[0] | close[1]
+
+
 def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = _gen(seed)
-    logits = (torch.randn(shape["rows"], shape["experts"], generator=g) * 2).to(device)
-    bias = (torch.randn(shape["experts"], generator=g) * 0.1).to(device)
-    return Case(args=(logits, bias, shape["k"], shape["groups"], shape["topk_groups"], 2.5))
+    logits = torch.randn(shape["rows"], shape["experts"], generator=g) * 2
+    bias = torch.randn(shape["experts"], generator=g) * 0.1
+    while (redo := _near_ties(logits, bias, shape["groups"], 1e-6)).any():  # ~17 fp32 ulps apart at least
+        logits[redo] = torch.randn(int(redo.sum()), shape["experts"], generator=g) * 2
+    return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5))
 
 
 def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
