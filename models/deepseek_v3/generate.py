@@ -3,6 +3,8 @@
 The cache holds, per layer, 576 values per token (``kv_lora_rank`` latent + ``qk_rope_head_dim``
 RoPE key) in FlashMLA's paged layout: ``[num_blocks, 64, 1, 576]`` pages addressed through a
 ``block_table [batch, max_blocks]``. Every sequence in a batch advances in lockstep (same length).
+A DeepSeek-V3.2 model (sparse attention) also caches each layer's lightning-indexer keys; its new queries
+score every cached key and attend to their top-k cached latents (``MLA._attend_indexed_cache``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class LatentKVCache:
         num_blocks = int(block_table.max()) + 1
         self.k_cache = {layer: torch.zeros(num_blocks, BLOCK_SIZE, 1, self.width, dtype=dtype, device=device)
                         for layer in range(args.n_layers)}
+        # DeepSeek-V3.2: each layer's lightning-indexer keys (index_head_dim per token), scored by every new query
+        self.index_k = {layer: torch.zeros(batch, max_len, args.index_head_dim, dtype=dtype, device=device)
+                        for layer in range(args.n_layers)} if args.sparse else {}
         self._step: dict | None = None
 
     def write(self, layer_id: int, start_pos: int, latent: torch.Tensor) -> None:
@@ -46,6 +51,20 @@ class LatentKVCache:
         pos = torch.arange(start_pos, start_pos + s, device=latent.device)
         pages = self.block_table[:, pos // BLOCK_SIZE].long()  # [b, s]
         self.k_cache[layer_id][pages, pos % BLOCK_SIZE, 0] = latent.to(self.k_cache[layer_id].dtype)
+
+    def latents(self, layer_id: int, n: int) -> torch.Tensor:
+        """The first ``n`` cached latents of every sequence, ``[batch, n, 576]`` (gathered from the pages)."""
+        pos = torch.arange(n, device=self.block_table.device)
+        pages = self.block_table[:, pos // BLOCK_SIZE].long()
+        return self.k_cache[layer_id][pages, pos % BLOCK_SIZE, 0]
+
+    def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store the indexer keys ``[batch, s, index_head_dim]`` at ``start_pos..``; return all ``start_pos + s``."""
+        end = start_pos + keys.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"LatentKVCache: positions up to {end} exceed max_len={self.max_len}")
+        self.index_k[layer_id][:, start_pos:end] = keys.to(self.index_k[layer_id].dtype)
+        return self.index_k[layer_id][:, :end]
 
     def begin_step(self, start_pos: int, num_tokens: int, num_heads: int) -> None:
         """Plan one step of ``num_tokens`` new tokens at ``start_pos`` (FlashMLA's once-per-step metadata)."""

@@ -1,0 +1,175 @@
+"""DeepSeek-V3.2's lightning indexer and its training loss (DeepSeek Sparse Attention, DSA).
+
+For query ``t`` and earlier key ``s`` the indexer's score is ``I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])``
+over ``index_n_heads`` heads ``j`` of width ``index_head_dim``:
+
+* ``q_I = wq_b(q_resid)``, with ``q_resid`` the MLA query's low-rank residual after ``q_norm``;
+* ``k_I = k_norm(wk(x))``, one key head shared by every indexer head (``k_norm`` a LayerNorm);
+* the first ``qk_rope_head_dim`` dims of both get RoPE as two halves (not the MLA's interleaved pairs);
+* ``w = weights_proj(x) * index_n_heads^-0.5``; the softmax scale ``index_head_dim^-0.5`` is folded
+  into ``w`` (ReLU is positively homogeneous), as DeepGEMM's ``fp8_mqa_logits`` takes it.
+
+Each query attends to its ``index_topk`` highest-scoring causal keys. The indexer learns from the main
+attention: ``KL(p || softmax(I))`` with ``p`` the main attention's probabilities summed over heads and
+L1-normalised, over every causal key in the dense warm-up and over the selected keys in the sparse stage.
+Its inputs are detached from the main graph, so the loss trains the indexer only. ``indexer_kl`` takes a
+candidate set per query (all causal keys, or the top-k) and works on a chunk of queries at a time, so
+neither ``[heads, s, s]`` scores nor ``[s, index heads, k]`` products are ever all held at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.layers import Linear
+from models.deepseek_v3.recompute import recomputing
+from models.deepseek_v3.rope import apply_rotary_emb_half
+
+QUERY_CHUNK = 256  # queries per chunk of the loss: bounds the [chunk, heads, keys] products it makes
+
+
+class IndexerStats(nn.Module):
+    """Running sums of one layer's indexer loss and top-k recall, for the metrics stream (not checkpointed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, torch.Tensor] = {}
+        self.calls: dict[str, int] = {}
+
+    @torch.no_grad()
+    def record(self, name: str, value: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        out = {name: float(total) / self.calls[name] for name, total in self.sums.items()}
+        if reset:
+            self.sums, self.calls = {}, {}
+        return out
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer (HF names: ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.rope_dim = args.qk_rope_head_dim
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(args.dim, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(args.dim, self.n_heads)
+        self.stats = IndexerStats()
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rotary_emb_half(rot, cos, sin), rest], dim=-1)
+
+    def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``q_I [b, s, heads, head_dim]`` from the MLA query residual ``[b, s, q_lora_rank]`` (after q_norm)."""
+        return self._rope(self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``k_I [b, s, head_dim]`` from the attention input ``x [b, s, dim]``."""
+        return self._rope(self.k_norm(self.wk(x)).unsqueeze(2), cos, sin).squeeze(2)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``w [b, s, heads]`` in fp32, with both scales folded in (``heads^-0.5 * head_dim^-0.5``)."""
+        return self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``I [b, s, n] = sum_j w[:, :, j] * ReLU(q[:, :, j] . k)`` in fp32 for q ``[b, s, H, D]``, k ``[b, n, D]``,
+    w ``[b, s, H]`` (the reference of DeepGEMM's ``fp8_mqa_logits``, in full precision)."""
+    logits = torch.einsum("bshd,bnd->bshn", q.float(), k.float()).relu_()
+    return torch.einsum("bsh,bshn->bsn", w.float(), logits)
+
+
+def causal_topk(scores: torch.Tensor, topk: int, start_pos: int = 0) -> torch.Tensor:
+    """Each query's ``min(topk, n)`` highest-scoring causal keys: int32 ``[b, s, k]`` key positions, -1 where a
+    query has fewer than k earlier keys. ``scores [b, s, n]`` for queries at ``start_pos..`` over keys ``0..n``."""
+    s, n = scores.shape[1:]
+    future = torch.arange(n, device=scores.device)[None, :] > torch.arange(start_pos, start_pos + s,
+                                                                             device=scores.device)[:, None]
+    masked = scores.masked_fill(future, float("-inf"))
+    values, idx = masked.topk(min(topk, n), dim=-1)
+    return torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+
+
+def causal_all(b: int, s: int, device: torch.device) -> torch.Tensor:
+    """Every causal key of every query as a candidate set, int32 ``[b, s, s]`` (-1 for future keys)."""
+    pos = torch.arange(s, device=device)
+    idx = torch.where(pos[None, :] <= pos[:, None], pos[None, :], -1).to(torch.int32)
+    return idx.expand(b, s, s)
+
+
+def flat_rows(indices: torch.Tensor, n: int) -> torch.Tensor:
+    """Key positions ``[b, s, k]`` (-1 invalid) as rows of the batch's keys flattened to ``[b * n]``: ``[b * s, k]``."""
+    offset = torch.arange(indices.shape[0], device=indices.device, dtype=indices.dtype)[:, None, None] * n
+    return torch.where(indices >= 0, indices + offset, -1).flatten(0, 1)
+
+
+def _kl_chunk(q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+              rows: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Summed ``KL(p || softmax(I))`` of a chunk of queries over their candidate rows (-1 = none)."""
+    valid = rows >= 0
+    safe = rows.clamp_min(0).long()
+    with torch.no_grad():  # the target: the main attention's distribution over the set, summed over heads
+        logits = torch.einsum("thc,tkc->thk", q_abs.float(), kv[safe].float()) * sm_scale
+        p = logits.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).mean(1)
+    scores = torch.einsum("th,thk->tk", w, torch.einsum("thd,tkd->thk", q_i.float(), k_i[safe].float()).relu())
+    log_q = scores.masked_fill(~valid, float("-inf")).log_softmax(-1)
+    return (torch.xlogy(p, p) - p * log_q.masked_fill(~valid, 0.0)).sum()
+
+
+def indexer_kl(q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+               rows: torch.Tensor, sm_scale: float, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """Mean over queries of ``KL(p || softmax(I))`` over each query's candidate keys, differentiable in the
+    indexer's ``q_i [T, H, D]``, ``k_i [N, D]`` and ``w [T, H]`` only.
+
+    ``p`` is the main attention's softmax over the candidates (``q_abs [T, h, 576] . kv [N, 576] * sm_scale``,
+    the absorbed form), averaged over its h heads (= summed and L1-normalised); ``rows [T, k]`` are rows of
+    ``kv`` / ``k_i`` (-1 = no key). Each chunk of queries is recomputed for its backward, so what is kept is
+    the inputs, never the ``[chunk, heads, k]`` products."""
+    total = q_i.new_zeros((), dtype=torch.float32)
+    for a in range(0, rows.shape[0], chunk):
+        part = (q_abs[a:a + chunk], kv, q_i[a:a + chunk], k_i, w[a:a + chunk], rows[a:a + chunk])
+        total = total + checkpoint(_kl_chunk, *part, sm_scale, use_reentrant=False)
+    return total / rows.shape[0]
+
+
+@torch.no_grad()
+def topk_recall(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """Mean over queries with more than ``topk`` candidates of the share of ``target``'s top-k candidates
+    (the main attention's) that ``scores``' top-k (the indexer's) also holds; None when no query has that many."""
+    valid = rows >= 0
+    deep = valid.sum(-1) > topk
+    if not bool(deep.any()):
+        return None
+    target, scores, valid = target[deep], scores[deep], valid[deep]
+    top_t = target.masked_fill(~valid, float("-inf")).topk(topk, dim=-1).indices
+    top_s = scores.masked_fill(~valid, float("-inf")).topk(topk, dim=-1).indices
+    hit = torch.zeros_like(valid).scatter_(1, top_s, True).gather(1, top_t)
+    return hit.float().mean()
+
+
+def record_recall(stats: IndexerStats, q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor,
+                  w: torch.Tensor, rows: torch.Tensor, sm_scale: float, topk: int) -> None:
+    """Record the top-k recall of the main attention's top keys by the indexer, on one chunk of queries (the
+    last ``QUERY_CHUNK``: the longest contexts) over their candidates; a metric, not part of any loss."""
+    if recomputing():
+        return
+    with torch.no_grad():
+        sel = slice(max(0, rows.shape[0] - QUERY_CHUNK), rows.shape[0])
+        r = rows[sel]
+        safe = r.clamp_min(0).long()
+        p = (torch.einsum("thc,tkc->thk", q_abs[sel].float(), kv[safe].float()) * sm_scale).masked_fill(
+            (r < 0)[:, None, :], float("-inf")).softmax(-1).mean(1)
+        scores = torch.einsum("th,thk->tk", w[sel], torch.einsum("thd,tkd->thk", q_i[sel].float(),
+                                                                     k_i[safe].float()).relu())
+        recall = topk_recall(p, scores, r, topk)
+    if recall is not None:
+        stats.record("recall", recall)
