@@ -16,6 +16,7 @@ from accel.registry import Case, VerifySpec
 from accel.verify import calc_diff
 from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
+from flash_mla.sparse import LOG2E, sparse_attention_math
 
 OP_NAME = "flash_mla.flash_mla_with_kvcache"
 HEAD_DIM = D_NOPE + D_ROPE  # 576
@@ -23,8 +24,6 @@ HEAD_DIM = D_NOPE + D_ROPE  # 576
 
 def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                 causal, is_fp8_kvcache, indices) -> None:
-    if indices is not None:
-        raise ValueError("flash_mla_with_kvcache: indices (sparse attention) is not supported; expected None")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [batch, s_q, h_q, head_dim], got shape {tuple(getattr(q, 'shape', ()))}")
     b, s_q, h_q, d = q.shape
@@ -54,6 +53,9 @@ def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedul
             raise ValueError(f"head_dim_v must be in [1, {d}], got {head_dim_v}")
     if h_q % h_kv:
         raise ValueError(f"h_q={h_q} must be a multiple of the cache's h_kv={h_kv}")
+    if indices is not None:
+        _check_sparse(indices, q, h_kv, causal)
+        return
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be int32 [{b}, max_blocks], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
@@ -66,6 +68,32 @@ def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedul
     check_metadata(tile_scheduler_metadata, num_splits, cache_seqlens, block_table, k_cache.shape[0])
 
 
+def _check_sparse(indices, q: torch.Tensor, h_kv: int, causal: bool) -> None:
+    b, s_q = q.shape[:2]
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 3 \
+            or tuple(indices.shape[:2]) != (b, s_q):
+        raise ValueError(f"indices must be int32 [{b}, {s_q}, topk], got {getattr(indices, 'dtype', None)} "
+                         f"{tuple(getattr(indices, 'shape', ()))}")
+    if indices.device != q.device:
+        raise ValueError(f"indices must be on q's device {q.device}, got {indices.device}")
+    if h_kv != 1:
+        raise ValueError(f"sparse decoding (indices given) needs a cache with h_kv = 1, got {h_kv}")
+    if causal:
+        raise ValueError("causal must be False with indices: the indices already say which tokens each query sees")
+
+
+def sparse_decode_reference(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices):
+    """Sparse decoding as sparse prefill over the flattened cache: ``indices [b, s_q, topk]`` are cache slots
+    ``page * 64 + offset`` (FlashMLA's format); -1 or past the cache is ignored. lse natural, +inf if empty."""
+    b, s_q, h_q, d = q.shape
+    cache = dequantize_kv_fp8(k_cache) if is_fp8_kvcache else k_cache
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out, _, lse2 = sparse_attention_math(q.reshape(b * s_q, h_q, d), cache.reshape(-1, d),
+                                         indices.reshape(b * s_q, -1), scale, head_dim_v)
+    lse = (lse2 / LOG2E).view(b, s_q, h_q).transpose(1, 2)
+    return out.view(b, s_q, h_q, head_dim_v).to(q.dtype), lse
+
+
 @registry.reference_for(OP_NAME)
 def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                      num_splits, softmax_scale=None, causal=False, is_fp8_kvcache=False,
@@ -75,6 +103,8 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
     Zero-length sequences and fully masked rows give out 0 and lse +inf (FlashMLA's convention).
     An FP8 cache is dequantised to bf16 first, exactly as the kernel sees it.
     """
+    if indices is not None:
+        return sparse_decode_reference(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices)
     b, s_q, h_q, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     cache = dequantize_kv_fp8(k_cache) if is_fp8_kvcache else k_cache
@@ -101,6 +131,8 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
 
 def _flash_mla_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+    if indices is not None:
+        raise registry.Unsupported("sparse decoding (indices) has no Triton kernel yet")
     from flash_mla.kernels.decode import flash_mla_decode_triton
 
     return flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -212,8 +244,13 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     [b]``; the plan from ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``. ``causal`` with
     ``s_q > 1`` masks bottom-right (query i sees the first ``seqlen - s_q + i + 1`` tokens).
     ``softmax_scale`` defaults to ``head_dim ** -0.5``. lse is the natural log-sum-exp.
+
+    Sparse decoding (DeepSeek-V3.2): ``indices int32 [b, s_q, topk]`` names the cache slots each query attends
+    to, as ``page * 64 + offset`` into the whole cache (FlashMLA's format), -1 (or past the cache) for none;
+    the cache needs ``h_kv = 1`` and ``causal`` must be False. ``block_table``, ``cache_seqlens`` and the plan
+    are then not used (pass None or anything). A query with no valid index gets out 0 and lse +inf.
     """
     _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, causal,
                 is_fp8_kvcache, indices)
     return flash_mla_op(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache)
+                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)

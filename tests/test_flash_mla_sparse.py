@@ -1,0 +1,129 @@
+"""DSA sparse MLA attention (flash_mla.sparse): references and Triton kernels against float64 dense attention
+with the non-selected keys masked, written out here independently of the gather the implementations use.
+
+Every case draws fresh indices with duplicates, -1 and out-of-range entries, rows with fewer valid keys than
+top-k (causal selection) and, where asked, a row with no valid key at all; every cache row no query selects
+is NaN, so reading one shows up as NaN in a result.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_mla
+from accel import registry
+from accel.verify import calc_diff
+from flash_mla.sparse import poison_unselected, random_selection, sparse_mla_attention_reference
+
+LOG2E = 1.4426950408889634
+
+
+def _dense_float64(q, kv, indices, scale, d_v):
+    """float64 dense attention over all s_kv keys, key s weighted by how often row t lists it (0: masked):
+    (out, max_logits, lse) with base-2 stats, lonely rows out 0 / max -inf / lse +inf. Differentiable."""
+    s_kv = kv.shape[0]
+    valid = (indices >= 0) & (indices < s_kv)
+    counts = torch.zeros(q.shape[0], s_kv, dtype=torch.float64)
+    counts.scatter_add_(1, indices.long().clamp(0, s_kv - 1), valid.double())
+    kv = torch.where(counts.sum(0)[:, None] > 0, kv.double(), 0.0)  # never-selected rows are NaN-poisoned
+    scores = torch.einsum("thd,sd->ths", q.double(), kv) * scale
+    live = (counts.sum(1) > 0)[:, None, None]
+    logits = torch.where(counts[:, None, :] > 0, scores, -math.inf)
+    logits = torch.where(live, logits, 0.0)
+    weights = counts[:, None, :] * torch.exp(logits - logits.amax(-1, keepdim=True))
+    probs = weights / torch.where(live, weights.sum(-1, keepdim=True), 1.0)
+    out = torch.einsum("ths,sd->thd", probs, kv[:, :d_v])
+    lse = torch.log(weights.sum(-1)) + logits.amax(-1)
+    live = live[..., 0]
+    return (out, torch.where(live, logits.amax(-1) * LOG2E, -math.inf),
+            torch.where(live, lse * LOG2E, math.inf))
+
+
+def _case(s_q, s_kv, h, d_qk, topk, dtype, seed, lonely=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, d_qk, generator=g).to(dtype)
+    kv = torch.randn(s_kv, d_qk, generator=g).to(dtype)
+    idx = random_selection(s_q, s_kv, topk, g, causal=True)
+    if lonely:
+        idx[s_q // 2] = -1
+    poison_unselected(kv, idx)
+    dout = torch.randn(s_q, h, kv.shape[1], generator=g).to(dtype)
+    return q, kv, idx, dout
+
+
+def _lse_atol(q, kv, indices, scale):
+    """Bound on a base-2 score's fp32 error: a length-d dot product of fp32 products is within d * 2^-24 *
+    sum|q_i k_i| (Higham), and lse / max_logits move by at most the largest score error; plus the fp32 rounding
+    of exp/log (1e-6 relative)."""
+    valid = (indices >= 0) & (indices < kv.shape[0])
+    keys = torch.where(valid[..., None], kv.double()[indices.long().clamp(0, kv.shape[0] - 1)], 0.0)
+    magnitude = torch.einsum("thd,tkd->thk", q.double().abs(), keys.abs()).amax() * scale * LOG2E
+    return float(2 * q.shape[-1] * 2.0 ** -24 * magnitude) + 1e-6 * 16
+
+
+def _assert_stats(got, want, atol, name):
+    assert torch.equal(torch.isinf(got) & (got > 0), torch.isinf(want) & (want > 0)), name
+    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0)), name
+    finite = torch.isfinite(want)
+    err = (got.double()[finite] - want[finite]).abs().max().item()
+    assert err <= atol * max(1.0, want[finite].abs().max().item()), f"{name}: {err} > {atol}"
+
+
+def test_reference_matches_float64_dense():
+    q, kv, idx, dout = _case(s_q=13, s_kv=29, h=3, d_qk=40, topk=17, dtype=torch.float32, seed=0)
+    scale, d_v = 0.21, 24
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    want = _dense_float64(q64, kv64, idx, scale, d_v)
+    want_dq, want_dkv = torch.autograd.grad(want[0], (q64, kv64), dout[..., :d_v].double())
+    with registry.force("reference"):
+        out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, d_v=d_v)
+    # fp32 vs float64 on the same inputs: only fp32 rounding (~1e-7 relative, calc_diff ~1e-14)
+    assert calc_diff(out, want[0]) < 1e-10
+    assert (out[q.shape[0] // 2] == 0).all()
+    _assert_stats(max_logits, want[1], _lse_atol(q, kv, idx, scale), "max_logits")
+    _assert_stats(lse, want[2], _lse_atol(q, kv, idx, scale), "lse")
+    qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    o = sparse_mla_attention_reference(qr, kvr, idx, scale, d_v)
+    dq, dkv = torch.autograd.grad(o, (qr, kvr), dout[..., :d_v])
+    assert calc_diff(o, want[0]) < 1e-10
+    assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    assert calc_diff(dq, want_dq) < 1e-10 and calc_diff(dkv, want_dkv) < 1e-10
+
+
+def test_sparse_decode_reference_is_sparse_prefill_over_the_flat_cache():
+    """flash_mla_with_kvcache(indices=...) on a paged bf16 cache and on its FP8 656-byte form equals the float64
+    dense reference over the (dequantised) flattened cache; lse there is natural-log, [b, h_q, s_q]."""
+    g = torch.Generator().manual_seed(3)
+    b, s_q, h_q, blocks, topk = 2, 2, 4, 3, 40
+    cache = torch.randn(blocks, 64, 1, 576, generator=g).to(torch.bfloat16)
+    q = torch.randn(b, s_q, h_q, 576, generator=g).to(torch.bfloat16)
+    idx = random_selection(b * s_q, blocks * 64, topk, g, causal=False)
+    idx[1] = -1
+    for fp8 in (False, True):
+        k_cache = flash_mla.quantize_kv_fp8(cache) if fp8 else cache.clone()
+        used = torch.zeros(blocks * 64, dtype=torch.bool)
+        used[idx[(idx >= 0) & (idx < blocks * 64)].long()] = True
+        k_cache.view(torch.uint8).view(blocks * 64, -1)[~used] = 255  # bf16 0xFFFF and e4m3 0xFF are NaN
+        flat = flash_mla.dequantize_kv_fp8(k_cache) if fp8 else k_cache
+        with registry.force("reference"):
+            out, lse = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None,
+                                                        is_fp8_kvcache=fp8, indices=idx.view(b, s_q, topk))
+        want = _dense_float64(q.view(b * s_q, h_q, 576), flat.reshape(-1, 576), idx, 576 ** -0.5, 512)
+        assert calc_diff(out.view(b * s_q, h_q, 512), want[0]) < 1e-5  # bf16 rounding of out
+        _assert_stats(lse.transpose(1, 2).reshape(b * s_q, h_q) * LOG2E, want[2], 1e-5, "lse")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(indices=lambda i: i.long()), "indices must be int32"),
+    (dict(kv=lambda k: k[:, :, :8]), "kv's last dim"),
+    (dict(indices=lambda i: i[:3]), "one row per query"),
+    (dict(d_v=700), "d_v must be in"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    q, kv, idx, _ = _case(6, 10, 2, 48, 5, torch.bfloat16, seed=1, lonely=False)
+    args = dict(q=q, kv=kv[:, None], indices=idx[:, None], sm_scale=0.1, d_v=32)
+    for key, fn in bad.items():
+        args[key] = fn(args[key]) if callable(fn) else fn
+    with pytest.raises(ValueError, match=match):
+        flash_mla.flash_mla_sparse_fwd(**args)
