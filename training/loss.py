@@ -97,7 +97,8 @@ class StageLoss:
 def freeze_all_but_indexers(modules: Sequence[nn.Module]) -> int:
     """DSA's dense warm-up: every parameter outside a lightning indexer stops requiring grad (the optimizer then
     never sees it). Returns the number of indexer parameters left trainable; ValueError when there is none."""
-    indexer_params = {id(p) for m in modules for sub in m.modules() if isinstance(sub, Indexer) for p in sub.parameters()}
+    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, Indexer)]
+    indexer_params = {id(p) for sub in indexers for p in sub.parameters()}
     for m in modules:
         for p in m.parameters():
             p.requires_grad_(id(p) in indexer_params)

@@ -28,8 +28,15 @@ from deep_gemm import linear
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
-from models.deepseek_v3.indexer import (Indexer, causal_all, causal_topk, flat_rows, index_scores, indexer_kl,
-                                        record_recall)
+from models.deepseek_v3.indexer import (
+    Indexer,
+    causal_all,
+    causal_topk,
+    flat_rows,
+    index_scores,
+    indexer_kl,
+    record_recall,
+)
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume, recomputing
 from models.deepseek_v3.rope import apply_rotary_emb
@@ -131,8 +138,8 @@ class MLA(nn.Module):
         if self.sparse:
             rows = flat_rows(causal_topk(index_scores(q_i, k_i, w), self.indexer.topk), s)
             out = produce_consume(lambda a, b_, c: self._absorb(a, b_, c, cos, sin),
-                                  lambda q, kv: self._attend_sparse(q, kv, rows), q_latent, c_kv, k_pe,
-                                  enabled=self.recompute_up)
+                                  lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
+                                  q_latent, c_kv, k_pe, enabled=self.recompute_up)
         else:
             rows = flat_rows(causal_all(b, s, x.device), s)
             out = produce_consume(lambda a, b_, c: self._up_project(a, b_, c, cos, sin), self._attend, q_latent,
