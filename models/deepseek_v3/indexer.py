@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import Linear
 from models.deepseek_v3.recompute import recomputing
@@ -104,6 +105,45 @@ def causal_all(b: int, s: int, device: torch.device) -> torch.Tensor:
     pos = torch.arange(s, device=device)
     idx = torch.where(pos[None, :] <= pos[:, None], pos[None, :], -1).to(torch.int32)
     return idx.expand(b, s, s)
+
+
+def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The orthonormal ``[d, d]`` Sylvester-Hadamard matrix (d a power of two): rotating q and k by it before FP8
+    quantisation spreads outliers over every dim (as DeepSeek's indexer does) and leaves q . k unchanged."""
+    if d & (d - 1):
+        raise ValueError(f"hadamard: the indexer's head dim must be a power of two for FP8 scoring, got {d}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d ** 0.5
+
+
+def select_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, fp8: bool = False,
+                chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """Each query's top-``topk`` causal keys as rows of the batch's keys flattened to ``[b * s]``: int32
+    ``[b * s, min(topk, s)]``, -1 where a query has fewer earlier keys. q ``[b, s, H, D]``, k ``[b, s, D]``,
+    w ``[b, s, H]``; a chunk of queries at a time, so at most ``[chunk, H, s]`` (fp32) or ``[chunk, s]``
+    (``fp8``: DeepGEMM's ``fp8_mqa_logits`` on Hadamard-rotated e4m3 q and k, per-row scales) is alive."""
+    b, s = q.shape[:2]
+    if not fp8:
+        return flat_rows(torch.cat([causal_topk(index_scores(q[:, a:a + chunk], k, w[:, a:a + chunk]), topk, a)
+                                    for a in range(0, s, chunk)], dim=1), s)
+    rot = hadamard(q.shape[-1], q.device)
+    q8, q_scale = deep_gemm.per_token_cast_to_fp8((q.float() @ rot).flatten(0, 2))
+    k8, k_scale = deep_gemm.per_token_cast_to_fp8((k.float() @ rot).flatten(0, 1))
+    if q_scale.shape[-1] != 1:
+        raise ValueError(f"select_rows: FP8 scoring takes index_head_dim <= 128 (one scale per head), got "
+                         f"{q.shape[-1]}")
+    q8 = q8.view(b * s, -1, q.shape[-1])
+    weights = w.flatten(0, 1).float() * q_scale.view(b * s, -1)
+    pos = torch.arange(b * s, device=q.device, dtype=torch.int32)
+    starts = pos - pos % s  # each query sees its own sequence's keys up to itself
+    rows = []
+    for a in range(0, b * s, chunk):
+        logits = deep_gemm.fp8_mqa_logits(q8[a:a + chunk], (k8, k_scale.view(-1)), weights[a:a + chunk],
+                                          starts[a:a + chunk], pos[a:a + chunk] + 1)
+        rows.append(deep_gemm.select_topk(logits, min(topk, s)))
+    return torch.cat(rows)
 
 
 def flat_rows(indices: torch.Tensor, n: int) -> torch.Tensor:

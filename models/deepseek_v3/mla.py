@@ -36,6 +36,7 @@ from models.deepseek_v3.indexer import (
     index_scores,
     indexer_kl,
     record_recall,
+    select_rows,
 )
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume, recomputing
@@ -88,6 +89,7 @@ class MLA(nn.Module):
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
         self.sparse = args.sparse
+        self.fp8_index = args.fp8  # the indexer scores in FP8 (DeepGEMM's fp8_mqa_logits) when the GEMMs do
         self.indexer = Indexer(args) if args.index_topk else None
 
     # ---- shared by both forms ---------------------------------------------------------------------
@@ -136,7 +138,7 @@ class MLA(nn.Module):
         q_i, k_i, w = self._index(x.detach(), q_latent.detach(), cos, sin)
         b, s = x.shape[:2]
         if self.sparse:
-            rows = flat_rows(causal_topk(index_scores(q_i, k_i, w), self.indexer.topk), s)
+            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index)
             out = produce_consume(lambda a, b_, c: self._absorb(a, b_, c, cos, sin),
                                   lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
                                   q_latent, c_kv, k_pe, enabled=self.recompute_up)
