@@ -226,7 +226,7 @@ def _logits_flops(shape: dict) -> float:
 fp8_mqa_logits_op = registry.register(
     LOGITS_OP,
     reference=fp8_mqa_logits_reference,
-    triton=None,  # the Triton kernels land in the next commits
+    triton="deep_gemm.kernels.mqa_logits:fp8_mqa_logits_triton",
     verify=VerifySpec(
         make_case=_make_logits_case,
         shapes=[dict(s_q=21, s_kv=70, h=4, d=32), dict(s_q=16, s_kv=40, h=16, d=128)],
@@ -260,7 +260,7 @@ def _paged_flops(shape: dict) -> float:
 fp8_paged_mqa_logits_op = registry.register(
     PAGED_OP,
     reference=fp8_paged_mqa_logits_reference,
-    triton=None,  # the Triton kernels land in the next commits
+    triton="deep_gemm.kernels.mqa_logits:fp8_paged_mqa_logits_triton",
     verify=VerifySpec(
         make_case=_make_paged_case,
         shapes=[dict(b=3, next_n=2, h=4, d=32, block=16, max_len=50)],

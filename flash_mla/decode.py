@@ -132,7 +132,9 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
 def _flash_mla_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
     if indices is not None:
-        raise registry.Unsupported("sparse decoding (indices) has no Triton kernel yet")
+        from flash_mla.kernels.sparse import sparse_decode_triton
+
+        return sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices)
     from flash_mla.kernels.decode import flash_mla_decode_triton
 
     return flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,

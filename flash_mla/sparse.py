@@ -172,7 +172,7 @@ _BENCH = [dict(s_q=4096, s_kv=s, h=128, topk=2048, bench=True) for s in (8192, 3
 flash_mla_sparse_fwd_op = registry.register(
     FWD_OP,
     reference=flash_mla_sparse_fwd_reference,
-    triton=None,  # the Triton kernels land in the next commits
+    triton="flash_mla.kernels.sparse:sparse_fwd_triton",
     verify=VerifySpec(make_case=_make_fwd_case, shapes=_FWD_SHAPES, bench_shapes=_BENCH, compare=compare_sparse,
                       flops=_fwd_flops),
 )
@@ -203,7 +203,7 @@ def _make_train_case(shape: dict, seed: int, device: torch.device) -> Case:
 sparse_mla_attention_op = registry.register(
     TRAIN_OP,
     reference=sparse_mla_attention_reference,
-    triton=None,  # the Triton kernels land in the next commits
+    triton="flash_mla.kernels.sparse:sparse_mla_attention_triton",
     verify=VerifySpec(make_case=_make_train_case, shapes=_FWD_SHAPES, bench_shapes=_BENCH, tolerance=1e-5,
                       flops=_fwd_flops),
 )
@@ -238,7 +238,7 @@ def _bwd_flops(shape: dict) -> float:
 sparse_mla_attention_backward_op = registry.register(
     BWD_OP,
     reference=sparse_mla_attention_backward_reference,
-    triton=None,  # the Triton kernels land in the next commits
+    triton="flash_mla.kernels.sparse:sparse_backward_triton",
     verify=VerifySpec(
         make_case=_make_bwd_case,
         shapes=_FWD_SHAPES[:1],

@@ -49,11 +49,15 @@ def _reorder_atol(q8, k8, scale, weights, reduction):
     return 2 * 2.0 ** -24 * (reduction + q8.shape[1]) * (mag * weights.double().abs()[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("s_q,s_kv,heads,d", [(9, 37, 3, 32), (16, 64, 8, 128)])
-def test_reference_matches_float64(s_q, s_kv, heads, d):
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("s_q,s_kv,heads,d", [(9, 37, 3, 32), (16, 64, 8, 128), (5, 150, 2, 32)])
+def test_matches_float64(impl, s_q, s_kv, heads, d):
+    if impl == "triton" and heads & (heads - 1):
+        heads += 1  # the kernel takes power-of-two head counts (3 -> 4); the reference any
     _, _, weights, ks, ke, q8, k8, scale = _inputs(s_q, s_kv, heads, d, seed=s_q)
-    with registry.force("reference"):
+    with registry.force(impl), registry.poisoned_outputs():
         got = deep_gemm.fp8_mqa_logits(q8, (k8, scale), weights, ks, ke)
+    assert registry.get("deep_gemm.fp8_mqa_logits").last_impl == impl
     _assert_logits(got, _float64_logits(q8, k8, scale, weights, ks, ke), _reorder_atol(q8, k8, scale, weights, d))
 
 
@@ -63,7 +67,7 @@ def test_fp8_logits_within_the_e4m3_bound_of_bf16():
     sum of that over d, and ReLU does not enlarge a difference: |logit error| <= sum_h |w_h| * scale * that sum.
     The FP8 op must lie within this bound of the float64 logits of the unquantised BF16 inputs."""
     q, k, weights, ks, ke, q8, k8, scale = _inputs(24, 96, 4, 128, seed=7)
-    with registry.force("reference"):
+    with registry.force("triton"), registry.poisoned_outputs():
         got = deep_gemm.fp8_mqa_logits(q8, (k8, scale), weights, ks, ke)
     want = _float64_logits(q, k, torch.ones(k.shape[0]), weights, ks, ke)
     qa, ka = q.double().abs(), (k.double() / scale.double()[:, None]).abs()  # k in its scaled (fp8) units
@@ -78,29 +82,36 @@ def test_fp8_logits_within_the_e4m3_bound_of_bf16():
     assert ((got.double() - want)[finite].abs() / bound[finite]).max() > 0.05
 
 
-def test_paged_reference_equals_prefill_on_the_gathered_keys():
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_paged_equals_float64_on_the_gathered_keys(impl, two_d):
     g = torch.Generator().manual_seed(5)
     b, next_n, heads, d, block = 3, 2, 4, 32, 16
     max_len = 70
     lens = torch.tensor([2, 70, 33], dtype=torch.int32)
+    ends = (lens[:, None] - next_n + 1 + torch.arange(next_n)).to(torch.int32)  # 1-d lengths: the causal tail
+    if two_d:  # per-query lengths (DeepGEMM's 2-d context_lens): any length up to the sequence's
+        ends = torch.randint(1, 71, (b, next_n), generator=g, dtype=torch.int32).minimum(lens[:, None])
     keys = torch.randn(16, block, 1, d, generator=g)
     cache = deep_gemm.kv_cache_cast_to_fp8(keys)
     table = torch.randperm(16, generator=g)[:b * 5].view(b, 5).to(torch.int32)
     table[0, 1:] = 10 ** 6  # entries past a row's last page are never read
     q8 = torch.randn(b, next_n, heads, d, generator=g).to(torch.float8_e4m3fn)
     weights = torch.randn(b * next_n, heads, generator=g)
-    with registry.force("reference"):
-        got = deep_gemm.fp8_paged_mqa_logits(q8, cache, weights, lens, table, None, max_len)
+    with registry.force(impl), registry.poisoned_outputs():
+        got = deep_gemm.fp8_paged_mqa_logits(q8, cache, weights, ends if two_d else lens, table, None, max_len)
+    assert registry.get("deep_gemm.fp8_paged_mqa_logits").last_impl == impl
     values, scales = deep_gemm.mqa_logits.split_paged_cache(cache)
     for i in range(b):
         pages = table[i, : -(-int(lens[i]) // block)].long()
         k8, sc = values[pages].reshape(-1, d), scales[pages].reshape(-1)
         for j in range(next_n):
-            end = int(lens[i]) - next_n + j + 1  # query j of next_n sees positions <= len - next_n + j
+            end = int(ends[i, j])
             want = torch.full((max_len,), -math.inf, dtype=torch.float64)
             want[:end] = _float64_logits(q8[i, j:j + 1], k8[:end], sc[:end], weights[i * next_n + j:][:1],
                                          torch.zeros(1, dtype=torch.int32), torch.tensor([end]))[0]
-            _assert_logits(got[i * next_n + j], want, 1e-4 * float(want[:end].abs().max()))
+            # exact fp8 products, fp32 sums of 32 + 4 terms: ~1e-6 of the magnitude; bugs are > 1e-2
+            _assert_logits(got[i * next_n + j], want, 1e-5 * float(want[:end].abs().max()))
 
 
 def test_select_topk_marks_masked_and_missing_slots():

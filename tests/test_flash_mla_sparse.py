@@ -127,3 +127,69 @@ def test_bad_inputs_name_the_argument(bad, match):
         args[key] = fn(args[key]) if callable(fn) else fn
     with pytest.raises(ValueError, match=match):
         flash_mla.flash_mla_sparse_fwd(**args)
+
+
+# (s_q, s_kv, h_q, d_qk, d_v, topk, dtype): top-k above the causal valid prefix, odd dims padded inside the tiles
+# (40 = 24 + 16, 24 padded to 32), V3.2's 576 / 512 latent, and fp32 where only summation order differs.
+KERNEL_CASES = [
+    (9, 20, 3, 48, 32, 20, torch.bfloat16),
+    (13, 40, 5, 40, 24, 16, torch.float32),
+    (4, 70, 16, 576, 512, 32, torch.bfloat16),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("s_q,s_kv,h,d_qk,d_v,topk,dtype", KERNEL_CASES)
+def test_triton_matches_float64_dense(s_q, s_kv, h, d_qk, d_v, topk, dtype):
+    q, kv, idx, dout = _case(s_q, s_kv, h, d_qk, topk, dtype, seed=s_q + d_qk)
+    dout = dout[..., :d_v].contiguous()
+    scale = d_qk ** -0.5
+    with registry.force("triton"), registry.poisoned_outputs():
+        out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, d_v=d_v)
+        qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        o = flash_mla.sparse_mla_attention(qr, kvr, idx, scale, d_v)
+        dq, dkv = torch.autograd.grad(o, (qr, kvr), dout)
+    for name in ("flash_mla.flash_mla_sparse_fwd", "flash_mla.sparse_mla_attention",
+                 "flash_mla.sparse_mla_attention_backward"):
+        assert registry.get(name).last_impl == "triton", name
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    want = _dense_float64(q64, kv64, idx, scale, d_v)
+    want_dq, want_dkv = torch.autograd.grad(want[0], (q64, kv64), dout.double())
+    # fp32: the same math in another summation order (calc_diff ~1e-14). bf16: results rounded to bf16
+    # (~1e-6), and the backward's rowsum(dO * O) uses the bf16 O as every flash kernel does (~1e-5 seen);
+    # a masking, duplicate or indexing bug moves a result by > 1e-2.
+    tol = 1e-10 if dtype == torch.float32 else 5e-5
+    for name, got, ref in (("out", out, want[0]), ("out (training op)", o, want[0]), ("dq", dq, want_dq),
+                           ("dkv", dkv, want_dkv)):
+        assert got.dtype == dtype and torch.isfinite(got).all(), name
+        assert calc_diff(got, ref) < tol, f"{name}: {calc_diff(got, ref)}"
+    assert (out[s_q // 2] == 0).all() and (dq[s_q // 2] == 0).all()
+    unselected = torch.isnan(kv[:, 0])
+    assert unselected.any() and (dkv[unselected] == 0).all()  # poisoned rows: never read, gradient exactly 0
+    atol = _lse_atol(q, kv, idx, scale)
+    _assert_stats(max_logits, want[1], atol, "max_logits")
+    _assert_stats(lse, want[2], atol, "lse")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_sparse_decode_matches_reference(fp8):
+    """Sparse decoding on a paged cache: the Triton kernel (BF16 gather, or FP8 656-byte rows dequantised in the
+    kernel) against the reference on the same cache (both see the same bf16 values: products exact in fp32)."""
+    g = torch.Generator().manual_seed(11 + fp8)
+    b, s_q, h_q, blocks, topk = 2, 2, 16, 2, 24
+    cache = torch.randn(blocks, 64, 1, 576, generator=g).to(torch.bfloat16)
+    q = torch.randn(b, s_q, h_q, 576, generator=g).to(torch.bfloat16)
+    idx = random_selection(b * s_q, blocks * 64, topk, g, causal=False).view(b, s_q, topk)
+    idx[0, 1] = -1
+    k_cache = flash_mla.quantize_kv_fp8(cache) if fp8 else cache
+    with registry.force("triton"), registry.poisoned_outputs():
+        out, lse = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
+                                                    indices=idx)
+    assert registry.get("flash_mla.flash_mla_with_kvcache").last_impl == "triton"
+    with registry.force("reference"):
+        want_out, want_lse = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None,
+                                                              is_fp8_kvcache=fp8, indices=idx)
+    assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
+    assert calc_diff(out, want_out) < 1e-5 and (out[0, 1] == 0).all()  # bf16 rounding of out
+    _assert_stats(lse, want_lse.double(), 1e-5, "lse")
