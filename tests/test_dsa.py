@@ -11,7 +11,7 @@ import torch
 
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from models.deepseek_v3.indexer import causal_topk, flat_rows, index_scores, indexer_kl
+from models.deepseek_v3.indexer import attention_target, causal_topk, flat_rows, index_scores, indexer_kl
 from tests.test_model import randomize
 
 # debug_tiny with an indexer: 16 heads, so a key scores exactly 0 (every head's ReLU at 0, a tie in the top-k)
@@ -44,7 +44,7 @@ def test_indexer_kl_and_gradients_match_float64(tokens, keys, topk, chunk):
     rows = torch.stack([torch.randperm(keys, generator=g)[:topk] for _ in range(tokens)]).int()
     counts = torch.randint(1, topk + 1, (tokens,), generator=g)
     rows = torch.where(torch.arange(topk)[None, :] < counts[:, None], rows, -1)
-    got = indexer_kl(q_abs, kv, q_i, k_i, w, rows, 0.3, chunk=chunk)
+    got = indexer_kl(attention_target(q_abs, kv, rows, 0.3, chunk=chunk), q_i, k_i, w, rows, chunk=chunk)
     got.backward()
     ref_inputs = [t.detach().double().requires_grad_() for t in (q_i, k_i, w)]
     want = _kl_float64(q_abs.detach(), kv.detach(), *ref_inputs, rows, 0.3)

@@ -152,32 +152,46 @@ def flat_rows(indices: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(indices >= 0, indices + offset, -1).flatten(0, 1)
 
 
-def _kl_chunk(q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
-              rows: torch.Tensor, sm_scale: float) -> torch.Tensor:
+@torch.no_grad()
+def attention_target(q_abs: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                     chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """The indexer's target: the main attention's probabilities over each query's candidate ``rows [T, k]``
+    (-1 = none), averaged over its heads (= summed and L1-normalised), fp32 ``[T, k]`` (0 at invalid slots).
+    ``q_abs [T, h, 576] . kv [N, 576] * sm_scale`` is the absorbed form's logit; a chunk of queries at a time,
+    so ``[chunk, h, k]`` is the most alive. Kept for the loss's backward instead of the queries, which are
+    ``h * 576 / k`` times larger (36x at V3.2's sizes)."""
+    out = []
+    for a in range(0, rows.shape[0], chunk):
+        r = rows[a:a + chunk]
+        logits = torch.einsum("thc,tkc->thk", q_abs[a:a + chunk].float(), kv[r.clamp_min(0).long()].float())
+        out.append((logits * sm_scale).masked_fill((r < 0)[:, None, :], float("-inf")).softmax(-1).mean(1))
+    return torch.cat(out)
+
+
+def _scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``I`` over each query's candidate rows, ``[T, k]`` fp32 (garbage at invalid slots: mask them)."""
+    logits = torch.einsum("thd,tkd->thk", q_i.float(), k_i[rows.clamp_min(0).long()].float()).relu()
+    return torch.einsum("th,thk->tk", w.float(), logits)
+
+
+def _kl_chunk(p: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, rows: torch.Tensor
+              ) -> torch.Tensor:
     """Summed ``KL(p || softmax(I))`` of a chunk of queries over their candidate rows (-1 = none)."""
     valid = rows >= 0
-    safe = rows.clamp_min(0).long()
-    with torch.no_grad():  # the target: the main attention's distribution over the set, summed over heads
-        logits = torch.einsum("thc,tkc->thk", q_abs.float(), kv[safe].float()) * sm_scale
-        p = logits.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).mean(1)
-    scores = torch.einsum("th,thk->tk", w, torch.einsum("thd,tkd->thk", q_i.float(), k_i[safe].float()).relu())
-    log_q = scores.masked_fill(~valid, float("-inf")).log_softmax(-1)
+    log_q = _scores(q_i, k_i, w, rows).masked_fill(~valid, float("-inf")).log_softmax(-1)
     return (torch.xlogy(p, p) - p * log_q.masked_fill(~valid, 0.0)).sum()
 
 
-def indexer_kl(q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
-               rows: torch.Tensor, sm_scale: float, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+def indexer_kl(p: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
+               chunk: int = QUERY_CHUNK) -> torch.Tensor:
     """Mean over queries of ``KL(p || softmax(I))`` over each query's candidate keys, differentiable in the
-    indexer's ``q_i [T, H, D]``, ``k_i [N, D]`` and ``w [T, H]`` only.
-
-    ``p`` is the main attention's softmax over the candidates (``q_abs [T, h, 576] . kv [N, 576] * sm_scale``,
-    the absorbed form), averaged over its h heads (= summed and L1-normalised); ``rows [T, k]`` are rows of
-    ``kv`` / ``k_i`` (-1 = no key). Each chunk of queries is recomputed for its backward, so what is kept is
-    the inputs, never the ``[chunk, heads, k]`` products."""
+    indexer's ``q_i [T, H, D]``, ``k_i [N, D]`` and ``w [T, H]``; ``p [T, k]`` the target (``attention_target``),
+    ``rows [T, k]`` rows of ``k_i`` (-1 = no key). Each chunk of queries is recomputed for its backward, so what
+    is kept is the inputs, never the ``[chunk, H, k]`` products."""
     total = q_i.new_zeros((), dtype=torch.float32)
     for a in range(0, rows.shape[0], chunk):
-        part = (q_abs[a:a + chunk], kv, q_i[a:a + chunk], k_i, w[a:a + chunk], rows[a:a + chunk])
-        total = total + checkpoint(_kl_chunk, *part, sm_scale, use_reentrant=False)
+        part = (p[a:a + chunk], q_i[a:a + chunk], k_i, w[a:a + chunk], rows[a:a + chunk])
+        total = total + checkpoint(_kl_chunk, *part, use_reentrant=False)
     return total / rows.shape[0]
 
 
@@ -196,20 +210,14 @@ def topk_recall(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, 
     return hit.float().mean()
 
 
-def record_recall(stats: IndexerStats, q_abs: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor,
-                  w: torch.Tensor, rows: torch.Tensor, sm_scale: float, topk: int) -> None:
-    """Record the top-k recall of the main attention's top keys by the indexer, on one chunk of queries (the
-    last ``QUERY_CHUNK``: the longest contexts) over their candidates; a metric, not part of any loss."""
+def record_recall(stats: IndexerStats, p: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+                  rows: torch.Tensor, topk: int) -> None:
+    """Record the top-k recall of the main attention's top keys (by ``p``) by the indexer's, on one chunk of
+    queries (the last ``QUERY_CHUNK``: the longest contexts) over their candidates; a metric, not a loss."""
     if recomputing():
         return
     with torch.no_grad():
         sel = slice(max(0, rows.shape[0] - QUERY_CHUNK), rows.shape[0])
-        r = rows[sel]
-        safe = r.clamp_min(0).long()
-        p = (torch.einsum("thc,tkc->thk", q_abs[sel].float(), kv[safe].float()) * sm_scale).masked_fill(
-            (r < 0)[:, None, :], float("-inf")).softmax(-1).mean(1)
-        scores = torch.einsum("th,thk->tk", w[sel], torch.einsum("thd,tkd->thk", q_i[sel].float(),
-                                                                     k_i[safe].float()).relu())
-        recall = topk_recall(p, scores, r, topk)
+        recall = topk_recall(p[sel], _scores(q_i[sel], k_i, w[sel], rows[sel]), rows[sel], topk)
     if recall is not None:
         stats.record("recall", recall)

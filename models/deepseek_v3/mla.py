@@ -30,6 +30,7 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
 from models.deepseek_v3.indexer import (
     Indexer,
+    attention_target,
     causal_all,
     causal_topk,
     flat_rows,
@@ -186,14 +187,13 @@ class MLA(nn.Module):
         """KL of the indexer to the main attention over each query's candidate ``rows`` (all causal keys in the
         warm-up, the selected ones in the sparse stage); the main attention's side is detached."""
         with torch.no_grad():
-            q_abs, kv = self._absorb(q_latent, c_kv, k_pe, cos, sin)
+            p = attention_target(*self._absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
         q_i, k_i, w = q_i.flatten(0, 1), k_i.flatten(0, 1), w.flatten(0, 1)
-        loss = indexer_kl(q_abs, kv, q_i, k_i, w, rows, self.softmax_scale)
-        stats = self.indexer.stats
+        loss = indexer_kl(p, q_i, k_i, w, rows)
         if not recomputing():
-            stats.record("kl", loss)
+            self.indexer.stats.record("kl", loss)
             if not self.sparse:
-                record_recall(stats, q_abs, kv, q_i, k_i, w, rows, self.softmax_scale, self.indexer.topk)
+                record_recall(self.indexer.stats, p, q_i, k_i, w, rows, self.indexer.topk)
         return loss
 
     # ---- absorbed form ----------------------------------------------------------------------------
