@@ -43,6 +43,11 @@ def export(run_dir: Path, out: Path) -> Path:
     return out
 
 
+def valid_loss(run_dir: Path) -> float:
+    """The run's final validation loss (``summary.json``: ``logging.eval_batches`` held-out batches)."""
+    return json.loads((run_dir / "summary.json").read_text())["valid_loss"]
+
+
 def mean(records: list[dict], key: str, part: slice) -> float:
     values = [m[key] for m in records if key in m][part]
     return sum(values) / len(values)
@@ -103,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_recall_first": mean(warm, "indexer_recall", first),
         "warmup_recall_last": mean(warm, "indexer_recall", last),
         "sparse_loss": mean(sparse, "loss", tail), "dense_loss": mean(dense, "loss", tail),
-        "sparse_valid_loss": sparse[-1].get("valid_loss"), "dense_valid_loss": dense[-1].get("valid_loss"),
+        "sparse_valid_loss": valid_loss(out / "sparse"), "dense_valid_loss": valid_loss(out / "dense"),
         "sparse_kl_last": mean(sparse, "indexer_kl", last),
     }
     result["sparse_vs_dense"] = (result["sparse_loss"] - result["dense_loss"]) / result["dense_loss"]
+    result["sparse_vs_dense_valid"] = ((result["sparse_valid_loss"] - result["dense_valid_loss"])
+                                       / result["dense_valid_loss"])
 
     import matplotlib
 
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     print_report("DeepSeek-V3 -> V3.2 (DSA): warm-up then sparse training", rows,
                  notes=["warm-up rows: first = mean of the first 5 steps, last = of the last 5",
                         "sparse rows: first = dense continuation, last = sparse stage (same start, steps, data)",
-                        f"sparse vs dense training loss: {result['sparse_vs_dense'] * 100:+.2f}%",
+                        f"sparse vs dense: training loss {result['sparse_vs_dense'] * 100:+.2f}%, validation loss "
+                        f"{result['sparse_vs_dense_valid'] * 100:+.2f}%",
                         f"plot: {out / 'dsa.png'}"])
     return OK
 
