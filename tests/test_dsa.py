@@ -213,3 +213,20 @@ def test_fp8_selection_agrees_with_fp32_selection():
     agree = [len(set(a.tolist()) & set(c.tolist()) - {-1}) / max(1, int((a >= 0).sum())) for a, c in zip(exact, fp8)]
     assert sum(agree) / len(agree) > 0.9
     assert all(set(r[r >= 0].tolist()) <= set(range(i - i % s, i + 1)) for i, r in enumerate(fp8))
+
+
+def test_memory_model_warmup_keeps_gradients_and_moments_of_the_indexers_only():
+    """The memory model of the DSA warm-up: weights as the sparse stage, gradients and AdamW moments of the
+    indexer parameters alone (what ``freeze_all_but_indexers`` leaves to the optimizer), counted on the model."""
+    from tests import matrix
+    from training.memory import estimate
+    from training.trainer import model_args
+
+    sets = ["model.overrides.index_topk=4", "model.overrides.index_n_heads=4", "model.overrides.index_head_dim=16"]
+    warm = matrix.config(matrix.reference_overrides((False, 1)) + sets + ["model.overrides.dsa_warmup=true"])
+    sparse = matrix.config(matrix.reference_overrides((False, 1)) + sets)
+    w, s = estimate(warm).ranks[0].items, estimate(sparse).ranks[0].items
+    model = Transformer(model_args(warm))
+    indexer = sum(p.numel() for n, p in model.named_parameters() if ".indexer." in n)
+    assert w["weights"] == s["weights"] and s["gradients"] == s["weights"]
+    assert w["gradients"] == indexer * 4 and w["optimizer"] == 2 * indexer * 4  # fp32 grads, two fp32 moments
