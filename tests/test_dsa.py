@@ -230,3 +230,24 @@ def test_memory_model_warmup_keeps_gradients_and_moments_of_the_indexers_only():
     indexer = sum(p.numel() for n, p in model.named_parameters() if ".indexer." in n)
     assert w["weights"] == s["weights"] and s["gradients"] == s["weights"]
     assert w["gradients"] == indexer * 4 and w["optimizer"] == 2 * indexer * 4  # fp32 grads, two fp32 moments
+
+
+def test_fp8_save_writes_the_released_v32_layout(tmp_path: Path):
+    """``fp8=True`` writes the indexer as DeepSeek-V3.2-Exp ships it: ``wq_b`` and ``wk`` as e4m3 + 128x128 block
+    scales, ``weights_proj`` and ``k_norm`` unquantised; loading dequantises back to within e4m3's rounding."""
+    from safetensors import safe_open
+
+    model = randomize(Transformer(ModelArgs.preset("debug_tiny", **DSA_TINY)))
+    save_hf_checkpoint(model, tmp_path, fp8=True)
+    keys = {}
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            keys.update({k: h.get_tensor(k).dtype for k in h.keys()})
+    prefix = "model.layers.1.self_attn.indexer"
+    assert keys[f"{prefix}.wq_b.weight"] == keys[f"{prefix}.wk.weight"] == torch.float8_e4m3fn
+    assert f"{prefix}.wk.weight_scale_inv" in keys and f"{prefix}.weights_proj.weight_scale_inv" not in keys
+    assert keys[f"{prefix}.weights_proj.weight"] == keys[f"{prefix}.k_norm.bias"] == torch.bfloat16
+    back = load_hf_checkpoint(None, tmp_path).layers[1].attn.indexer
+    ref = model.layers[1].attn.indexer
+    # e4m3: 3 mantissa bits, so each element within 2^-4 of its block's scale (amax / 448 * 448 = amax) relatively
+    assert (back.wk.weight - ref.wk.weight).abs().max() <= ref.wk.weight.abs().max() * 2 ** -4
