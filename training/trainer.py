@@ -111,7 +111,7 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     check_eplb(cfg, args)
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
-                         "layout only; start with eplb.enabled=false (EPLB can be enabled when resuming)")
+                         "layout only; set eplb.enabled=false")
     return args
 
 
