@@ -251,3 +251,42 @@ def test_fp8_save_writes_the_released_v32_layout(tmp_path: Path):
     ref = model.layers[1].attn.indexer
     # e4m3: 3 mantissa bits, so each element within 2^-4 of its block's scale (amax / 448 * 448 = amax) relatively
     assert (back.wk.weight - ref.wk.weight).abs().max() <= ref.wk.weight.abs().max() * 2 ** -4
+
+
+def test_released_v32_config_is_the_v32_preset():
+    """DeepSeek-V3.2-Exp's config.json is V3's with the V3.2 architecture names and the three index fields."""
+    from tests.test_model import RELEASED_V3_CONFIG
+
+    released = {**RELEASED_V3_CONFIG, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}
+    args = ModelArgs.from_hf_config(released)
+    assert args.replace(extra={}) == ModelArgs.preset("deepseek_v32_671b")
+    counts = args.param_counts()  # V3's 671.0B plus 61 indexers of ~12.6M parameters
+    v3 = ModelArgs.preset("deepseek_v3_671b").param_counts()
+    per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert counts["total"] - v3["total"] == 61 * per_layer == counts["activated"] - v3["activated"]
+
+
+def test_planner_dsa_terms_match_their_definitions():
+    """``dsa_ops``' FLOPs against the sums they stand for: the sparse core over each causal query's min(i + 1, k)
+    keys at ``2 h (576 + 512)`` per key, the indexer logits over every causal key at ``2 H_I D_I``; and the sparse
+    stage is cheaper than dense attention at long sequences, not at short ones."""
+    from training.planner.costs import OpTimer, Workload, block_durations, dsa_ops, mean_keys
+    from training.planner.system import load_system
+
+    for s, k in ((7, 3), (4096, 2048), (1000, 1000), (300, 512)):
+        assert mean_keys(s, k) == pytest.approx(sum(min(i + 1, k) for i in range(s)) / s, rel=1e-12)
+    args = ModelArgs.preset("deepseek_v32_671b")
+    s = 8192
+    ops = {op.name: op for op in dsa_ops(args, s, s, fp8=True)}
+    keys = sum(min(i + 1, 2048) for i in range(s))
+    assert ops["attention"].flops == pytest.approx(2 * keys * 128 * (576 + 512), rel=1e-12)
+    assert ops["index_logits"].flops == pytest.approx(2 * s * (s + 1) / 2 * 64 * 128, rel=1e-12)
+    timer = OpTimer(load_system("H800"))
+    dense, sparse = ModelArgs.preset("deepseek_v3_671b", fp8=True), args.replace(fp8=True)
+
+    def step(a: ModelArgs, seq: int) -> float:
+        d = block_durations(timer, a, 5, Workload(1, seq, 8, True, ("norm", "mla_up")))
+        return d.f + d.i + d.w
+
+    assert step(sparse, 131072) < 0.5 * step(dense, 131072) and step(sparse, 4096) > step(dense, 4096)
