@@ -59,8 +59,9 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.rope_dim = args.qk_rope_head_dim
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = Linear(args.dim, self.head_dim)
+        # FP8 GEMMs with model.fp8, as the release stores these two (weights_proj stays unquantised)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8, fp8_cache=args.fp8_cache)
+        self.wk = Linear(args.dim, self.head_dim, fp8=args.fp8, fp8_cache=args.fp8_cache)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(args.dim, self.n_heads)
         self.stats = IndexerStats()
