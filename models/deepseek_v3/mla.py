@@ -132,7 +132,8 @@ class MLA(nn.Module):
             return self.forward_absorbed(x, cos, sin, cache, start_pos)
         q_latent = self._q_latent(x)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
-        if self.indexer is None:
+        learn = self.indexer is not None and self.training and torch.is_grad_enabled()
+        if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
             return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
                                                 q_latent, c_kv, k_pe, enabled=self.recompute_up))
         # the indexer reads the layer's input and query residual detached: only its own loss trains it
@@ -148,7 +149,7 @@ class MLA(nn.Module):
             out = produce_consume(lambda a, b_, c: self._up_project(a, b_, c, cos, sin), self._attend, q_latent,
                                   c_kv, k_pe, enabled=self.recompute_up)
         out = self._output(out)
-        if self.training and torch.is_grad_enabled():
+        if learn:
             out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
         return out
 
