@@ -182,6 +182,10 @@ def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
         seqlens = [s_k] * b
     q, cache, table, lens = make_paged_case(b, s_q, h_q, h_kv, seqlens, shape.get("fp8", False), g, device)
     meta, splits = get_mla_metadata(lens, s_q * h_q // h_kv, h_kv)
+    if shape.get("topk"):
+        return Case(args=(q, cache, table, lens, D_NOPE, meta, splits),
+                    kwargs={"is_fp8_kvcache": shape.get("fp8", False),
+                            "indices": _sparse_slots(table.cpu(), seqlens, s_q, shape["topk"], g).to(device)})
     return Case(args=(q, cache, table, lens, D_NOPE, meta, splits),
                 kwargs={"causal": shape.get("causal", s_q > 1), "is_fp8_kvcache": shape.get("fp8", False)})
 
@@ -206,14 +210,27 @@ def compare_decode(got, want) -> dict[str, tuple[float, float]]:
     return {"out": (out_err, 1e-5), "lse": (rel if same_special else math.inf, 1e-5)}
 
 
+def _sparse_slots(table: torch.Tensor, seqlens: list[int], s_q: int, topk: int, g: torch.Generator) -> torch.Tensor:
+    """int32 ``[b, s_q, topk]`` cache slots (page * 64 + offset) of random tokens each sequence owns, -1 past its
+    length (so short sequences leave slots invalid)."""
+    rows = []
+    for i, n in enumerate(seqlens):
+        pos = torch.stack([torch.randperm(max(n, 1), generator=g)[:topk] for _ in range(s_q)])
+        pos = torch.nn.functional.pad(pos, (0, topk - pos.shape[1]), value=-1)
+        slots = table[i].long()[pos.clamp(min=0) // BLOCK_SIZE] * BLOCK_SIZE + pos.clamp(min=0) % BLOCK_SIZE
+        rows.append(torch.where((pos >= 0) & (pos < n), slots, -1))
+    return torch.stack(rows).to(torch.int32)
+
+
 def _decode_bytes(shape: dict) -> float:
     per_token = BYTES_PER_TOKEN if shape.get("fp8") else 2 * HEAD_DIM
-    return shape["b"] * (shape["s_k"] * shape.get("h_kv", 1) * per_token + shape["s_q"] * shape["h_q"] * 2 * (
-        HEAD_DIM + D_NOPE))
+    tokens_read = shape["s_q"] * shape["topk"] if shape.get("topk") else shape["s_k"] * shape.get("h_kv", 1)
+    return shape["b"] * (tokens_read * per_token + shape["s_q"] * shape["h_q"] * 2 * (HEAD_DIM + D_NOPE))
 
 
 def _decode_flops(shape: dict) -> float:
-    return 2.0 * shape["b"] * shape["s_q"] * shape["h_q"] * shape["s_k"] * (HEAD_DIM + D_NOPE)
+    keys = shape.get("topk") or shape["s_k"]  # sparse decoding attends to top-k keys per query
+    return 2.0 * shape["b"] * shape["s_q"] * shape["h_q"] * keys * (HEAD_DIM + D_NOPE)
 
 
 flash_mla_op = registry.register(
@@ -223,9 +240,11 @@ flash_mla_op = registry.register(
     verify=VerifySpec(
         make_case=_make_case,
         shapes=[dict(b=2, s_q=1, h_q=16, s_k=150, first_len=0), dict(b=2, s_q=2, h_q=8, s_k=100, causal=True),
-                dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True)],
+                dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True), dict(b=2, s_q=2, h_q=16, s_k=100, topk=40, fp8=True),
+                dict(b=2, s_q=1, h_q=16, s_k=90, topk=24, first_len=10)],
         bench_shapes=[dict(b=128, s_q=1, h_q=128, s_k=8192, varlen=False), dict(b=128, s_q=2, h_q=64, s_k=4096),
-                      dict(b=128, s_q=1, h_q=128, s_k=8192, fp8=True)],
+                      dict(b=128, s_q=1, h_q=128, s_k=8192, fp8=True),
+                      dict(b=128, s_q=1, h_q=128, s_k=8192, topk=2048, fp8=True, varlen=False)],
         compare=compare_decode,
         flops=_decode_flops,
         bytes_moved=_decode_bytes,

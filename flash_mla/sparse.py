@@ -23,7 +23,8 @@ Conventions (FlashMLA's, checked against its README and its reference test):
 
 Rows of ``kv`` are global: there is no batch dimension. A batch or a packed set of variable-length sequences
 is one flattened ``kv`` with each sequence's indices offset by the row where the sequence starts (and -1 for
-unused top-k slots), exactly as FlashMLA asks of its users.
+unused top-k slots), exactly as FlashMLA asks of its users; an index that is invalid within its own sequence must
+be made -1 before the offset, or it names a row of the next sequence.
 """
 
 from __future__ import annotations

@@ -11,10 +11,19 @@ import math
 import pytest
 import torch
 
+import accel
 import flash_mla
 from accel import registry
 from accel.verify import calc_diff
-from flash_mla.sparse import poison_unselected, random_selection, sparse_mla_attention_reference
+from flash_mla.kernels import sparse as kernels
+from flash_mla.sparse import (
+    compare_sparse,
+    flash_mla_sparse_fwd_reference,
+    poison_unselected,
+    random_selection,
+    sparse_mla_attention_backward_reference,
+    sparse_mla_attention_reference,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -193,3 +202,98 @@ def test_triton_sparse_decode_matches_reference(fp8):
     assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
     assert calc_diff(out, want_out) < 1e-5 and (out[0, 1] == 0).all()  # bf16 rounding of out
     _assert_stats(lse, want_lse.double(), 1e-5, "lse")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [101, 202])
+def test_triton_random_shapes(seed):
+    """Shapes drawn at random (odd head counts, value widths and RoPE widths, top-k above and below s_kv), bf16,
+    forward and both gradients against float64."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    s_q, s_kv, h, d_v, d_rest = draw(1, 12), draw(1, 50), draw(1, 20), draw(8, 72), draw(1, 40)
+    topk = draw(1, 2 * s_kv)
+    q, kv, idx, dout = _case(s_q, s_kv, h, d_v + d_rest, topk, torch.bfloat16, seed, lonely=s_q > 1)
+    dout = dout[..., :d_v].contiguous()
+    scale = (d_v + d_rest) ** -0.5
+    qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    with registry.force("triton"), registry.poisoned_outputs():
+        o = flash_mla.sparse_mla_attention(qr, kvr, idx, scale, d_v)
+        dq, dkv = torch.autograd.grad(o, (qr, kvr), dout)
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    want = _dense_float64(q64, kv64, idx, scale, d_v)[0]
+    grads = torch.autograd.grad(want, (q64, kv64), dout.double())
+    shape = dict(s_q=s_q, s_kv=s_kv, h=h, d_v=d_v, d_rest=d_rest, topk=topk)
+    for name, got, ref in (("out", o, want), ("dq", dq, grads[0]), ("dkv", dkv, grads[1])):
+        assert torch.isfinite(got).all() and calc_diff(got, ref) < 5e-5, (name, shape, calc_diff(got, ref))
+
+
+def test_packed_sequences_equal_separate_calls():
+    """Variable-length sequences packed into one kv: each sequence's valid indices offset by its first row
+    give exactly the per-sequence results, and gradients land in each sequence's own rows."""
+    g = torch.Generator().manual_seed(9)
+    lens, h, d, d_v, topk = [7, 1, 12], 2, 40, 24, 9
+    qs, kvs, idxs = [], [], []
+    for n in lens:
+        qs.append(torch.randn(n, h, d, generator=g))
+        kvs.append(torch.randn(n, d, generator=g))
+        idxs.append(random_selection(n, n, topk, g, causal=True))
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
+    # a per-sequence out-of-range index (>= its length) must become -1 before the offset, or it names a row of
+    # the next sequence
+    packed_idx = torch.cat([torch.where((i >= 0) & (i < n), i + s, -1) for i, s, n in zip(idxs, starts, lens)])
+    q, kv = torch.cat(qs).requires_grad_(), torch.cat(kvs).requires_grad_()
+    with registry.force("reference"):
+        out = flash_mla.sparse_mla_attention(q, kv, packed_idx, 0.3, d_v)
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    for qi, kvi, ii, s, n in zip(qs, kvs, idxs, starts, lens):
+        qi, kvi = qi.requires_grad_(), kvi.requires_grad_()
+        with registry.force("reference"):
+            oi = flash_mla.sparse_mla_attention(qi, kvi, ii, 0.3, d_v)
+        gi = torch.autograd.grad(oi.sum(), (qi, kvi))
+        torch.testing.assert_close(out[s:s + n], oi, rtol=0, atol=1e-6)
+        torch.testing.assert_close(dq[s:s + n], gi[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(dkv[s:s + n], gi[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_sparse_matches_reference_on_gpu():
+    """V3.2's dims on a GPU (every autotune config timed, so the dkv accumulator must be reset between trials):
+    forward against the fp32 reference at FlashMLA's pass marks, backward at 1e-4 (P and dS rounded to bf16 for
+    the tensor cores, as every flash backward)."""
+    device = accel.default_device()
+    q, kv, idx, dout = (t.to(device) for t in _case(256, 2048, 128, 576, 512, torch.bfloat16, seed=5))
+    dout = dout[..., :512].contiguous()
+    with registry.force("triton"), registry.poisoned_outputs():
+        got = flash_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], 576 ** -0.5)
+    want = flash_mla_sparse_fwd_reference(q, kv[:, None], idx[:, None], 576 ** -0.5)
+    errors = compare_sparse({f"out[{i}]": t for i, t in enumerate(got)}, {f"out[{i}]": t for i, t in enumerate(want)})
+    for name, (err, tol) in errors.items():
+        assert err < tol, f"{name}: {err} >= {tol}"
+    qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    with registry.force("triton"), registry.poisoned_outputs():
+        dq, dkv = torch.autograd.grad(flash_mla.sparse_mla_attention(qr, kvr, idx, 576 ** -0.5), (qr, kvr), dout)
+    want_dq, want_dkv = sparse_mla_attention_backward_reference(dout, q, kv, idx, None, None, 576 ** -0.5, 512)
+    assert calc_diff(dq, want_dq) < 1e-4 and calc_diff(dkv, want_dkv) < 1e-4
+    assert (dkv[torch.isnan(kv[:, 0])] == 0).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block_h,block_k", [(64, 32), (32, 32), (16, 64), (32, 16), (16, 16)])
+def test_triton_gpu_tile_shapes(monkeypatch, block_h, block_k):
+    """The tile shapes the GPU configs use (the interpreter otherwise runs 16 x 16 only), with head tiles only
+    partly filled (20 heads) and top-k not a multiple of the key tile."""
+    monkeypatch.setattr(kernels, "_INTERP", [(block_h, block_k, 1, 1)])
+    monkeypatch.setattr(kernels, "_tuned", {})
+    q, kv, idx, dout = _case(5, 40, 20, 48, 37, torch.float32, seed=block_h + block_k)
+    dout = dout[..., :32].contiguous()
+    qr, kvr = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    with registry.force("triton"), registry.poisoned_outputs():
+        o = flash_mla.sparse_mla_attention(qr, kvr, idx, 0.15, 32)
+        dq, dkv = torch.autograd.grad(o, (qr, kvr), dout)
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    want = _dense_float64(q64, kv64, idx, 0.15, 32)[0]
+    grads = torch.autograd.grad(want, (q64, kv64), dout.double())
+    for name, got, ref in (("out", o, want), ("dq", dq, grads[0]), ("dkv", dkv, grads[1])):
+        assert torch.isfinite(got).all() and calc_diff(got, ref) < 1e-10, (name, calc_diff(got, ref))

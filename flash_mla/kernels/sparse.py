@@ -160,13 +160,14 @@ def _sparse_bwd_kernel(Q, KV, IDX, O, DO, LSE, DQ, DKV, s_kv, h_q, topk, sm_scal
         s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
         p = tl.where(valid[None, :], tl.exp2(s * qk_scale_log2 - lse[:, None]), 0.0)
         ds = (p * (tl.dot(do, tl.trans(k_v)) - delta[:, None])).to(q_v.dtype)
+        # each dkv part is added as soon as it exists, so the two never hold registers at once
+        dkv_rows = DKV + rows[:, None] * stride_dkv
+        dk_v = tl.dot(tl.trans(ds), q_v) * sm_scale + tl.dot(tl.trans(p.to(do.dtype)), do)
+        tl.atomic_add(dkv_rows + cols_v[None, :], dk_v, mask=valid[:, None] & (cols_v < D_V)[None, :])
+        dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
+        tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
         dq_v = tl.dot(ds, k_v, dq_v)
         dq_r = tl.dot(ds, k_r, dq_r)
-        dk_v = tl.dot(tl.trans(ds), q_v) * sm_scale + tl.dot(tl.trans(p.to(do.dtype)), do)
-        dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
-        dkv_rows = DKV + rows[:, None] * stride_dkv
-        tl.atomic_add(dkv_rows + cols_v[None, :], dk_v, mask=valid[:, None] & (cols_v < D_V)[None, :])
-        tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
     dq_ptr = DQ + t * stride_dqt + heads[:, None] * stride_dqh
     h_ok = (heads < h_q)[:, None]
     tl.store(dq_ptr + cols_v[None, :], cast_out(dq_v * sm_scale, DQ.dtype.element_ty, UPCAST),
@@ -185,20 +186,31 @@ def _cast_kernel(SRC, DST, n, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
 
 # (BLOCK_H, BLOCK_K, warps, stages). Only configs that compile for sm_90a without register spills at d_qk 576 /
 # d_v 512 (tests/test_kernel_compile.py, benchmarks/kernels_compiled.md); the interpreter runs one small config.
-FWD_CONFIGS = [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)]
-BWD_CONFIGS = [(16, 32, 8, 1), (16, 16, 4, 1)]
+# FlashMLA's 64-head tile (two warp groups on a 64 x 512 fp32 accumulator, wgmma) fits in Triton 3.6 (the H200
+# image's) and spills in 3.9 for the reason flash_mla/kernels/decode.py gives (per-thread wgmma descriptors over the
+# 36 K steps of 576), so 3.9 gets 32/16-head tiles (mma.sync). The FP8 decode's dequantisation adds registers:
+# 16 heads in both. The backward holds dq (heads x 576 fp32) besides the recomputed tiles: 32 heads per program
+# fit in 3.6 (half the atomics of 16), 16 in 3.9.
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    FWD_CONFIGS = [(64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 3)]
+    BWD_CONFIGS = [(32, 16, 8, 1), (32, 16, 8, 2), (16, 32, 8, 1)]
+else:
+    FWD_CONFIGS = [(32, 32, 8, 2), (16, 32, 4, 3), (16, 64, 4, 2)]
+    BWD_CONFIGS = [(16, 32, 8, 1), (16, 16, 8, 1)]
+DECODE_FP8_CONFIGS = [(16, 32, 8, 2), (16, 16, 4, 2), (16, 16, 4, 1)]
 _INTERP = [(16, 16, 1, 1)]
 _tuned: dict = {}
 
 
-def _kernel(name: str, fn, configs):
-    """``fn`` autotuned over ``configs`` (built once per kernel)."""
+def _kernel(name: str, fn, configs, reset_to_zero: list[str] | None = None):
+    """``fn`` autotuned over ``configs`` (built once per kernel); ``reset_to_zero``: accumulators the autotuner
+    must zero before each timed config (the backward's atomics would otherwise add every trial's result)."""
     if name not in _tuned:
         chosen = _INTERP if interpreted() else configs
         _tuned[name] = triton.autotune(
             autotune.shard([triton.Config({"BLOCK_H": h, "BLOCK_K": k}, num_warps=w, num_stages=pipeline_stages(s))
                             for h, k, w, s in chosen]),
-            key=["D_QK", "D_V"] if name != "decode_fp8" else ["UPCAST"],
+            key=["D_QK", "D_V"] if name != "decode_fp8" else ["UPCAST"], reset_to_zero=reset_to_zero,
         )(fn)
     return _tuned[name]
 
@@ -245,7 +257,7 @@ def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     dkv = registry.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the atomics' accumulator
     if s_q:
-        _kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS)[_head_grid(s_q, h_q)](
+        _kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"])[_head_grid(s_q, h_q)](
             q, kv, indices, out, dout, lse, dq, dkv32, kv.shape[0], h_q, indices.shape[1], sm_scale,
             sm_scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dkv32.stride(0),
@@ -295,7 +307,7 @@ def sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, 
     max_logits = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)  # not returned by decoding
     lse = registry.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
     if b * s_q:
-        _kernel("decode_fp8", _sparse_decode_fp8_kernel, FWD_CONFIGS)[_head_grid(b * s_q, h_q)](
+        _kernel("decode_fp8", _sparse_decode_fp8_kernel, DECODE_FP8_CONFIGS)[_head_grid(b * s_q, h_q)](
             q2, values, scales, rope, idx, out, max_logits, lse, values.shape[0], h_q, idx.shape[1], scale * LOG2E,
             LN2, q2.stride(0), q2.stride(1), values.stride(0), scales.stride(0), rope.stride(0), idx.stride(0),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), UPCAST=interpreted())
