@@ -4,6 +4,8 @@ train) and the sparse stage (top-4 of up to 16 keys) on 4 gloo processes and equ
 ``test_combinations``' comparison and tolerances (the same derivation holds: the indexer adds fp32 GEMMs of
 <= 64-term reductions and a KL over <= 16 keys, and its top-k picks from the same scores on both sides,
 since the forward sees the same values; a dropped indexer gradient contribution moves its tensors by >= 10%).
+Every run starts from one DeepSeek-V3 HF checkpoint through ``model.init_from`` (each rank loading its stages and
+expert slice, the indexers freshly initialised), as a V3 -> V3.2 continuation does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ COMBOS = [
 ]
 
 
-def _run(rank: int, world: int, combos: list, run_dir: str) -> list[dict]:
+def _run(rank: int, world: int, combos: list, run_dir: str, extra: list[str]) -> list[dict]:
     """Inside a 4-process launch: each (stage, combination) in turn with fresh process groups."""
     import torch.distributed as dist
 
@@ -41,7 +43,7 @@ def _run(rank: int, world: int, combos: list, run_dir: str) -> list[dict]:
     torch.set_num_threads(1)
     out = []
     for i, (stage, c) in enumerate(combos):
-        cfg = matrix.config(matrix.overrides(c) + STAGES[stage])
+        cfg = matrix.config(matrix.overrides(c) + STAGES[stage] + extra)
         ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
         try:
             out.append(matrix.train(cfg, ps, Path(run_dir) / f"c{i}"))
@@ -58,16 +60,27 @@ def _run(rank: int, world: int, combos: list, run_dir: str) -> list[dict]:
 def test_dsa_stages_under_parallel_layouts_match_one_process(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
+    from models.deepseek_v3 import Transformer, save_hf_checkpoint
     from tests.dist_utils import run_distributed
     from training.parallel import single_process
+    from training.trainer import model_args
 
+    # every run starts from one DeepSeek-V3 HF checkpoint (model.init_from; fresh indexers from the seed): each
+    # rank loads its own stages and expert slice of it
+    v3 = Transformer(model_args(matrix.config(matrix.reference_overrides((False, 1)))))
+    with torch.no_grad():
+        for name, prm in v3.named_parameters():
+            if "norm" in name:
+                prm.uniform_(0.5, 1.5)
+    save_hf_checkpoint(v3, tmp_path / "v3")
+    extra = [f"model.init_from={tmp_path / 'v3'}"]
     with ThreadPoolExecutor(1) as pool:
-        launch = pool.submit(run_distributed, _run, matrix.WORLD, COMBOS, str(tmp_path), timeout=600.0)
+        launch = pool.submit(run_distributed, _run, matrix.WORLD, COMBOS, str(tmp_path), extra, timeout=600.0)
         refs = {}
         for stage, c in COMBOS:
             key = (stage, *matrix.reference_key(c))
             if key not in refs:
-                cfg = matrix.config(matrix.reference_overrides(key[1:]) + STAGES[stage])
+                cfg = matrix.config(matrix.reference_overrides(key[1:]) + STAGES[stage] + extra)
                 refs[key] = matrix.train(cfg, single_process(cfg.parallel), tmp_path / "-".join(map(str, key)),
                                          keep_initial=True)
         results = launch.result()
@@ -78,6 +91,10 @@ def test_dsa_stages_under_parallel_layouts_match_one_process(tmp_path):
         ref = refs[(stage, *matrix.reference_key(c))]
         try:
             assert not errors, errors[0]
+            loaded = v3.state_dict()
+            common = [k for k in loaded if k in ref["initial"]]
+            assert len(common) == len(loaded), "init_from: the V3 checkpoint's tensors are all in the V3.2 model"
+            assert all(torch.equal(ref["initial"][k], loaded[k]) for k in common), "init_from"
             _compare(c, got, ref)
             if stage == "warmup":  # only the indexers moved, in every layout and in the reference
                 for r in got + [ref]:
