@@ -176,8 +176,8 @@ def test_sparse_with_topk_over_length_is_dense_attention():
 
 
 def test_generation_with_indexer_cache_equals_full_recompute():
-    """Prefill then token-by-token decode through the latent + indexer-key cache gives the logits of running
-    the whole sequence at once (each query's top-k over its own prefix)."""
+    """Prefill then token-by-token decode through the latent + indexer-key cache (FlashMLA's sparse decoding over
+    the paged cache) gives the logits of running the whole sequence at once (each query's top-k over its prefix)."""
     from models.deepseek_v3.generate import LatentKVCache, forward_cached
 
     args = ModelArgs.preset("debug_tiny", **DSA_TINY)
@@ -186,7 +186,10 @@ def test_generation_with_indexer_cache_equals_full_recompute():
     tokens = torch.randint(0, args.vocab_size, (2, 30))
     with torch.no_grad():
         full = model(tokens)
-    cache = LatentKVCache(model, 2, 30)
+    # pages out of order, and the page nobody owns poisoned: sparse decoding must read only the selected slots
+    cache = LatentKVCache(model, 2, 30, block_table=torch.tensor([[2], [0]], dtype=torch.int32))
+    for pages in cache.k_cache.values():
+        pages[1] = float("nan")
     steps = [forward_cached(model, tokens[:, :17], cache, 0)]
     for i in range(17, 30):
         steps.append(forward_cached(model, tokens[:, i:i + 1], cache, i))

@@ -52,11 +52,12 @@ class LatentKVCache:
         pages = self.block_table[:, pos // BLOCK_SIZE].long()  # [b, s]
         self.k_cache[layer_id][pages, pos % BLOCK_SIZE, 0] = latent.to(self.k_cache[layer_id].dtype)
 
-    def latents(self, layer_id: int, n: int) -> torch.Tensor:
-        """The first ``n`` cached latents of every sequence, ``[batch, n, 576]`` (gathered from the pages)."""
-        pos = torch.arange(n, device=self.block_table.device)
-        pages = self.block_table[:, pos // BLOCK_SIZE].long()
-        return self.k_cache[layer_id][pages, pos % BLOCK_SIZE, 0]
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Token positions ``[batch, ...]`` (-1 = none) as cache slots ``page * 64 + offset``, FlashMLA's sparse
+        decoding ``indices`` (-1 kept)."""
+        pos = positions.clamp_min(0).long()
+        pages = self.block_table.gather(1, (pos // BLOCK_SIZE).flatten(1)).view_as(pos)
+        return torch.where(positions >= 0, pages * BLOCK_SIZE + pos % BLOCK_SIZE, -1).to(torch.int32)
 
     def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor:
         """Store the indexer keys ``[batch, s, index_head_dim]`` at ``start_pos..``; return all ``start_pos + s``."""

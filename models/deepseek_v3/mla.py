@@ -49,7 +49,7 @@ class LatentCache(Protocol):
 
     def write(self, layer_id: int, start_pos: int, latent: torch.Tensor) -> None: ...
     def attention_args(self, layer_id: int) -> dict: ...
-    def latents(self, layer_id: int, n: int) -> torch.Tensor: ...
+    def slots(self, positions: torch.Tensor) -> torch.Tensor: ...
     def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -229,17 +229,16 @@ class MLA(nn.Module):
 
     def _attend_indexed_cache(self, x: torch.Tensor, q_latent: torch.Tensor, q_abs: torch.Tensor, cos: torch.Tensor,
                               sin: torch.Tensor, cache: LatentCache, start_pos: int) -> torch.Tensor:
-        """Sparse attention of this step's absorbed queries ``[b, s, h, 576]`` over the cache: the indexer's
-        keys join the cache's indexer key cache, each query takes its top-k cached positions. ``[b, s, h, 512]``"""
-        b, s = x.shape[:2]
-        n = start_pos + s
+        """Sparse decoding of this step's absorbed queries ``[b, s, h, 576]``: the indexer's keys join the cache's
+        indexer key cache, each query takes its top-k cached positions, and FlashMLA's sparse decoding
+        (``flash_mla_with_kvcache(..., indices=...)``) attends to those slots of the paged latent cache.
+        Returns ``[b, s, h, 512]``."""
         q_i, k_i, w = self._index(x, q_latent, cos, sin)
         keys = cache.index_keys(self.layer_id, start_pos, k_i)
-        rows = flat_rows(causal_topk(index_scores(q_i, keys, w), self.indexer.topk, start_pos), n)
-        kv = cache.latents(self.layer_id, n).flatten(0, 1)
-        out = flash_mla.sparse_mla_attention(q_abs.flatten(0, 1), kv.to(q_abs.dtype), rows, self.softmax_scale,
-                                             d_v=self.kv_lora_rank)
-        return out.unflatten(0, (b, s))
+        slots = cache.slots(causal_topk(index_scores(q_i, keys, w), self.indexer.topk, start_pos))
+        out, _ = flash_mla.flash_mla_with_kvcache(q_abs, head_dim_v=self.kv_lora_rank, softmax_scale=self.softmax_scale,
+                                                  indices=slots, **cache.attention_args(self.layer_id))
+        return out
 
 
 def _latent_attention_fp32(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
