@@ -4,7 +4,8 @@ The cache holds, per layer, 576 values per token (``kv_lora_rank`` latent + ``qk
 RoPE key) in FlashMLA's paged layout: ``[num_blocks, 64, 1, 576]`` pages addressed through a
 ``block_table [batch, max_blocks]``. Every sequence in a batch advances in lockstep (same length).
 A DeepSeek-V3.2 model (sparse attention) also caches each layer's lightning-indexer keys; its new queries
-score every cached key and attend to their top-k cached latents (``MLA._attend_indexed_cache``).
+score every cached key and attend to their top-k cached latents through FlashMLA's sparse decoding
+(``MLA._attend_indexed_cache``).
 """
 
 from __future__ import annotations
