@@ -293,3 +293,51 @@ def test_planner_dsa_terms_match_their_definitions():
         return d.f + d.i + d.w
 
     assert step(sparse, 131072) < 0.5 * step(dense, 131072) and step(sparse, 4096) > step(dense, 4096)
+
+
+def test_warmup_loss_remade_per_chunk_equals_the_stored_target():
+    """The dense warm-up's KL, whose target is remade a chunk at a time from the query latents (each row's own
+    RoPE position and sequence), equals the KL over explicitly listed causal rows with a stored target, in value
+    and in every indexer gradient; and ``dense_indexer_kl`` matches the float64 definition."""
+    from models.deepseek_v3.indexer import causal_rows, dense_indexer_kl
+    from models.deepseek_v3.rope import rope_cos_sin
+
+    args = ModelArgs.preset("debug_tiny", **DSA_TINY, dsa_warmup=True)
+    torch.manual_seed(4)
+    mla = randomize(Transformer(args)).layers[1].attn
+    b, s = 2, 13
+    x = torch.randn(b, s, args.dim)
+    cos, sin = rope_cos_sin(args, torch.arange(s))
+    q_latent, (c_kv, k_pe) = mla._q_latent(x), mla._kv_latent(x, cos, sin)
+    results = []
+    for rows in (None, causal_rows(0, b * s, s)):
+        mla.zero_grad()
+        q_i, k_i, w = mla._index(x, q_latent.detach(), cos, sin)
+        loss = mla._indexer_loss(q_latent.detach(), c_kv.detach(), k_pe.detach(), cos, sin, q_i, k_i, w, rows)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in mla.indexer.named_parameters()}))
+    (a, ga), (c, gc) = results
+    # fp32, the same products in other chunkings: ~1e-7 relative
+    assert abs(a - c) <= 1e-5 * abs(c) and a > 0
+    for name in gc:
+        assert ((ga[name] - gc[name]).norm() / gc[name].norm()).item() < 1e-4, name
+
+    g = torch.Generator().manual_seed(9)
+    t, h, hi, d, n = 10, 3, 4, 8, 20
+    q_abs, kv = torch.randn(t, h, n, generator=g), torch.randn(t, n, generator=g)
+    q_i = torch.randn(t, hi, d, generator=g, requires_grad=True)
+    k_i, w = torch.randn(t, d, generator=g, requires_grad=True), torch.randn(t, hi, generator=g, requires_grad=True)
+    rows = causal_rows(0, t, 5)  # two sequences of 5
+
+    def target(start: int, count: int):
+        cand = causal_rows(start, count, 5)
+        return attention_target(q_abs[start:start + count], kv, cand, 0.7), cand
+
+    got = dense_indexer_kl(target, q_i, k_i, w, chunk=3)
+    got.backward()
+    ref = [v.detach().double().requires_grad_() for v in (q_i, k_i, w)]
+    want = _kl_float64(q_abs, kv, *ref, rows, 0.7)
+    want.backward()
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    for v, r in zip((q_i, k_i, w), ref):
+        assert ((v.grad.double() - r.grad).abs().max() / r.grad.abs().max()).item() < 1e-5

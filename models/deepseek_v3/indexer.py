@@ -12,12 +12,15 @@ over ``index_n_heads`` heads ``j`` of width ``index_head_dim``:
 Each query attends to its ``index_topk`` highest-scoring causal keys. The indexer learns from the main
 attention: ``KL(p || softmax(I))`` with ``p`` the main attention's probabilities summed over heads and
 L1-normalised, over every causal key in the dense warm-up and over the selected keys in the sparse stage.
-Its inputs are detached from the main graph, so the loss trains the indexer only. ``indexer_kl`` takes a
-candidate set per query (all causal keys, or the top-k) and works on a chunk of queries at a time, so
-neither ``[heads, s, s]`` scores nor ``[s, index heads, k]`` products are ever all held at once.
+Its inputs are detached from the main graph, so the loss trains the indexer only. ``indexer_kl`` (the top-k,
+its target ``p [T, k]`` kept) and ``dense_indexer_kl`` (every causal key, its target remade per chunk) work on a
+chunk of queries at a time, so neither ``[heads, s, s]`` scores nor ``[s, index heads, k]`` products, nor in the
+warm-up any ``[s, s]`` array, are ever held.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -101,11 +104,12 @@ def causal_topk(scores: torch.Tensor, topk: int, start_pos: int = 0) -> torch.Te
     return torch.where(values == float("-inf"), -1, idx).to(torch.int32)
 
 
-def causal_all(b: int, s: int, device: torch.device) -> torch.Tensor:
-    """Every causal key of every query as a candidate set, int32 ``[b, s, s]`` (-1 for future keys)."""
-    pos = torch.arange(s, device=device)
-    idx = torch.where(pos[None, :] <= pos[:, None], pos[None, :], -1).to(torch.int32)
-    return idx.expand(b, s, s)
+def causal_rows(start: int, count: int, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Every causal key of the flattened queries ``start .. start + count`` (each in its own sequence of
+    ``seq_len``) as rows of the flattened keys: int32 ``[count, seq_len]``, -1 for a later key."""
+    t = torch.arange(start, start + count, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return torch.where(j <= t % seq_len, t - t % seq_len + j, -1).to(torch.int32)
 
 
 def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -196,6 +200,24 @@ def indexer_kl(p: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.T
     return total / rows.shape[0]
 
 
+def _dense_kl_chunk(target: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], start: int, q_i: torch.Tensor,
+                    k_i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    p, rows = target(start, q_i.shape[0])
+    return _kl_chunk(p, q_i, k_i, w, rows)
+
+
+def dense_indexer_kl(target: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], q_i: torch.Tensor,
+                     k_i: torch.Tensor, w: torch.Tensor, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """``indexer_kl`` over every causal key (the dense warm-up), with the target made a chunk at a time:
+    ``target(start, count) -> (p [count, n], rows [count, n])`` for queries ``start .. start + count``, run again
+    in the chunk's backward. Nothing ``[T, n]`` is kept: O(T) memory where a stored target would be O(T s)."""
+    total = q_i.new_zeros((), dtype=torch.float32)
+    for a in range(0, q_i.shape[0], chunk):
+        total = total + checkpoint(_dense_kl_chunk, target, a, q_i[a:a + chunk], k_i, w[a:a + chunk],
+                                   use_reentrant=False)
+    return total / q_i.shape[0]
+
+
 @torch.no_grad()
 def topk_recall(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Tensor | None:
     """Mean over queries with more than ``topk`` candidates of the share of ``target``'s top-k candidates
@@ -213,12 +235,11 @@ def topk_recall(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, 
 
 def record_recall(stats: IndexerStats, p: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
                   rows: torch.Tensor, topk: int) -> None:
-    """Record the top-k recall of the main attention's top keys (by ``p``) by the indexer's, on one chunk of
-    queries (the last ``QUERY_CHUNK``: the longest contexts) over their candidates; a metric, not a loss."""
+    """Record the top-k recall of the main attention's top keys (by ``p``) by the indexer's, for a chunk of
+    queries (``q_i``, ``w``, ``p``, ``rows`` of the same queries) over their candidates; a metric, not a loss."""
     if recomputing():
         return
     with torch.no_grad():
-        sel = slice(max(0, rows.shape[0] - QUERY_CHUNK), rows.shape[0])
-        recall = topk_recall(p[sel], _scores(q_i[sel], k_i, w[sel], rows[sel]), rows[sel], topk)
+        recall = topk_recall(p, _scores(q_i, k_i, w, rows), rows, topk)
     if recall is not None:
         stats.record("recall", recall)

@@ -29,11 +29,12 @@ from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
 from models.deepseek_v3.indexer import (
+    QUERY_CHUNK,
     Indexer,
     attention_target,
-    causal_all,
+    causal_rows,
     causal_topk,
-    flat_rows,
+    dense_indexer_kl,
     index_scores,
     indexer_kl,
     record_recall,
@@ -145,7 +146,7 @@ class MLA(nn.Module):
                                   lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
                                   q_latent, c_kv, k_pe, enabled=self.recompute_up)
         else:
-            rows = flat_rows(causal_all(b, s, x.device), s)
+            rows = None  # the warm-up's candidates: every causal key (``dense_indexer_kl`` makes them per chunk)
             out = produce_consume(lambda a, b_, c: self._up_project(a, b_, c, cos, sin), self._attend, q_latent,
                                   c_kv, k_pe, enabled=self.recompute_up)
         out = self._output(out)
@@ -169,12 +170,16 @@ class MLA(nn.Module):
     def _absorb(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed queries ``[b * s, h, 576]`` and latents ``[b * s, 576]`` (``[kv_norm(c_kv), rope(k_pe)]``)."""
+        kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1)
+        return self._absorb_queries(q_latent, cos, sin).flatten(0, 1), kv.flatten(0, 1)
+
+    def _absorb_queries(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``[q_nope W_uk, rope(q_pe)]``, ``[b, s, h, 576]``, from the query latent before ``q_norm``; cos/sin
+        ``[s, rope/2]`` or per row ``[b, s, rope/2]``."""
         q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._absorbed_weights()
-        q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
-                       apply_rotary_emb(q_pe, cos, sin)], dim=-1)
-        kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1)
-        return q.flatten(0, 1), kv.flatten(0, 1)
+        return torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
+                          apply_rotary_emb(q_pe, cos, sin)], dim=-1)
 
     def _attend_sparse(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Each query over its selected latent rows, then ``wkv_b``'s value half: ``[b * s, h * v_head_dim]``."""
@@ -183,18 +188,37 @@ class MLA(nn.Module):
         return torch.einsum("thc,hdc->thd", out, w_uv.to(out.dtype)).flatten(1)
 
     def _indexer_loss(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, rows: torch.Tensor
-                      ) -> torch.Tensor:
-        """KL of the indexer to the main attention over each query's candidate ``rows`` (all causal keys in the
-        warm-up, the selected ones in the sparse stage); the main attention's side is detached."""
-        with torch.no_grad():
-            p = attention_target(*self._absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
+                      sin: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+                      rows: torch.Tensor | None) -> torch.Tensor:
+        """KL of the indexer to the main attention over each query's candidates: the selected ``rows`` in the
+        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached."""
+        s = q_latent.shape[1]
         q_i, k_i, w = q_i.flatten(0, 1), k_i.flatten(0, 1), w.flatten(0, 1)
-        loss = indexer_kl(p, q_i, k_i, w, rows)
+        stats = self.indexer.stats
+        if rows is not None:
+            with torch.no_grad():
+                p = attention_target(*self._absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
+            loss = indexer_kl(p, q_i, k_i, w, rows)
+            if not recomputing():
+                stats.record("kl", loss)
+            return loss
+        with torch.no_grad():  # what the target is remade from: the query latents and the 576-wide latents
+            q_latent = q_latent.detach().flatten(0, 1)
+            kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1).flatten(0, 1)
+
+        def target(start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad():
+                pos = torch.arange(start, start + count, device=kv.device) % s
+                q = self._absorb_queries(q_latent[None, start:start + count], cos[pos][None], sin[pos][None])[0]
+                cand = causal_rows(start, count, s, kv.device)
+                return attention_target(q, kv, cand, self.softmax_scale, chunk=count), cand
+
+        loss = dense_indexer_kl(target, q_i, k_i, w)
         if not recomputing():
-            self.indexer.stats.record("kl", loss)
-            if not self.sparse:
-                record_recall(self.indexer.stats, p, q_i, k_i, w, rows, self.indexer.topk)
+            stats.record("kl", loss)
+            last = max(0, q_i.shape[0] - QUERY_CHUNK)  # recall on the last chunk: the longest contexts
+            p, cand = target(last, q_i.shape[0] - last)
+            record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
         return loss
 
     # ---- absorbed form ----------------------------------------------------------------------------
@@ -207,13 +231,11 @@ class MLA(nn.Module):
                          start_pos: int) -> torch.Tensor:
         """Write this step's latents at ``start_pos`` and attend over the whole cached prefix (causal)."""
         q_latent = self._q_latent(x)
-        q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
         c_kv = self.kv_norm(c_kv)
         cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
-        w_uk, w_uv = self._absorbed_weights()
-        q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
-                           apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+        _, w_uv = self._absorbed_weights()
+        q_abs = self._absorb_queries(q_latent, cos, sin)
         if self.indexer is not None and self.sparse:
             out = self._attend_indexed_cache(x, q_latent, q_abs, cos, sin, cache, start_pos)
             return self.wo(torch.einsum("bshc,hdc->bshd", out, w_uv.to(out.dtype)).flatten(2))
