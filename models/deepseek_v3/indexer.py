@@ -33,6 +33,13 @@ from models.deepseek_v3.recompute import recomputing
 from models.deepseek_v3.rope import apply_rotary_emb_half
 
 QUERY_CHUNK = 256  # queries per chunk of the loss: bounds the [chunk, heads, keys] products it makes
+CHUNK_BYTES = 2**30  # what one chunk of the warm-up's target may make (its gathered latents and logits, fp32)
+
+
+def dense_chunk(seq_len: int, per_key: int) -> int:
+    """Queries per chunk of the warm-up's loss, whose every query has up to ``seq_len`` candidates costing
+    ``per_key`` fp32 values each: at most ``QUERY_CHUNK``, fewer as the sequence grows (``CHUNK_BYTES``)."""
+    return max(1, min(QUERY_CHUNK, CHUNK_BYTES // (4 * seq_len * per_key)))
 
 
 class IndexerStats(nn.Module):

@@ -29,11 +29,11 @@ from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
 from models.deepseek_v3.indexer import (
-    QUERY_CHUNK,
     Indexer,
     attention_target,
     causal_rows,
     causal_topk,
+    dense_chunk,
     dense_indexer_kl,
     index_scores,
     indexer_kl,
@@ -213,10 +213,12 @@ class MLA(nn.Module):
                 cand = causal_rows(start, count, s, kv.device)
                 return attention_target(q, kv, cand, self.softmax_scale, chunk=count), cand
 
-        loss = dense_indexer_kl(target, q_i, k_i, w)
+        # each candidate costs a gathered latent and a logit per head (main side), or D + H (indexer side)
+        chunk = dense_chunk(s, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
+        loss = dense_indexer_kl(target, q_i, k_i, w, chunk)
         if not recomputing():
             stats.record("kl", loss)
-            last = max(0, q_i.shape[0] - QUERY_CHUNK)  # recall on the last chunk: the longest contexts
+            last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
             p, cand = target(last, q_i.shape[0] - last)
             record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
         return loss
