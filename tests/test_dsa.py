@@ -341,3 +341,24 @@ def test_warmup_loss_remade_per_chunk_equals_the_stored_target():
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
     for v, r in zip((q_i, k_i, w), ref):
         assert ((v.grad.double() - r.grad).abs().max() / r.grad.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_recompute_kinds_give_identical_gradients(warmup: bool):
+    """Both stages under every recompute kind (the indexer loss's own chunk recompute nested inside whole-block
+    recompute or the MLA up-projections' produce_consume): gradients equal to no recompute, bit for bit, since
+    recompute re-runs the same ops on the same values."""
+    grads = {}
+    for kinds in ((), ("block",), ("norm", "mla_up"), ("swiglu",)):
+        args = ModelArgs.preset("debug_tiny", **DSA_TINY, dsa_warmup=warmup, recompute=kinds)
+        torch.manual_seed(0)
+        model = randomize(Transformer(args)).train()
+        model(torch.randint(0, args.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))).square().mean(
+            ).backward()
+        grads[kinds] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    base = grads.pop(())
+    assert any(".indexer." in n for n in base)
+    for kinds, got in grads.items():
+        assert got.keys() == base.keys(), kinds
+        for name, g in got.items():
+            assert torch.equal(g, base[name]), (kinds, name)
