@@ -346,8 +346,8 @@ def test_warmup_loss_remade_per_chunk_equals_the_stored_target():
 @pytest.mark.parametrize("warmup", [True, False])
 def test_recompute_kinds_give_identical_gradients(warmup: bool):
     """Both stages under every recompute kind (the indexer loss's own chunk recompute nested inside whole-block
-    recompute or the MLA up-projections' produce_consume): gradients equal to no recompute, bit for bit, since
-    recompute re-runs the same ops on the same values."""
+    recompute or the MLA up-projections' produce_consume): gradients equal to no recompute (measured bit-equal;
+    test_model's tolerance for a different accumulation order)."""
     grads = {}
     for kinds in ((), ("block",), ("norm", "mla_up"), ("swiglu",)):
         args = ModelArgs.preset("debug_tiny", **DSA_TINY, dsa_warmup=warmup, recompute=kinds)
@@ -360,5 +360,6 @@ def test_recompute_kinds_give_identical_gradients(warmup: bool):
     assert any(".indexer." in n for n in base)
     for kinds, got in grads.items():
         assert got.keys() == base.keys(), kinds
-        for name, g in got.items():
-            assert torch.equal(g, base[name]), (kinds, name)
+        for name, g in got.items():  # the same fp32 ops replayed: equal up to autograd's accumulation order
+            torch.testing.assert_close(g, base[name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name, k=kinds: f"{k} {n}: {m}")
