@@ -31,6 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+from deep_gemm.linear import FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
@@ -73,6 +74,9 @@ class RunConfig:
 class ModelConfig:
     preset: str = "debug_tiny"
     fp8: bool = False  # route attention projections and experts through deep_gemm's FP8 layers
+    # with fp8: "blockwise" (DeepSeek-V3: 1x128 activations, 128x128 weights, fp32 scales) or "mxfp8" (1x32 blocks
+    # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
+    fp8_recipe: str = "blockwise"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
@@ -477,6 +481,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("mtp_lambda", "mtp_lambda_late"):
         if getattr(cfg.model, key) < 0:
             raise ValueError(f"model.{key} must be >= 0, got {getattr(cfg.model, key)}")
+    if cfg.model.fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"model.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.model.fp8_recipe!r}")
     validate_fault(cfg.fault)
     validate_eplb(cfg)
 

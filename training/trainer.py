@@ -64,7 +64,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def model_args(cfg: TrainConfig) -> ModelArgs:
     """The model's arguments: the preset, the overrides, and the config's FP8 / MTP switches."""
     try:
-        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": cfg.model.fp8,
+        fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
+        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None

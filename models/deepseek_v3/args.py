@@ -69,7 +69,9 @@ class ModelArgs:
     eos_token_id: int | None = 1
     init_std: float = 0.006
     # training switches (not part of the checkpoint's config.json)
-    fp8: bool = False  # route attention projections and every expert/FFN Linear through deep_gemm FP8
+    # route attention projections and every expert/FFN Linear through deep_gemm FP8: False, True / "blockwise"
+    # (DeepSeek-V3's recipe) or "mxfp8" (deep_gemm.linear's FP8 recipes)
+    fp8: bool | str = False
     # FP8 GEMMs keep their inputs for backward only as e4m3 + 1x128 scales, and the SwiGLU input is kept in
     # FP8 with its output recomputed (V3 report 3.3.3). None: on exactly when ``fp8`` is.
     fp8_cache_activations: bool | None = None
@@ -180,7 +182,7 @@ class ModelArgs:
     @property
     def fp8_cache(self) -> bool:
         """Whether FP8 activation caching is on (``fp8_cache_activations``, defaulting to ``fp8``)."""
-        return self.fp8 if self.fp8_cache_activations is None else bool(self.fp8_cache_activations)
+        return bool(self.fp8) if self.fp8_cache_activations is None else bool(self.fp8_cache_activations)
 
     @property
     def recompute_kinds(self) -> frozenset[str]:
