@@ -175,4 +175,5 @@ def test_every_op_has_a_triton_kernel_and_interpreter_sized_verify_shapes():
         for shape in op.verify.shapes:
             assert all(v <= 256 for key, v in shape.items() if key in ("m", "n", "k")), (name, shape)
             case = op.verify.make_case(shape, 0, torch.device("cpu"))
-            assert case.outputs or "gemm" not in name.split(".")[1], name  # GEMMs write d in place; casts and logits return new tensors
+            # GEMMs write d in place; casts and logits return new tensors
+            assert case.outputs or "gemm" not in name.split(".")[1], name
