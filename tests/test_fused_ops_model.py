@@ -17,6 +17,8 @@ import torch
 from accel import registry
 from deep_gemm import calc_diff
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.indexer import Indexer
+from models.deepseek_v3.rope import rope_cos_sin
 from tests.test_model import randomize
 from training import memory_measure
 
@@ -53,6 +55,8 @@ def _loss_and_grads(fused: bool, tokens: torch.Tensor, **overrides):
 def test_fused_model_matches_the_unfused_model(recompute, only_fused_kernels):
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     before = {name: registry.reference_call_count(name) for name in FUSED_OPS}
+    for name in FUSED_OPS:
+        registry.get(name).last_impl = None
     loss, grads = _loss_and_grads(True, tokens, recompute=recompute)
     for name in FUSED_OPS:  # each ran as its kernel: no fall-back to its reference
         assert registry.get(name).last_impl == "triton", name
@@ -74,3 +78,25 @@ def test_fused_ops_keep_no_more_activation_memory_per_token(recompute, fp8):
     unfused = memory_measure.block(args.replace(fused_ops=False), 1, 2, 64, 2, True)
     assert fused.saved <= unfused.saved, (fused, unfused)
     assert fused.transient <= unfused.transient, (fused, unfused)
+
+
+def test_indexer_rope_through_fused_ops(only_fused_kernels):
+    """V3.2's lightning indexer rotates its half-split RoPE dims through fused_ops when on: same queries, keys and
+    gradients as the unfused rotation (one fp32 rotation and one rounding either way; 1e-6 relative)."""
+    args = ModelArgs.preset("debug", index_n_heads=4, index_head_dim=16, index_topk=8)
+    torch.manual_seed(3)
+    indexer = Indexer(args)
+    cos, sin = rope_cos_sin(args, torch.arange(5))
+    q_resid, x = torch.randn(2, 5, args.q_lora_rank), torch.randn(2, 5, args.dim)
+    results = []
+    registry.get("fused_ops.rope").last_impl = None
+    for fused in (True, False):
+        indexer.fused = fused
+        inputs = [q_resid.clone().requires_grad_(), x.clone().requires_grad_()]
+        with registry.force("auto"):
+            q, k = indexer.queries(inputs[0], cos, sin), indexer.keys(inputs[1], cos, sin)
+            (q.square().sum() + k.sum()).backward()
+        results.append((q.detach(), k.detach(), inputs[0].grad, inputs[1].grad))
+    assert registry.get("fused_ops.rope").last_impl == "triton"
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))

@@ -68,7 +68,7 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
-        self.rope_dim = args.qk_rope_head_dim
+        self.rope_dim, self.fused = args.qk_rope_head_dim, args.fused_ops
         # FP8 GEMMs with model.fp8, as the release stores these two (weights_proj stays unquantised)
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8, fp8_cache=args.fp8_cache)
         self.wk = Linear(args.dim, self.head_dim, fp8=args.fp8, fp8_cache=args.fp8_cache)
@@ -78,7 +78,7 @@ class Indexer(nn.Module):
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rotary_emb_half(rot, cos, sin), rest], dim=-1)
+        return torch.cat([apply_rotary_emb_half(rot, cos, sin, self.fused), rest], dim=-1)
 
     def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``q_I [b, s, heads, head_dim]`` from the MLA query residual ``[b, s, q_lora_rank]`` (after q_norm)."""
