@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -79,6 +80,7 @@ def variant(nproc: int, steps: int, seed: int, recipe: str, overrides: list[str]
 # ---------------------------------------------------------------- the statistics
 
 
+@functools.lru_cache(maxsize=64)
 def t_quantile(p: float, df: int) -> float:
     """Student-t quantile by bisection on its CDF (the density integrated with Simpson's rule, float64).
 
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         for g in rows:
             print(f"  {name:9s} steps {g.start:4d}-{g.end - 1:4d}: {g.mean * 100:+.3f}% +- {g.half_width * 100:.3f}%"
                   f"  (per seed: {', '.join(f'{x * 100:+.3f}' for x in g.per_seed)})")
-    print(f"note: baseline '{BASELINE}' is bf16 autocast on a GPU, fp32 on a CPU; seeds {ns.seed}..{ns.seed + ns.seeds - 1}")
+    print(f"note: baseline '{BASELINE}' is bf16 autocast on a GPU, fp32 on a CPU; "
+          f"seeds {ns.seed}..{ns.seed + ns.seeds - 1}")
     print(f"plot: {out / 'fp8_vs_bf16.png'}")
     for line in lines:
         print(line)

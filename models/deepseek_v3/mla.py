@@ -114,7 +114,7 @@ class MLA(nn.Module):
                               k_pe, enabled=self.recompute_up)
         # the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an FP8 copy beside it
         cache = self.wo.fp8_cache and not keeps_output(out.device)
-        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache)
+        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache, health=self.wo.health)
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
