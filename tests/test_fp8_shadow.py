@@ -23,7 +23,8 @@ ONE_PROCESS = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.sche
                "optim.warmup_steps=2", "run.timeout_s=120", "model.fp8=true", "checkpoint.interval=2",
                "checkpoint.async_save=false", "checkpoint.final=false", "fault.stable_after=1",
                "fault.fp8_shadow_every=1", "fault.fp8_shadow_patience=2", "logging.fp8_health_every=0"]
-BROKEN = ["fault.inject_fp8_scale_error_at_step=5", "fault.inject_fp8_scale_error_layer=layers.3.ffn.shared_experts.w13"]
+BROKEN = ["fault.inject_fp8_scale_error_at_step=5",
+          "fault.inject_fp8_scale_error_layer=layers.3.ffn.shared_experts.w13"]
 
 
 def _train(run_dir: Path, overrides: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
