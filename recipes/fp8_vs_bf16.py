@@ -13,7 +13,9 @@ interval (``mean +- t(0.975, n-1) * sd / sqrt(n)``, sd over the n per-seed gaps)
 window: *within* when the whole interval lies inside +-threshold (DeepSeek-V3 report: 0.25%), *outside*
 when it lies wholly outside, else *inconclusive* (more seeds or steps would decide). Writes
 ``fp8_vs_bf16.png`` (mean loss curves with the seed range; the gap per window with its interval) and
-``fp8_vs_bf16.json``.
+``fp8_vs_bf16.json``. A run already complete under ``--out`` (its ``summary.json`` written, every step logged) is
+read instead of trained again, so a study cut short continues where it stopped (or is summarised with fewer
+``--seeds``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import functools
 import json
 import math
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,6 +168,22 @@ def verdict_line(recipe: str, gap: WindowGap, threshold: float, size: str) -> st
 # ---------------------------------------------------------------- the runs
 
 
+def losses(config: str, nproc: int, overrides: list[str], run_dir: Path, steps: int) -> list[float]:
+    """The per-step training losses of one run: read when ``run_dir`` holds that run complete, else trained."""
+    metrics = run_dir / "metrics.jsonl"
+    if (run_dir / "summary.json").is_file() and metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: it starts again
+        records = run_training(config, nproc, overrides, run_dir)
+    by_step = {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}  # a replayed step: last
+    curve = [by_step[k] for k in sorted(by_step)]
+    if len(curve) != steps:
+        raise SystemExit(f"{run_dir}: {len(curve)} logged steps, expected {steps} (a folder of another study? "
+                         "choose another --out)")
+    return curve
+
+
 def check_inputs(ns: argparse.Namespace) -> None:
     """Every run's config, world size, data and the output folder, before any run starts (ValueError)."""
     check_output_dir(ns.out, "--out")
@@ -252,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(ns.seeds):
         seed = ns.seed + i
         for name in names:
-            records = run_training(ns.config, ns.nproc, variant(ns.nproc, ns.steps, seed, name, ns.overrides),
-                                   out / f"seed{seed}" / name)
-            curves[name].append([r["loss"] for r in records if "loss" in r and "event" not in r])
+            curves[name].append(losses(ns.config, ns.nproc, variant(ns.nproc, ns.steps, seed, name, ns.overrides),
+                                       out / f"seed{seed}" / name, ns.steps))
             print(f"seed {seed} {name}: final loss {curves[name][-1][-1]:.4f}", flush=True)
     gaps = {name: window_gaps(curves[name], curves[BASELINE], ns.window) for name in ns.recipes}
     plot(curves, gaps, threshold, out / "fp8_vs_bf16.png")
