@@ -13,9 +13,10 @@ Per cast (``observe``) of a tensor ``x`` into e4m3 values ``q`` with one fp32 sc
               their values are scaled as if the tile were larger and sink into the subnormal range or to 0.
               ``hidden`` counts those values that became 0: the underflow a healthy-looking scale hides, which
               is where weight gradients (tiny dY in 128x1 tiles along the tokens) go
-Fractions are of the nonzero values (tiles: of the tiles holding a nonzero value). Counts are summed on the
-device and read once per report (``counts``), so an active step costs a few elementwise passes per cast and
-one host read, and an inactive one a Python attribute test per GEMM.
+Fractions are of the nonzero values (tiles: of the tiles holding a nonzero value). A report samples the first
+cast of each layer, GEMM and operand (one micro-batch); the counts stay on the device until ``counts`` reads
+them all at once, so a reporting step costs four cheap passes per sampled cast and one host read, and any other
+step a Python attribute test per GEMM. ``merge_counts`` adds reports of several ranks.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deep_gemm.reference import AMAX_FLOOR
 from deep_gemm.utils import FP8_MAX
 
 E4M3_MIN_NORMAL = 2.0 ** -6
+_E4M3_FIRST_NORMAL_BITS = 0b0000_1000  # exponent field 1, mantissa 0: 2^-6
 GEMMS = ("fwd", "dgrad", "wgrad")
 # counts per (layer, gemm, operand): summed fields, then the min and max of log2 amax
 _FIELDS = ("values", "underflow", "subnormal", "tiles", "floored", "hidden", "log2_amax_sum")
@@ -57,25 +60,29 @@ class HealthRow:
 def cast_counts(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float64 ``[values, underflow, subnormal, tiles, floored, hidden, sum log2 amax, min, max]`` of one cast.
 
-    ``x`` is what was cast (padded to ``q``'s shape), ``q`` its e4m3 values, ``scales`` one per tile; the tile
-    shape (1x128, 128x1 or 128x128) follows from the shapes. Leading dims (groups) are folded."""
+    ``x`` is what was cast (with or without the zero padding to ``q``'s shape), ``q`` its e4m3 values, ``scales``
+    one per tile; the tile shape (1x128, 128x1 or 128x128) follows from the shapes. Leading dims (groups) are
+    folded. A nonzero e4m3 value comes from a nonzero input, so underflow = nonzero inputs - nonzero outputs;
+    e4m3's bits ``s eeee mmm`` make zero, subnormal and normal a test of the byte without its sign (0, 1..7,
+    8 and up): four cheap passes."""
     rows, cols = q.shape[-2:]
     tr = 1 if scales.shape[-2] == rows else math.ceil(rows / scales.shape[-2])
     tc = 1 if scales.shape[-1] == cols else math.ceil(cols / scales.shape[-1])
     shape = (-1, scales.shape[-2], tr, scales.shape[-1], tc)
-    nz = (x != 0).reshape(shape)
-    qf = q.float().abs().reshape(shape)
-    under = nz & (qf == 0)
-    sub = (qf > 0) & (qf < E4M3_MIN_NORMAL)
-    tile_nz = nz.sum(dim=(2, 4))
+    magnitude = (q.view(torch.uint8) & 0x7F).reshape(shape)
+    nonzero = x != 0
+    if nonzero.shape != q.shape:  # the padding is zeros: pad the mask, not the tensor
+        nonzero = F.pad(nonzero, (0, cols - nonzero.shape[-1], 0, rows - nonzero.shape[-2]))
+    tile_nz = nonzero.reshape(shape).sum(dim=(2, 4))
+    tile_under = tile_nz - (magnitude != 0).sum(dim=(2, 4))
+    subnormal = (magnitude != 0).sum() - (magnitude >= _E4M3_FIRST_NORMAL_BITS).sum()
     live = tile_nz > 0
     amax = scales.float().reshape(tile_nz.shape) * FP8_MAX
     floored = live & (amax <= AMAX_FLOOR * (1 + 1e-6))  # scale = floor / 448, up to its fp32 rounding
-    tile_under = under.sum(dim=(2, 4))
     log2 = torch.log2(amax[live].double())
     big = torch.tensor(math.inf, dtype=torch.float64, device=q.device)
     return torch.stack([
-        tile_nz.sum().double(), tile_under.sum().double(), sub.sum().double(), live.sum().double(),
+        tile_nz.sum().double(), tile_under.sum().double(), subnormal.double(), live.sum().double(),
         floored.sum().double(), (tile_under * floored).sum().double(), log2.sum(),
         log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
 
@@ -105,15 +112,13 @@ class Fp8Health:
 
     def observe(self, weight: torch.Tensor, gemm: str, operand: str, x: torch.Tensor,
                 cast: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Count one cast of ``x`` into ``cast`` = (e4m3 values, scales) for ``weight``'s layer."""
+        """Count one cast of ``x`` (padded or not) into ``cast`` = (e4m3 values, scales) for ``weight``'s layer: the
+        first of each (layer, GEMM, operand) per report, i.e. one micro-batch of a reporting step (a sample, at
+        1 / micro-batches of the cost of counting them all; the weight's forward cast is the same in each)."""
         key = (self._names.get(id(weight), f"unnamed[{tuple(weight.shape)}]"), gemm, operand)
-        with torch.no_grad():
-            c = cast_counts(x.detach(), *cast)
-            old = self._acc.get(key)
-            if old is not None:
-                c = torch.cat([old[:_N] + c[:_N], torch.minimum(old[_N:_N + 1], c[_N:_N + 1]),
-                               torch.maximum(old[_N + 1:], c[_N + 1:])])
-            self._acc[key] = c
+        if key not in self._acc:
+            with torch.no_grad():
+                self._acc[key] = cast_counts(x.detach(), *cast)
 
     def counts(self) -> dict[str, list[float]]:
         """The raw counts since the last call, keyed ``layer|gemm|operand`` (one host read), then reset."""

@@ -88,8 +88,8 @@ class _LinearFunction(torch.autograd.Function):
             w_q = _fp8_weight(weight)
             x_q = per_token_cast_to_fp8(_pad(x, BLOCK))
             if health is not None:
-                health.observe(weight, "fwd", "w", _pad(weight.detach(), BLOCK, BLOCK), w_q)
-                health.observe(weight, "fwd", "x", _pad(x, BLOCK), x_q)
+                health.observe(weight, "fwd", "w", weight, w_q)
+                health.observe(weight, "fwd", "x", x, x_q)
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
             fp8_gemm_nt(x_q, w_q, d)
             out = d[:, :n].to(x.dtype)
@@ -120,7 +120,7 @@ class _LinearFunction(torch.autograd.Function):
                 d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
                 dy_q = per_token_cast_to_fp8(_pad(grad_out, BLOCK))
                 if ctx.health is not None:
-                    ctx.health.observe(weight, "dgrad", "dy", _pad(grad_out, BLOCK), dy_q)
+                    ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
                 fp8_gemm_nn(dy_q, w_q, d)
                 grad_x = d[:, :k].to(x_dtype)
             else:
@@ -135,8 +135,8 @@ class _LinearFunction(torch.autograd.Function):
                     dy_q = per_channel_cast_to_fp8(_pad(grad_out, BLOCK, BLOCK))
                     x_q = per_channel_cast_to_fp8(_pad(x, BLOCK, BLOCK))
                     if health is not None:
-                        health.observe(weight, "wgrad", "dy", _pad(grad_out, BLOCK, BLOCK), dy_q)
-                        health.observe(weight, "wgrad", "x", _pad(x, BLOCK, BLOCK), x_q)
+                        health.observe(weight, "wgrad", "dy", grad_out, dy_q)
+                        health.observe(weight, "wgrad", "x", x, x_q)
                     d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
                     fp8_gemm_tn(dy_q, x_q, d)
                     g = d[: weight.shape[0], :k]
@@ -308,10 +308,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
         w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
-        x_q = per_token_cast_to_fp8(_pad(x * valid.to(x.dtype), BLOCK))  # padding rows give 0, whatever they hold
+        x_valid = x * valid.to(x.dtype)  # padding rows give 0, whatever they hold
+        x_q = per_token_cast_to_fp8(_pad(x_valid, BLOCK))
         if health is not None:
-            health.observe(weight, "fwd", "w", _pad(weight.detach(), BLOCK, BLOCK), w_q)
-            health.observe(weight, "fwd", "x", _pad(x * valid.to(x.dtype), BLOCK), x_q)
+            health.observe(weight, "fwd", "w", weight, w_q)
+            health.observe(weight, "fwd", "x", x_valid, x_q)
         d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
         m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
         out = d[:, :n].to(x.dtype)
@@ -338,7 +339,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
             dy_q = per_token_cast_to_fp8(_pad(grad_out, BLOCK))
             if ctx.health is not None:
-                ctx.health.observe(weight, "dgrad", "dy", _pad(grad_out, BLOCK), dy_q)
+                ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
             m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
             grad_x = d[:, :k].to(x_dtype)
             grad_x = grad_x * valid.to(grad_x.dtype)
@@ -352,8 +353,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
                 x_q = per_channel_cast_to_fp8(_pad(xs, BLOCK))
                 if health is not None:
-                    health.observe(weight, "wgrad", "dy", _pad(dy, BLOCK), dy_q)
-                    health.observe(weight, "wgrad", "x", _pad(xs, BLOCK), x_q)
+                    health.observe(weight, "wgrad", "dy", dy, dy_q)
+                    health.observe(weight, "wgrad", "x", xs, x_q)
                 d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
                 ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
                 k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)

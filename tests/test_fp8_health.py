@@ -60,6 +60,7 @@ def test_linear_reports_each_gemm_only_while_active():
     x = torch.randn(5, 200) * torch.logspace(-12, 0, 200)  # a wide range: some columns underflow
     x.requires_grad_(True)
     layer(x).square().sum().backward()
+    layer(torch.randn(7, 200)).sum().backward()  # a second micro-batch: a report samples the first cast only
     got = {(r.gemm, r.operand): r for r in rows(health.counts())}
     assert set(got) == {("fwd", "w"), ("fwd", "x"), ("dgrad", "dy"), ("wgrad", "dy"), ("wgrad", "x")}
     assert {r.layer for r in got.values()} == {"weight"}  # named by its parameter (the root's own: 'weight')
