@@ -1,11 +1,19 @@
 """The FP8-vs-BF16 verdict (recipes.fp8_vs_bf16) on synthetic loss curves with a known gap."""
 
+import json
 import math
+import os
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from recipes.fp8_vs_bf16 import WindowGap, parse_recipes, t_quantile, verdict, window_gaps
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def curves(gap: float, seeds: int, steps: int, noise: float, rng: random.Random):
@@ -69,3 +77,27 @@ def test_verdict_straddling_or_single_seed_is_inconclusive():
 def test_recipes_option_names_the_bad_recipe():
     with pytest.raises(ValueError, match="--recipes"):
         parse_recipes("blockwise,fp4")
+
+
+@pytest.mark.slow
+def test_one_command_prints_the_verdict_line(tmp_path):
+    """The user's view: one command, the verdict line, the plot and the JSON; a second call reads the runs back."""
+    cmd = [sys.executable, "-m", "recipes.fp8_vs_bf16", "--steps", "3", "--seeds", "2", "--window", "3",
+           "--recipes", "blockwise", "--out", str(tmp_path / "study")]
+    for o in ("data.seq_len=16", "data.global_batch=2", "data.micro_batch=2", "run.threads=1"):
+        cmd += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    line = re.compile(r"^FP8 \(blockwise\) vs BF16 at debug 4 layers dim 64 .*3 steps x 32 tokens: "
+                      r"gap [+-]\d+\.\d{3}% \+- \d+\.\d{3}% \(95% t-interval\) over 2 seeds, steps 1-3: "
+                      r"(within|outside|inconclusive) 0\.25%$", re.M)
+    assert line.search(first.stdout), first.stdout[-2000:]
+    report = json.loads((tmp_path / "study" / "fp8_vs_bf16.json").read_text())
+    assert len(report["curves"]["bf16"]) == 2 and len(report["curves"]["blockwise"][1]) == 3
+    gap = report["gaps"]["blockwise"][0]
+    want = [sum(f) / sum(b) - 1 for f, b in zip(report["curves"]["blockwise"], report["curves"]["bf16"])]
+    assert gap["per_seed"] == pytest.approx(want, rel=1e-12)
+    assert (tmp_path / "study" / "fp8_vs_bf16.png").stat().st_size > 10_000
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and line.search(again.stdout).group(0) == line.search(first.stdout).group(0)
