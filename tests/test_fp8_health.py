@@ -8,6 +8,7 @@ import torch
 from deep_gemm import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
 from deep_gemm.health import Fp8Health, cast_counts, merge_counts, rows
 from deep_gemm.linear import Fp8Linear, grouped_linear
+from training.metrics import fp8_health_metrics
 
 
 def hand_tensor() -> torch.Tensor:
@@ -94,3 +95,20 @@ def test_grouped_experts_and_merge():
     both = merge_counts([counts, counts])
     assert both["experts.w13|fwd|x"][0] == 2 * 228 * 96
     assert both["experts.w13|fwd|x"][7:] == counts["experts.w13|fwd|x"][7:]
+
+
+def test_report_warns_naming_layer_and_gemm_once_then_when_doubled():
+    def counts(under: float) -> dict:
+        # 1000 values of which `under` round to 0 (all in floored tiles); a healthy second layer
+        return {"layers.2.ffn.experts.w2|wgrad|dy": [1000, under, 50, 10, 10, under, -140.0, -14.0, -13.0],
+                "layers.2.attn.wq_b|fwd|x": [1000, 0, 0, 10, 0, 0, 10.0, 0.5, 1.5]}
+
+    warned: dict[str, float] = {}
+    metrics, lines = fp8_health_metrics(counts(20), 10, 0.01, warned)
+    assert metrics["fp8_wgrad_underflow_max"] == 0.02 and metrics["fp8_fwd_underflow_max"] == 0.0
+    assert metrics["fp8_health"]["layers.2.ffn.experts.w2"]["wgrad.dy"]["hidden_underflow"] == 0.02
+    assert metrics["fp8_log2_amax_min"] == -14.0 and metrics["fp8_log2_amax_max"] == 1.5
+    assert len(lines) == 1 and "step 10: layers.2.ffn.experts.w2 wgrad dy: 2.00% of nonzero values" in lines[0]
+    assert fp8_health_metrics(counts(30), 20, 0.01, warned)[1] == []  # worse, but not yet doubled
+    assert len(fp8_health_metrics(counts(40), 30, 0.01, warned)[1]) == 1
+    assert fp8_health_metrics(counts(5), 40, 0.01, {})[1] == []  # under the threshold

@@ -199,13 +199,16 @@ class MetricsLogger:
         self._file.close()
 
 
-def fp8_health_metrics(counts: dict[str, list[float]], step: int, warn: float) -> tuple[dict[str, Any], list[str]]:
+def fp8_health_metrics(counts: dict[str, list[float]], step: int, warn: float,
+                       warned: dict[str, float]) -> tuple[dict[str, Any], list[str]]:
     """One FP8-health report (``deep_gemm.health`` counts, all ranks merged) as metrics, and its warnings.
 
     Scalars (wandb and the progress bar): the worst layer's underflow, hidden underflow and subnormal share per
     GEMM (``fp8_{fwd,dgrad,wgrad}_underflow_max`` ...) and over all, and the widest tile amax range.
     ``fp8_health`` (metrics.jsonl only): per layer, per ``gemm.operand``, every statistic. A warning names each
-    layer, GEMM and operand whose share of nonzero values that round to 0 exceeds ``warn``."""
+    layer, GEMM and operand whose share of nonzero values that round to 0 exceeds ``warn``: the first time, and
+    again each time it has doubled since (``warned``, the caller's record of the shares last warned about, is
+    updated), so a run is told when a layer crosses the line or gets worse, not at every report."""
     table = rows(counts)
     if not table:
         return {}, []
@@ -226,10 +229,14 @@ def fp8_health_metrics(counts: dict[str, list[float]], step: int, warn: float) -
             "underflow": r.underflow, "hidden_underflow": r.hidden, "subnormal": r.subnormal,
             "floored_tiles": r.floored, "log2_amax": [r.log2_amax_min, r.log2_amax_mean, r.log2_amax_max]}
     out["fp8_health"] = per_layer
-    warnings = [f"FP8 health at step {step}: {r.layer} {r.gemm} {r.operand}: {r.underflow:.2%} of nonzero values "
-                f"round to 0 in e4m3 ({r.hidden:.2%} in tiles under the amax floor 1e-4), {r.subnormal:.2%} "
-                f"subnormal; threshold {warn:.2%} (logging.fp8_underflow_warn)"
-                for r in table if r.underflow > warn]
+    warnings = []
+    for r in table:
+        key = f"{r.layer} {r.gemm} {r.operand}"
+        if r.underflow > warn and r.underflow >= 2 * warned.get(key, 0.0):
+            warned[key] = r.underflow
+            warnings.append(f"FP8 health at step {step}: {key}: {r.underflow:.2%} of nonzero values round to 0 in "
+                            f"e4m3 ({r.hidden:.2%} in tiles under the amax floor 1e-4), {r.subnormal:.2%} subnormal; "
+                            f"threshold {warn:.2%} (logging.fp8_underflow_warn)")
     return out, warnings
 
 

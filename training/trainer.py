@@ -202,6 +202,7 @@ class Trainer:
         self.fp8_shadow = Fp8Shadow(f.fp8_shadow_threshold, f.fp8_shadow_patience) \
             if cfg.model.fp8 and f.fp8_shadow_every else None
         self.fp8_bf16_blocks: list[str] = []
+        self._fp8_warned: dict[str, float] = {}  # FP8-health warnings given: layer GEMM operand -> underflow
         if f.inject_fp8_scale_error_at_step:
             self._inject_fp8_scale_error(f.inject_fp8_scale_error_layer, f.inject_fp8_scale_error_at_step)
 
@@ -413,7 +414,7 @@ class Trainer:
                 counts = gathered or []
             if self.ps.rank == 0:
                 health, warnings = fp8_health_metrics(merge_counts(counts), self.step + 1,
-                                                      self.cfg.logging.fp8_underflow_warn)
+                                                      self.cfg.logging.fp8_underflow_warn, self._fp8_warned)
                 out.update(health)
                 for line in warnings:
                     log.warning(line)
