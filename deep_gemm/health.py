@@ -9,7 +9,8 @@ Per cast (``observe``) of a tensor ``x`` into e4m3 values ``q`` with one fp32 sc
   subnormal   nonzero values whose e4m3 value lies below e4m3's smallest normal, 2^-6 (fewer than 3
               mantissa bits left: relative error up to 2^-9 / |q| instead of 2^-4)
   amax        log2 of each tile's amax (scale x 448) over the tiles holding a nonzero value: min, mean, max
-  floored     tiles whose amax is below DeepGEMM's floor (1e-4): their scale is the floor's, not amax/448, so
+  floored     tiles whose amax is below DeepGEMM's floor (1e-4; with UE8M0 scales, the floor's scale rounded up
+              to a power of two): their scale is the floor's, not amax/448, so
               their values are scaled as if the tile were larger and sink into the subnormal range or to 0.
               ``hidden`` counts those values that became 0: the underflow a healthy-looking scale hides, which
               is where weight gradients (tiny dY in 128x1 tiles along the tokens) go
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_gemm.reference import AMAX_FLOOR
+from deep_gemm.reference import AMAX_FLOOR, ceil_to_ue8m0
 from deep_gemm.utils import FP8_MAX
 
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -78,7 +79,11 @@ def cast_counts(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     subnormal = (magnitude != 0).sum() - (magnitude >= _E4M3_FIRST_NORMAL_BITS).sum()
     live = tile_nz > 0
     amax = scales.float().reshape(tile_nz.shape) * FP8_MAX
-    floored = live & (amax <= AMAX_FLOOR * (1 + 1e-6))  # scale = floor / 448, up to its fp32 rounding
+    # the floor's scale is 1e-4 / 448 (fp32 scales), or that rounded up to a power of two (UE8M0 scales)
+    ue8m0 = (torch.frexp(scales.float())[0] == 0.5).all()
+    floor = torch.where(ue8m0, ceil_to_ue8m0(torch.tensor(AMAX_FLOOR / FP8_MAX)).to(q.device) * FP8_MAX,
+                        torch.tensor(AMAX_FLOOR, device=q.device))
+    floored = live & (amax <= floor * (1 + 1e-6))  # up to the scale's fp32 rounding
     log2 = torch.log2(amax[live].double())
     big = torch.tensor(math.inf, dtype=torch.float64, device=q.device)
     return torch.stack([

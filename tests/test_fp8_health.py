@@ -80,6 +80,15 @@ def test_linear_reports_each_gemm_only_while_active():
     assert health.counts() == {}  # read once, then reset
 
 
+def test_ue8m0_scales_and_their_power_of_two_floor():
+    """UE8M0 (power-of-two) scales: the floor's scale is 1e-4 / 448 rounded up to 2^-22, so a floored tile reports
+    amax 2^-22 x 448 > 1e-4; the hand tensor's floored rows must still count as floored (3e-11 still goes to 0, 1e-6
+    still stays), and row 0 (scale 1, a power of two already) is unchanged."""
+    x = hand_tensor()
+    values, under, sub, tiles, floored, hidden, *_ = cast_counts(x, *per_token_cast_to_fp8(x, use_ue8m0=True)).tolist()
+    assert (values, under, sub, tiles, floored, hidden) == (10, 5, 2, 3, 2, 3)
+
+
 def test_grouped_experts_and_merge():
     torch.manual_seed(4)
     w = torch.randn(2, 64, 96, requires_grad=True)
