@@ -25,6 +25,15 @@ class DeviceSpec:
 # Order matters: the first key found in the device name wins (form-factor variants before the SXM part).
 # A key matches as a whole model number: "A100" does not match "RTX A1000".
 _SPECS: tuple[tuple[str, DeviceSpec], ...] = (
+    # NVIDIA GB300 NVL72 datasheet: 360 bf16 / 720 fp8 PFLOP/s sparse per 72 GPUs (halved: 2.5 / 5 dense per GPU),
+    # 8 TB/s and 288 GB HBM3e per GPU (288e9 bytes = 268.2 GiB; the driver's figure is not published).
+    ("GB300", DeviceSpec("GB300", 2500.0, 5000.0, 8000.0, 268.2)),
+    # NVIDIA GB200 NVL72 datasheet: 360 bf16 / 720 fp8 PFLOP/s sparse per 72 GPUs (halved: 2.5 / 5 dense per GPU),
+    # 8 TB/s and 186 GB HBM3e per GPU (186e9 bytes = 173.2 GiB).
+    ("GB200", DeviceSpec("GB200", 2500.0, 5000.0, 8000.0, 173.2)),
+    # NVIDIA HGX B300 datasheet: 36 bf16 / 72 fp8 PFLOP/s sparse per 8 GPUs (halved: 2.25 / 4.5 dense per GPU),
+    # 8 TB/s and 288 GB HBM3e per GPU (288e9 bytes = 268.2 GiB).
+    ("B300", DeviceSpec("B300", 2250.0, 4500.0, 8000.0, 268.2)),
     # NVIDIA HGX B200 datasheet: 4.5 bf16 / 9 fp8 PFLOP/s sparse per GPU (halved), 8 TB/s HBM3e, 180 GB.
     ("B200", DeviceSpec("B200", 2250.0, 4500.0, 8000.0, 179.0)),
     # NVIDIA H200 NVL datasheet: 1671 bf16 / 3341 fp8 sparse TFLOP/s (halved), 4.8 TB/s HBM3e.

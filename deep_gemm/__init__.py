@@ -2,7 +2,8 @@
 
 Same names and argument order as DeepSeek's DeepGEMM v2 (and its v1 aliases), so code written for
 DeepGEMM runs by changing the install. Plus the FP8 training layer (``linear``, ``Fp8Linear``,
-``grouped_linear``, ``GroupedLinear``) that DeepGEMM leaves to its users.
+``grouped_linear``, ``GroupedLinear``) that DeepGEMM leaves to its users, and DeepSeek-V3.2's indexer
+logits (``fp8_mqa_logits``, ``fp8_paged_mqa_logits``) with the top-k selection the sparse attention reads.
 """
 
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
@@ -32,6 +33,12 @@ from deep_gemm.grouped import (
     m_grouped_gemm_fp8_fp8_bf16_nt_masked,
 )
 from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear
+from deep_gemm.mqa_logits import (
+    fp8_mqa_logits,
+    fp8_paged_mqa_logits,
+    kv_cache_cast_to_fp8,
+    select_topk,
+)
 from deep_gemm.utils import (
     align,
     calc_diff,
@@ -59,6 +66,8 @@ __all__ = [
     "fp8_gemm_tn",
     "fp8_gemm_tt",
     "fp8_m_grouped_gemm_nt_masked",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
     "gemm_fp8_fp8_bf16_nt",
     "get_m_alignment_for_contiguous_layout",
     "get_mk_alignment_for_contiguous_layout",
@@ -66,6 +75,7 @@ __all__ = [
     "get_num_sms",
     "grouped_linear",
     "k_grouped_bf16_gemm_tn_contiguous",
+    "kv_cache_cast_to_fp8",
     "k_grouped_fp8_gemm_nt_contiguous",
     "k_grouped_fp8_gemm_tn_contiguous",
     "linear",
@@ -79,5 +89,6 @@ __all__ = [
     "per_block_cast_to_fp8",
     "per_channel_cast_to_fp8",
     "per_token_cast_to_fp8",
+    "select_topk",
     "set_num_sms",
 ]

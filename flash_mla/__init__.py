@@ -2,12 +2,15 @@
 
 Upstream users switch by changing ``import flash_mla`` only: ``get_mla_metadata`` and
 ``flash_mla_with_kvcache`` keep FlashMLA's names and shapes; ``mla_attention`` adds the
-forward+backward kernel that FlashMLA does not have.
+forward+backward kernel that FlashMLA does not have. DeepSeek-V3.2's sparse attention: ``flash_mla_sparse_fwd``
+(FlashMLA's API), ``flash_mla_with_kvcache(..., indices=...)`` and the differentiable ``sparse_mla_attention``.
 """
 
 from flash_mla.attention import mla_attention
 from flash_mla.decode import flash_mla_with_kvcache
 from flash_mla.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import get_mla_metadata
+from flash_mla.sparse import flash_mla_sparse_fwd, sparse_mla_attention
 
-__all__ = ["dequantize_kv_fp8", "flash_mla_with_kvcache", "get_mla_metadata", "mla_attention", "quantize_kv_fp8"]
+__all__ = ["dequantize_kv_fp8", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "mla_attention",
+           "quantize_kv_fp8", "sparse_mla_attention"]

@@ -16,6 +16,7 @@ from accel.registry import Case, VerifySpec
 from accel.verify import calc_diff
 from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
+from flash_mla.sparse import LOG2E, sparse_attention_math
 
 OP_NAME = "flash_mla.flash_mla_with_kvcache"
 HEAD_DIM = D_NOPE + D_ROPE  # 576
@@ -23,8 +24,6 @@ HEAD_DIM = D_NOPE + D_ROPE  # 576
 
 def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                 causal, is_fp8_kvcache, indices) -> None:
-    if indices is not None:
-        raise ValueError("flash_mla_with_kvcache: indices (sparse attention) is not supported; expected None")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [batch, s_q, h_q, head_dim], got shape {tuple(getattr(q, 'shape', ()))}")
     b, s_q, h_q, d = q.shape
@@ -54,6 +53,9 @@ def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedul
             raise ValueError(f"head_dim_v must be in [1, {d}], got {head_dim_v}")
     if h_q % h_kv:
         raise ValueError(f"h_q={h_q} must be a multiple of the cache's h_kv={h_kv}")
+    if indices is not None:
+        _check_sparse(indices, q, h_kv, causal)
+        return
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be int32 [{b}, max_blocks], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
@@ -66,6 +68,32 @@ def _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedul
     check_metadata(tile_scheduler_metadata, num_splits, cache_seqlens, block_table, k_cache.shape[0])
 
 
+def _check_sparse(indices, q: torch.Tensor, h_kv: int, causal: bool) -> None:
+    b, s_q = q.shape[:2]
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 3 \
+            or tuple(indices.shape[:2]) != (b, s_q):
+        raise ValueError(f"indices must be int32 [{b}, {s_q}, topk], got {getattr(indices, 'dtype', None)} "
+                         f"{tuple(getattr(indices, 'shape', ()))}")
+    if indices.device != q.device:
+        raise ValueError(f"indices must be on q's device {q.device}, got {indices.device}")
+    if h_kv != 1:
+        raise ValueError(f"sparse decoding (indices given) needs a cache with h_kv = 1, got {h_kv}")
+    if causal:
+        raise ValueError("causal must be False with indices: the indices already say which tokens each query sees")
+
+
+def sparse_decode_reference(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices):
+    """Sparse decoding as sparse prefill over the flattened cache: ``indices [b, s_q, topk]`` are cache slots
+    ``page * 64 + offset`` (FlashMLA's format); -1 or past the cache is ignored. lse natural, +inf if empty."""
+    b, s_q, h_q, d = q.shape
+    cache = dequantize_kv_fp8(k_cache) if is_fp8_kvcache else k_cache
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out, _, lse2 = sparse_attention_math(q.reshape(b * s_q, h_q, d), cache.reshape(-1, d),
+                                         indices.reshape(b * s_q, -1), scale, head_dim_v)
+    lse = (lse2 / LOG2E).view(b, s_q, h_q).transpose(1, 2)
+    return out.view(b, s_q, h_q, head_dim_v).to(q.dtype), lse
+
+
 @registry.reference_for(OP_NAME)
 def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                      num_splits, softmax_scale=None, causal=False, is_fp8_kvcache=False,
@@ -75,6 +103,8 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
     Zero-length sequences and fully masked rows give out 0 and lse +inf (FlashMLA's convention).
     An FP8 cache is dequantised to bf16 first, exactly as the kernel sees it.
     """
+    if indices is not None:
+        return sparse_decode_reference(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices)
     b, s_q, h_q, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     cache = dequantize_kv_fp8(k_cache) if is_fp8_kvcache else k_cache
@@ -101,6 +131,10 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
 
 def _flash_mla_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+    if indices is not None:
+        from flash_mla.kernels.sparse import sparse_decode_triton
+
+        return sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices)
     from flash_mla.kernels.decode import flash_mla_decode_triton
 
     return flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -148,6 +182,10 @@ def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
         seqlens = [s_k] * b
     q, cache, table, lens = make_paged_case(b, s_q, h_q, h_kv, seqlens, shape.get("fp8", False), g, device)
     meta, splits = get_mla_metadata(lens, s_q * h_q // h_kv, h_kv)
+    if shape.get("topk"):
+        return Case(args=(q, cache, table, lens, D_NOPE, meta, splits),
+                    kwargs={"is_fp8_kvcache": shape.get("fp8", False),
+                            "indices": _sparse_slots(table.cpu(), seqlens, s_q, shape["topk"], g).to(device)})
     return Case(args=(q, cache, table, lens, D_NOPE, meta, splits),
                 kwargs={"causal": shape.get("causal", s_q > 1), "is_fp8_kvcache": shape.get("fp8", False)})
 
@@ -172,14 +210,27 @@ def compare_decode(got, want) -> dict[str, tuple[float, float]]:
     return {"out": (out_err, 1e-5), "lse": (rel if same_special else math.inf, 1e-5)}
 
 
+def _sparse_slots(table: torch.Tensor, seqlens: list[int], s_q: int, topk: int, g: torch.Generator) -> torch.Tensor:
+    """int32 ``[b, s_q, topk]`` cache slots (page * 64 + offset) of random tokens each sequence owns, -1 past its
+    length (so short sequences leave slots invalid)."""
+    rows = []
+    for i, n in enumerate(seqlens):
+        pos = torch.stack([torch.randperm(max(n, 1), generator=g)[:topk] for _ in range(s_q)])
+        pos = torch.nn.functional.pad(pos, (0, topk - pos.shape[1]), value=-1)
+        slots = table[i].long()[pos.clamp(min=0) // BLOCK_SIZE] * BLOCK_SIZE + pos.clamp(min=0) % BLOCK_SIZE
+        rows.append(torch.where((pos >= 0) & (pos < n), slots, -1))
+    return torch.stack(rows).to(torch.int32)
+
+
 def _decode_bytes(shape: dict) -> float:
     per_token = BYTES_PER_TOKEN if shape.get("fp8") else 2 * HEAD_DIM
-    return shape["b"] * (shape["s_k"] * shape.get("h_kv", 1) * per_token + shape["s_q"] * shape["h_q"] * 2 * (
-        HEAD_DIM + D_NOPE))
+    tokens_read = shape["s_q"] * shape["topk"] if shape.get("topk") else shape["s_k"] * shape.get("h_kv", 1)
+    return shape["b"] * (tokens_read * per_token + shape["s_q"] * shape["h_q"] * 2 * (HEAD_DIM + D_NOPE))
 
 
 def _decode_flops(shape: dict) -> float:
-    return 2.0 * shape["b"] * shape["s_q"] * shape["h_q"] * shape["s_k"] * (HEAD_DIM + D_NOPE)
+    keys = shape.get("topk") or shape["s_k"]  # sparse decoding attends to top-k keys per query
+    return 2.0 * shape["b"] * shape["s_q"] * shape["h_q"] * keys * (HEAD_DIM + D_NOPE)
 
 
 flash_mla_op = registry.register(
@@ -189,9 +240,11 @@ flash_mla_op = registry.register(
     verify=VerifySpec(
         make_case=_make_case,
         shapes=[dict(b=2, s_q=1, h_q=16, s_k=150, first_len=0), dict(b=2, s_q=2, h_q=8, s_k=100, causal=True),
-                dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True)],
+                dict(b=2, s_q=1, h_q=16, s_k=130, fp8=True), dict(b=2, s_q=2, h_q=16, s_k=100, topk=40, fp8=True),
+                dict(b=2, s_q=1, h_q=16, s_k=90, topk=24, first_len=10)],
         bench_shapes=[dict(b=128, s_q=1, h_q=128, s_k=8192, varlen=False), dict(b=128, s_q=2, h_q=64, s_k=4096),
-                      dict(b=128, s_q=1, h_q=128, s_k=8192, fp8=True)],
+                      dict(b=128, s_q=1, h_q=128, s_k=8192, fp8=True),
+                      dict(b=128, s_q=1, h_q=128, s_k=8192, topk=2048, fp8=True, varlen=False)],
         compare=compare_decode,
         flops=_decode_flops,
         bytes_moved=_decode_bytes,
@@ -212,8 +265,13 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     [b]``; the plan from ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``. ``causal`` with
     ``s_q > 1`` masks bottom-right (query i sees the first ``seqlen - s_q + i + 1`` tokens).
     ``softmax_scale`` defaults to ``head_dim ** -0.5``. lse is the natural log-sum-exp.
+
+    Sparse decoding (DeepSeek-V3.2): ``indices int32 [b, s_q, topk]`` names the cache slots each query attends
+    to, as ``page * 64 + offset`` into the whole cache (FlashMLA's format), -1 (or past the cache) for none;
+    the cache needs ``h_kv = 1`` and ``causal`` must be False. ``block_table``, ``cache_seqlens`` and the plan
+    are then not used (pass None or anything). A query with no valid index gets out 0 and lse +inf.
     """
     _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, causal,
                 is_fp8_kvcache, indices)
     return flash_mla_op(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache)
+                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)

@@ -9,8 +9,9 @@ Dense: M in {64, 128, 4096} x (N, K) in DeepGEMM's DeepSeek-V3 table; grouped (c
 TFLOP/s and GB/s for ours (``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous``, 1x128 x 128x128
 scales), torch bf16 (``a @ b.T``; grouped: one matmul per group) and ``torch._scaled_mm`` (row-wise
 scales, the finest granularity it takes everywhere), plus calc_diff against the fp32 product of the
-unquantized inputs. Inputs are quantized once, outside the timing. On a cpu there is no GPU to
-measure: a tiny correctness pass runs in the Triton interpreter instead, clearly labelled.
+unquantized inputs. The DSA indexer's ``fp8_mqa_logits`` at s = 4K-32K (causal, 64 heads of 128).
+Inputs are quantized once, outside the timing. On a cpu there is no GPU to measure: a tiny correctness
+pass runs in the Triton interpreter instead, clearly labelled.
 """
 
 from __future__ import annotations
@@ -103,6 +104,28 @@ def _grouped_row(groups: int, m_per_group: int, n: int, k: int, baseline: bool) 
     return row
 
 
+def _logits_row(s: int, heads: int = 64, d: int = 128) -> dict:
+    """The DSA lightning indexer's prefill logits at sequence ``s``: ``fp8_mqa_logits`` with every token a query
+    over the keys before it (causal ``[0, t]``), DeepSeek-V3.2's 64 heads of 128; FLOPs count the causal half."""
+    import deep_gemm
+
+    dev = accel.default_device()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(s, heads, d, device=dev, generator=gen).to(torch.float8_e4m3fn)
+    k = torch.randn(s, d, device=dev, generator=gen)
+    scale = k.abs().amax(-1).clamp_min(1e-4) / 448
+    k8 = (k / scale[:, None]).to(torch.float8_e4m3fn)
+    weights = torch.randn(s, heads, device=dev, generator=gen)
+    ks = torch.zeros(s, dtype=torch.int32, device=dev)
+    ke = torch.arange(1, s + 1, dtype=torch.int32, device=dev)
+    run = lambda: deep_gemm.fp8_mqa_logits(q, (k8, scale), weights, ks, ke)
+    run()
+    us = _time_us(run)
+    flops = 2.0 * (s * (s + 1) / 2) * heads * d
+    return {"op": "fp8_mqa_logits", "s_q": s, "s_kv": s, "heads": heads, "d": d,
+            **_rates("ours", us, flops, s * heads * d + s * (d + 4) + 4.0 * s * s)}
+
+
 def _gpu(args) -> int:
 
     dense_m = (128, 4096) if args.quick else DENSE_M
@@ -127,6 +150,11 @@ def _gpu(args) -> int:
     print_report("deep_gemm grouped FP8 GEMM (contiguous layout)", rows,
                  json_path=f"{args.json}.grouped" if args.json else None,
                  notes=["bf16 = one torch matmul per group (same rows, same weights)"])
+    sink = row_sink(args.json, "mqa_logits")
+    logits = [sink(_logits_row(s)) for s in ((8192, 32768) if args.quick else (4096, 8192, 16384, 32768))]
+    print_report("deep_gemm.fp8_mqa_logits (DSA indexer prefill, causal, 64 heads x 128)", logits,
+                 json_path=f"{args.json}.mqa_logits" if args.json else None,
+                 notes=["TFLOPs over the causal half; GBps counts q, k and the fp32 [s, s] logits written"])
     bad = [r for r in dense + rows if not r["diff"] < 1e-3]
     if bad:
         print(f"FAIL: {len(bad)} rows exceed calc_diff 1e-3: {bad}")
@@ -163,6 +191,17 @@ def _cpu(args) -> int:
         want[m_indices == g] = a[m_indices == g] @ b[g].T
     rows.append({"op": "m_grouped_fp8_gemm_nt_contiguous", "shape": "groups=2 rows=100,60 n=128 k=128",
                  "diff_vs_fp32": deep_gemm.calc_diff(d, want), "diff_vs_reference": deep_gemm.calc_diff(d, d_ref)})
+    q8 = torch.randn(40, 4, 32).to(torch.float8_e4m3fn)
+    k8, k_scale, w = torch.randn(70, 32).to(torch.float8_e4m3fn), torch.rand(70) + 0.5, torch.randn(40, 4)
+    ks, ke = torch.zeros(40, dtype=torch.int32), torch.arange(1, 41, dtype=torch.int32)
+    want = deep_gemm.fp8_mqa_logits(q8, (k8, k_scale), w, ks, ke)
+    with registry.force("triton"):
+        got = deep_gemm.fp8_mqa_logits(q8, (k8, k_scale), w, ks, ke)
+    same_mask = torch.equal(torch.isinf(got), torch.isinf(want))
+    diff = deep_gemm.calc_diff(got.masked_fill(torch.isinf(want), 0), want.masked_fill(torch.isinf(want), 0))
+    rows.append({"op": "fp8_mqa_logits", "shape": "s_q=40 s_kv=70 heads=4 d=32 causal",
+                 "diff_vs_fp32": diff if same_mask else float("inf"), "diff_vs_reference": diff if same_mask
+                 else float("inf")})
     print_report("deep_gemm: CPU correctness-only pass (Triton interpreter, tiny sizes; NOT a benchmark)", rows,
                  json_path=args.json,
                  notes=["no GPU here: the TFLOP/s benchmark needs a CUDA or MUSA GPU "

@@ -8,8 +8,10 @@ Decode sweep as FlashMLA's: b=128, mean s_k in {4096, 8192, 16384}, h_q in {16, 
 s_q in {1, 2} (causal), lengths equal or varied (normal around the mean, sd mean/2), bf16 cache,
 plus FP8-cache rows. Baseline: torch SDPA on the same KV laid out densely (no paging; equal lengths
 only). Training: ``mla_attention`` forward+backward (q/k 192, v 128, causal, bf16) vs SDPA at seq
-2048-8192. On a cpu there is no GPU to measure: a tiny correctness pass runs in the Triton
-interpreter instead, clearly labelled, and its timings mean nothing.
+2048-8192. DSA: ``flash_mla_sparse_fwd`` forward and ``sparse_mla_attention`` forward+backward at s 8K-64K,
+h_q 128, top-k 2048, with dense ``mla_attention`` forward+backward at the same s beside them. On a cpu
+there is no GPU to measure: a tiny correctness pass runs in the Triton interpreter instead, clearly
+labelled, and its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -121,6 +123,76 @@ def training_rows(quick: bool, baseline: bool, device, sink) -> list[dict]:
     return rows
 
 
+def _causal_topk(s: int, topk: int, device) -> torch.Tensor:
+    """int32 [s, topk]: query t's top-k drawn uniformly from keys 0..t (repeats where t < topk, as a row with few
+    candidates has; every slot valid, so every slot is work)."""
+    t = torch.arange(s, device=device, dtype=torch.float32)[:, None]
+    return (torch.rand(s, topk, device=device) * (t + 1)).to(torch.int32)
+
+
+def sparse_rows(quick: bool, baseline: bool, device, sink) -> list[dict]:
+    """DSA prefill at DeepSeek-V3.2's shape (h_q 128, d_qk 576, d_v 512, top-k 2048, one query per token):
+    ``flash_mla_sparse_fwd`` forward, ``sparse_mla_attention`` forward+backward, and dense ``mla_attention``
+    forward+backward (V3's 192/128 heads, causal) on the same sequence length beside them."""
+    import flash_mla
+    from accel import registry
+
+    h, topk = 128, 2048
+    sweep = [("fwd", s) for s in (8192, 16384, 32768, 65536)] + [("fwd+bwd", s) for s in (8192, 16384, 32768)]
+    if quick:
+        sweep = [("fwd", 8192), ("fwd", 65536), ("fwd+bwd", 8192)]
+    rows = []
+    for kind, s in sweep:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(s, h, D_QK, device=device, dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(s, D_QK, device=device, dtype=torch.bfloat16, generator=gen)
+        idx = _causal_topk(s, topk, device)
+        fwd_flops = 2.0 * s * h * topk * (D_QK + D_V)
+        if kind == "fwd":
+            run = functools.partial(flash_mla.flash_mla_sparse_fwd, q, kv[:, None], idx[:, None], D_QK ** -0.5)
+            flops = fwd_flops
+        else:
+            q.requires_grad_()
+            kv.requires_grad_()
+            dout = torch.randn(s, h, D_V, device=device, dtype=torch.bfloat16, generator=gen)
+
+            def run():
+                with registry.force("triton"):
+                    out = flash_mla.sparse_mla_attention(q, kv, idx, D_QK ** -0.5)  # noqa: B023
+                torch.autograd.grad(out, (q, kv), dout)  # noqa: B023
+            flops = 3 * fwd_flops  # model FLOPs: backward = 2x forward, its recompute not counted
+        run()
+        ms = accel.do_bench(run, warmup=2, rep=5)
+        row = dict(op=f"sparse {kind}", seq=s, h_q=h, topk=topk, ms=ms, TFLOPs=flops / ms / 1e9)
+        if baseline and kind == "fwd+bwd":
+            row.update(_dense_beside(s, h, device))
+        rows.append(sink(row))
+        q = kv = idx = run = None
+        accel.empty_cache()
+    return rows
+
+
+def _dense_beside(s: int, h: int, device) -> dict:
+    """Dense causal ``mla_attention`` forward+backward at the same length and heads (V3's 192 / 128 head dims)."""
+    import flash_mla
+    from accel import registry
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k = (torch.randn(s, h, 192, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(s, h, 128, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    dout = torch.randn(s, h, 128, device=device, dtype=torch.bfloat16, generator=gen)
+
+    def run():
+        with registry.force("triton"):
+            out = flash_mla.mla_attention(q[None], k[None], v[None], causal=True)
+        torch.autograd.grad(out, (q, k, v), dout[None])
+
+    run()
+    ms = accel.do_bench(run, warmup=2, rep=5)
+    return dict(dense_ms=ms, dense_TFLOPs=3 * 2.0 * h * (s * s / 2) * (192 + 128) / ms / 1e9)
+
+
 def cpu_correctness_rows() -> list[dict]:
     """Tiny shapes through the Triton interpreter, checked against the references (no performance meaning)."""
     import flash_mla
@@ -128,6 +200,7 @@ def cpu_correctness_rows() -> list[dict]:
     from accel.verify import calc_diff
     from flash_mla.attention import mla_attention_reference
     from flash_mla.decode import compare_decode, flash_mla_with_kvcache_reference, make_paged_case
+    from flash_mla.sparse import flash_mla_sparse_fwd_reference
 
     rows = []
     for seqlens, s_q, h_q, fp8 in (([0, 150], 1, 16, False), ([130, 70], 2, 8, False), ([90, 40], 1, 16, True)):
@@ -142,6 +215,16 @@ def cpu_correctness_rows() -> list[dict]:
         rows.append(dict(op="decode", shape=f"seqlens={seqlens},s_q={s_q},h_q={h_q},{'fp8' if fp8 else 'bf16'}",
                          out_err=errs["out"][0], lse_err=errs["lse"][0],
                          ok=all(e < t for e, t in errs.values())))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(6, 16, D_QK, generator=g).bfloat16()
+    kv = torch.randn(90, D_QK, generator=g).bfloat16()
+    idx = _causal_topk(6, 32, "cpu") + 60
+    with registry.force("triton"):
+        got = flash_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], D_QK ** -0.5)
+    errs = compare_decode((got[0], got[2]), (flash_mla_sparse_fwd_reference(q, kv[:, None], idx[:, None],
+                                                                            D_QK ** -0.5)[0::2]))
+    rows.append(dict(op="sparse fwd", shape="s_q=6,s_kv=90,h_q=16,topk=32,576/512,bf16", out_err=errs["out"][0],
+                     lse_err=errs["lse"][0], ok=all(e < t for e, t in errs.values())))
     q, k = torch.randn(1, 40, 2, 192).bfloat16(), torch.randn(1, 40, 2, 192).bfloat16()
     v = torch.randn(1, 40, 2, 128).bfloat16()
     with registry.force("triton"):
@@ -174,6 +257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report("flash_mla.mla_attention forward+backward (causal, bf16)", train,
                  json_path=f"{json_base}_training.json" if json_base else None,
                  notes=["TFLOPs: model FLOPs 3 x 2 x b x h x s^2/2 x (192+128); backward recompute not counted"])
+    sparse = sparse_rows(args.quick, not args.no_baseline, device, row_sink(args.json, "sparse"))
+    print_report("flash_mla DSA sparse prefill (h_q 128, 576/512, top-k 2048) beside dense mla_attention", sparse,
+                 json_path=f"{json_base}_sparse.json" if json_base else None,
+                 notes=["TFLOPs: forward 2 x s x h x topk x (576+512); fwd+bwd 3x that (backward recompute not "
+                        "counted); FlashMLA's sparse forward: 640 TFLOP/s on H800",
+                        "dense_*: mla_attention forward+backward, causal, 192/128 heads, same s and h; model FLOPs "
+                        "3 x 2 x h x s^2/2 x (192+128)"])
     return 0
 
 

@@ -5,15 +5,14 @@ code is copied: it runs in its own interpreter, ``--python``, and we read its pr
 layouts both can express: a 4-layer DeepSeek-V3 proxy (dense_layers 1, no MTP, as SimuMax's B200
 release rows) on one 8-GPU B200 node, EP x PP x DP with 1F1B, ZeRO-1, recompute off or full, BF16,
 sequence 4096, micro-batch 1. SimuMax uses its shipped ``deepseekv3.json`` and measured B200 system file
-``b200_bf16_ceperm.json``; ours runs twice: with our shipped B200 file (public peaks, uncalibrated) and
-with a system file carrying SimuMax's measured class efficiencies (so the remaining gap is the models',
-not the efficiencies'). Where SimuMax's release table (``docs/b200/b200_release_v1.2_summary.md``) has a
-real Megatron measurement of the case, it is printed beside both.
+``b200_bf16_ceperm.json``; ours uses our shipped B200 file, whose per-shape efficiencies are that file's
+measurements (its ``sources`` say which), so the remaining gap is the models'. Where SimuMax's release
+table (``docs/b200/b200_release_v1.2_summary.md``) has a real Megatron measurement of the case, it is
+printed beside both (``training.planner.published`` holds those rows for the held-out test).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -84,18 +83,6 @@ def published_real(path: Path) -> dict[tuple, float]:
     return out
 
 
-def with_simumax_efficiencies(ours: System, path: Path) -> System:
-    """Our B200 system with SimuMax's measured class efficiencies (its ``efficient_factor`` per op class)."""
-    doc = json.loads((path / "configs" / "system" / "b200_bf16_ceperm.json").read_text())
-    op = doc["accelerator"]["op"]
-    bw = doc["accelerator"]["bandwidth"]
-    eff = dict(ours.efficiency, gemm=op["matmul"]["efficient_factor"],
-               grouped_gemm=op["group_matmul"]["efficient_factor"],
-               attention_fwd=op["sdp_fwd"]["efficient_factor"], attention_bwd=op["sdp_bwd"]["efficient_factor"],
-               memory=bw["default"]["efficient_factor"])
-    return dataclasses.replace(ours, name="B200", efficiency=eff, calibrated=True)
-
-
 def ours(system: System, ep: int, pp: int, dp: int, mbc: int, rc: str) -> dict:
     base = base_config("deepseek_v3_671b", ["model.overrides.n_layers=4", "model.overrides.n_dense_layers=1",
                                             "model.overrides.n_mtp_layers=0"])
@@ -126,24 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     sm = run_simumax(ns.simumax, ns.python)
     real = published_real(ns.simumax)
     b200 = load_system("B200")
-    b200_sm = with_simumax_efficiencies(b200, ns.simumax)
     rows = []
     for case, s in zip(CASES, sm):
-        a, b = ours(b200, *case), ours(b200_sm, *case)
+        a = ours(b200, *case)
         rows.append({"case": f"ep{case[0]} pp{case[1]} dp{case[2]} mbc{case[3]} rc={case[4]}",
                      "real_ms": real.get(case[:4]) if case[4] == "none" else None,
                      "simumax_ms": s["step_ms"], "ours_ms": a["step_ms"],
-                     "ours_sm_eff_ms": b["step_ms"], "simumax_mfu": s["mfu"], "ours_mfu": a["mfu"],
+                     "simumax_mfu": s["mfu"], "ours_mfu": a["mfu"],
                      "ours_peak_gib": a["peak_gib"], "simumax_peak": s["peak_mem"]})
-    print(f"{'case':<30} {'real ms':>8} {'SimuMax':>8} {'ours':>8} {'ours*':>8} {'SM MFU':>7} {'our MFU':>7} "
+    print(f"{'case':<30} {'real ms':>8} {'SimuMax':>8} {'ours':>8} {'SM MFU':>7} {'our MFU':>7} "
           f"{'our GiB':>8}")
     for r in rows:
         def f(x, w=8):
             return f"{x:>{w}.1f}" if x is not None else f"{'-':>{w}}"
-        print(f"{r['case']:<30} {f(r['real_ms'])} {f(r['simumax_ms'])} {f(r['ours_ms'])} {f(r['ours_sm_eff_ms'])} "
+        print(f"{r['case']:<30} {f(r['real_ms'])} {f(r['simumax_ms'])} {f(r['ours_ms'])} "
               f"{100 * r['simumax_mfu']:>6.1f}% {100 * r['ours_mfu']:>6.1f}% {r['ours_peak_gib']:>8.1f}")
-    print("ours* = our model with SimuMax's measured B200 class efficiencies; real = Megatron on B200 as published "
-          "in SimuMax's release table")
+    print("real = Megatron on B200 as published in SimuMax's release table")
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=1))
     return 0

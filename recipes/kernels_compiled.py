@@ -153,8 +153,55 @@ def attention_cases() -> list[Case]:
     return cases
 
 
+def dsa_cases() -> list[Case]:
+    """DeepSeek-V3.2 sparse attention (d_qk 576, d_v 512, top-k 2048, h_q 128) and the indexer logits (64 heads of
+    128), specialised as the benchmarks launch them."""
+    from deep_gemm.kernels import mqa_logits
+    from flash_mla.kernels import sparse
+
+    cases = []
+    tiles = {**sparse.tile_args(576, 512), "UPCAST": False}
+    fwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "OUT": "*bf16", "MAXL": "*fp32", "LSE": "*fp32"}
+    fp8_ptrs = {"Q": "*bf16", "KN": "*fp8e4nv", "KS": "*fp32", "KR": "*bf16", "IDX": "*i32", "OUT": "*bf16",
+                "MAXL": "*fp32", "LSE": "*fp32"}
+    bwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
+                "DQ": "*bf16", "DKV": "*fp32"}
+    kernels = [("fwd[576/512]", sparse._sparse_fwd_kernel, sparse.FWD_CONFIGS, fwd_ptrs, tiles),
+               ("decode[fp8]", sparse._sparse_decode_fp8_kernel, sparse.DECODE_FP8_CONFIGS, fp8_ptrs,
+                {"UPCAST": False}),
+               ("bwd[576/512]", sparse._sparse_bwd_kernel, sparse.BWD_CONFIGS, bwd_ptrs, tiles)]
+    for name, fn, configs, pointers, consts in kernels:
+        strides = [n for n in fn.arg_names if n.startswith("stride_")]
+        unit = {"stride_sh": 1}  # lse / max_logits [s_q, h_q]: heads contiguous
+        # 16-divisible as at the bench shapes, except the FP8 cache's fp32-scale and bf16-rope row strides (164, 328)
+        divisible = tuple(pointers) + tuple(n for n in strides if n not in unit and n not in ("stride_ks", "stride_kr"))
+        for i, (bh, bk, w, st) in enumerate(configs):
+            meta = {"BLOCK_H": bh, "BLOCK_K": bk}
+            cases.append(Case(f"flash_mla.sparse.{name}", _cfg_label(meta, w, st), fn, pointers,
+                              {**consts, **unit, **meta}, divisible, w, st, mma_rows=bh // max(1, w // 4),
+                              default=(i == 0)))
+    logits_ptrs = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "KS": "*fp32", "W": "*fp32", "KSTART": "*i32", "KEND": "*i32",
+                   "OUT": "*fp32"}
+    heads, d = 64, 128
+    consts = {"H": heads, "D": d, "BLOCK_Q": 128 // heads, "BLOCK_N": 128, "TILES": 4, "stride_wh": 1}
+    cases.append(Case("deep_gemm.mqa_logits", "BLOCK_Q=2 BLOCK_N=128 TILES=4 w8 s1", mqa_logits._mqa_logits_kernel,
+                      logits_ptrs, consts, tuple(logits_ptrs) + ("s_kv", "stride_qt", "stride_qh", "stride_k",
+                                                                 "stride_wt", "stride_ot"), 8, 1, mma_rows=64,
+                      default=True))
+    paged_ptrs = {"Q": "*fp8e4nv", "KV": "*fp8e4nv", "KS": "*fp32", "W": "*fp32", "LENS": "*i32", "BT": "*i32",
+                  "OUT": "*fp32"}
+    consts = {"H": heads, "D": d, "NEXT_N": 1, "LENS_2D": False, "BLOCK_Q": 1, "PAGE": 64, "TILES": 4,
+              "stride_wh": 1}
+    cases.append(Case("deep_gemm.paged_mqa_logits", "BLOCK_Q=1 PAGE=64 TILES=4 w8 s1",
+                      mqa_logits._paged_mqa_logits_kernel, paged_ptrs, consts,
+                      tuple(paged_ptrs) + ("max_model_len", "stride_qt", "stride_qh", "stride_blk", "stride_tok",
+                                           "stride_sblk", "stride_wt", "stride_bt", "stride_ot"), 8, 1, mma_rows=64,
+                      default=True))
+    return cases
+
+
 def all_cases() -> list[Case]:
-    return gemm_cases() + decode_cases() + attention_cases()
+    return gemm_cases() + decode_cases() + attention_cases() + dsa_cases()
 
 
 def _compile_one(index: int) -> dict:

@@ -46,7 +46,7 @@ from training.planner.search import (
     to_config,
     tokens_per_step,
 )
-from training.planner.system import System, load_system
+from training.planner.system import System, known_systems, load_system
 from training.trainer import model_args
 
 _INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb")
@@ -178,7 +178,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         if global_batch is not None and global_batch != implied:
             raise ValueError(f"--global-batch {global_batch} != dp x micro_batch x microbatches = {implied} of --fix")
         global_batch = implied
-    req = Request(base, system, gpus, seq_len, global_batch or base.data.global_batch, ns.expert_imbalance)
+    req = Request(base, system, gpus, seq_len, global_batch or base.data.global_batch, ns.expert_imbalance,
+                  ns.fp8_recipe or getattr(base.model, "fp8_recipe", "blockwise"))
     args = model_args(base)
     if seq_len > args.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
@@ -196,7 +197,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     fit = [e for e in evals if e.status == "ok"]
     counts = {s: sum(e.status == s for e in evals) for s in ("ok", "oom", "dominated", "illegal")}
     print(f"{base.model.preset} on {gpus} x {system.name} ({system.gpus_per_node} per node, system file "
-          f"{'calibrated' if system.calibrated else 'UNCALIBRATED: public peaks x default efficiencies'}); "
+          f"{'calibrated' if system.calibrated else 'uncalibrated: public kernel measurements, see its sources'}); "
           f"seq {seq_len}, global batch {req.global_batch} ({tokens_per_step(req):,} tokens/step)")
     print(f"{len(evals)} layouts: {counts['ok']} fit and were timed, {counts['oom']} out of memory, "
           f"{counts['dominated']} dominated (a fitting twin with less recompute or BF16 moments is faster), "
@@ -238,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="deepseek_v3_671b", help="preset name, HF config.json, or training TOML")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="change the model/config as recipes.train does, e.g. model.overrides.n_layers=4")
-    ap.add_argument("--gpu", default="H800", help="shipped system: H800, H100, H200, B200, A100, MTT-S4000, MTT-S5000")
+    ap.add_argument("--gpu", default="H800", help="shipped system: " + ", ".join(known_systems()))
     ap.add_argument("--system", default=None, help="a system file (JSON) instead of --gpu")
     ap.add_argument("--gpus", type=positive_int, default=None, help="total GPUs")
     ap.add_argument("--gpus-per-node", type=positive_int, default=None,
@@ -256,6 +257,8 @@ def parser() -> argparse.ArgumentParser:
                     help="sequences per optimizer step (default: the config's)")
     ap.add_argument("--tokens", type=positive_float, default=None,
                     help="training tokens, for the predicted run length")
+    ap.add_argument("--fp8-recipe", choices=("blockwise", "mxfp8"), default=None,
+                    help="FP8 GEMM recipe of fp8 layouts (default: the config's model.fp8_recipe, else blockwise)")
     ap.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
     ap.add_argument("--micro-batches", type=_int_list, default=[1, 2, 4],

@@ -71,8 +71,11 @@ def test_bad_decode_input(name):
 
 def test_bad_decode_options():
     args = _inputs()
-    with pytest.raises(ValueError, match="indices"):
-        flash_mla.flash_mla_with_kvcache(**args, indices=torch.zeros(2, 1, 8, dtype=torch.int32))
+    b, s_q = args["q"].shape[:2]
+    with pytest.raises(ValueError, match=r"indices must be int32 \[2, "):  # sparse decoding: checked, not ignored
+        flash_mla.flash_mla_with_kvcache(**args, indices=torch.zeros(b, s_q, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="causal must be False with indices"):
+        flash_mla.flash_mla_with_kvcache(**{**args, "causal": True}, indices=torch.zeros(b, s_q, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match="FP8 k_cache must be float8_e4m3fn/uint8 with last dim 656"):
         flash_mla.flash_mla_with_kvcache(**args, is_fp8_kvcache=True)
     two_kv_heads = args["k_cache"].repeat(1, 1, 2, 1)

@@ -35,6 +35,8 @@ KERNELS = {  # every kernel variant the table must hold
     "flash_mla.decode[fp8 causal]", "flash_mla.combine", "flash_mla.attention.fwd[192/128 causal]",
     "flash_mla.attention.bwd_dkdv[192/128 causal]", "flash_mla.attention.bwd_dq[192/128 causal]",
     "flash_mla.attention.delta",
+    "flash_mla.sparse.fwd[576/512]", "flash_mla.sparse.decode[fp8]", "flash_mla.sparse.bwd[576/512]",
+    "deep_gemm.mqa_logits", "deep_gemm.paged_mqa_logits",
 }
 
 

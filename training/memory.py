@@ -55,7 +55,9 @@ from training.trainer import model_args
 
 GiB = 1024**3
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
-FP8_BYTES = 1 + 4 / 128  # e4m3 value + one fp32 scale per 1x128 tile
+# bytes per FP8 activation value with its scale, per model.fp8_recipe: blockwise (V3) one fp32 scale per 1x128
+# tile, mxfp8 one UE8M0 byte per 1x32 block -- the same 1/32 byte of scale per value either way
+FP8_VALUE_BYTES = {"blockwise": 1 + 4 / 128, "mxfp8": 1 + 1 / 32}
 ALLOCATOR_MARGIN = (0.10, 2 * GiB)  # (share of the dynamic bytes, fixed bytes) on an accelerator; 0 on a CPU
 
 
@@ -329,7 +331,16 @@ def _live_states(schedule: str, pp: int, chunks: int, num: int) -> tuple[tuple[t
     return tuple(out)
 
 
-def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
+def recipe_of(cfg: TrainConfig, override: str | None = None) -> str:
+    """The FP8 recipe of ``cfg`` (``model.fp8_recipe``; "blockwise" where the config has no such field), or
+    ``override``; ValueError for anything but the two recipes."""
+    recipe = override or getattr(cfg.model, "fp8_recipe", "blockwise")
+    if recipe not in FP8_VALUE_BYTES:
+        raise ValueError(f"model.fp8_recipe: expected one of {sorted(FP8_VALUE_BYTES)}, got {recipe!r}")
+    return recipe
+
+
+def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "blockwise") -> int:
     """Expert all-to-all buffers of one micro-batch in flight (dispatch send + receive, combine receive;
     two at once under DualPipe's overlap) and pipeline P2P buffers (a send and a receive per direction)."""
     par, data = cfg.parallel, cfg.data
@@ -337,7 +348,7 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> int:
     d = args.dim
     out = 0.0
     if par.ep > 1 and args.has_moe:
-        dispatch = FP8_BYTES if args.fp8 else p.act
+        dispatch = FP8_VALUE_BYTES[recipe] if args.fp8 else p.act
         rows = tokens * args.n_activated_experts
         out += rows * d * (2 * dispatch + p.act)
         if par.overlap and _has_overlapped_chunks(par.schedule, par.pp):
@@ -366,11 +377,13 @@ def _optimizer_step_transient(args: ModelArgs, cfg: TrainConfig, p: Precision) -
     return int(3 * 4 * largest)
 
 
-def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | None = None) -> MemoryEstimate:
+def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | None = None,
+             fp8_recipe: str | None = None) -> MemoryEstimate:
     """Per pipeline rank peak memory of ``cfg``'s layout at its largest batch, on ``device`` (a name
     ``accel.specs`` knows, e.g. "H800", or "cpu"/None: the CPU reference kernels, no capacity).
 
-    ``args`` defaults to the config's model arguments (``training.trainer.model_args``).
+    ``args`` defaults to the config's model arguments (``training.trainer.model_args``); ``fp8_recipe``
+    overrides ``model.fp8_recipe`` (the planner's ``--fp8-recipe``).
     """
     if args is None:
         args = model_args(cfg)
@@ -380,7 +393,7 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     counts = stage_param_counts(args, cfg)
     saved, work, detail = stage_activation_bytes(args, cfg, p)
     peaks, live = _live_activation_peak(cfg, saved)
-    comm = _comm_bytes(args, cfg, p)
+    comm = _comm_bytes(args, cfg, p, recipe_of(cfg, override=fp8_recipe))
     step_transient = _optimizer_step_transient(args, cfg, p)
     shard_dense = par.dp if par.zero1 else 1
     shard_expert = (par.dp // par.ep) if par.zero1 else 1

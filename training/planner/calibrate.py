@@ -2,10 +2,11 @@
 
 Starts from the shipped file of the local device (``accel.specs`` name, or ``--base``) and replaces its
 efficiencies with measured ones at the model's shapes: BF16 GEMMs through torch (what the BF16
-Linear runs), FP8 GEMMs and grouped GEMMs through ``deep_gemm`` (what ``model.fp8`` runs), the
-attention core forward and backward through ``flash_mla.mla_attention``, and memory-bound bandwidth
-from a device copy. Each shape's efficiency is achieved FLOP/s (or bytes/s) over the peak; the class
-efficiency is the median over shapes. Under torchrun with more than one process it also times the
+Linear runs; its forward, input- and weight-gradient layouts each), FP8 GEMMs and grouped GEMMs through
+``deep_gemm`` (what ``model.fp8`` runs; forward kernels, standing for all three passes), the attention
+core forward and backward through ``flash_mla.mla_attention``, and memory-bound bandwidth from a device
+copy. Each shape's efficiency is achieved FLOP/s (or bytes/s) over the peak; the class efficiency is the
+median of the forward figures over shapes. Under torchrun with more than one process it also times the
 collectives over the local ranks (all-to-all, all-gather ring, P2P) and writes the intra-node link.
 
 On a CPU it refuses: the figures would describe the CPU, not a GPU, and the planner plans GPUs.
@@ -32,7 +33,7 @@ from accel.timing import do_bench
 from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
 from training.planner.costs import Op, attention_core, attention_ops, ffn_ops, gemm
-from training.planner.system import System, load_system
+from training.planner.system import PASSES, System, load_system
 
 
 def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op]:
@@ -42,7 +43,7 @@ def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op
     ops += ffn_ops(args, 0, tokens, ep, False, 1.0) + ffn_ops(args, args.n_layers - 1, tokens, ep, False, 1.0)
     seen, out = set(), []
     for op in ops:
-        if op.kind != "memory" and (op.kind, op.shape) not in seen:
+        if op.flops > 0 and (op.kind, op.shape) not in seen:
             seen.add((op.kind, op.shape))
             out.append(op)
     return out
@@ -69,6 +70,15 @@ def _gemm_seconds(m: int, n: int, k: int, groups: int, fp8: bool, device: torch.
     return do_bench(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a8, b8, d, idx)) * 1e-3
 
 
+def _dense_bf16_passes(m: int, n: int, k: int, device: torch.device) -> tuple[float, float, float]:
+    """Seconds of a BF16 Linear's three GEMMs, as its backward runs them: forward ``x[m,k] @ w[k,n]``, input
+    gradient ``g[m,n] @ w^T``, weight gradient ``x^T @ g`` (the reduction over the ``m`` tokens)."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    return tuple(do_bench(fn) * 1e-3 for fn in (lambda: x @ w, lambda: g @ w.t(), lambda: x.t() @ g))
+
+
 def _attention_seconds(args: ModelArgs, seq_len: int, batch: int, device: torch.device) -> tuple[float, float]:
     h = args.n_heads
     q = torch.randn(batch, seq_len, h, args.qk_head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -90,14 +100,14 @@ def _copy_gbps(device: torch.device, nbytes: int) -> float:
 def measure(base: System, args: ModelArgs, tokens: int, seq_len: int, ep: int, device: torch.device,
             copy_bytes: int = 1 << 30) -> System:
     """``base`` with efficiencies measured on ``device`` at ``args``' shapes (``calibrated: true``)."""
-    shape_eff: dict[str, dict[str, float]] = {}
+    shape_eff: dict[str, dict[str, dict[str, float]]] = {}  # class: shape: pass (f, i, w)
     fp8 = base.fp8_tflops > 0 and accel.fp8_native()
     for op in model_shapes(args, tokens, seq_len, ep):
         if op.kind == "attention":
             fwd, bwd = _attention_seconds(args, seq_len, max(1, tokens // seq_len), device)
             peak = base.bf16_tflops * 1e12
-            shape_eff.setdefault("attention_fwd", {})[op.shape] = op.flops / fwd / peak
-            shape_eff.setdefault("attention_bwd", {})[op.shape] = 2.5 * op.flops / bwd / peak
+            shape_eff.setdefault("attention_fwd", {})[op.shape] = dict.fromkeys(PASSES, op.flops / fwd / peak)
+            shape_eff.setdefault("attention_bwd", {})[op.shape] = dict.fromkeys(PASSES, 2.5 * op.flops / bwd / peak)
             continue
         m, n, k = (int(x) for x in op.shape.split("x"))
         groups = max(1, round(op.flops / (2.0 * m * n * k)))
@@ -105,16 +115,26 @@ def measure(base: System, args: ModelArgs, tokens: int, seq_len: int, ep: int, d
             m = -(-m // 128) * 128
         for low in (False, True) if fp8 else (False,):
             kind = ("fp8_" if low else "") + op.kind
-            seconds = _gemm_seconds(m, n, k, groups, low, device)
             peak = (base.fp8_tflops if low else base.bf16_tflops) * 1e12
-            shape_eff.setdefault(kind, {})[op.shape] = 2.0 * m * n * k * groups / seconds / peak
+            if kind == "gemm":  # each pass measured: dgrad and wgrad run other layouts and reduction lengths
+                passes = _dense_bf16_passes(m, n, k, device)
+            else:  # DeepGEMM's forward kernels; their figure stands for all three passes
+                passes = (_gemm_seconds(m, n, k, groups, low, device),) * 3
+            shape_eff.setdefault(kind, {})[op.shape] = {p: 2.0 * m * n * k * groups / t / peak
+                                                        for p, t in zip(PASSES, passes)}
     eff = dict(base.efficiency)
     for kind, table in shape_eff.items():
-        eff[kind] = min(1.0, statistics.median(table.values()))
+        eff[kind] = min(1.0, statistics.median(per["f"] for per in table.values()))
     eff["memory"] = min(1.0, _copy_gbps(device, copy_bytes) / base.memory_gbps)
-    sources = {**base.sources, "efficiency": f"measured by recipes.plan calibrate on {accel.device_name()} at "
-               f"{args.dim}-dim shapes, {tokens} tokens per micro-batch"}
-    return dataclasses.replace(base, calibrated=True, efficiency=eff, shape_efficiency=shape_eff, sources=sources)
+    where = (f"measured by recipes.plan calibrate on {accel.device_name()} at {args.dim}-dim shapes, {tokens} tokens "
+             "per micro-batch")
+    sources = {**base.sources, "efficiency.memory": f"{where} (device copy)",
+               **{f"efficiency.{k}": f"{where} (median over shapes)" for k in shape_eff},
+               **{f"shape_efficiency.{k}": f"{where} ({'each pass' if k == 'gemm' else 'forward, for all passes'})"
+                  for k in shape_eff}}
+    tables = {k: {shape: {p: min(1.0, e) for p, e in per.items()} for shape, per in t.items()}
+              for k, t in shape_eff.items()}
+    return dataclasses.replace(base, calibrated=True, efficiency=eff, shape_efficiency=tables, sources=sources)
 
 
 def measure_collectives(system: System, nbytes: int = 64 << 20) -> System:

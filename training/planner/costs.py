@@ -8,20 +8,25 @@ parts, so zero-bubble schedules can place W on their own:
 - a GEMM ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs in each of F, I (dgrad) and W (wgrad);
 - the causal attention core costs ``2 s^2 h (d_qk + d_v) / 2`` per sequence forward and 2.5x that
   backward (FlashAttention's five GEMMs against two), all in I;
-- memory-bound ops (norms, RoPE, SwiGLU, permutes, cross-entropy) move their bytes forward and
-  twice that backward.
+- memory-bound ops (norms, RoPE, SwiGLU, the MoE permute/unpermute, cross-entropy) move their bytes
+  forward and twice that backward, plus the system's fixed cost per kernel (``memory_latency_us``) in each
+  pass; permutes and cross-entropy have their own kernel classes (their index gathers and vocabulary-wide
+  softmax run well below a plain copy's bandwidth).
 
 Duration = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) with the system
-file's efficiency for the kernel class (per shape when calibrated). FP8 GEMMs (``model.fp8``: the
-attention projections and every expert/FFN Linear) run at the FP8 peak and pay a quantisation pass
-(read BF16, write E4M3) over their input forward and their output gradient backward; the router,
-the head and the attention core stay BF16 as in V3.
+file's efficiency for the kernel class, or for the shape and pass (F, I, W) where its tables have it.
+FP8 GEMMs (``model.fp8``: the attention projections and every expert/FFN Linear) run at the FP8 peak
+with the recipe's efficiency class (``blockwise``: V3's 1x128 / 128x128 scales, ``fp8_*``; ``mxfp8``:
+1x32 blocks with UE8M0 scales, ``mxfp8_*``) and pay a quantisation pass (read BF16, write E4M3 and
+scales) over their input forward and their output gradient backward; the router, the head and the
+attention core stay BF16 as in V3.
 
-Communication per MoE layer and micro-batch: dispatch (FP8 with ``fp8``, 1 byte + a 4-byte scale per
-128 values) and combine (BF16), the same volumes again backward. Inside a node the volume is
-``tokens x top-k x (ep-1)/ep x dim`` over NVLink; across nodes each token crosses InfiniBand once per
-distinct remote node it is routed to (node-limited routing caps that at ``max_nodes``) and is
-forwarded over NVLink inside the node, both at once, as DeepSeek's dispatch does.
+Communication per MoE layer and micro-batch: dispatch (FP8 with ``fp8``, 1 byte + the recipe's scale
+bytes per value) and combine (BF16), the same volumes again backward, each call paying the system's
+fixed all-to-all cost for its group size. Inside a node the volume is ``tokens x top-k x (ep-1)/ep x
+dim`` over NVLink; across nodes each token crosses InfiniBand once per distinct remote node it is
+routed to (node-limited routing caps that at ``max_nodes``) and is forwarded over NVLink inside the
+node, both at once, as DeepSeek's dispatch does.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from models.deepseek_v3.args import RECOMPUTE_ALIASES
 from training.planner.system import System
 
 BF16 = 2
-FP8_BYTES = 1 + 4 / 128  # E4M3 value plus its fp32 scale per 1x128 tile
+# scale bytes per FP8 value of an activation: blockwise one fp32 per 1x128 tile, MXFP8 one UE8M0 byte per 1x32 block
+FP8_SCALE_BYTES = {"blockwise": 4 / 128, "mxfp8": 1 / 32}
+FP8_BYTES = 1 + FP8_SCALE_BYTES["blockwise"]  # E4M3 value plus its scale (the same under MXFP8: 1/32 byte per value)
+MEMORY_KINDS = ("memory", "permute", "cross_entropy")  # memory-bound ops, each kind its own efficiency class
 # planner policy -> model.overrides.recompute names ("v3" = every RMSNorm and the MLA up-projections)
 RECOMPUTE_POLICIES = {"none": (), "v3": ("v3",), "block": ("block",)}
 
@@ -49,7 +57,7 @@ class Op:
     """One operation of a layer at a given number of tokens."""
 
     name: str
-    kind: str  # gemm | grouped_gemm | attention | memory
+    kind: str  # gemm | grouped_gemm | attention | memory | permute | cross_entropy
     flops: float = 0.0  # forward
     nbytes: float = 0.0  # forward memory traffic
     shape: str | None = None  # "MxNxK" per group, the calibration key
@@ -68,8 +76,8 @@ def gemm(name: str, m: float, n: int, k: int, fp8: bool = False, groups: int = 1
     return Op(name, kind, 2.0 * m * n * k, nbytes, f"{max(1, round(m / groups))}x{n}x{k}", fp8, quant, recompute_kind)
 
 
-def memory_op(name: str, nbytes: float, recompute_kind: str | None = None) -> Op:
-    return Op(name, "memory", nbytes=nbytes, recompute_kind=recompute_kind)
+def memory_op(name: str, nbytes: float, recompute_kind: str | None = None, kind: str = "memory") -> Op:
+    return Op(name, kind, nbytes=nbytes, recompute_kind=recompute_kind)
 
 
 def attention_ops(args: ModelArgs, tokens: int, fp8: bool) -> list[Op]:
@@ -111,10 +119,10 @@ def ffn_ops(args: ModelArgs, layer_id: int, tokens: int, ep: int, fp8: bool, imb
     rows = t * k * imbalance  # token copies this rank's experts process (balanced: t x k, the EP average)
     groups = max(1, e // ep)
     ops += [gemm("router", t, e, d), memory_op("topk", 3 * t * e * 4),
-            memory_op("permute", 2 * rows * d * BF16),
+            memory_op("permute", 2 * rows * d * BF16, kind="permute"),
             gemm("experts_w13", rows, 2 * i, d, fp8, groups),
             memory_op("experts_swiglu", 3 * rows * i * BF16, "swiglu"),
-            gemm("experts_w2", rows, d, i, fp8, groups), memory_op("unpermute", 2 * rows * d * BF16)]
+            gemm("experts_w2", rows, d, i, fp8, groups), memory_op("unpermute", 2 * rows * d * BF16, kind="permute")]
     if args.n_shared_experts:
         s = args.n_shared_experts * i
         ops += [gemm("shared_w13", t, 2 * s, d, fp8), memory_op("shared_swiglu", 3 * t * s * BF16, "swiglu"),
@@ -126,7 +134,7 @@ def head_ops(args: ModelArgs, tokens: int) -> list[Op]:
     """Final norm, output head (BF16) and cross-entropy (fp32 softmax over the vocabulary)."""
     d, v = args.dim, args.vocab_size
     return [memory_op("final_norm", 2 * tokens * d * BF16), gemm("head", tokens, v, d),
-            memory_op("cross_entropy", tokens * v * (BF16 + 2 * 4))]
+            memory_op("cross_entropy", tokens * v * (BF16 + 2 * 4), kind="cross_entropy")]
 
 
 def mtp_extra_ops(args: ModelArgs, tokens: int) -> list[Op]:
@@ -179,34 +187,41 @@ class Durations:
 
 
 class OpTimer:
-    """Roofline durations of ops on one system."""
+    """Roofline durations of ops on one system, FP8 GEMMs in ``fp8_recipe`` (``blockwise`` or ``mxfp8``)."""
 
-    def __init__(self, system: System):
+    def __init__(self, system: System, fp8_recipe: str = "blockwise"):
+        if fp8_recipe not in FP8_SCALE_BYTES:
+            raise ValueError(f"fp8_recipe: expected one of {sorted(FP8_SCALE_BYTES)}, got {fp8_recipe!r}")
+        if system.fp8_tflops > 0 and fp8_recipe == "mxfp8" and not system.efficiency["mxfp8_gemm"]:
+            raise ValueError(f"fp8_recipe 'mxfp8': {system.name} has no MXFP8 tensor-core path "
+                             "(efficiency.mxfp8_gemm is 0 in its system file); use 'blockwise'")
         self.system = system
+        self.recipe = fp8_recipe
+        self.low = "mxfp8_" if fp8_recipe == "mxfp8" else "fp8_"  # the FP8 GEMMs' efficiency classes
 
-    def _seconds(self, flops: float, nbytes: float, kind: str, shape: str | None, fp8: bool) -> float:
+    def _seconds(self, flops: float, nbytes: float, kind: str, shape: str | None, fp8: bool, pass_: str) -> float:
         s = self.system
-        mem = nbytes / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory"))
-        if kind == "memory" or flops == 0.0:
-            return mem
+        mem = nbytes / (s.memory_gbps * 1e9 * s.kernel_efficiency(kind if kind in MEMORY_KINDS else "memory"))
+        if kind in MEMORY_KINDS or flops == 0.0:  # a memory-bound kernel: its bytes and its fixed cost
+            return mem + s.memory_latency_us * 1e-6 if nbytes else 0.0
         if kind == "attention_bwd" or kind == "attention_fwd":
             peak = s.bf16_tflops
         else:
             peak = s.fp8_tflops if fp8 else s.bf16_tflops
-            kind = f"fp8_{kind}" if fp8 else kind
-        return max(flops / (peak * 1e12 * s.kernel_efficiency(kind, shape)), mem)
+            kind = f"{self.low}{kind}" if fp8 else kind
+        return max(flops / (peak * 1e12 * s.kernel_efficiency(kind, shape, pass_)), mem)
 
     def op(self, op: Op) -> tuple[float, float, float]:
         """(F, I, W) seconds of ``op``."""
-        if op.kind == "memory":
-            f = self._seconds(0.0, op.nbytes, "memory", None, False)
-            return f, 2 * f, 0.0
+        if op.kind in MEMORY_KINDS:  # backward moves twice the bytes, in one kernel
+            f = self._seconds(0.0, op.nbytes, op.kind, None, False, "f")
+            return f, self._seconds(0.0, 2 * op.nbytes, op.kind, None, False, "i"), 0.0
         if op.kind == "attention":
-            return (self._seconds(op.flops, op.nbytes, "attention_fwd", op.shape, False),
-                    self._seconds(2.5 * op.flops, 2 * op.nbytes, "attention_bwd", op.shape, False), 0.0)
-        g = self._seconds(op.flops, op.nbytes, op.kind, op.shape, op.fp8)
-        qf, qb = (self._seconds(0.0, b, "memory", None, False) for b in op.quant_bytes)
-        return g + qf, g + qb, g
+            return (self._seconds(op.flops, op.nbytes, "attention_fwd", op.shape, False, "f"),
+                    self._seconds(2.5 * op.flops, 2 * op.nbytes, "attention_bwd", op.shape, False, "f"), 0.0)
+        f, i, w = (self._seconds(op.flops, op.nbytes, op.kind, op.shape, op.fp8, p) for p in ("f", "i", "w"))
+        qf, qb = (self._seconds(0.0, b, "memory", None, False, "f") for b in op.quant_bytes)
+        return f + qf, i + qb, w
 
 
 def _remote_nodes(k: int, nodes: int, max_nodes: int | None) -> float:
@@ -221,19 +236,22 @@ def _remote_nodes(k: int, nodes: int, max_nodes: int | None) -> float:
 
 def all_to_all_seconds(args: ModelArgs, tokens: int, ep: int, system: System, dispatch_bytes: float,
                        max_nodes: int | None, imbalance: float) -> float:
-    """One all-to-all (dispatch or combine) of ``tokens`` tokens of this rank over an EP group of ``ep``."""
+    """One all-to-all (dispatch or combine) of ``tokens`` tokens of this rank over an EP group of ``ep``: the
+    links' time for its bytes plus the system's fixed cost of one call over ``ep`` ranks (launch, hand-shakes,
+    the wait for the group: ``System.all_to_all_latency``)."""
     if ep <= 1:
         return 0.0
     g = system.gpus_per_node
     eff = system.collective_efficiency["all_to_all"]
     k, d = args.n_activated_experts, args.dim
     copies = tokens * k * imbalance
+    fixed = system.all_to_all_latency(ep)
     if ep <= g:
-        return system.intra_node.seconds(copies * (ep - 1) / ep * d * dispatch_bytes, eff)
+        return fixed + system.intra_node.seconds(copies * (ep - 1) / ep * d * dispatch_bytes, eff)
     nodes = math.ceil(ep / g)
     ib = system.inter_node.seconds(tokens * imbalance * _remote_nodes(k, nodes, max_nodes) * d * dispatch_bytes, eff)
     nvlink = system.intra_node.seconds(copies * (g - 1) / g * d * dispatch_bytes, eff)
-    return max(ib, nvlink)
+    return fixed + max(ib, nvlink)
 
 
 @dataclass(frozen=True)
@@ -277,13 +295,13 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
         if full_block or (op.recompute_kind is not None and op.recompute_kind in w.recompute):
             oi += of
         f, i, wg = f + of, i + oi, wg + ow
-        flops += op.flops * (3.5 if op.kind == "attention" else 3.0 if op.kind != "memory" else 0.0)
+        flops += op.flops * (3.5 if op.kind == "attention" else 3.0)
         phase = _PHASE.get(op.name, "pre")
         phase_f[phase] += of
         phase_b[phase] += oi + ow - (of if full_block else 0.0)  # a block's re-run forward runs before its backward
     if not (args.is_moe_layer(layer_id) and w.ep > 1):
         return Durations(f, i, wg, flops=flops)
-    dispatch = FP8_BYTES if fp8 else BF16
+    dispatch = 1 + FP8_SCALE_BYTES[timer.recipe] if fp8 else BF16
     comm = sum(all_to_all_seconds(args, w.tokens, w.ep, timer.system, b, w.max_nodes, w.imbalance)
                for b in (dispatch, BF16))
     link = timer.system.intra_node if w.ep <= timer.system.gpus_per_node else timer.system.inter_node

@@ -5,14 +5,16 @@ config. Each is turned into the very ``TrainConfig`` ``recipes.train`` would run
 legality is ``training.config.validate`` + ``training.trainer.check_layout`` and memory is
 ``training.memory.estimate``: plan, dry run and launch agree by construction. Time: per-stage
 durations from ``costs`` fed to ``dualpipe.simulator`` for the layout's real schedule (so bubbles are
-the schedule's, not a closed form), then the ZeRO-1 gradient reduce-scatter / parameter all-gather and
-the optimizer step, which our runtime runs after the pipeline.
+the schedule's, not a closed form), stretched by the expected slowest node (``straggler_factor``), then
+the ZeRO-1 gradient reduce-scatter / parameter all-gather and the optimizer step, which our runtime runs
+after the pipeline (exposed).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,6 +102,9 @@ class Request:
     seq_len: int
     global_batch: int
     imbalance: float = 1.0  # expert load max / mean without EPLB
+    # model.fp8_recipe of the FP8 GEMMs (blockwise: V3's 1x128 / 128x128; mxfp8: 1x32 UE8M0). The planner takes
+    # it here until the config carries the field; training.memory.estimate reads the same value.
+    fp8_recipe: str = "blockwise"
 
     def __post_init__(self) -> None:
         g = self.system.gpus_per_node
@@ -108,6 +113,7 @@ class Request:
                              "(whole nodes), or fewer GPUs than one node")
         if self.seq_len < 2 or self.global_batch < 1:
             raise ValueError(f"--seq-len must be >= 2 and --global-batch >= 1, got {self.seq_len}, {self.global_batch}")
+        OpTimer(self.system, self.fp8_recipe)  # an unknown recipe, or MXFP8 where the GPU has none: one-line error
         if not self.imbalance >= 1.0:
             raise ValueError(f"--expert-imbalance is the busiest expert's load over the mean, so >= 1.0; "
                              f"got {self.imbalance}")
@@ -137,6 +143,8 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
     recompute = list(RECOMPUTE_POLICIES[lay.recompute])
     cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
+    if hasattr(cfg.model, "fp8_recipe"):  # the config field of the MXFP8 work; until it lands the request carries it
+        cfg.model = dataclasses.replace(cfg.model, fp8_recipe=req.fp8_recipe)
     cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
     cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
     if cfg.data.batch_ramp_start:
@@ -259,6 +267,9 @@ def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, f
                      + (ranks - 1) * link.latency_us * 1e-6)
 
 
+GRADIENT_PASSES = 4  # zero (write), scale by 1 / dp (read + write), global norm (read): full buffer, every step
+
+
 def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory]) -> tuple[float, float]:
     """(DP communication, optimizer step) seconds after the pipeline, on the slowest pipeline rank.
 
@@ -266,7 +277,10 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     (every ``ep``-th rank: on other nodes once ``ep`` fills a node); ZeRO-1 reduce-scatters them and
     all-gathers the updated parameters, without ZeRO-1 they are all-reduced; with FP32 masters
     (``optim.master_dtype``) the gradients travel in FP32, the gathered BF16 working weights in BF16. The step
-    reads gradient, moments (and master) and writes parameter, moments (and master) of its shard.
+    reads gradient, moments (and master) and writes parameter, moments (and master) of its shard, after
+    ``GRADIENT_PASSES`` passes over the rank's whole gradient buffer (``training.trainer.train_step``: zeroed
+    before the step, scaled by 1 / dp around its reduction, read for the global norm; Megatron-Core's step
+    makes the same four, as SimuMax accounts it).
     """
     s, g = req.system, req.system.gpus_per_node
     p = precision(cfg, accelerator=True)
@@ -288,6 +302,7 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
         moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
         # read g, (master), m, v; write p, (master), m, v
         traffic = shard * (gbytes + 2 * master + 4 * moment_bytes + pbytes + (0 if master else 2 * pbytes))
+        traffic += GRADIENT_PASSES * (dense + expert) * gbytes
         comm = max(comm, c)
         step = max(step, traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory")))
     return comm, step
@@ -320,6 +335,7 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
         figures = pipeline_cache[key]
     makespan, busy, exposed = figures
     dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
+    makespan *= straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
     step = makespan + dp_comm + opt
     flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
     tokens = req.global_batch * req.seq_len
@@ -327,6 +343,30 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
                       mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),
                       bubble_fraction=(makespan - busy) / makespan, exposed_comm_s=exposed + dp_comm,
                       peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim)
+
+
+@functools.lru_cache(maxsize=64)
+def expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals]: integral of x n phi(x) Phi(x)^(n-1), midpoint rule on
+    [-8, 8] (the tails beyond hold < 1e-14 of the mass)."""
+    if n <= 1:
+        return 0.0
+    h = 1e-3
+    total = 0.0
+    for j in range(16000):
+        x = -8.0 + (j + 0.5) * h
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * n * pdf * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+    return total * h
+
+
+def straggler_factor(jitter_cv: float, nodes: int) -> float:
+    """The pipeline's expected stretch from stragglers: every step ends in collectives over all ``nodes`` (the
+    gradient norm's all-reduce spans the world), so each step waits for the slowest node. With each node's step
+    time independent with coefficient of variation ``jitter_cv`` (GPUs inside a node run in lock-step), that is
+    1 + cv x E[max of ``nodes`` standard normals] (1.0 on one node). The same factor for every layout of a
+    cluster: it moves step times, not rankings."""
+    return 1.0 + jitter_cv * expected_max_normal(nodes)
 
 
 def _imbalance(req: Request, args: ModelArgs, lay: Layout) -> float:
@@ -349,7 +389,8 @@ def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cach
         args = check_layout(cfg)
     except ValueError as exc:
         return Evaluation(lay, "illegal", str(exc))
-    est = estimate(cfg, args, device=req.system.name)  # the dry run's estimate (``--device``), margin included
+    # the dry run's estimate (``--device``), margin included
+    est = estimate(cfg, args, device=req.system.name, fp8_recipe=req.fp8_recipe)
     ranks, peak = est.ranks, est.peak_bytes
     if peak > req.system.capacity_bytes:
         worst = est.worst
@@ -359,7 +400,7 @@ def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cach
                           peak_bytes=peak, ranks=ranks)
     if not timed:
         return Evaluation(lay, "ok", peak_bytes=peak, ranks=ranks)
-    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system),
+    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system, req.fp8_recipe),
                        {} if block_cache is None else block_cache, pipeline_cache)
 
 
@@ -370,7 +411,7 @@ def search(req: Request, args: ModelArgs, space: Space) -> list[Evaluation]:
     parameter dtype where its BF16-moment twin fits, is only slower and larger, so it is reported as
     dominated instead of timed; a fixed ``recompute`` or ``moments`` is always timed.
     """
-    timer, cache, pipelines = OpTimer(req.system), {}, {}
+    timer, cache, pipelines = OpTimer(req.system, req.fp8_recipe), {}, {}
     out: list[Evaluation] = []
     fits: set[tuple] = set()
     for lay in layouts(req, args, space):

@@ -1,10 +1,15 @@
 """System files: what the planner knows about a GPU and its links, as JSON.
 
 A system file holds the device's dense peaks and memory, per-class kernel efficiencies (the share of
-the peak a kernel class reaches; optionally per shape, from ``recipes.plan calibrate``), the two
-links (inside a node, between nodes) with bandwidth and latency, collective efficiencies, and the
-share of SMs the all-to-all takes while it overlaps computation. Files shipped in ``systems/`` come
-from public peak figures (``accel.specs``) and are marked ``"calibrated": false``.
+the peak a kernel class reaches), per-shape efficiency tables (``"MxNxK"`` per group, one number or one
+per pass ``{"f", "i", "w"}``: forward, input gradient, weight gradient), the two links (inside a node,
+between nodes) with bandwidth and latency, collective efficiencies, the all-to-all's fixed cost per call
+by group size, the per-node step-time jitter (stragglers), the fixed cost of a memory-bound kernel and the
+share of SMs the all-to-all takes while it overlaps computation. Every figure names its source in
+``sources`` (keys ``efficiency.<class>``, ``shape_efficiency.<class>``, ``all_to_all_latency_us``, ``jitter_cv``,
+``memory_latency_us``, ...; a term left at 0 needs none); a file without one is refused.
+Files shipped in ``systems/`` take their figures from public measurements and are marked
+``"calibrated": false``; ``recipes.plan calibrate`` writes measured ones.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
-KERNEL_CLASSES = ("gemm", "grouped_gemm", "fp8_gemm", "fp8_grouped_gemm", "attention_fwd", "attention_bwd", "memory")
+KERNEL_CLASSES = ("gemm", "grouped_gemm", "fp8_gemm", "fp8_grouped_gemm", "mxfp8_gemm", "mxfp8_grouped_gemm",
+                  "attention_fwd", "attention_bwd", "memory", "permute", "cross_entropy")
+LOW_PRECISION = ("fp8_", "mxfp8_")  # classes that may be 0: the device has no such tensor-core path
+PASSES = ("f", "i", "w")
+SOURCED = ("peaks", "links", "collective_efficiency", "comm_sm_fraction", "all_to_all_latency_us", "jitter_cv",
+           "memory_latency_us")
 COLLECTIVES = ("all_to_all", "ring", "p2p")
 
 
@@ -43,8 +53,11 @@ class System:
     collective_efficiency: dict[str, float]
     comm_sm_fraction: float
     gpus_per_node: int
-    shape_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+    shape_efficiency: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # class: shape: pass
     sources: dict[str, str] = field(default_factory=dict)
+    all_to_all_latency_us: dict[int, float] = field(default_factory=dict)  # fixed cost of one call, by group size
+    jitter_cv: float = 0.0  # per-node step-time coefficient of variation (stragglers)
+    memory_latency_us: float = 0.0  # fixed cost of one memory-bound kernel (launch, tail), per pass
     action_overhead_us: float = 0.0  # host time the runtime adds to each computation pass (calibrated)
     send_overhead_us: float = 0.0  # host time to post one P2P message
     recv_overhead_us: float = 0.0  # host time to take one arrived P2P message
@@ -53,13 +66,22 @@ class System:
     def capacity_bytes(self) -> float:
         return self.memory_gib * 1024**3
 
-    def kernel_efficiency(self, kind: str, shape: str | None = None) -> float:
-        """Measured efficiency of ``kind`` at ``shape`` (``"MxNxK"``) when calibrated, else the class's."""
+    def kernel_efficiency(self, kind: str, shape: str | None = None, pass_: str = "f") -> float:
+        """Efficiency of ``kind`` at ``shape`` (``"MxNxK"``) in ``pass_`` (f, i, w) where the file has that shape,
+        else the class's."""
         if shape is not None:
             measured = self.shape_efficiency.get(kind, {}).get(shape)
             if measured is not None:
-                return measured
+                return measured[pass_]
         return self.efficiency[kind]
+
+    def all_to_all_latency(self, group: int) -> float:
+        """Fixed seconds of one all-to-all call over ``group`` ranks: the figure of the largest group size in
+        the file not above ``group`` (the smallest one below all of them)."""
+        if group <= 1 or not self.all_to_all_latency_us:
+            return 0.0
+        sizes = sorted(self.all_to_all_latency_us)
+        return self.all_to_all_latency_us[max([n for n in sizes if n <= group], default=sizes[0])] * 1e-6
 
     def to_json(self) -> dict:
         return {"name": self.name, "calibrated": self.calibrated,
@@ -70,6 +92,8 @@ class System:
                           for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))},
                 "collective_efficiency": dict(self.collective_efficiency), "comm_sm_fraction": self.comm_sm_fraction,
                 "gpus_per_node": self.gpus_per_node, "action_overhead_us": self.action_overhead_us,
+                "all_to_all_latency_us": {str(k): v for k, v in self.all_to_all_latency_us.items()},
+                "jitter_cv": self.jitter_cv, "memory_latency_us": self.memory_latency_us,
                 "send_overhead_us": self.send_overhead_us, "recv_overhead_us": self.recv_overhead_us,
                 "sources": self.sources}
 
@@ -102,6 +126,31 @@ def _non_negative(value: object, what: str) -> float:
     return float(value)
 
 
+def _shape_tables(shapes: object, where: str) -> dict[str, dict[str, dict[str, float]]]:
+    """``{class: {"MxNxK": e | {"f": e, "i": e, "w": e}}}`` with every number in (0, 1], as per-pass dicts."""
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{where}: 'shape_efficiency' must map kernel classes to {{shape: efficiency}}")
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, table in shapes.items():
+        if kind not in KERNEL_CLASSES or not isinstance(table, dict):
+            raise ValueError(f"{where}: shape_efficiency.{kind}: expected one of {KERNEL_CLASSES} mapping shapes "
+                             "to efficiencies")
+        out[kind] = {}
+        for shape, value in table.items():
+            what = f"{where}: shape_efficiency.{kind}.{shape}"
+            per_pass = value if isinstance(value, dict) else dict.fromkeys(PASSES, value)
+            if set(per_pass) != set(PASSES):
+                raise ValueError(f"{what} must be a number or {{'f', 'i', 'w'}}, got {value!r}")
+            out[kind][shape] = {p: _positive(_number(per_pass[p], f"{what}.{p}"), f"{what}.{p}", 1.0) for p in PASSES}
+    return out
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
 def system_from_json(doc: dict, where: str = "system file") -> System:
     """Validate a parsed system file; ValueError naming the file and the key for anything malformed."""
     if not isinstance(doc, dict):
@@ -111,17 +160,23 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
     links = _get(doc, "links", where, dict)
     coll = _get(doc, "collective_efficiency", where, dict)
     fp8 = float(_get(gpu, "fp8_tflops", f"{where} [gpu]"))
+    sources = _get(doc, "sources", where, dict)
     efficiency = {}
     for k in KERNEL_CLASSES:
         value = float(_get(eff, k, f"{where} [efficiency]"))
-        if k.startswith("fp8") and fp8 == 0.0:
-            efficiency[k] = value
+        if k.startswith(LOW_PRECISION) and (fp8 == 0.0 or value == 0.0):  # 0: no such tensor-core path
+            efficiency[k] = _non_negative(value, f"{where}: efficiency.{k}")
             continue
         efficiency[k] = _positive(value, f"{where}: efficiency.{k}", 1.0)
-    shapes = doc.get("shape_efficiency", {})
-    if not isinstance(shapes, dict) or any(k not in KERNEL_CLASSES or not isinstance(v, dict)
-                                           for k, v in shapes.items()):
-        raise ValueError(f"{where}: 'shape_efficiency' must map kernel classes {KERNEL_CLASSES} to {{shape: value}}")
+    shapes = _shape_tables(doc.get("shape_efficiency", {}), where)
+    a2a = doc.get("all_to_all_latency_us", {})
+    if not isinstance(a2a, dict) or any(not str(n).isdigit() or int(n) < 2 for n in a2a):
+        raise ValueError(f"{where}: 'all_to_all_latency_us' must map group sizes >= 2 to microseconds, got {a2a!r}")
+    needed = ([f"efficiency.{k}" for k, v in efficiency.items() if v > 0] + [f"shape_efficiency.{k}" for k in shapes]
+              + [k for k in SOURCED if doc.get(k) or k in ("peaks", "links")])  # a term at 0 or {} needs none
+    for key in needed:
+        if not isinstance(sources.get(key), str) or not sources[key].strip():
+            raise ValueError(f"{where}: sources.{key} missing: every figure of a system file names its source")
     link = {}
     for k in ("intra_node", "inter_node"):
         t = _get(links, k, f"{where} [links]", dict)
@@ -141,8 +196,11 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
                                             f"{where}: collective_efficiency.{k}", 2.0) for k in COLLECTIVES},
         comm_sm_fraction=float(_get(doc, "comm_sm_fraction", where)),
         gpus_per_node=int(_get(doc, "gpus_per_node", where, int)),
-        shape_efficiency={k: {s: float(e) for s, e in v.items()} for k, v in shapes.items()},
-        sources=dict(doc.get("sources", {})),
+        shape_efficiency=shapes,
+        sources=dict(sources),
+        all_to_all_latency_us={int(n): _non_negative(v, f"{where}: all_to_all_latency_us.{n}") for n, v in a2a.items()},
+        jitter_cv=_non_negative(doc.get("jitter_cv", 0.0), f"{where}: jitter_cv"),
+        memory_latency_us=_non_negative(doc.get("memory_latency_us", 0.0), f"{where}: memory_latency_us"),
         **{k: _non_negative(doc.get(k, 0.0), f"{where}: {k}")
            for k in ("action_overhead_us", "send_overhead_us", "recv_overhead_us")},
     )
