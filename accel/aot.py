@@ -1,11 +1,13 @@
 """Compile a Triton kernel for a GPU ahead of time (no GPU needed) and read what the compiler made of it.
 
 ``compile_for(fn, ...)`` builds the kernel the way the JIT would for one argument specialisation
-(pointers and 16-divisible ints marked, unit strides as constants) for ``sm_90a``;
-``kernel_stats(compiled)`` reads the cubin with the ``cuobjdump`` bundled in Triton's wheel:
-registers, stack (spill) bytes, shared memory, and from the SASS whether Hopper's warp-group MMAs
-(``HGMMA``/``QGMMA``) and the tensor-memory accelerator (``UTMALDG``) are used, and the instruction
-count and global loads of the main loop (the innermost loop that issues MMAs).
+(pointers and 16-divisible ints marked, unit strides as constants) for a CUDA capability (90: ``sm_90a``,
+Hopper; 100: ``sm_100a``, Blackwell B200/GB200); ``kernel_stats(compiled)`` reads the cubin with the
+``cuobjdump`` bundled in Triton's wheel: registers, stack (spill) bytes, shared memory, and from the SASS
+which tensor-core MMA the kernel uses (Hopper's warp-group ``HGMMA``/``QGMMA``; Blackwell's tcgen05
+``UTC*MMA``, whose accumulator lives in tensor memory and is read back with ``LDTM``), whether the
+tensor-memory accelerator loads tiles (``UTMALDG``), and the instruction count and global loads of the
+main loop (the innermost loop that issues MMAs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 H100_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in limit per block (H100 / H200 / H800)
+# Opt-in shared memory per block by compute capability (CUDA programming guide, "Technical Specifications"):
+# sm_90 and sm_100 both allow 227 KB of their 228 KB per SM.
+SMEM_PER_BLOCK = {90: H100_SMEM_PER_BLOCK, 100: 227 * 1024}
+CAPABILITIES = tuple(SMEM_PER_BLOCK)  # the targets the compile gates cover
+
+
+def check_capability(capability: int) -> int:
+    """``capability`` if the compile gates cover it (90 = sm_90a, 100 = sm_100a), else a one-line ValueError."""
+    if capability not in SMEM_PER_BLOCK:
+        raise ValueError(f"capability must be one of {', '.join(map(str, CAPABILITIES))} (sm_90a Hopper, "
+                         f"sm_100a Blackwell), got {capability!r}")
+    return capability
 
 
 @dataclass
@@ -25,7 +39,11 @@ class KernelStats:
     stack_bytes: int  # register spills (and local arrays) live here: 0 in a good kernel
     spill_stores: int  # STL instructions in the SASS
     smem_bytes: int
-    wgmma: bool
+    wgmma: bool  # Hopper's warp-group MMA (HGMMA / QGMMA)
+    tcgen05: bool  # Blackwell's tensor-core MMA (UTC*MMA, accumulator in tensor memory)
+    tensor_core_mma: bool  # the architecture's tensor-core MMA: wgmma on sm_90, tcgen05 on sm_100
+    tmem_loads: int  # LDTM in the SASS: tensor memory read back into registers (tcgen05 accumulators)
+    block_scaled_mma: bool  # tcgen05.mma ... block_scale in the PTX: the MMA applies MX (1x32 UE8M0) scales itself
     tma: bool
     async_copies: bool  # global -> shared copies that run ahead of use (cp.async LDGSTS or TMA): pipelined loads
     loop_instructions: int  # SASS instructions in one iteration of the main loop (0: no MMA loop)
@@ -53,6 +71,8 @@ def compile_for(fn, pointers: dict[str, str], constexprs: dict[str, object], div
     the names in ``divisible`` are marked 16-divisible as the JIT does for aligned pointers and sizes."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    check_capability(capability)
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
@@ -83,7 +103,9 @@ def _sass(cubin: bytes) -> tuple[str, str]:
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_MMA = re.compile(r"\b(HGMMA|QGMMA|HMMA|IMMA)\b")
+_MMA = re.compile(r"\b(HGMMA|QGMMA|HMMA|IMMA|UTC[A-Z0-9]*MMA)\b")
+_TCGEN05 = re.compile(r"\bUTC[A-Z0-9]*MMA\b")
+_WGMMA = re.compile(r"\b[HQ]GMMA\b")
 _GLOBAL_LOAD = re.compile(r"\b(LDG|LDGSTS|UTMALDG)\b")
 
 
@@ -117,9 +139,13 @@ def kernel_stats(compiled) -> KernelStats:
         return int(m.group(1)) if m else 0
 
     loop, loads, mmas = _main_loop(sass)
+    wgmma, tcgen05 = bool(_WGMMA.search(sass)), bool(_TCGEN05.search(sass))
     return KernelStats(
         registers=field("REG"), stack_bytes=max(field("STACK"), field("LOCAL")),
         spill_stores=len(re.findall(r"\bSTL\b", sass)), smem_bytes=int(compiled.metadata.shared),
-        wgmma=bool(re.search(r"\b[HQ]GMMA\b", sass)), tma=bool(re.search(r"\bUTMALDG\b", sass)),
+        wgmma=wgmma, tcgen05=tcgen05, tensor_core_mma=wgmma or tcgen05,
+        tmem_loads=len(re.findall(r"\bLDTM\b", sass)),
+        block_scaled_mma=bool(re.search(r"tcgen05\.mma\S*\.block_scale", compiled.asm.get("ptx", ""))),
+        tma=bool(re.search(r"\bUTMALDG\b", sass)),
         async_copies=bool(re.search(r"\b(LDGSTS|UTMALDG)\b", sass)),
         loop_instructions=loop, loop_global_loads=loads, loop_mmas=mmas)

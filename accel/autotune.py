@@ -1,4 +1,8 @@
-"""Autotune-space sharding, so several processes can compile a kernel's configs in parallel.
+"""Autotune spaces: per-architecture config lists, and sharding so several processes compile them in parallel.
+
+``for_capability(lists, capability)`` picks a kernel's list for a GPU generation (``{90: hopper_list, 100:
+blackwell_list}``: the entry with the largest key at or below the capability), so a kernel lists tiles per
+architecture only where the best tile differs, and the offline compile table builds the list the GPU would use.
 
 With ``DSV3_AUTOTUNE_SHARD=i/n`` every kernel's autotuner keeps only its configs ``i, i + n, ...``
 (the config ``i mod len`` when that leaves none). ``recipes.warm_kernels`` runs the kernel benchmarks
@@ -12,6 +16,21 @@ from __future__ import annotations
 import os
 
 SHARD_ENV = "DSV3_AUTOTUNE_SHARD"
+
+
+def capability_number(capability: tuple[int, int] | int | None) -> int | None:
+    """``(10, 0)`` -> 100, ``90`` -> 90, None -> None (no CUDA device)."""
+    if isinstance(capability, tuple):
+        return capability[0] * 10 + capability[1]
+    return capability
+
+
+def for_capability(lists: dict[int, list], capability: tuple[int, int] | int | None) -> list:
+    """The list for ``capability`` (``(9, 0)``, ``100``...): the entry with the largest key <= it; the smallest
+    key's for None (the CPU, MUSA) or an older GPU."""
+    cap = capability_number(capability)
+    fitting = [k for k in lists if cap is not None and k <= cap]
+    return lists[max(fitting) if fitting else min(lists)]
 
 
 def shard(configs: list) -> list:

@@ -20,6 +20,11 @@
 # folder as $GPU_CHECK_OUT). When OUTDIR is $OUT (the device tool brings back at most 8 files),
 # steps/ is packed into steps.tar.gz.
 #
+# Capability: GPU_CHECK_CAPABILITY (90 = sm_90 Hopper, 100 = sm_100 Blackwell; default: the first GPU's, from
+# nvidia-smi, else 90) is exported to every step. Area scripts pick their configs by it (deep_gemm.sh: MXFP8 rows
+# on sm_100), and a step's timeout may differ per capability: a header "# timeout@100: SECONDS" beside
+# "# timeout: SECONDS" (the default) in an area script.
+#
 # Knobs: GPU_CHECK_BUDGET (total seconds, default 580: one 10-minute device call; a step gets at
 # most what is left, and is skipped with under 20 s left), GPU_CHECK_STEPS (space-separated step
 # names, run in that order: "verify flash_mla env"; default all), GPU_CHECK_D (the area-script
@@ -28,7 +33,8 @@
 # Dry mode, on any machine: GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh runs the same orchestration with
 # every step stubbed to take its whole timeout on a simulated clock (or the seconds given for it in
 # GPU_CHECK_DRY_TIMES="warm=80 model=30"), and fails unless every step gets its full timeout within the
-# budget: the budget arithmetic of the real run, checked on a CPU.
+# budget: the budget arithmetic of the real run, checked on a CPU; GPU_CHECK_DRY=1 GPU_CHECK_CAPABILITY=100 checks
+# it for a Blackwell machine (the default in dry mode is 90 unless a GPU is visible).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -67,6 +73,18 @@ if [[ -z "${PY:-}" ]]; then
         PY=python3
     fi
 fi
+# The compute capability as major*10+minor: 90 (H100/H200/H800), 100 (B200/GB200), from the first GPU.
+detect_capability() {
+    local cap
+    cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')"
+    [[ $cap =~ ^[0-9]+$ ]] && echo "$cap" || echo 90
+}
+CAPABILITY="${GPU_CHECK_CAPABILITY:-$(detect_capability)}"
+if ! [[ $CAPABILITY =~ ^[0-9]+$ ]]; then
+    echo "gpu_check: GPU_CHECK_CAPABILITY must be a compute capability as an integer (90, 100), got '$CAPABILITY'" >&2
+    exit 2
+fi
+export GPU_CHECK_CAPABILITY="$CAPABILITY"
 export PY REPO OUTDIR
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -150,15 +168,16 @@ print("accel: spec", spec, "| triton", accel.triton_available(), accel.triton_un
 EOF
 }
 
-say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, budget ${BUDGET}s$([[ $DRY == 1 ]] && echo ', DRY RUN (nothing runs; simulated clock)')"
+say "gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), repo $REPO at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null), python $PY, outdir $OUTDIR, capability sm_$CAPABILITY, budget ${BUDGET}s$([[ $DRY == 1 ]] && echo ', DRY RUN (nothing runs; simulated clock)')"
 
 export -f env_report  # `timeout` runs programs, not shell functions
 
 # run_named NAME: one step by name: an area script benchmarks/gpu_check.d/NAME.sh, else a core step.
 run_named() {
     local name="$1" script="$AREA_DIR/$1.sh" limit
-    if [[ -f "$script" ]]; then
-        limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
+    if [[ -f "$script" ]]; then  # "# timeout@<capability>: S" wins over "# timeout: S"
+        limit="$(sed -n "s/^# *timeout@$CAPABILITY: *\([0-9][0-9]*\).*/\1/p" "$script" | head -n1)"
+        [[ -n $limit ]] || limit="$(sed -n 's/^# *timeout: *\([0-9][0-9]*\).*/\1/p' "$script" | head -n1)"
         run_step "$name" "${limit:-60}" bash "$script"
         return 0
     fi
@@ -212,7 +231,7 @@ if [[ $DRY == 1 ]]; then
     BUDGET_LINE="dry run: the steps' timeouts need ${DRY_CLOCK}s of the ${BUDGET}s budget; $SHORTED step(s) would get less than their timeout"
 fi
 {
-    echo "== gpu_check summary ($(elapsed)s of ${BUDGET}s budget$([[ $DRY == 1 ]] && echo ', simulated')) =="
+    echo "== gpu_check summary, sm_$CAPABILITY ($(elapsed)s of ${BUDGET}s budget$([[ $DRY == 1 ]] && echo ', simulated')) =="
     cat "$SUMMARY"
     [[ -n "${BUDGET_LINE:-}" ]] && echo "$BUDGET_LINE"
     ((FAILED)) && echo "RESULT: FAILED" || echo "RESULT: all steps passed"

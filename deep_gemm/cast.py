@@ -1,4 +1,9 @@
-"""FP8 casts with DeepGEMM's names: 1x128 per-token, 128x1 per-channel and 128x128 per-block scales."""
+"""FP8 casts with DeepGEMM's names: 1x128 per-token, 128x1 per-channel and 128x128 per-block scales.
+
+``use_ue8m0`` rounds each scale up to a power of two (UE8M0, DeepGEMM's SM100 format); ``gran_k=32`` gives
+MXFP8's 1x32 (per-token) or 32x1 (per-channel) blocks, whose scales must be UE8M0; ``use_packed_ue8m0``
+(per-token) returns them in DeepGEMM's packed int32 layout (``get_mn_major_tma_aligned_packed_ue8m0_tensor``).
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,18 @@ import torch
 from accel import registry
 from accel.registry import Case, VerifySpec
 from deep_gemm import reference
-from deep_gemm.utils import FP8, calc_diff
+from deep_gemm.utils import BLOCK, FP8, MX_BLOCK, calc_diff, get_mn_major_tma_aligned_packed_ue8m0_tensor
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _triton(tile_rows: int, tile_cols: int):
-    def run(x: torch.Tensor, use_ue8m0: bool = False):
+def _triton(along: str):
+    """The Triton cast, ``gran_k`` along the columns (``"token"``), the rows (``"channel"``) or both (``"block"``)."""
+    def run(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
         from deep_gemm.kernels import cast
 
-        return cast.cast_tiles(x, tile_rows, tile_cols, use_ue8m0)
+        rows, cols = {"token": (1, gran_k), "channel": (gran_k, 1), "block": (gran_k, gran_k)}[along]
+        return cast.cast_tiles(x, rows, cols, use_ue8m0)
 
     return run
 
@@ -54,11 +61,12 @@ def _spec() -> VerifySpec:
 
 
 _per_token = registry.register("deep_gemm.per_token_cast_to_fp8", reference=reference.per_token_cast_reference,
-                               triton=_triton(1, 128), verify=_spec())
+                               triton=_triton("token"), verify=_spec())
 _per_channel = registry.register("deep_gemm.per_channel_cast_to_fp8",
-                                 reference=reference.per_channel_cast_reference, triton=_triton(128, 1), verify=_spec())
+                                 reference=reference.per_channel_cast_reference, triton=_triton("channel"),
+                                 verify=_spec())
 _per_block = registry.register("deep_gemm.per_block_cast_to_fp8", reference=reference.per_block_cast_reference,
-                               triton=_triton(128, 128), verify=_spec())
+                               triton=_triton("block"), verify=_spec())
 
 
 def _check(name: str, x: object, dims: tuple[int, ...]) -> torch.Tensor:
@@ -70,14 +78,31 @@ def _check(name: str, x: object, dims: tuple[int, ...]) -> torch.Tensor:
     return x
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations: ``x [m, k]`` (or ``[g, m, k]``) -> (e4m3 ``[m, k]``, fp32 scales ``[m, ceil(k/128)]``)."""
-    return _per_token(_check("x", x, (2, 3)), use_ue8m0)
+def _check_gran(gran_k: object, use_ue8m0: bool) -> int:
+    if gran_k not in (BLOCK, MX_BLOCK):
+        raise ValueError(f"gran_k must be {BLOCK} (DeepSeek-V3's blocks) or {MX_BLOCK} (MXFP8), got {gran_k!r}")
+    if gran_k == MX_BLOCK and not use_ue8m0:
+        raise ValueError(f"gran_k={MX_BLOCK} (MXFP8) needs use_ue8m0=True: its scales are powers of two")
+    return gran_k
 
 
-def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduction along rows (wgrad operands): ``x [k, n]`` -> (e4m3 ``[k, n]``, scales ``[ceil(k/128), n]``)."""
-    return _per_channel(_check("x", x, (2, 3)), use_ue8m0)
+def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK,
+                          use_packed_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations: ``x [m, k]`` (or ``[g, m, k]``) -> (e4m3 ``[m, k]``, fp32 scales ``[m, ceil(k/gran_k)]``).
+
+    ``use_packed_ue8m0`` (needs ``use_ue8m0``): scales as DeepGEMM's packed int32 ``[m, ceil(k/gran_k/4)]``."""
+    _check_gran(gran_k, use_ue8m0)
+    if use_packed_ue8m0 and not use_ue8m0:
+        raise ValueError("use_packed_ue8m0=True needs use_ue8m0=True (only power-of-two scales pack into bytes)")
+    q, sf = _per_token(_check("x", x, (2, 3)), use_ue8m0, gran_k)
+    return (q, get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)) if use_packed_ue8m0 else (q, sf)
+
+
+def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
+                            gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduction along rows (wgrad operands): ``x [k, n]`` -> (e4m3 ``[k, n]``, scales ``[ceil(k/gran_k), n]``)."""
+    _check_gran(gran_k, use_ue8m0)
+    return _per_channel(_check("x", x, (2, 3)), use_ue8m0, gran_k)
 
 
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@ Each layout is a strided view of the nt problem, so one Triton kernel serves all
 (``deep_gemm.kernels.gemm``).
 
 FP8 scales: A per 1x128 tile along K (``[m, k/128]``; ``[k/128, m]`` for tn); B per 128x128
-block (``[ceil(n/128), k/128]``) or per 1x128 tile (``[n, k/128]``), told apart by shape.
+block (``[ceil(n/128), k/128]``) or per 1x128 tile (``[n, k/128]``), told apart by shape. MXFP8: both
+per 1x32 along K with power-of-two scales (fp32 ``[m, k/32]``, or DeepGEMM's packed int32 with
+``recipe=(1, 1, 32)``). Packed int32 UE8M0 scales without that recipe are 1x128 (DeepGEMM's SM100 format).
 ``fp8_gemm_*`` take ``(tensor, scales)`` pairs. Output: ``d`` (bf16 or fp32, written in place);
 with ``c``, ``d = c + A @ B^T`` (``c`` may be ``d``).
 """
@@ -24,10 +26,13 @@ from deep_gemm.utils import (
     FP8,
     ceil_div,
     check_k,
+    check_mx_pair,
     check_out,
     check_same_device,
     check_scale,
     check_tensor,
+    kernel_scales,
+    recipe_gran_k,
     unpack_pair,
 )
 
@@ -49,8 +54,9 @@ def _scale_shapes(letters: str, m_or_n: int, k: int, per_block_allowed: bool) ->
     return [tuple(r if ch != "k" else k // BLOCK for ch in letters) for r in row_counts]
 
 
-def check_fp8_args(kind: str, a, b, d, c) -> None:
-    """Validate a dense FP8 call."""
+def check_fp8_args(kind: str, a, b, d, c, recipe=None) -> tuple[tuple, tuple]:
+    """Validate a dense FP8 call; return its (fp8, scales) pairs with the scales in the kernels' form
+    (``utils.kernel_scales``: fp32 per 128 of K, or packed UE8M0 per 32 for MXFP8)."""
     a_t, sfa = unpack_pair("a", a)
     b_t, sfb = unpack_pair("b", b)
     la, lb = _LAYOUTS[kind]
@@ -58,10 +64,15 @@ def check_fp8_args(kind: str, a, b, d, c) -> None:
     check_tensor("b[0]", b_t, (FP8,), (None, None))
     m, n, k = _dims(kind, a_t, b_t, ("a[0]", "b[0]"))
     check_k("a[0]", k)
+    gran_k = recipe_gran_k(recipe)
+    sfa, a_mx = kernel_scales("a[1] (scales of a)", sfa, k, la.index("k") - 2, gran_k)
+    sfb, b_mx = kernel_scales("b[1] (scales of b)", sfb, k, lb.index("k") - 2, gran_k)
     check_scale("a[1] (scales of a)", sfa, _scale_shapes(la, m, k, per_block_allowed=False))
     check_scale("b[1] (scales of b)", sfb, _scale_shapes(lb, n, k, per_block_allowed=True))
+    check_mx_pair(a_mx, b_mx, sfb.shape[1 - lb.index("k")], n)
     check_out(d, (m, n), c)
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
+    return (a_t, sfa), (b_t, sfb)
 
 
 def check_bf16_args(kind: str, a, b, d, c) -> None:
@@ -173,32 +184,33 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=Non
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a @ b^T (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [n, k], sf [ceil(n/128) or n, k/128])``.
 
-    ``recipe``, ``compiled_dims`` and ``disable_ue8m0_cast`` are accepted for DeepGEMM compatibility;
-    the scale granularity is read from the scale shapes. Returns ``d``.
+    Scales: fp32 (1x128 / 128x128, or MXFP8's power-of-two 1x32 ``[m, k/32]`` / ``[n, k/32]``) or DeepGEMM's
+    packed UE8M0 int32 (1x128, or 1x32 with ``recipe=(1, 1, 32)``). ``compiled_dims`` and ``disable_ue8m0_cast``
+    are accepted for DeepGEMM compatibility (fp32 scales are used as they are, never cast). Returns ``d``.
     """
-    check_fp8_args("nt", a, b, d, c)
-    return _OPS["nt", True]((a[0], a[1]), (b[0], b[1]), d, c)
+    a, b = check_fp8_args("nt", a, b, d, c, recipe)
+    return _OPS["nt", True](a, b, d, c)
 
 
 def fp8_gemm_nn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "nk",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a @ b (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [k, n], sf [k/128, ceil(n/128) or n])``."""
-    check_fp8_args("nn", a, b, d, c)
-    return _OPS["nn", True]((a[0], a[1]), (b[0], b[1]), d, c)
+    a, b = check_fp8_args("nn", a, b, d, c, recipe)
+    return _OPS["nn", True](a, b, d, c)
 
 
 def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b (+ c)`` with ``a = (fp8 [k, m], sf [k/128, m])``, ``b = (fp8 [k, n], sf [k/128, n])``."""
-    check_fp8_args("tn", a, b, d, c)
-    return _OPS["tn", True]((a[0], a[1]), (b[0], b[1]), d, c)
+    a, b = check_fp8_args("tn", a, b, d, c, recipe)
+    return _OPS["tn", True](a, b, d, c)
 
 
 def fp8_gemm_tt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b^T (+ c)``; ``a = (fp8 [k, m], sf [k/128, m])``, ``b`` as in ``fp8_gemm_nt``."""
-    check_fp8_args("tt", a, b, d, c)
-    return _OPS["tt", True]((a[0], a[1]), (b[0], b[1]), d, c)
+    a, b = check_fp8_args("tt", a, b, d, c, recipe)
+    return _OPS["tt", True](a, b, d, c)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,

@@ -25,10 +25,13 @@ from deep_gemm.utils import (
     M_ALIGNMENT,
     ceil_div,
     check_k,
+    check_mx_pair,
     check_out,
     check_same_device,
     check_scale,
     check_tensor,
+    kernel_scales,
+    recipe_gran_k,
     unpack_pair,
 )
 
@@ -55,8 +58,9 @@ def check_m_indices(m_indices: object, m: int, num_groups: int, rows_of: str = "
         raise ValueError(f"m_indices: every block of {M_ALIGNMENT} rows must belong to one group (or be padding)")
 
 
-def _check_grouped_b_fp8(b, num_groups: int | None, n_letters: str, k: int):
-    """B of the grouped ops: fp8 ``[G, n, k]`` (nt) or ``[G, k, n]`` (nn) with 128x128 block scales."""
+def _check_grouped_b_fp8(b, num_groups: int | None, n_letters: str, k: int, gran_k: int | None = None):
+    """B of the grouped ops: fp8 ``[G, n, k]`` (nt) or ``[G, k, n]`` (nn) with 128x128 block, 1x128 row or
+    (MXFP8) 1x32 row scales; returns the scales in the kernels' form and whether they are MXFP8."""
     b_t, sfb = unpack_pair("b", b)
     check_tensor("b[0]", b_t, (FP8,), (num_groups, None, None))
     dims = dict(zip(n_letters, b_t.shape[1:]))
@@ -65,23 +69,28 @@ def _check_grouped_b_fp8(b, num_groups: int | None, n_letters: str, k: int):
                          f"A and B disagree on K")
     n = dims["n"]
     g = b_t.shape[0]
+    sfb, mx = kernel_scales("b[1] (scales of b)", sfb, k, n_letters.index("k") - 2, gran_k)
     blk = {"n": ceil_div(n, BLOCK), "k": k // BLOCK}
     per_row = {"n": n, "k": k // BLOCK}
     check_scale("b[1] (scales of b)", sfb, [(g, *(blk[ch] for ch in n_letters)),
                                             (g, *(per_row[ch] for ch in n_letters))])
-    return b_t, sfb, g, n
+    return b_t, sfb, g, n, mx
 
 
-def _check_contiguous_fp8(a, b, d, m_indices, n_letters: str):
+def _check_contiguous_fp8(a, b, d, m_indices, n_letters: str, recipe=None):
     a_t, sfa = unpack_pair("a", a)
     check_tensor("a[0]", a_t, (FP8,), (None, None))
     m, k = a_t.shape
     check_k("a[0]", k)
+    gran_k = recipe_gran_k(recipe)
+    sfa, a_mx = kernel_scales("a[1] (scales of a)", sfa, k, -1, gran_k)
     check_scale("a[1] (scales of a)", sfa, [(m, k // BLOCK)])
-    b_t, sfb, g, n = _check_grouped_b_fp8(b, None, n_letters, k)
+    b_t, sfb, g, n, b_mx = _check_grouped_b_fp8(b, None, n_letters, k, gran_k)
+    check_mx_pair(a_mx, b_mx, sfb.shape[2 - n_letters.index("k")], n)
     check_out(d, (m, n), None, dtypes=(torch.bfloat16,))
     check_m_indices(m_indices, m, g)
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, m_indices=m_indices)
+    return (a_t, sfa), (b_t, sfb)
 
 
 def _check_masked_m(masked_m: object, g: int, m_max: int, expected_m: object) -> None:
@@ -98,7 +107,9 @@ def _check_masked_fp8(a, b, d, masked_m, expected_m):
     g, m_max, k = a_t.shape
     check_k("a[0]", k)
     check_scale("a[1] (scales of a)", sfa, [(g, m_max, k // BLOCK)])
-    b_t, sfb, _, n = _check_grouped_b_fp8(b, g, "nk", k)
+    b_t, sfb, _, n, mx = _check_grouped_b_fp8(b, g, "nk", k)
+    if mx:
+        raise ValueError("b[1]: the masked grouped GEMM takes blockwise scales (1x128 / 128x128), not MXFP8's 1x32")
     check_out(d, (g, m_max, n), None, dtypes=(torch.bfloat16,))
     _check_masked_m(masked_m, g, m_max, expected_m)
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, masked_m=masked_m)
@@ -116,7 +127,7 @@ def _check_ks(ks: object, ks_tensor: object, sum_k: int, align: int) -> list[int
     return list(ks)
 
 
-def _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c):
+def _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c, recipe=None):
     a_t, sfa = unpack_pair("a", a)
     b_t, sfb = unpack_pair("b", b)
     check_tensor("a[0]", a_t, (FP8,), (None, None))
@@ -124,10 +135,15 @@ def _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c):
     check_tensor("b[0]", b_t, (FP8,), (sum_k, None))
     n = b_t.shape[1]
     ks = _check_ks(ks, ks_tensor, sum_k, BLOCK)
+    gran_k = recipe_gran_k(recipe)
+    sfa, a_mx = kernel_scales("a[1] (scales of a)", sfa, sum_k, -2, gran_k)
+    sfb, b_mx = kernel_scales("b[1] (scales of b)", sfb, sum_k, -2, gran_k)
     check_scale("a[1] (scales of a)", sfa, [(sum_k // BLOCK, m)])
     check_scale("b[1] (scales of b)", sfb, [(sum_k // BLOCK, n)])
+    check_mx_pair(a_mx, b_mx, n, n)
     check_out(d, (len(ks), m, n), c, dtypes=(torch.float32,))
     check_same_device(a=a_t, sfa=sfa, b=b_t, sfb=sfb, d=d, c=c)
+    return (a_t, sfa), (b_t, sfb)
 
 
 def _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c):
@@ -341,8 +357,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
                                      use_psum_layout: bool = False, **_upstream_only) -> torch.Tensor:
     """``d[r] = a[r] @ b[m_indices[r]]^T`` for rows with ``m_indices[r] >= 0``; ``a [M, k]``, ``b [G, n, k]``."""
     _no_psum(use_psum_layout)
-    _check_contiguous_fp8(a, b, d, m_indices, "nk")
-    return _contiguous((a[0], a[1]), (b[0], b[1]), d, m_indices)
+    a, b = _check_contiguous_fp8(a, b, d, m_indices, "nk", recipe)
+    return _contiguous(a, b, d, m_indices)
 
 
 def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, recipe=None,
@@ -350,8 +366,8 @@ def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
                                      use_psum_layout: bool = False, **_upstream_only) -> torch.Tensor:
     """``d[r] = a[r] @ b[m_indices[r]]`` with ``b [G, k, n]`` (MoE dgrad: output grads times expert weights)."""
     _no_psum(use_psum_layout)
-    _check_contiguous_fp8(a, b, d, m_indices, "kn")
-    return _contiguous_nn((a[0], a[1]), (b[0], b[1]), d, m_indices)
+    a, b = _check_contiguous_fp8(a, b, d, m_indices, "kn", recipe)
+    return _contiguous_nn(a, b, d, m_indices)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
@@ -391,12 +407,14 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
                                      c: torch.Tensor | None = None, recipe=(1, 1, 128), compiled_dims: str = "mn",
                                      use_psum_layout: bool = False) -> torch.Tensor:
     """``d[g] = c[g] + a_g^T @ b_g`` with ``a = (fp8 [sum_k, m], sf [sum_k/128, m])``, ``b`` likewise with n.
+    MXFP8: fp32 power-of-two ``sf [sum_k/32, m]`` (32x1 along the token dimension), or packed with
+    ``recipe=(1, 1, 32)``.
 
     ``ks[g]`` (multiples of 128, on the host) are the groups' row counts; ``d`` and ``c`` are fp32 ``[G, m, n]``.
     """
     _no_psum(use_psum_layout)
-    _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c)
-    return _k_grouped((a[0], a[1]), (b[0], b[1]), d, list(ks), ks_tensor, c)
+    a, b = _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c, recipe)
+    return _k_grouped(a, b, d, list(ks), ks_tensor, c)
 
 
 def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,

@@ -4,6 +4,10 @@ With ``fp8=True`` all three GEMMs of a linear layer run in FP8 as in the DeepSee
   forward  Y  = X @ W^T    X per 1x128 tile (per token),     W per 128x128 block   (``fp8_gemm_nt``)
   dgrad    dX = dY @ W     dY per 1x128 tile (per token),    W's forward blocks    (``fp8_gemm_nn``)
   wgrad    dW = dY^T @ X   dY and X per 1x128 tile along the token dimension      (``fp8_gemm_tn``)
+``fp8="mxfp8"`` selects the second recipe, MXFP8 (OCP microscaling, as Megatron-Core and torchtitan train
+V3 on Blackwell): every operand of all three GEMMs in 1x32 blocks along that GEMM's reduction dimension with
+power-of-two (UE8M0) scales, so the weight is cast per row for the forward (1x32 along K) and per column
+for the dgrad (32x1 along N), and the wgrad's operands 32x1 along the tokens. ``fp8=True`` is "blockwise".
 Weight gradients are in the weight's dtype (fp32 or bf16), or fp32 for a bf16 weight with a
 ``main_grad``. Dimensions that are not multiples of 128 are zero-padded internally. On a CPU the
 ops run their references (quantize, then exact fp32 arithmetic), so FP8 training can be studied
@@ -44,7 +48,20 @@ from deep_gemm.grouped import (
 )
 from deep_gemm.health import Fp8Health
 from deep_gemm.reference import dequantize
-from deep_gemm.utils import BLOCK, M_ALIGNMENT, align
+from deep_gemm.utils import BLOCK, M_ALIGNMENT, MX_BLOCK, align
+
+FP8_RECIPES = ("blockwise", "mxfp8")  # DeepSeek-V3's 1x128 / 128x128 with fp32 scales; MXFP8's 1x32 with UE8M0
+
+
+def fp8_recipe(fp8: object) -> str | None:
+    """The FP8 recipe an ``fp8`` argument selects: None (off), "blockwise" (True) or "mxfp8"."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is True:
+        return "blockwise"
+    if fp8 in FP8_RECIPES:
+        return fp8
+    raise ValueError(f"fp8 must be False, True (= 'blockwise') or one of {FP8_RECIPES}, got {fp8!r}")
 
 
 def _pad(x: torch.Tensor, *multiples: int) -> torch.Tensor:
@@ -59,11 +76,24 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward_cast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the forward's 1x128 e4m3 cast, dequantized (K padded to 128): what the wgrad reads whether the cast
+def _act_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An activation (or output gradient) as the left operand along its last dim: 1x128 fp32 scales, or MXFP8's
+    1x32 UE8M0 ones (K padded to 128, the GEMMs' K granularity)."""
+    mx = recipe == "mxfp8"
+    return per_token_cast_to_fp8(_pad(x, BLOCK), use_ue8m0=mx, gran_k=MX_BLOCK if mx else BLOCK)
+
+
+def _wgrad_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wgrad operand ``[tokens, features]``, scaled along the tokens (its reduction dim): 128x1 or 32x1."""
+    mx = recipe == "mxfp8"
+    return per_channel_cast_to_fp8(x, use_ue8m0=mx, gran_k=MX_BLOCK if mx else BLOCK)
+
+
+def _forward_cast(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x`` as the forward's e4m3 cast, dequantized (K padded to 128): what the wgrad reads whether the cast
     was kept (``fp8_cache``) or ``x`` itself was (no caching, or recompute refilled it), so caching and
     recompute change memory, never the weight gradient."""
-    return dequantize(*per_token_cast_to_fp8(_pad(x, BLOCK)))
+    return dequantize(*_act_cast(x, recipe))
 
 
 def _run_or_defer(closure) -> None:
@@ -74,19 +104,24 @@ def _run_or_defer(closure) -> None:
 # ---------------------------------------------------------------- dense
 
 
-def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+def _fp8_weight(weight: torch.Tensor, recipe: str, dgrad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [(G,) N, K]`` in FP8: blockwise, 128x128 blocks serve both GEMMs; MXFP8, 1x32 along K for the
+    forward, 32x1 along N (the dgrad's reduction dim) for the dgrad."""
+    w = _pad(weight.detach(), BLOCK, BLOCK)
+    if recipe == "blockwise":
+        return per_block_cast_to_fp8(w)
+    return per_channel_cast_to_fp8(w, True, MX_BLOCK) if dgrad else per_token_cast_to_fp8(w, True, MX_BLOCK)
 
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, fp8_cache: bool,
-                health: Fp8Health | None):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
+                fp8_cache: bool, health: Fp8Health | None):
         m, n = x.shape[0], weight.shape[0]
         ctx.health = health
         if fp8:
-            w_q = _fp8_weight(weight)
-            x_q = per_token_cast_to_fp8(_pad(x, BLOCK))
+            w_q = _fp8_weight(weight, fp8)
+            x_q = _act_cast(x, fp8)
             if health is not None:
                 health.observe(weight, "fwd", "w", weight, w_q)
                 health.observe(weight, "fwd", "x", x, x_q)
@@ -104,7 +139,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.weight = weight
         if bias is not None:
             out = out + bias.to(out.dtype)
-        ctx.fp8, ctx.fp8_cache, ctx.has_bias = fp8, fp8 and fp8_cache, bias is not None
+        ctx.fp8, ctx.fp8_cache, ctx.has_bias = fp8, bool(fp8) and fp8_cache, bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out
 
@@ -114,11 +149,11 @@ class _LinearFunction(torch.autograd.Function):
         (m, k), x_dtype = ctx.x_shape, ctx.x_dtype
         grad_out = grad_out.contiguous()
         grad_x = grad_bias = None
-        w_q = _fp8_weight(weight) if ctx.fp8 else None
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
+                w_q = _fp8_weight(weight, ctx.fp8, dgrad=True)
                 d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
-                dy_q = per_token_cast_to_fp8(_pad(grad_out, BLOCK))
+                dy_q = _act_cast(grad_out, ctx.fp8)
                 if ctx.health is not None:
                     ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
                 fp8_gemm_nn(dy_q, w_q, d)
@@ -131,9 +166,9 @@ class _LinearFunction(torch.autograd.Function):
 
             def weight_grad() -> None:
                 if fp8:
-                    x = dequantize(*saved) if cached else _forward_cast(saved[0])  # the forward's 1x128 cast
-                    dy_q = per_channel_cast_to_fp8(_pad(grad_out, BLOCK, BLOCK))
-                    x_q = per_channel_cast_to_fp8(_pad(x, BLOCK, BLOCK))
+                    x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
+                    dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
+                    x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
                     if health is not None:
                         health.observe(weight, "wgrad", "dy", grad_out, dy_q)
                         health.observe(weight, "wgrad", "x", x, x_q)
@@ -150,9 +185,10 @@ class _LinearFunction(torch.autograd.Function):
         return grad_x, None, grad_bias, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool = False,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
            fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``.
+    """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``
+    (True or "blockwise": DeepSeek-V3's recipe; "mxfp8": 1x32 blocks with UE8M0 scales).
 
     ``fp8_cache`` (with ``fp8``): keep ``x`` for the weight gradient only as the forward's e4m3 + 1x128
     cast (about 1/4 of fp32, 1/2 of bf16), not ``x`` itself; the wgrad re-tiles it to 128x1.
@@ -167,9 +203,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's K (weight is {list(weight.shape)})")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+    recipe = fp8_recipe(fp8)
     lead = x.shape[:-1]
     health = health if health is not None and health.active else None
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, bool(fp8), bool(fp8_cache), health)
+    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -178,7 +215,8 @@ class Fp8Linear(nn.Linear):
     keeps its input for backward only in FP8 (see ``linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 fp8: bool = True, fp8_cache: bool = False):
+                 fp8: bool | str = True, fp8_cache: bool = False):
+        fp8_recipe(fp8)  # a bad recipe fails here, not at the first forward
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8, self.fp8_cache = fp8, fp8_cache
         self.health: Fp8Health | None = None  # set by Fp8Health.attach
@@ -293,11 +331,11 @@ def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, gr
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool, fp8_cache: bool,
-                health: Fp8Health | None):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
+                fp8_cache: bool, health: Fp8Health | None):
         num_groups, n, k = weight.shape
         ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
-        ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, fp8 and fp8_cache, x.shape, x.dtype
+        ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
         if not fp8:
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
             runs = _row_runs(m_indices)
@@ -307,9 +345,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return out
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
-        w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+        w_q = _fp8_weight(weight, fp8)
         x_valid = x * valid.to(x.dtype)  # padding rows give 0, whatever they hold
-        x_q = per_token_cast_to_fp8(_pad(x_valid, BLOCK))
+        x_q = _act_cast(x_valid, fp8)
         if health is not None:
             health.observe(weight, "fwd", "w", weight, w_q)
             health.observe(weight, "fwd", "x", x_valid, x_q)
@@ -332,14 +370,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return _grouped_backward_unquantized(ctx, saved_x[0], weight, grad_out.contiguous())
         valid = (m_indices >= 0).unsqueeze(1)
         grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners, cached, x_dtype, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.health
+        owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w_q = per_block_cast_to_fp8(_pad(weight.detach(), BLOCK, BLOCK))
+            w_q = _fp8_weight(weight, recipe, dgrad=True)
             d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
-            dy_q = per_token_cast_to_fp8(_pad(grad_out, BLOCK))
-            if ctx.health is not None:
-                ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+            dy_q = _act_cast(grad_out, recipe)
+            if health is not None:
+                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
             m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
             grad_x = d[:, :k].to(x_dtype)
             grad_x = grad_x * valid.to(grad_x.dtype)
@@ -347,11 +385,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
             def weight_grad() -> None:
                 # the forward's 1x128 cast (padding rows 0), kept or made again from x with its padding rows zeroed
-                x = dequantize(*saved_x) if cached else _forward_cast(saved_x[0] * valid.to(x_dtype))
+                x = dequantize(*saved_x) if cached else _forward_cast(saved_x[0] * valid.to(x_dtype), recipe)
                 order, ks = _k_grouped_rows(owners, num_groups, x.device)
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
-                dy_q = per_channel_cast_to_fp8(_pad(dy, BLOCK))
-                x_q = per_channel_cast_to_fp8(_pad(xs, BLOCK))
+                dy_q = _wgrad_cast(_pad(dy, BLOCK), recipe)
+                x_q = _wgrad_cast(_pad(xs, BLOCK), recipe)
                 if health is not None:
                     health.observe(weight, "wgrad", "dy", dy, dy_q)
                     health.observe(weight, "wgrad", "x", xs, x_q)
@@ -364,7 +402,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool = False,
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
                    fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
     """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
 
@@ -385,14 +423,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     m_indices = m_indices.to(torch.int32).contiguous()
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
     health = health if health is not None and health.active else None
-    return _GroupedLinearFunction.apply(x, weight, m_indices, bool(fp8), bool(fp8_cache), health)
+    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health)
 
 
 class GroupedLinear(nn.Module):
     """``num_groups`` experts' linear layers (no bias) over rows in the contiguous grouped layout."""
 
-    def __init__(self, num_groups: int, in_features: int, out_features: int, fp8: bool = False, device=None,
+    def __init__(self, num_groups: int, in_features: int, out_features: int, fp8: bool | str = False, device=None,
                  dtype=None, fp8_cache: bool = False):
+        fp8_recipe(fp8)
         super().__init__()
         self.num_groups, self.in_features, self.out_features, self.fp8 = num_groups, in_features, out_features, fp8
         self.fp8_cache = fp8_cache

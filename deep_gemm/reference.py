@@ -14,17 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from accel import registry
-from deep_gemm.utils import BLOCK, FP8, FP8_MAX, ceil_div
+from deep_gemm.utils import BLOCK, FP8, FP8_MAX, MX_BLOCK, ceil_div, ceil_to_ue8m0, unpack_ue8m0
 
 AMAX_FLOOR = 1e-4  # DeepGEMM's floor: an all-zero tile gets scale 1e-4/448 instead of 0 (no 0/0)
 
 
 # ---------------------------------------------------------------- casts
-
-
-def ceil_to_ue8m0(sf: torch.Tensor) -> torch.Tensor:
-    """Round scales up to a power of two (UE8M0 scales, as DeepGEMM's ``use_ue8m0``)."""
-    return torch.exp2(torch.ceil(torch.log2(sf)))
 
 
 def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool = False):
@@ -50,13 +45,13 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
 
 
 @registry.reference_for("deep_gemm.per_token_cast_to_fp8")
-def per_token_cast_reference(x: torch.Tensor, use_ue8m0: bool = False):
-    return cast_tiles(x, 1, BLOCK, use_ue8m0)
+def per_token_cast_reference(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    return cast_tiles(x, 1, gran_k, use_ue8m0)
 
 
 @registry.reference_for("deep_gemm.per_channel_cast_to_fp8")
-def per_channel_cast_reference(x: torch.Tensor, use_ue8m0: bool = False):
-    return cast_tiles(x, BLOCK, 1, use_ue8m0)
+def per_channel_cast_reference(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    return cast_tiles(x, gran_k, 1, use_ue8m0)
 
 
 @registry.reference_for("deep_gemm.per_block_cast_to_fp8")
@@ -64,16 +59,25 @@ def per_block_cast_reference(x: torch.Tensor, use_ue8m0: bool = False):
     return cast_tiles(x, BLOCK, BLOCK, use_ue8m0)
 
 
+def _tile(size: int, scales: int) -> int:
+    """Elements per scale along a dim of ``size`` with ``scales`` scales: 1, 32 (MXFP8) or 128."""
+    if scales == size:
+        return 1
+    return BLOCK if scales == ceil_div(size, BLOCK) else MX_BLOCK
+
+
 def dequantize(x: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """fp32 values of ``x`` (fp8, [..., rows, cols]) under scales ``sf`` ([..., rows/gr, cols/gc]).
 
-    The tile size is read off the shapes: each scale covers ``ceil(rows/sf_rows)`` rows, so a
-    scale tensor with one row per row of ``x`` is per-row (1x128), one per 128 rows is blocked.
+    The tile size is read off the shapes: a scale tensor with one row per row of ``x`` is per-row,
+    one per 128 (or 32) rows is blocked, likewise along the columns. int32 scales are MXFP8's packed
+    UE8M0 exponents along the last dim (four 1x32 scales per int32).
     """
     rows, cols = x.shape[-2:]
+    if sf.dtype == torch.int32:
+        sf = unpack_ue8m0(sf, ceil_div(cols, MX_BLOCK))
     s_rows, s_cols = sf.shape[-2:]
-    tr = 1 if s_rows == rows else BLOCK
-    tc = 1 if s_cols == cols else BLOCK
+    tr, tc = _tile(rows, s_rows), _tile(cols, s_cols)
     xf = x.float()
     pad_r, pad_c = s_rows * tr - rows, s_cols * tc - cols
     if pad_r or pad_c:

@@ -18,6 +18,7 @@ from accel.verify import calc_diff  # noqa: F401 - DeepGEMM public helper, one d
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128  # scale granularity along K (and along N for 128x128 weight blocks)
+MX_BLOCK = 32  # MXFP8 (OCP microscaling): one UE8M0 scale per 32 elements along K
 M_ALIGNMENT = 128  # rows per group in the contiguous grouped layout
 CHECK_SCALES_ENV = "DSV3_DEEP_GEMM_CHECK_SCALES"
 
@@ -86,6 +87,104 @@ def get_mn_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
     return out[..., :mn].transpose(-1, -2)
 
 
+# ---------------------------------------------------------------- UE8M0 scales (power-of-two, SM100 / MXFP8)
+
+
+def ceil_to_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """Round positive fp32 scales up to a power of two on the bits (DeepGEMM's ``use_ue8m0``): the exponent, plus
+    one when any mantissa bit is set. Exact, unlike ``exp2(ceil(log2(x)))``, whose fp32 log2 can round
+    ``2^k (1 + 2^-23)`` down to ``k``. Rounding a scale up never pushes ``x / scale`` past e4m3's 448."""
+    bits = sf.float().contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp.clamp(1, 254) << 23).view(torch.float32)
+
+
+def is_ue8m0(sf: torch.Tensor) -> bool:
+    """Whether every fp32 value is a positive finite power of two (a UE8M0 scale)."""
+    bits = sf.float().contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    return bool(((bits & 0x807FFFFF) == 0).all() & (exp > 0).all() & (exp < 255).all())
+
+
+def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's SM100 scale layout: fp32 power-of-two scales ``[(g,) mn, sf_k]`` -> int32 ``[(g,) mn, ceil(sf_k/4)]``
+    holding four UE8M0 exponent bytes each (byte j of column i: scale ``4i + j``; padding bytes 0), MN-major
+    (stride 1 along mn, mn padded to 4 for TMA's 16-byte alignment). Same name and layout as upstream."""
+    if not isinstance(sf, torch.Tensor) or sf.dtype != torch.float32 or sf.dim() not in (2, 3):
+        raise ValueError(f"sf must be a 2-D or 3-D float32 scale tensor, got {getattr(sf, 'dtype', type(sf).__name__)}"
+                         f" {list(getattr(sf, 'shape', []))}")
+    if sf.numel() and not is_ue8m0(sf):
+        raise ValueError("sf must hold powers of two (UE8M0 scales: cast with use_ue8m0=True)")
+    return _pack_ue8m0(sf)
+
+
+def _pack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    *batch, mn, sf_k = sf.shape
+    packed_k = ceil_div(sf_k, 4)
+    exps = ((sf.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    exps = torch.nn.functional.pad(exps, (0, packed_k * 4 - sf_k))
+    packed = exps.view(torch.int32)  # little-endian: byte j is the low byte shifted by 8 j, on CPUs and GPUs alike
+    aligned_mn = align(mn, 4)
+    out = torch.empty((*batch, packed_k, aligned_mn), dtype=torch.int32, device=sf.device)
+    out[..., :mn].copy_(packed.transpose(-1, -2))
+    return out[..., :mn].transpose(-1, -2)
+
+
+def unpack_ue8m0(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of the packing along the last dim: int32 ``[..., ceil(count/4)]`` -> fp32 ``[..., count]`` scales."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
+    exps = (packed.unsqueeze(-1) >> shifts) & 0xFF
+    return (exps.reshape(*packed.shape[:-1], -1)[..., :count].contiguous() << 23).view(torch.float32)
+
+
+def kernel_scales(name: str, sf: object, k: int, k_dim: int, gran_k: int | None) -> tuple[object, bool]:
+    """A public FP8 op's scale tensor in one of the two forms the kernels read, and whether it is MXFP8.
+
+    fp32 with ``k/128`` entries along ``k_dim``: blockwise, as is. fp32 with ``k/32``: MXFP8, packed into
+    DeepGEMM's int32 layout (values must be powers of two). int32 (already packed): MXFP8 when ``gran_k`` (the
+    recipe's K granularity) is 32, else 1x128 UE8M0 scales (DeepGEMM's SM100 blockwise format), unpacked to fp32.
+    Both forms have ``k/128`` entries along K. Anything else is returned unchanged for the shape check to name.
+    """
+    if not isinstance(sf, torch.Tensor) or sf.dim() == 0 or not k or k % BLOCK:
+        return sf, False
+    along_k = sf.shape[k_dim]
+    moved = sf.movedim(k_dim, -1)
+    if sf.dtype == torch.int32:
+        if gran_k == MX_BLOCK:
+            if sf.numel() and scale_values_checked(sf) and not is_ue8m0(unpack_ue8m0(moved, k // MX_BLOCK)):
+                raise ValueError(f"{name}: packed UE8M0 exponents must lie in 1..254 (finite, non-zero scales)")
+            return sf, True
+        if along_k != ceil_div(k // BLOCK, 4):
+            raise ValueError(f"{name}: packed UE8M0 scales with 1x{BLOCK} blocks must have {ceil_div(k // BLOCK, 4)} "
+                             f"int32 along K = {k}, got {along_k} (MXFP8's 1x32 scales need recipe=(1, 1, 32))")
+        return unpack_ue8m0(moved, k // BLOCK).movedim(-1, k_dim), False
+    if sf.dtype == torch.float32 and along_k == k // MX_BLOCK:
+        if scale_values_checked(sf) and not is_ue8m0(sf):
+            raise ValueError(f"{name}: MXFP8 (1x32) scales must be powers of two (cast with use_ue8m0=True)")
+        return _pack_ue8m0(moved).movedim(-1, k_dim), True
+    return sf, False
+
+
+def recipe_gran_k(recipe: object) -> int | None:
+    """K granularity of a DeepGEMM ``recipe`` (``(1, 128, 128)``, ``(1, 1, 32)``...); None when none is given."""
+    if recipe is None:
+        return None
+    if not (isinstance(recipe, (tuple, list)) and len(recipe) in (2, 3) and all(isinstance(r, int) for r in recipe)
+            and recipe[-1] in (BLOCK, MX_BLOCK)):
+        raise ValueError(f"recipe must be a tuple of ints ending in the K granularity {BLOCK} or {MX_BLOCK}, "
+                         f"e.g. (1, 128, 128) or (1, 1, 32), got {recipe!r}")
+    return recipe[-1]
+
+
+def check_mx_pair(sfa_mx: bool, sfb_mx: bool, sfb_rows: int, b_rows: int) -> None:
+    """MXFP8 scales both operands per row along K (1x32), or neither."""
+    if sfa_mx != sfb_mx:
+        raise ValueError("a[1] and b[1] must both be MXFP8 (1x32 UE8M0) scales or both blockwise (1x128 / 128x128), "
+                         f"got {'MXFP8' if sfa_mx else 'blockwise'} a and {'MXFP8' if sfb_mx else 'blockwise'} b")
+    if sfb_mx and sfb_rows != b_rows:
+        raise ValueError(f"b[1]: MXFP8 scales are per row (1x32), need {b_rows} rows of B, got {sfb_rows}")
+
+
 # ---------------------------------------------------------------- argument checks
 
 
@@ -106,14 +205,15 @@ def check_tensor(name: str, t: object, dtypes: Sequence[torch.dtype], shape: Seq
 
 
 def check_scale(name: str, sf: object, shapes: Sequence[Sequence[int | None]]) -> torch.Tensor:
-    """Scale factors: float32, one of ``shapes`` (any strides), every value finite and positive."""
-    if not isinstance(sf, torch.Tensor) or sf.dtype != torch.float32:
+    """Scale factors: float32 (or int32 packed UE8M0), one of ``shapes`` (any strides), every value finite and > 0."""
+    if not isinstance(sf, torch.Tensor) or sf.dtype not in (torch.float32, torch.int32):
         got = str(sf.dtype) if isinstance(sf, torch.Tensor) else type(sf).__name__
-        raise ValueError(f"{name} must be a float32 scale tensor, got {got}")
+        raise ValueError(f"{name} must be a float32 (or packed UE8M0 int32) scale tensor, got {got}")
     if not any(sf.dim() == len(s) and all(a is None or a == b for a, b in zip(s, sf.shape)) for s in shapes):
         wants = " or ".join("[" + ", ".join("*" if a is None else str(a) for a in s) + "]" for s in shapes)
         raise ValueError(f"{name} must have shape {wants}, got {list(sf.shape)}")
-    if sf.numel() and scale_values_checked(sf) and not bool(torch.isfinite(sf).all() & (sf > 0).all()):
+    if sf.dtype == torch.float32 and sf.numel() and scale_values_checked(sf) and not bool(
+            torch.isfinite(sf).all() & (sf > 0).all()):
         raise ValueError(f"{name} holds NaN, Inf or non-positive scales; every scale must be finite and > 0")
     return sf
 

@@ -3,15 +3,17 @@
     python -m recipes.bench_kernels deep_gemm              # dense + grouped sweep on a GPU
     python -m recipes.bench_kernels deep_gemm --quick      # a few rows of each table (GPU smoke check)
     python -m recipes.bench_kernels deep_gemm --json out.json
+    python -m recipes.bench_kernels deep_gemm --recipe mxfp8 --m 4096   # MXFP8 (1x32 UE8M0) rows at M = 4096
 
 Dense: M in {64, 128, 4096} x (N, K) in DeepGEMM's DeepSeek-V3 table; grouped (contiguous layout):
 (G, M/G) in {(4, 8192), (8, 4096)} x (N, K) in {(4096, 7168), (7168, 2048)}. Per row: microseconds,
 TFLOP/s and GB/s for ours (``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous``, 1x128 x 128x128
 scales), torch bf16 (``a @ b.T``; grouped: one matmul per group) and ``torch._scaled_mm`` (row-wise
 scales, the finest granularity it takes everywhere), plus calc_diff against the fp32 product of the
-unquantized inputs. The DSA indexer's ``fp8_mqa_logits`` at s = 4K-32K (causal, 64 heads of 128).
-Inputs are quantized once, outside the timing. On a cpu there is no GPU to measure: a tiny correctness
-pass runs in the Triton interpreter instead, clearly labelled.
+unquantized inputs. ``--recipe mxfp8``: both operands in 1x32 blocks with power-of-two scales (native
+block-scaled MMA on Blackwell). The DSA indexer's ``fp8_mqa_logits`` at s = 4K-32K (causal, 64 heads of 128;
+blockwise runs only). Inputs are quantized once, outside the timing. On a cpu there is no GPU to measure: a tiny
+correctness pass runs in the Triton interpreter instead, clearly labelled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import accel
+from accel.cli import positive_int
 from recipes.benchutil import kernel_bench_parser, print_report, row_sink
 
 DENSE_M = (64, 128, 4096)
@@ -56,16 +59,25 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] |
     return fn
 
 
-def _dense_row(m: int, n: int, k: int, baseline: bool) -> dict:
+def _quantize(a: torch.Tensor, b: torch.Tensor, recipe: str):
+    """(A, B) as the recipe casts them: 1x128 x 128x128 fp32 scales, or MXFP8's 1x32 x 1x32 UE8M0 ones."""
+    import deep_gemm
+
+    if recipe == "mxfp8":
+        return tuple(deep_gemm.per_token_cast_to_fp8(t, use_ue8m0=True, gran_k=32) for t in (a, b))
+    return deep_gemm.per_token_cast_to_fp8(a), deep_gemm.per_block_cast_to_fp8(b)
+
+
+def _dense_row(m: int, n: int, k: int, baseline: bool, recipe: str = "blockwise") -> dict:
     import deep_gemm
 
     dev = accel.default_device()
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-    a_q, b_q = deep_gemm.per_token_cast_to_fp8(a), deep_gemm.per_block_cast_to_fp8(b)
+    a_q, b_q = _quantize(a, b, recipe)
     d = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     flops = 2.0 * m * n * k
-    row = {"m": m, "n": n, "k": k}
+    row = {"recipe": recipe, "m": m, "n": n, "k": k}
     ours = lambda: deep_gemm.fp8_gemm_nt(a_q, b_q, d)
     ours()
     row["diff"] = deep_gemm.calc_diff(d, a.float() @ b.float().T)
@@ -78,7 +90,7 @@ def _dense_row(m: int, n: int, k: int, baseline: bool) -> dict:
     return row
 
 
-def _grouped_row(groups: int, m_per_group: int, n: int, k: int, baseline: bool) -> dict:
+def _grouped_row(groups: int, m_per_group: int, n: int, k: int, baseline: bool, recipe: str = "blockwise") -> dict:
     import deep_gemm
     from deep_gemm.grouped import contiguous_layout
 
@@ -87,10 +99,10 @@ def _grouped_row(groups: int, m_per_group: int, n: int, k: int, baseline: bool) 
     m = m_indices.numel()
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16)
-    a_q, b_q = deep_gemm.per_token_cast_to_fp8(a), deep_gemm.per_block_cast_to_fp8(b)
+    a_q, b_q = _quantize(a, b, recipe)
     d = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     flops = 2.0 * m * n * k
-    row = {"groups": groups, "m_per_group": m_per_group, "n": n, "k": k}
+    row = {"recipe": recipe, "groups": groups, "m_per_group": m_per_group, "n": n, "k": k}
     ours = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a_q, b_q, d, m_indices)
     ours()
     want = torch.cat([a[g * m_per_group:(g + 1) * m_per_group].float() @ b[g].float().T for g in range(groups)])
@@ -128,16 +140,17 @@ def _logits_row(s: int, heads: int = 64, d: int = 128) -> dict:
 
 def _gpu(args) -> int:
 
-    dense_m = (128, 4096) if args.quick else DENSE_M
+    dense_m = args.m or ((128, 4096) if args.quick else DENSE_M)
     dense_nk = DENSE_NK[3:5] if args.quick else DENSE_NK
     grouped = GROUPED_GM[:1] if args.quick else GROUPED_GM
     os.environ.setdefault("DSV3_DEEP_GEMM_CHECK_SCALES", "0")  # time the kernels, not a host sync per call
     sink = row_sink(args.json, "dense")
-    dense = [sink(_dense_row(m, n, k, not args.no_baseline)) for m in dense_m for n, k in dense_nk]
+    dense = [sink(_dense_row(m, n, k, not args.no_baseline, args.recipe)) for m in dense_m for n, k in dense_nk]
     spec = accel.lookup(accel.device_name())
     for row in dense if spec and spec.fp8_tflops else ():
         row["ours_pct_fp8_peak"] = 100.0 * row["ours_TFLOPs"] / spec.fp8_tflops
-    notes = ["ours = deep_gemm.fp8_gemm_nt (Triton, 1x128 x 128x128 scales, bf16 out); bf16 = torch a @ b.T; "
+    scales = "1x32 x 1x32 UE8M0 scales (MXFP8)" if args.recipe == "mxfp8" else "1x128 x 128x128 scales"
+    notes = [f"ours = deep_gemm.fp8_gemm_nt (Triton, {scales}, bf16 out); bf16 = torch a @ b.T; "
              "scaled_mm = torch._scaled_mm with row-wise scales; diff = calc_diff vs fp32 of the unquantized "
              "inputs (DeepGEMM passes at < 1e-3)",
              "scale-value checks (a host sync) are off for timing: DSV3_DEEP_GEMM_CHECK_SCALES=0"]
@@ -146,12 +159,14 @@ def _gpu(args) -> int:
                      f"{spec.memory_gbps:.0f} GB/s")
     print_report("deep_gemm dense FP8 GEMM (nt)", dense, json_path=args.json, notes=notes)
     sink = row_sink(args.json, "grouped")
-    rows = [sink(_grouped_row(g, mg, n, k, not args.no_baseline)) for g, mg in grouped for n, k in GROUPED_NK]
+    rows = [sink(_grouped_row(g, mg, n, k, not args.no_baseline, args.recipe)) for g, mg in grouped
+            for n, k in GROUPED_NK]
     print_report("deep_gemm grouped FP8 GEMM (contiguous layout)", rows,
                  json_path=f"{args.json}.grouped" if args.json else None,
                  notes=["bf16 = one torch matmul per group (same rows, same weights)"])
     sink = row_sink(args.json, "mqa_logits")
-    logits = [sink(_logits_row(s)) for s in ((8192, 32768) if args.quick else (4096, 8192, 16384, 32768))]
+    sizes = () if args.recipe != "blockwise" else (8192, 32768) if args.quick else (4096, 8192, 16384, 32768)
+    logits = [sink(_logits_row(s)) for s in sizes]  # recipe-independent: timed once, in the blockwise run
     print_report("deep_gemm.fp8_mqa_logits (DSA indexer prefill, causal, 64 heads x 128)", logits,
                  json_path=f"{args.json}.mqa_logits" if args.json else None,
                  notes=["TFLOPs over the causal half; GBps counts q, k and the fp32 [s, s] logits written"])
@@ -251,9 +266,14 @@ def _cpu_training_layer_timing(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = kernel_bench_parser("deep_gemm", __doc__,
-                               "also write the tables as JSON (dense: PATH, grouped: PATH.grouped)",
-                               "skip the torch columns").parse_args(argv)
+    parser = kernel_bench_parser("deep_gemm", __doc__,
+                                 "also write the tables as JSON (dense: PATH, grouped: PATH.grouped)",
+                                 "skip the torch columns")
+    parser.add_argument("--recipe", choices=("blockwise", "mxfp8"), default="blockwise",
+                        help="FP8 recipe of our rows: DeepSeek-V3's blocks (default) or MXFP8")
+    parser.add_argument("--m", type=lambda v: tuple(positive_int(x) for x in v.split(",")), default=None,
+                        metavar="M[,M]", help="dense rows' M values (default: 64,128,4096; --quick: 128,4096)")
+    args = parser.parse_args(argv)
     if accel.backend() == "cpu":
         if not accel.triton_interpreted():
             os.environ["TRITON_INTERPRET"] = "1"  # before any deep_gemm kernel is imported

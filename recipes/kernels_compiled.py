@@ -1,15 +1,19 @@
-"""The compile table: every deep_gemm / flash_mla Triton kernel at every autotune config, built for sm_90a on a CPU.
+"""The compile table: every deep_gemm / flash_mla Triton kernel at every autotune config, built on a CPU for
+sm_90a (Hopper) or sm_100a (Blackwell).
 
-    python -m recipes.kernels_compiled                                  # every case, table on stdout
+    python -m recipes.kernels_compiled                                  # every case for sm_90a, table on stdout
+    python -m recipes.kernels_compiled --capability 100 --json out.json # sm_100a, rows as JSON
     python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md --jobs 2
     python -m recipes.kernels_compiled --subset default --json out.json # what tests/test_kernel_compile.py runs
 
 Each case is one kernel specialised as the JIT specialises it at the benchmark shapes (16-divisible
 pointers, strides and sizes marked; unit strides and constants folded), compiled with the Triton in
 this environment (``accel.aot``), then read back: registers, spill (stack) bytes, shared memory,
-whether the SASS uses Hopper's warp-group MMAs and TMA, and the size of the main loop. The gates
-(``gate_failures``): no spills, shared memory within an sm_90 block, and wgmma in every MMA kernel
-whose tile allows it (M tile a multiple of 64 rows per warp group).
+whether the SASS uses the architecture's tensor-core MMA (``tensor_core_mma``: Hopper's wgmma, Blackwell's
+tcgen05) and TMA, and the size of the main loop. The deep_gemm GEMMs use that architecture's autotune tiles
+(``deep_gemm.kernels.gemm.tiles_for``). The gates (``gate_failures``): no spills, shared memory within a
+block of that architecture, and the tensor-core MMA in every MMA kernel whose tile allows it (M tile a
+multiple of 64 rows per warp group).
 Runs without the interpreter: ``main`` clears ``TRITON_INTERPRET`` before any kernel module is imported.
 """
 
@@ -37,7 +41,7 @@ class Case:
     divisible: tuple = ()
     num_warps: int = 4
     num_stages: int = 2
-    mma_rows: int = 0  # rows of the MMA tile (0: no MMA): wgmma needs >= 64 per warp group
+    mma_rows: int = 0  # rows of the MMA tile (0: no MMA): wgmma / tcgen05 need >= 64 per warp group
     default: bool = False  # part of the quick subset the test suite runs
     extra: dict = field(default_factory=dict)
 
@@ -46,19 +50,24 @@ def _cfg_label(kwargs: dict, warps: int, stages: int) -> str:
     return " ".join(f"{k}={v}" for k, v in kwargs.items()) + f" w{warps} s{stages}"
 
 
-def gemm_cases() -> list[Case]:
+def gemm_cases(capability: int = 90) -> list[Case]:
     from deep_gemm.kernels import gemm
 
     dense, k_grouped = {"ACCUMULATE": False, "SPLIT_K": 1}, {"ACCUMULATE": True, "PACKED": False}
+    mx = {"MX": True, "SFB_GRAN_N": 1}
     # (label, kernel, fp8, constexprs, unit strides), as the wrappers launch them on a GPU: FP8 operands K-major
     # (copied if needed), bf16 k-grouped ones MN-major. SPLIT_K > 1 is one binary per value: 4 stands for all.
     variants = [
         ("fp8 dense", gemm._dense_kernel, True, dense, ("s_ak", "s_bk")),
         ("fp8 dense split-k", gemm._dense_kernel, True, {**dense, "SPLIT_K": 4}, ("s_ak", "s_bk")),
+        ("fp8 dense wgrad", gemm._dense_kernel, True, {**dense, "SFB_GRAN_N": 1}, ("s_ak", "s_bk")),  # 1x128 B
         ("fp8 m-grouped contiguous", gemm._contiguous_kernel, True, {}, ("s_bk",)),
         ("fp8 masked", gemm._masked_kernel, True, {}, ()),
         ("fp8 k-grouped", gemm._k_grouped_kernel, True, k_grouped, ("s_ak", "s_bk")),
         ("fp8 k-grouped flat", gemm._k_grouped_kernel, True, {**k_grouped, "PACKED": True}, ("s_ak", "s_bk")),
+        ("mxfp8 dense", gemm._dense_kernel, True, {**dense, **mx}, ("s_ak", "s_bk")),
+        ("mxfp8 m-grouped contiguous", gemm._contiguous_kernel, True, mx, ("s_bk",)),
+        ("mxfp8 k-grouped", gemm._k_grouped_kernel, True, {**k_grouped, **mx}, ("s_ak", "s_bk")),
         ("bf16 dense", gemm._dense_kernel, False, dense, ("s_ak", "s_bk")),
         ("bf16 k-grouped", gemm._k_grouped_kernel, False, k_grouped, ("s_am", "s_bn")),
     ]
@@ -68,19 +77,21 @@ def gemm_cases() -> list[Case]:
         elem = "*fp8e4nv" if fp8 else "*bf16"
         fp32_out = grouped_k or consts.get("SPLIT_K", 1) > 1
         names = kernel.fn.arg_names
+        scale = "*i32" if consts.get("MX") else "*fp32"  # MXFP8: packed UE8M0 scales
         pointers = {n: elem for n in ("a_ptr", "b_ptr")} | {"d_ptr": "*fp32" if fp32_out else "*bf16"} | {
-            n: "*i32" if n in ("m_indices_ptr", "masked_m_ptr", "k_offsets_ptr") else "*fp32"
+            n: "*i32" if n in ("m_indices_ptr", "masked_m_ptr", "k_offsets_ptr") else scale
             for n in names if n.endswith("_ptr") and n not in ("a_ptr", "b_ptr", "d_ptr")}
-        for i, cfg in enumerate(kernel.configs):
-            tile = {"BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_K": gemm.block_k(fp8),
-                    "GROUP_M": cfg.kwargs["GROUP_M"]}
-            full = {"FP8": fp8, "SFB_GRAN_N": 1 if grouped_k else 128, "INTERPRETED": False, **consts, **tile,
+        gran = consts.get("SFB_GRAN_N", 1 if grouped_k else 128)
+        tiles = gemm.tiles_for(capability, mx=bool(consts.get("MX")), row_scaled_b=fp8 and gran == 1)
+        for i, (bm, bn, warps, stages) in enumerate(tiles):
+            tile = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": gemm.block_k(fp8), "GROUP_M": 8}
+            full = {"FP8": fp8, "MX": False, "SFB_GRAN_N": gran, "INTERPRETED": False, **consts, **tile,
                     **{n: 1 for n in unit}}
             divisible = tuple(n for n in names if n not in full and (n in pointers or n.startswith("s_")
                                                                      or n in ("N", "K")))
-            cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(tile, cfg.num_warps, cfg.num_stages), kernel,
-                              pointers, full, divisible, cfg.num_warps, cfg.num_stages,
-                              mma_rows=tile["BLOCK_M"] // max(1, cfg.num_warps // 4), default=(i == 0)))
+            cases.append(Case(f"deep_gemm.gemm[{label}]", _cfg_label(tile, warps, stages), kernel,
+                              pointers, full, divisible, warps, stages,
+                              mma_rows=bm // max(1, warps // 4), default=(i == 0)))
     from deep_gemm.kernels import cast
 
     for tile in ((1, 128), (128, 1), (128, 128)):
@@ -200,16 +211,16 @@ def dsa_cases() -> list[Case]:
     return cases
 
 
-def all_cases() -> list[Case]:
-    return gemm_cases() + decode_cases() + attention_cases() + dsa_cases()
+def all_cases(capability: int = 90) -> list[Case]:
+    return gemm_cases(capability) + decode_cases() + attention_cases() + dsa_cases()
 
 
-def _compile_one(index: int) -> dict:
-    case = all_cases()[index]
-    row = {"kernel": case.kernel, "config": case.config, "mma_rows": case.mma_rows}
+def _compile_one(index: int, capability: int = 90) -> dict:
+    case = all_cases(capability)[index]
+    row = {"kernel": case.kernel, "config": case.config, "capability": capability, "mma_rows": case.mma_rows}
     try:
         compiled = aot.compile_for(case.fn, case.pointers, case.constexprs, case.divisible, case.num_warps,
-                                   case.num_stages)
+                                   case.num_stages, capability=capability)
         row.update(aot.kernel_stats(compiled).as_dict())
     except Exception as exc:  # a config that does not compile is a gate failure, reported as such
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -223,36 +234,41 @@ def gate_failures(row: dict) -> list[str]:
     bad = []
     if row["stack_bytes"] or row["spill_stores"]:
         bad.append(f"spills ({row['stack_bytes']} B stack, {row['spill_stores']} STL)")
-    if row["smem_bytes"] > aot.H100_SMEM_PER_BLOCK:
-        bad.append(f"{row['smem_bytes']} B shared memory > {aot.H100_SMEM_PER_BLOCK}")
-    if row["mma_rows"] >= 64 and not row["wgmma"]:
-        bad.append("no wgmma although the tile has >= 64 rows per warp group")
+    limit = aot.SMEM_PER_BLOCK[row.get("capability", 90)]
+    if row["smem_bytes"] > limit:
+        bad.append(f"{row['smem_bytes']} B shared memory > {limit}")
+    if row["mma_rows"] >= 64 and not row["tensor_core_mma"]:
+        mma = "tcgen05" if row.get("capability", 90) >= 100 else "wgmma"
+        bad.append(f"no {mma} although the tile has >= 64 rows per warp group")
     return bad
 
 
-def compile_table(subset: str = "all", jobs: int = 2, match: str = "") -> list[dict]:
-    """Compile the cases (in ``jobs`` processes) and return one row per case, in case order; ``match``: only
-    kernels whose name contains it."""
-    cases = all_cases()
+def compile_table(subset: str = "all", jobs: int = 2, match: str = "", capability: int = 90) -> list[dict]:
+    """Compile the cases for ``capability`` (in ``jobs`` processes) and return one row per case, in case order;
+    ``match``: only kernels whose name contains it."""
+    cases = all_cases(capability)
     picked = [i for i, c in enumerate(cases) if (subset == "all" or c.default) and match in c.kernel]
     if jobs <= 1:
-        return [_compile_one(i) for i in picked]
+        return [_compile_one(i, capability) for i in picked]
     with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(_compile_one, picked))
+        return list(pool.map(_compile_one, picked, [capability] * len(picked)))
 
 
 COLUMNS = ("kernel", "config", "registers", "stack_bytes", "smem_bytes", "loop_instructions", "loop_global_loads",
-           "loop_mmas", "wgmma", "tma", "gate")
+           "loop_mmas", "tensor_core_mma", "tmem_loads", "tma", "gate")
 
 
-def markdown(rows: list[dict], title: str) -> str:
+def markdown(rows: list[dict], title: str, capability: int = 90) -> str:
     import torch
     import triton
 
+    mma = "tcgen05 (UTC*MMA)" if capability >= 100 else "wgmma (HGMMA/QGMMA)"
     lines = [f"## {title}", "",
              f"{datetime.date.today().isoformat()}, Triton {triton.__version__}, torch {torch.__version__}, target "
-             "cuda sm_90a (compiled offline on a CPU: no GPU involved). loop_* = one iteration of the innermost "
-             "MMA loop in the SASS; gate = no spills, shared memory <= 227 KB, wgmma where the tile allows.", "",
+             f"cuda sm_{capability}a (compiled offline on a CPU: no GPU involved). tensor_core_mma = {mma} in the "
+             "SASS; tmem_loads = LDTM (tensor memory read into registers); loop_* = one iteration of the innermost "
+             f"MMA loop in the SASS; gate = no spills, shared memory <= {aot.SMEM_PER_BLOCK[capability] // 1024} KB, "
+             "the tensor-core MMA where the tile allows.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         cells = [str(r.get(c, "")) for c in COLUMNS[:-1]]
@@ -267,30 +283,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="every autotune config, or only each kernel's default one")
     p.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1), help="compiler processes")
     p.add_argument("--match", default="", help="only kernels whose name contains this (e.g. flash_mla.decode)")
+    p.add_argument("--capability", type=int, default=90,
+                   help="CUDA compute capability to compile for: 90 (sm_90a, Hopper) or 100 (sm_100a, Blackwell)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--write", metavar="MD", help="replace this Markdown file's table for this Triton version")
     args = p.parse_args(argv)
     # before any kernel module is imported (all_cases): @triton.jit decides interpreter-or-compiler at import
     os.environ.pop("TRITON_INTERPRET", None)
     try:
+        try:
+            aot.check_capability(args.capability)
+        except ValueError as exc:
+            raise ValueError(f"--capability: {exc}") from None
         for option, path in (("--json", args.json), ("--write", args.write)):
             if path:
                 check_output_file(path, option)
-        kernels = sorted({c.kernel for c in all_cases()})
+        kernels = sorted({c.kernel for c in all_cases(args.capability)})
         if not any(args.match in k for k in kernels):
             raise ValueError(f"--match {args.match!r}: no kernel name contains it; kernels: {', '.join(kernels)}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT
-    rows = compile_table(args.subset, args.jobs, args.match)
+    rows = compile_table(args.subset, args.jobs, args.match, args.capability)
     import triton
 
-    text = markdown(rows, f"Triton {triton.__version__}")
+    title = f"Triton {triton.__version__}, sm_{args.capability}a"
+    text = markdown(rows, title, args.capability)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.write:
-        _write_section(Path(args.write), f"Triton {triton.__version__}", text)
+        _write_section(Path(args.write), title, text)
     failing = [r for r in rows if gate_failures(r)]
     for r in failing:
         print(f"GATE FAIL {r['kernel']} {r['config']}: {'; '.join(gate_failures(r))}", file=sys.stderr)
@@ -299,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_section(path: Path, title: str, text: str) -> None:
     """Replace the ``## title`` section of ``path`` (or append it), keeping the other versions' tables."""
-    old = path.read_text() if path.exists() else "# Kernels compiled for sm_90a\n\n"
+    old = path.read_text() if path.exists() else "# Kernels compiled for sm_90a and sm_100a\n\n"
     head = f"## {title}"
     if head in old:
         before, rest = old.split(head, 1)

@@ -62,6 +62,7 @@ def test_overrides_parse_as_toml_values():
     ("optim.min_lr=1.0", "optim.lr"),
     ("data.batch_ramp_start=8", "data.batch_ramp_start"),  # below 2 x pp micro-batches per dp rank
     ("run.dtype=float16", "run.dtype"),
+    ("model.fp8_recipe=fp4", "model.fp8_recipe"),  # blockwise | mxfp8
 ])
 def test_bad_values_name_the_key(override, names):
     with pytest.raises(ValueError, match=names.replace(".", r"\.")):
@@ -113,3 +114,13 @@ def test_toml_round_trip_and_hash():
 def test_defaults_are_valid():
     cfg = TrainConfig()
     assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.weight_decay == 0.1 and cfg.optim.clip_grad == 1.0
+
+
+def test_fp8_recipe_reaches_the_fp8_layers():
+    from models.deepseek_v3 import Transformer
+    from training.trainer import model_args
+
+    args = model_args(load_config(DEMO, ["model.fp8=true", "model.fp8_recipe=mxfp8", "model.preset=debug_tiny"]))
+    assert args.fp8 == "mxfp8" and args.fp8_cache
+    assert Transformer(args).layers[0].attn.wkv_b.fp8 == "mxfp8"
+    assert model_args(load_config(DEMO, ["model.fp8=false", "model.fp8_recipe=mxfp8"])).fp8 is False

@@ -115,3 +115,33 @@ def test_fp8_linear_training_step_on_gpu(dev, monkeypatch):
     assert calc_diff(x1.grad, x2.grad) < QUANT_TOL
     assert calc_diff(layer.weight.grad, ref.weight.grad) < WGRAD_TOL
     assert calc_diff(layer.bias.grad, ref.bias.grad) < 1e-4  # sums of bf16-rounded output grads
+
+
+@pytest.mark.parametrize("kind", ["nt", "nn", "tn"])
+def test_mxfp8_layouts(dev, kind):
+    """MXFP8 (1x32 UE8M0 scales on both operands, tl.dot_scaled in the main loop) at a DeepSeek-V3 shape; the
+    packed UE8M0 form of the same scales gives the same bits (nt)."""
+    m, n, k = 4096, 2048, 7168
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+
+    def mx(x, along_rows=False):
+        cast = deep_gemm.per_channel_cast_to_fp8 if along_rows else deep_gemm.per_token_cast_to_fp8
+        return cast(x.contiguous(), use_ue8m0=True, gran_k=32)
+
+    with registry.force("triton"):
+        if kind == "nt":
+            ops = (mx(a), mx(b))
+            d = deep_gemm.fp8_gemm_nt(*ops, _nan(m, n, device=dev))
+            packed = tuple((t, deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(s)) for t, s in ops)
+            assert torch.equal(d, deep_gemm.fp8_gemm_nt(*packed, _nan(m, n, device=dev), recipe=(1, 1, 32)))
+        elif kind == "nn":
+            ops = (mx(a), mx(b.T, along_rows=True))
+            d = deep_gemm.fp8_gemm_nn(*ops, _nan(m, n, device=dev))
+        else:
+            ops = (mx(a.T, along_rows=True), mx(b.T, along_rows=True))
+            d = deep_gemm.fp8_gemm_tn(*ops, _nan(m, n, dtype=torch.float32, device=dev))
+    assert calc_diff(d, a.float() @ b.float().T) < QUANT_TOL
+    with registry.force("reference"):
+        ref = getattr(deep_gemm, f"fp8_gemm_{kind}")(*ops, _nan(m, n, dtype=d.dtype, device=dev))
+    assert calc_diff(d, ref) < SAME_INPUT_TOL

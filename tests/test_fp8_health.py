@@ -89,6 +89,16 @@ def test_ue8m0_scales_and_their_power_of_two_floor():
     assert (values, under, sub, tiles, floored, hidden) == (10, 5, 2, 3, 2, 3)
 
 
+def test_mxfp8_tiles():
+    """MXFP8's 1x32 tiles (UE8M0 scales): the same hand counts, the tile shape found from the scales' shape (row 0's
+    values all sit in its first 32 columns, rows 1 and 2 in one tile each)."""
+    x = hand_tensor()
+    q, sf = per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32)
+    assert sf.shape == (3, 4)
+    values, under, sub, tiles, floored, hidden, *_ = cast_counts(x, q, sf).tolist()
+    assert (values, under, sub, tiles, floored, hidden) == (10, 5, 2, 3, 2, 3)
+
+
 def test_grouped_experts_and_merge():
     torch.manual_seed(4)
     w = torch.randn(2, 64, 96, requires_grad=True)

@@ -165,3 +165,71 @@ def test_autotune_shards_cover_every_config_once(monkeypatch):
     monkeypatch.setenv(autotune.SHARD_ENV, "3/2")
     with pytest.raises(ValueError, match="DSV3_AUTOTUNE_SHARD"):
         autotune.shard(configs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("capability", ["90", "100"])
+def test_dry_run_fits_the_budget_on_hopper_and_blackwell(tmp_path, capability):
+    """GPU_CHECK_CAPABILITY picks the per-capability configs; the whole check fits 580 s on either generation."""
+    proc, summary = _dry(tmp_path, GPU_CHECK_CAPABILITY=capability)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert f"capability sm_{capability}," in proc.stdout and f"summary, sm_{capability} " in proc.stdout
+    assert sum(int(row[2].rstrip("s")) for row in summary) <= 580
+
+
+@pytest.mark.timeout(60)
+def test_step_timeouts_by_capability(tmp_path):
+    areas = tmp_path / "areas"
+    areas.mkdir()
+    (areas / "bench.sh").write_text("# timeout: 30\n# timeout@100: 40\necho hi\n")
+    times = {}
+    for capability in ("90", "100"):
+        proc, summary = _dry(tmp_path / capability, GPU_CHECK_CAPABILITY=capability, GPU_CHECK_D=str(areas),
+                             GPU_CHECK_STEPS="bench")
+        times[capability] = summary[0][2]
+    assert times == {"90": "30s", "100": "40s"}
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, GPU_CHECK_DRY="1", GPU_CHECK_CAPABILITY="sm100"), timeout=30)
+    assert proc.returncode == 2 and "GPU_CHECK_CAPABILITY must be" in proc.stderr
+
+
+@pytest.mark.parametrize("capability, runs", [
+    ("90", [["--quick", "--json"]]),
+    ("100", [["--quick", "--m", "4096", "--json"], ["--quick", "--m", "4096", "--recipe", "mxfp8", "--no-baseline"]]),
+])
+def test_deep_gemm_area_picks_rows_by_capability(tmp_path, capability, runs):
+    env = dict(os.environ, PY="echo", GPU_CHECK_CAPABILITY=capability, GPU_CHECK_OUT=str(tmp_path))
+    env.pop("DEEP_GEMM_BENCH_ARGS", None)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.d" / "deep_gemm.sh")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == len(runs)
+    for line, want in zip(lines, runs):
+        assert " ".join(want) in line and line.startswith("-m recipes.bench_kernels deep_gemm")
+
+
+def test_autotune_lists_by_capability():
+    from accel import autotune
+    from deep_gemm.kernels import gemm
+
+    lists = {90: ["hopper"], 100: ["blackwell"]}
+    assert [autotune.for_capability(lists, c) for c in ((9, 0), 90, (10, 0), (12, 0), (8, 9), None)] == [
+        ["hopper"], ["hopper"], ["blackwell"], ["blackwell"], ["hopper"], ["hopper"]]
+    assert gemm.tiles_for((10, 0)) == gemm.TILES[100] != gemm.TILES[90] == gemm.tiles_for(None)
+
+
+def test_tiles_by_operand_kind_and_capability():
+    """MXFP8 takes 128-row tiles (Blackwell's block-scaled MMA needs them; Hopper's bf16 emulation spills smaller
+    ones); blockwise FP8 with per-row B scales drops 128x128 on Blackwell (it spills there). The autotuner prunes
+    per launch by the same rule."""
+    import triton
+
+    from deep_gemm.kernels import gemm
+
+    for cap in (90, 100):
+        assert {t[0] for t in gemm.tiles_for(cap, mx=True)} == {128}
+    assert (128, 128) not in {t[:2] for t in gemm.tiles_for(100, row_scaled_b=True)}
+    assert gemm.tiles_for(90, row_scaled_b=True) == gemm.TILES[90]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8}) for bm in (128, 64)]
+    assert [c.kwargs["BLOCK_M"] for c in gemm._prune(configs, {}, MX=True, FP8=True, SFB_GRAN_N=1)] == [128]
+    assert gemm._prune(configs, {}, MX=False, FP8=True, SFB_GRAN_N=1) == configs  # no GPU here: Hopper's rule

@@ -1,18 +1,19 @@
-"""Compile-time quality gates: the deep_gemm and flash_mla kernels, built for sm_90a on a CPU (no GPU).
+"""Compile-time quality gates: the deep_gemm and flash_mla kernels, built on a CPU (no GPU) for sm_90a (Hopper)
+and sm_100a (Blackwell).
 
 ``recipes.kernels_compiled`` compiles each kernel as the JIT would specialise it at the benchmark
-shapes and reads the cubin back (``accel.aot``). Every case must pass the gates: no register
-spills (stack bytes / STL), shared memory within an sm_90 block (227 KB), and Hopper warp-group
-MMAs wherever the tile has >= 64 rows per warp group; GEMM loads must be asynchronous copies
-(pipelined). The FP8 GEMM main loop must keep the gains of the scalar-scale / 64-bit-base rewrite
-(before it, at 128x128x128 on 8 warps: 247 registers, 323 SASS instructions and 42 global loads per
-K block, Triton 3.9).
+shapes and reads the cubin back (``accel.aot``). Every case must pass the gates (``GATES``): no register
+spills (stack bytes / STL), shared memory within a block of the target (227 KB on both), the target's
+tensor-core MMA (Hopper's wgmma, Blackwell's tcgen05) wherever the tile has >= 64 rows per warp group,
+and asynchronous (pipelined) GEMM loads. The FP8 GEMM main loop must keep the gains of the scalar-scale /
+64-bit-base rewrite (``LEAN_LOOP``; before it, at 128x128x128 on 8 warps for sm_90a: 247 registers, 323
+SASS instructions and 42 global loads per K block, Triton 3.9).
 
-Default run: each kernel variant at its first autotune config (the one correctness runs use with
-autotuning off; ~20 compiles, ~60 s of CPU over 2 processes, ~250 s wall on the loaded dev box).
-``DSV3_FULL_COMPILE=1`` compiles every config of every kernel (~80 compiles), the same set
-``python -m recipes.kernels_compiled --write benchmarks/kernels_compiled.md`` tabulates. Skipped when this
-Triton cannot compile for CUDA offline.
+Default run: each kernel variant at its first autotune config for each target (the one correctness runs use
+with autotuning off; ~25 compiles per target over 2 processes). ``DSV3_FULL_COMPILE=1`` compiles every
+config of every kernel, the set ``python -m recipes.kernels_compiled --capability C --write
+benchmarks/kernels_compiled.md`` tabulates. Skipped when this Triton cannot compile for CUDA offline.
+New kernels: add their table names to ``KERNELS`` (and a row to ``GATES`` for a new kind of check).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = os.environ.get("DSV3_FULL_COMPILE") == "1"
-KERNELS = {  # every kernel variant the table must hold
-    "deep_gemm.gemm[fp8 dense]", "deep_gemm.gemm[fp8 dense split-k]", "deep_gemm.gemm[fp8 m-grouped contiguous]",
+CAPABILITIES = (90, 100)  # sm_90a (H100 / H200 / H800), sm_100a (B200 / GB200)
+KERNELS = {  # every kernel variant each table must hold
+    "deep_gemm.gemm[fp8 dense]", "deep_gemm.gemm[fp8 dense split-k]", "deep_gemm.gemm[fp8 dense wgrad]",
+    "deep_gemm.gemm[fp8 m-grouped contiguous]",
     "deep_gemm.gemm[fp8 masked]", "deep_gemm.gemm[fp8 k-grouped]", "deep_gemm.gemm[fp8 k-grouped flat]",
+    "deep_gemm.gemm[mxfp8 dense]", "deep_gemm.gemm[mxfp8 m-grouped contiguous]", "deep_gemm.gemm[mxfp8 k-grouped]",
     "deep_gemm.gemm[bf16 dense]", "deep_gemm.gemm[bf16 k-grouped]", "deep_gemm.cast[1x128]", "deep_gemm.cast[128x1]",
     "deep_gemm.cast[128x128]", "flash_mla.decode[bf16]", "flash_mla.decode[bf16 causal]", "flash_mla.decode[fp8]",
     "flash_mla.decode[fp8 causal]", "flash_mla.combine", "flash_mla.attention.fwd[192/128 causal]",
@@ -38,16 +42,46 @@ KERNELS = {  # every kernel variant the table must hold
     "flash_mla.sparse.fwd[576/512]", "flash_mla.sparse.decode[fp8]", "flash_mla.sparse.bwd[576/512]",
     "deep_gemm.mqa_logits", "deep_gemm.paged_mqa_logits",
 }
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90 and sm_100 (CUDA programming guide)
+# (what fails, which rows it applies to, the failing test on a row)
+GATES = [
+    ("spills", lambda r: True, lambda r: r["stack_bytes"] or r["spill_stores"]),
+    ("shared memory > 227 KB", lambda r: True, lambda r: r["smem_bytes"] > SMEM_LIMIT),
+    ("no tensor-core MMA (wgmma / tcgen05)", lambda r: r["mma_rows"] >= 64, lambda r: not r["tensor_core_mma"]),
+    ("sm_100a MMA is not tcgen05", lambda r: r["capability"] == 100 and r["mma_rows"] >= 64,
+     lambda r: not r["tcgen05"]),
+    ("GEMM loads not pipelined", lambda r: r["kernel"].startswith("deep_gemm.gemm"), lambda r: not r["async_copies"]),
+]
+# Known gate failures, each with why and where the fix belongs: (capability, Triton "major.minor", kernel, config or
+# "*") -> reason. Their rows make the test xfail (reported, never silently passed); any other failure fails it.
+KNOWN_FAILURES = {
+    (100, "3.6", "flash_mla.decode[bf16]", "*"): "decode's Triton-3.6 list (64-row wgmma tiles) spills 456-536 B on "
+    "sm_100a; needs an sm_100 list in flash_mla/kernels/decode.py (accel.autotune.for_capability)",
+    (100, "3.6", "flash_mla.decode[bf16 causal]", "*"): "as flash_mla.decode[bf16]",
+    (100, "3.6", "flash_mla.decode[fp8]", "*"): "as flash_mla.decode[bf16]",
+    (100, "3.6", "flash_mla.decode[fp8 causal]", "*"): "as flash_mla.decode[bf16]",
+    (100, "3.9", "flash_mla.attention.fwd[192/128]", "BLOCK_M=128 BLOCK_N=32 w8 s3"): "spills 16 B on sm_100a; needs "
+    "an sm_100 list in flash_mla/kernels/attention.py",
+    (100, "3.9", "flash_mla.attention.bwd_dq[192/128 causal]", "BLOCK_M=128 BLOCK_N=32 w8 s2"): "spills 16 B on "
+    "sm_100a; needs an sm_100 list in flash_mla/kernels/attention.py",
+}
+# The FP8 dense GEMM at 128x128x128, 8 warps (Triton 3.9 / 3.6). sm_90a: 175 / 184 registers, 170-172 SASS
+# instructions and 11 global loads (8 tile copies, A's scales, one B scale) per K block; the bounds leave ~15%
+# for compiler drift and fail on a return of per-element addressing (247 registers, 323 instructions, 42 loads).
+# sm_100a (Triton 3.9): 162 registers, 151 instructions, 10 loads, the tcgen05 product read back by LDTM.
+LEAN_LOOP = {"registers": 200, "loop_instructions": 240, "loop_global_loads": 16}
 
 
-@pytest.fixture(scope="module")
-def table(tmp_path_factory) -> list[dict]:
+# sm_100a (~40 s of compiles on 2 cores) is in `make test`, not `make test-fast`
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=[pytest.mark.slow] if c == 100 else [])
+                                        for c in CAPABILITIES], ids=[f"sm_{c}a" for c in CAPABILITIES])
+def table(request, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compile") / "rows.json"
     # The recipe clears TRITON_INTERPRET before importing the kernels: run it in its own process.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "recipes.kernels_compiled", "--subset", "all" if FULL else "default",
-                           "--jobs", "2", "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1500 if FULL else 600)
+                           "--capability", str(request.param), "--jobs", "2", "--json", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500 if FULL else 600)
     if not out.exists():
         if "ptxas" in proc.stderr or "cuobjdump" in proc.stderr:
             pytest.skip(f"cannot compile for CUDA offline here: {proc.stderr[-300:]}")
@@ -59,26 +93,30 @@ def table(tmp_path_factory) -> list[dict]:
     return rows
 
 
+def _known(row: dict) -> str | None:
+    import triton
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    for config in (row["config"], "*"):
+        reason = KNOWN_FAILURES.get((row["capability"], version, row["kernel"], config))
+        if reason:
+            return reason
+    return None
+
+
 @pytest.mark.timeout(1600 if FULL else 660)
 def test_every_kernel_passes_the_gates(table):
     assert {r["kernel"] for r in table} >= KERNELS
-    failures = []
+    failures, known = [], []
     for r in table:
-        bad = []
-        if "error" in r:
-            bad.append(f"does not compile: {r['error']}")
-        else:
-            if r["stack_bytes"] or r["spill_stores"]:
-                bad.append(f"spills {r['stack_bytes']} B ({r['spill_stores']} STL)")
-            if r["smem_bytes"] > 227 * 1024:
-                bad.append(f"{r['smem_bytes']} B shared memory")
-            if r["mma_rows"] >= 64 and not r["wgmma"]:
-                bad.append("no wgmma")
-            if r["kernel"].startswith("deep_gemm.gemm") and not r["async_copies"]:
-                bad.append("GEMM loads not pipelined")
+        bad = [f"does not compile: {r['error']}"] if "error" in r else [
+            name for name, applies, fails in GATES if applies(r) and fails(r)]
         if bad:
-            failures.append(f"{r['kernel']} {r['config']}: {'; '.join(bad)}")
+            line = f"sm_{r['capability']}a {r['kernel']} {r['config']}: {'; '.join(bad)}"
+            (known if _known(r) else failures).append(line + (f" (known: {_known(r)})" if _known(r) else ""))
     assert not failures, "\n".join(failures)
+    if known:
+        pytest.xfail("known gate failures:\n" + "\n".join(known))
 
 
 @pytest.mark.timeout(1600 if FULL else 660)
@@ -86,6 +124,20 @@ def test_fp8_gemm_main_loop_stays_lean(table):
     row = next(r for r in table if r["kernel"] == "deep_gemm.gemm[fp8 dense]" and r["config"].startswith(
         "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128"))
     assert row["loop_mmas"] >= 1  # the loop found is the MMA loop
-    assert row["registers"] <= 200, row
-    assert row["loop_instructions"] <= 240, row
-    assert row["loop_global_loads"] <= 16, row  # 8 async tile copies + the A scale vector and one B scale
+    assert all(row[key] <= bound for key, bound in LEAN_LOOP.items()), row
+
+
+@pytest.mark.timeout(1600 if FULL else 660)
+def test_json_rows_carry_what_the_issue_asks(table):
+    assert all({"kernel", "config", "stack_bytes", "smem_bytes", "tensor_core_mma"} <= set(r) for r in table)
+    mx = [r for r in table if r["kernel"].startswith("deep_gemm.gemm[mxfp8")]
+    assert mx and all(r["config"].startswith("BLOCK_M=128 ") for r in mx)  # gemm.tile_fits: 128 rows only
+    if table[0]["capability"] == 100:  # MXFP8's scales applied by tcgen05's block-scaled MMA; Hopper emulates it
+        assert all(r["tcgen05"] and r["block_scaled_mma"] for r in mx), mx
+
+
+def test_unknown_capability_is_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "recipes.kernels_compiled", "--capability", "80"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --capability: capability must be one of 90, 100")

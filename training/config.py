@@ -31,6 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
+from deep_gemm.linear import FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
@@ -74,10 +75,16 @@ class RunConfig:
 class ModelConfig:
     preset: str = "debug_tiny"
     fp8: bool = False  # route attention projections and experts through deep_gemm's FP8 layers
+    # with fp8: "blockwise" (DeepSeek-V3: 1x128 activations, 128x128 weights, fp32 scales) or "mxfp8" (1x32 blocks
+    # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
+    fp8_recipe: str = "blockwise"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields to change from the preset
+    # an HF checkpoint folder the run's weights start from ("" = the seeded init); a DeepSeek-V3 one starts a
+    # V3.2 model (index_topk > 0) with a freshly initialised indexer. A resumed run reads its own checkpoint.
+    init_from: str = ""
 
 
 @dataclass
@@ -492,6 +499,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("mtp_lambda", "mtp_lambda_late"):
         if getattr(cfg.model, key) < 0:
             raise ValueError(f"model.{key} must be >= 0, got {getattr(cfg.model, key)}")
+    if cfg.model.fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"model.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.model.fp8_recipe!r}")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "

@@ -52,7 +52,7 @@ from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
 from training.fault import Fp8Shadow, blame_layers, block_of, fp8_disabled, fp8_modules
 from training.inference import pipeline_generate, pipeline_hidden
-from training.loss import StageLoss
+from training.loss import StageLoss, freeze_all_but_indexers, indexer_metrics, init_from_hf
 from training.metrics import MetricsLogger, NullLogger, fp8_health_metrics, model_flops_per_token
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
@@ -69,7 +69,8 @@ log = logging.getLogger(__name__)
 def model_args(cfg: TrainConfig) -> ModelArgs:
     """The model's arguments: the preset, the overrides, and the config's FP8 / MTP switches."""
     try:
-        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": cfg.model.fp8,
+        fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
+        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None
@@ -114,6 +115,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
+    if cfg.model.init_from and cfg.eplb.enabled:
+        raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
+                         "layout only; set eplb.enabled=false")
     return args
 
 
@@ -175,6 +179,10 @@ class Trainer:
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
                                                physical_experts=physical)
         self.modules = nn.ModuleList(self.stages)
+        if cfg.model.init_from:
+            init_from_hf(self.model, cfg.model.init_from)
+        if self.args.dsa_warmup:  # DSA stage 1: only the indexers train; nothing else reaches the optimizer
+            freeze_all_but_indexers(self.stages)
         wire_moe_layers(self.stages, cfg, ps, recorder, self.flight)  # expert parallelism and balancing here
         self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight)
                          if cfg.parallel.schedule != "none" else None)
@@ -392,6 +400,8 @@ class Trainer:
             metrics.update(self.eplb.after_step(step + 1))
         self.lr_scheduler.step()
         metrics.update(self._load_metrics())
+        if self.args.index_topk:
+            metrics.update(indexer_metrics(self.stages, self.ps, self.device))
         tokens = global_batch * cfg.data.seq_len
         self.tokens_seen += tokens
         self.step += 1

@@ -1,4 +1,5 @@
-"""Triton FP8 cast: one fp32 scale per TILE_R x TILE_C tile (1x128 tokens, 128x1 channels, 128x128 blocks).
+"""Triton FP8 cast: one fp32 scale per TILE_R x TILE_C tile (1x128 tokens, 128x1 channels, 128x128 blocks; 1x32 and
+32x1 for MXFP8).
 
 Rounding is done onto the e4m3 grid in fp32 before the final cast, so the cast itself is exact.
 Why: Triton's CPU interpreter rounds fp32 -> e4m3 wrongly when rounding carries into the exponent
@@ -40,8 +41,10 @@ def _cast_kernel(
     else:  # one square tile per program
         amax = tl.max(tl.max(ax, axis=1), axis=0)
     sf = tl.maximum(amax, AMAX_FLOOR) / 448.0
-    if UE8M0:
-        sf = tl.exp2(tl.ceil(tl.log2(sf)))
+    if UE8M0:  # round up to a power of two on the bits: exponent, plus one if any mantissa bit is set
+        bits = sf.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        sf = (tl.minimum(tl.maximum(exp, 1), 254) << 23).to(tl.float32, bitcast=True)
     q = round_to_e4m3_grid(x * (1.0 / sf))
     tl.store(q_ptr + batch * s_qb + offs_r[:, None].to(tl.int64) * s_qr + offs_c[None, :] * s_qc,
              q.to(q_ptr.dtype.element_ty), mask=ok)

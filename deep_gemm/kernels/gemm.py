@@ -31,14 +31,56 @@ from deep_gemm.utils import get_num_sms
 AUTOTUNE_ENV = "DSV3_DEEP_GEMM_AUTOTUNE"  # "0": skip autotuning (first config), e.g. for GPU correctness tests
 
 
+# Autotune tiles per architecture, (BLOCK_M, BLOCK_N, num_warps, num_stages), from the compile table
+# (benchmarks/kernels_compiled.md): each warp group (4 warps) holds a 64-row slice, so the fp32 accumulator and
+# one K block's partial product fit in registers; 128 x 256 and 256 x 128 spill on both architectures. On
+# Blackwell each K block's product comes back from tensor memory (tcgen05 is asynchronous, LDTM reads it), so
+# the list trades Hopper's 3-stage 128 x 128 for a 5-stage one (160 KB of the 227 KB): a deeper copy pipeline
+# to cover that latency. Which tile wins is the autotuner's call on the GPU (no Blackwell timing here yet).
+# ``tile_fits`` then drops, per launch, the tiles a kind of operand cannot use (the autotuner's prune hook).
+TILES = {
+    90: [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)],
+    100: [(128, 128, 8, 4), (128, 128, 8, 5), (64, 128, 4, 4), (64, 256, 8, 3)],
+}
+
+
+def tile_fits(block_m: int, block_n: int, capability: tuple[int, int] | int | None, mx: bool = False,
+              row_scaled_b: bool = False) -> bool:
+    """Whether a tile suits an operand kind on a capability (compile evidence, benchmarks/kernels_compiled.md).
+
+    MXFP8 (``mx``) takes 128-row tiles only: on sm_100 the block-scaled tcgen05 MMA needs 128 rows (Triton lowers a
+    64-row ``dot_scaled`` to an upcast and a plain MMA), and below sm_100 Triton always upcasts both tiles to bf16
+    times their scales, which spills 64-row tiles. Blockwise FP8 with per-row B scales (weight gradients) multiplies
+    each K block by a full scale tile, which at 128 x 128 spills on sm_100 beside the product read back from
+    tensor memory (648 B of stack, Triton 3.9; Hopper fits it in 243-254 registers)."""
+    cap = autotune.capability_number(capability) or 0
+    if mx:
+        return block_m == 128
+    return not (row_scaled_b and cap >= 100 and (block_m, block_n) == (128, 128))
+
+
+def tiles_for(capability: tuple[int, int] | int | None, mx: bool = False,
+              row_scaled_b: bool = False) -> list[tuple[int, int, int, int]]:
+    """The autotune tiles for a CUDA capability (``(10, 0)`` or ``100``) and operand kind: Blackwell's list from
+    sm_100 up, else Hopper's (also for MUSA and pre-Hopper GPUs, whose Triton picks its own instructions)."""
+    picked = autotune.for_capability(TILES, capability)
+    return [t for t in picked if tile_fits(t[0], t[1], capability, mx, row_scaled_b)] or picked
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """Autotuner hook: drop the tiles ``tile_fits`` rules out for this launch's operands on this device."""
+    capability = accel.device_capability() if accel.backend() == "cuda" else None
+    mx, row_scaled_b = bool(kwargs.get("MX")), bool(kwargs.get("FP8")) and kwargs.get("SFB_GRAN_N") == 1
+    return [c for c in configs if tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], capability, mx,
+                                            row_scaled_b)] or configs
+
+
 def _configs() -> list[triton.Config]:
-    """Autotune candidates (output tiles; BLOCK_K is fixed by the dtype). MUSA's Triton wants one stage."""
+    """Autotune candidates for this device (BLOCK_K is fixed by the dtype). MUSA's Triton wants one stage."""
     if accel.triton_interpreted():
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages), Hopper-sized tiles first: each warp group (4 warps) holds a
-    # 64-row slice, so the fp32 accumulator and one K block's partial product fit in registers. 128 x 256 is
-    # left out: it spills (benchmarks/kernels_compiled.md).
-    shapes = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3)]
+    capability = accel.device_capability() if accel.backend() == "cuda" else None
+    shapes = autotune.for_capability(TILES, capability)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":  # correctness runs: one config, no tuning time
         shapes = shapes[:1]
     stages = (lambda s: 1) if accel.backend() == "musa" else (lambda s: s)
@@ -49,8 +91,8 @@ def _configs() -> list[triton.Config]:
 def _autotune(*key: str):
     # M_BUCKET: the next power of two of M, so varying token counts share tunings. Tuning reruns the kernel:
     # accumulation and rows it must not touch need D restored.
-    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "FP8", "SFB_GRAN_N", *key],
-                           restore_value=["d_ptr"])
+    return triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "FP8", "MX", "SFB_GRAN_N", *key],
+                           restore_value=["d_ptr"], prune_configs_by={"early_config_prune": _prune})
 
 
 def block_k(fp8: bool) -> int:
@@ -72,13 +114,21 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 
 @triton.jit
+def _ue8m0_bytes(packed):
+    """``[R]`` int32, four UE8M0 exponents each (byte j: K sub-block j of 32) -> ``[R, 4]`` uint8 for ``dot_scaled``."""
+    return ((packed[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
 def _mainloop(a_ptr, b_ptr, sfa_ptr, sfb_ptr, m0, n0, M, N, k_len, s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk,
-              FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr,
+              FP8: tl.constexpr, MX: tl.constexpr, SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``A @ B^T`` of the output tile at (m0, n0) over ``k_len`` of K: per K block load, dot, scale, advance.
 
     ``a_ptr`` / ``b_ptr``: the tile's first row / column at its first K (a 64-bit offset: a view's row stride
     may be huge); ``sfa_ptr`` / ``sfb_ptr``: the scales' first K block. K offsets are 32-bit, advanced per step.
+    MX (MXFP8): the scales are DeepGEMM's packed UE8M0 int32s, one per row per 128-wide K block holding its four
+    1x32 exponents; ``tl.dot_scaled`` applies them inside the MMA (tcgen05's block-scaled MMA on Blackwell).
     """
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -105,11 +155,14 @@ def _mainloop(a_ptr, b_ptr, sfa_ptr, sfb_ptr, m0, n0, M, N, k_len, s_am, s_ak, s
             b = tl.load(b_ptrs)
             sa = tl.load(sfa_ptrs)
             sb = tl.load(sfb_ptrs)
-            if SFB_GRAN_N >= BLOCK_N:
-                scale = sa[:, None] * sb
+            if MX:  # power-of-two 1x32 scales on both sides, per row: applied by the MMA itself
+                acc = tl.dot_scaled(a, _ue8m0_bytes(sa), "e4m3", b, _ue8m0_bytes(sb), "e4m3", acc)
             else:
-                scale = sa[:, None] * sb[None, :]
-            acc = tl.fma(tl.dot(a, b), scale, acc)  # per-K-block promotion, one FFMA per element
+                if SFB_GRAN_N >= BLOCK_N:
+                    scale = sa[:, None] * sb
+                else:
+                    scale = sa[:, None] * sb[None, :]
+                acc = tl.fma(tl.dot(a, b), scale, acc)  # per-K-block promotion, one FFMA per element
             sfa_ptrs += s_sak
             sfb_ptrs += s_sbk
         else:
@@ -150,9 +203,9 @@ def _store(d_ptr, acc, m0, n0, row_ok, N, ACCUMULATE: tl.constexpr, ATOMIC: tl.c
 @_autotune("ACCUMULATE", "SPLIT_K")
 @triton.jit
 def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
-                  sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                  sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr, SFB_GRAN_N: tl.constexpr,
+                  ACCUMULATE: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k0 = 0
     k_len = K
@@ -163,7 +216,7 @@ def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk
     k64 = k0.to(tl.int64)
     acc = _mainloop(a_ptr + (m0.to(tl.int64) * s_am + k64 * s_ak), b_ptr + (n0.to(tl.int64) * s_bn + k64 * s_bk),
                     sfa_ptr + k0 // BLOCK_K * s_sak, sfb_ptr + k0 // BLOCK_K * s_sbk, m0, n0, M, N, k_len,
-                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED,
+                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, MX, SFB_GRAN_N, INTERPRETED,
                     BLOCK_M, BLOCK_N, BLOCK_K)
     _store(d_ptr, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, SPLIT_K > 1, INTERPRETED,
            BLOCK_M, BLOCK_N)
@@ -172,9 +225,9 @@ def _dense_kernel(a_ptr, b_ptr, d_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk
 @_autotune()
 @triton.jit
 def _contiguous_kernel(a_ptr, b_ptr, d_ptr, m_indices_ptr, M, N, K, M_BUCKET, s_bg, s_bn, s_bk, sfa_ptr, s_sam, s_sak,
-                       sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr,
-                       INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
+                       SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     ids = tl.load(m_indices_ptr + offs_m, mask=offs_m < M, other=-1)
@@ -183,21 +236,22 @@ def _contiguous_kernel(a_ptr, b_ptr, d_ptr, m_indices_ptr, M, N, K, M_BUCKET, s_
     g = tl.maximum(g, 0).to(tl.int64)
     acc = _mainloop(a_ptr + m0.to(tl.int64) * K, b_ptr + (g * s_bg + n0.to(tl.int64) * s_bn), sfa_ptr,
                     sfb_ptr + g * s_sbg, m0, n0, M, N, k_len, K, 1, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk,
-                    FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
+                    FP8, MX, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
     _store(d_ptr, acc, m0, n0, ids == g, N, False, False, INTERPRETED, BLOCK_M, BLOCK_N)
 
 
 @_autotune()
 @triton.jit
 def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr, s_sag, s_sam, s_sak,
-                   sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr, INTERPRETED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   sfb_ptr, s_sbg, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr, SFB_GRAN_N: tl.constexpr,
+                   INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     g = tl.program_id(1)
     rows = tl.load(masked_m_ptr + g)
     acc = _mainloop(a_ptr + (g * M + m0).to(tl.int64) * K, b_ptr + (g * N + n0).to(tl.int64) * K,
                     sfa_ptr + g * s_sag, sfb_ptr + g * s_sbg, m0, n0, M, N, tl.where(m0 < rows, K, 0),
-                    K, 1, K, 1, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
+                    K, 1, K, 1, s_sam, s_sak, s_sbn, s_sbk, FP8, MX, SFB_GRAN_N, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, (offs_m < M) & (offs_m < rows), N, False, False,
            INTERPRETED, BLOCK_M, BLOCK_N)
@@ -206,9 +260,10 @@ def _masked_kernel(a_ptr, b_ptr, d_ptr, masked_m_ptr, M, N, K, M_BUCKET, sfa_ptr
 @_autotune("ACCUMULATE", "PACKED")
 @triton.jit
 def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_am, s_ak, s_bn, s_bk,
-                      sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, SFB_GRAN_N: tl.constexpr,
-                      ACCUMULATE: tl.constexpr, PACKED: tl.constexpr, INTERPRETED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      sfa_ptr, s_sam, s_sak, sfb_ptr, s_sbn, s_sbk, FP8: tl.constexpr, MX: tl.constexpr,
+                      SFB_GRAN_N: tl.constexpr, ACCUMULATE: tl.constexpr, PACKED: tl.constexpr,
+                      INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     m0, n0 = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     g = tl.program_id(1)
     k0 = tl.load(k_offsets_ptr + g)
@@ -226,7 +281,7 @@ def _k_grouped_kernel(a_ptr, b_ptr, d_ptr, k_offsets_ptr, M, N, K, M_BUCKET, s_a
         b_ptr += n0.to(tl.int64) * s_bn + k64 * s_bk
     kb0 = k0 // BLOCK_K
     acc = _mainloop(a_ptr, b_ptr, sfa_ptr + kb0 * s_sak, sfb_ptr + kb0 * s_sbk, m0, n0, M, N, k_len,
-                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, SFB_GRAN_N, INTERPRETED,
+                    s_am, s_ak, s_bn, s_bk, s_sam, s_sak, s_sbn, s_sbk, FP8, MX, SFB_GRAN_N, INTERPRETED,
                     BLOCK_M, BLOCK_N, BLOCK_K)
     _store(d_ptr + (g * M).to(tl.int64) * N, acc, m0, n0, m0 + tl.arange(0, BLOCK_M) < M, N, ACCUMULATE, False,
            INTERPRETED, BLOCK_M, BLOCK_N)
@@ -258,7 +313,9 @@ def _operands(a, b, transpose_a: bool = False, transpose_b: bool = False):
         a = a if a.stride(-1) == 1 else a.contiguous()
         b = b if b.stride(-1) == 1 else b.contiguous()
     gran = 1 if fp8 and sfb.shape[-2] == b.shape[-2] else 128  # B scaled per row (1x128) or per 128x128 block
-    return a, b, sfa, sfb, dict(FP8=fp8, SFB_GRAN_N=gran, INTERPRETED=accel.triton_interpreted(), BLOCK_K=block_k(fp8))
+    mx = fp8 and sfa.dtype == torch.int32  # packed UE8M0 1x32 scales (MXFP8), as the public ops hand them over
+    return a, b, sfa, sfb, dict(FP8=fp8, MX=mx, SFB_GRAN_N=gran, INTERPRETED=accel.triton_interpreted(),
+                                BLOCK_K=block_k(fp8))
 
 
 def _scales(sf: torch.Tensor | None, dims: int, d: torch.Tensor) -> tuple:

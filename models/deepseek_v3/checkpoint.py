@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.indexer import Indexer
 from models.deepseek_v3.model import Transformer
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,6 +66,8 @@ def _block_pieces(prefix: str, ours: str, tensor_rows: int) -> list[tuple[str, i
         return [(f"{prefix}.{name}.weight", 0, tensor_rows)]
     if parts[0] == "attn" and parts[1] in _ATTN_KEYS:
         return [(f"{prefix}.self_attn.{_ATTN_KEYS[parts[1]]}.weight", 0, tensor_rows)]
+    if parts[0] == "attn" and parts[1] == "indexer":  # V3.2's lightning indexer: the same names in HF and the release
+        return [(f"{prefix}.self_attn.indexer.{'.'.join(parts[2:])}", 0, tensor_rows)]
     if parts[0] != "ffn":
         return None
     rest = parts[1:]
@@ -118,7 +121,8 @@ def hf_plan(model: Transformer) -> dict[str, list[Piece]]:
             pieces = _block_pieces(prefix, rest, t.shape[0])
             if pieces is None:
                 raise ValueError(f"hf_plan: no HF name for model tensor {name!r}")
-            quant = not ("norm" in rest or ".gate." in rest)
+            # the release keeps the indexer's weights_proj unquantised (transformers keeps it in fp32)
+            quant = not ("norm" in rest or ".gate." in rest or "weights_proj" in rest)
             plan[name] = [Piece(k, None, row, n, quant) for k, row, n in pieces]
         else:
             raise ValueError(f"hf_plan: no HF name for model tensor {name!r}")
@@ -182,27 +186,50 @@ def _open_shard(file: Path) -> Iterator:
         yield f
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, key: str = "") -> torch.Tensor:
-    """e4m3 ``weight [N, K]`` times its per-128x128-block ``scale_inv [ceil(N/128), ceil(K/128)]``, in fp32."""
+SCALE_FORMATS = (None, "ue8m0")  # quantization_config.scale_fmt: fp32 scales (V3), or powers of two (V3.1+)
+
+
+def checkpoint_scale_fmt(path: Path) -> str | None:
+    """``quantization_config.scale_fmt`` of the checkpoint's config.json (None: absent, or no config.json)."""
+    file = path / "config.json"
+    if not file.is_file():
+        return None
+    fmt = (json.loads(file.read_text()).get("quantization_config") or {}).get("scale_fmt")
+    if fmt not in SCALE_FORMATS:
+        raise ValueError(f"{file}: quantization_config.scale_fmt must be 'ue8m0' or absent, got {fmt!r}")
+    return fmt
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, key: str = "",
+                          scale_fmt: str | None = None) -> torch.Tensor:
+    """e4m3 ``weight [N, K]`` times its per-128x128-block ``scale_inv [ceil(N/128), ceil(K/128)]``, in fp32.
+
+    ``scale_fmt="ue8m0"`` (DeepSeek-V3.1+): every scale must be a power of two (stored as fp32 or as
+    ``float8_e8m0fnu``), so each product is exact in fp32."""
     n, k = weight.shape
     want = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"{key}_scale_inv: expected shape {want} for a {tuple(weight.shape)} FP8 weight, "
                          f"got {tuple(scale_inv.shape)}")
+    if scale_fmt == "ue8m0" and not deep_gemm.utils.is_ue8m0(scale_inv.float()):
+        raise ValueError(f"{key}_scale_inv: scale_fmt is 'ue8m0' but the scales are not all powers of two")
     full = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
     return weight.float() * full
 
 
 def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str | Path, *,
                        device: torch.device | str = "cpu", expert_ids: range | None = None,
-                       dtype: torch.dtype | None = None, strict: bool = True) -> Transformer:
+                       dtype: torch.dtype | None = None, strict: bool = True, fresh_indexer: bool = False
+                       ) -> Transformer:
     """Load an HF-format DeepSeek-V3 checkpoint directory into a model and return the model.
 
     ``model_or_args``: a ``Transformer`` (its non-meta tensors are filled; meta ones -- another
     stage's -- are skipped), a ``ModelArgs`` or None (read ``config.json``), in which case the model
     is built on ``device`` with ``expert_ids`` (default: all) in ``dtype`` (default: fp32).
     ``strict``: unknown checkpoint keys are an error (keys this process does not need are always
-    skipped without being read).
+    skipped without being read). ``fresh_indexer``: the checkpoint is a DeepSeek-V3 one, without V3.2's
+    lightning indexer: the model's indexers keep their initialisation (a model built here is initialised
+    as ``Transformer.init_weights``), to start V3.2's dense warm-up from V3 weights.
     """
     path = Path(path)
     if isinstance(model_or_args, Transformer):
@@ -218,7 +245,13 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 module.e_score_correction_bias = bias.float()
+        if fresh_indexer:
+            for module in model.modules():
+                if isinstance(module, Indexer):
+                    model.init_weights(module)
     args = model.args
+    if fresh_indexer and not args.index_topk:
+        raise ValueError("load_hf_checkpoint: fresh_indexer=True needs a model with an indexer (index_topk > 0)")
     weight_map = _read_index(path)
     if strict:
         expected = _expected_keys(args)
@@ -237,11 +270,17 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
             continue
         for p in pieces:
             dst = t[p.expert] if p.expert is not None else t
+            if fresh_indexer and ".self_attn.indexer." in p.key:
+                if p.key in weight_map:
+                    raise ValueError(f"load_hf_checkpoint: fresh_indexer=True but {path} holds {p.key}: it is a "
+                                     "V3.2 checkpoint; load it without fresh_indexer")
+                continue
             wanted[p.key] = (name, dst.narrow(0, p.row, p.rows), p)
     missing = [k for k in wanted if k not in weight_map]
     if missing:
         shapes = [f"{k} (expected shape {tuple(wanted[k][1].shape)})" for k in sorted(missing)[:5]]
         raise ValueError(f"load_hf_checkpoint: {len(missing)} key(s) missing from {path}: {', '.join(shapes)}")
+    scale_fmt = checkpoint_scale_fmt(path)
     by_file: dict[str, list[str]] = defaultdict(list)
     for k in wanted:
         by_file[weight_map[k]].append(k)
@@ -256,7 +295,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
                         if scale_key not in weight_map:
                             raise ValueError(f"load_hf_checkpoint: {key} is FP8 but {scale_key} is missing")
                         with _open_shard(path / weight_map[scale_key]) as g:
-                            src = dequantize_fp8_blocks(src, g.get_tensor(scale_key), key)
+                            src = dequantize_fp8_blocks(src, g.get_tensor(scale_key), key, scale_fmt)
                     if not src.dtype.is_floating_point:
                         raise ValueError(f"load_hf_checkpoint: {key} has dtype {src.dtype}; expected a floating "
                                          f"dtype (shape {tuple(dst.shape)})")
@@ -269,7 +308,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
 
 # ---------------------------------------------------------------------------------------------------- save
 def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
-                       dtype: torch.dtype | None = None, fp8: bool = False) -> None:
+                       dtype: torch.dtype | None = None, fp8: bool = False, scale_fmt: str | None = None) -> None:
     """Write ``model`` as an HF DeepSeek-V3 checkpoint (config.json, shards, index) into directory ``path``.
 
     Tensors keep their dtype (so save -> load -> save is bit-exact) unless ``dtype`` (one of
@@ -277,12 +316,16 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
     (attention projections, dense, shared and routed experts) as e4m3 + a ``weight_scale_inv`` per
     128x128 block, everything else -- embedding, head, norms, router, MTP's ``eh_proj`` -- unquantised in
     ``dtype`` (default bfloat16, as released); the router's ``e_score_correction_bias`` stays fp32.
+    ``scale_fmt="ue8m0"`` (with ``fp8``) rounds each block's scale up to a power of two, as DeepSeek-V3.1+
+    checkpoints declare in ``quantization_config``.
     The safetensors shards get the permissions the JSON files beside them get (this process's umask).
     The model must be whole (no meta tensors, all experts); a sharded model is saved by ``training.checkpoint``.
     """
     if dtype is not None and dtype not in SAVE_DTYPES:
         raise ValueError(f"save_hf_checkpoint: dtype {dtype} cannot hold the weights; expected one of "
                          f"{[str(d).removeprefix('torch.') for d in SAVE_DTYPES]} (FP8: fp8=True)")
+    if scale_fmt not in SCALE_FORMATS or (scale_fmt and not fp8):
+        raise ValueError(f"save_hf_checkpoint: scale_fmt must be None or 'ue8m0' (with fp8=True), got {scale_fmt!r}")
     if fp8 and dtype is None:
         dtype = torch.bfloat16
     path = Path(path)
@@ -297,7 +340,8 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
         for p in pieces:
             value = (t[p.expert] if p.expert is not None else t).narrow(0, p.row, p.rows)
             if fp8 and p.quantizable and value.dim() == 2:  # quantised from the weights as trained, not a cast
-                value, scale = deep_gemm.per_block_cast_to_fp8(value.float())  # amax / 448 per 128x128 block
+                # amax / 448 per 128x128 block (rounded up to a power of two for ue8m0)
+                value, scale = deep_gemm.per_block_cast_to_fp8(value.float(), use_ue8m0=scale_fmt == "ue8m0")
                 out[f"{p.key}_scale_inv"] = scale
             elif dtype is not None and value.is_floating_point() and not p.key.endswith("e_score_correction_bias"):
                 value = value.to(dtype)
@@ -328,6 +372,8 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
     if fp8:
         cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+        if scale_fmt:
+            cfg["quantization_config"]["scale_fmt"] = scale_fmt
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     mode = stat.S_IMODE((path / "config.json").stat().st_mode)  # safetensors creates its files 0600
     for file in set(weight_map.values()):
