@@ -5,19 +5,30 @@ the last hidden state and the token windows (the model's ``lm_losses_from_hidden
 and MTP, without materialising the logits); it returns the micro-batch's total loss and keeps its
 parts (``parts``: main, MTP per depth, tokens) for the caller to read after the step. The overlapped
 pipeline runs the same as plan pieces (``pieces``). The load balancing losses ride on the MoE
-activations (``balancing.attach_aux_loss``) and are reported by the balancers. Losses are unscaled:
-the trainer divides the gradients by the number of micro-batches.
+activations (``balancing.attach_aux_loss``) and are reported by the balancers; so does DeepSeek-V3.2's
+indexer loss on each attention output (``models.deepseek_v3.indexer``), reported by ``indexer_metrics``.
+``freeze_all_but_indexers`` makes the dense warm-up train the indexers alone, and ``init_from_hf`` starts
+a run from an HF checkpoint (a V3 one for a V3.2 run). Losses are unscaled: the trainer divides the
+gradients by the number of micro-batches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from models.deepseek_v3.model import head_losses, lm_losses_from_hidden
+from models.deepseek_v3 import ModelArgs
+from models.deepseek_v3.checkpoint import load_hf_checkpoint
+from models.deepseek_v3.indexer import Indexer, IndexerStats
+from models.deepseek_v3.model import Transformer, head_losses, lm_losses_from_hidden
 from models.deepseek_v3.mtp import mtp_pieces
 from models.deepseek_v3.plan import Compute, Piece
+from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
 
 
@@ -81,3 +92,46 @@ class StageLoss:
         else:
             values = [getattr(p, name) for p in self.parts]
         return sum(values) / len(values) if values else None
+
+
+def freeze_all_but_indexers(modules: Sequence[nn.Module]) -> int:
+    """DSA's dense warm-up: every parameter outside a lightning indexer stops requiring grad (the optimizer then
+    never sees it). Returns the number of indexer parameters left trainable; ValueError when there is none."""
+    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, Indexer)]
+    indexer_params = {id(p) for sub in indexers for p in sub.parameters()}
+    for m in modules:
+        for p in m.parameters():
+            p.requires_grad_(id(p) in indexer_params)
+    if not indexer_params and any(True for m in modules for _ in m.parameters()):
+        raise ValueError("model.overrides.dsa_warmup=true, but this rank's layers hold no indexer (index_topk = 0)")
+    return len(indexer_params)
+
+
+def init_from_hf(model: Transformer, path: str | Path) -> None:
+    """Load this rank's materialised part of ``model`` from the HF checkpoint folder ``path`` (model.init_from).
+    A checkpoint without indexer weights (DeepSeek-V3) leaves a V3.2 model's indexers as initialised."""
+    path = Path(path).expanduser()
+    try:
+        saved = ModelArgs.from_hf_config(path)
+        load_hf_checkpoint(model, path, fresh_indexer=bool(model.args.index_topk) and not saved.index_topk)
+    except ValueError as exc:
+        raise ValueError(f"model.init_from={str(path)!r}: {exc}") from None
+
+
+@torch.no_grad()
+def indexer_metrics(modules: Sequence[nn.Module], ps: ParallelState, device: torch.device) -> dict[str, float]:
+    """``indexer_kl`` (and ``indexer_recall`` in the warm-up: the share of the main attention's top-k keys the
+    indexer's top-k holds) since the last call: mean over this rank's layers, then over the ranks holding
+    layers. Collective on every rank (world all-reduce), whether or not it holds layers."""
+    stats = [m for mod in modules for m in mod.modules() if isinstance(m, IndexerStats)]
+    names = ("kl", "recall")
+    sums = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
+    for s in stats:
+        for name, value in s.metrics(reset=True).items():
+            j = names.index(name)
+            sums[2 * j] += value
+            sums[2 * j + 1] += 1
+    if ps.world_size > 1:
+        dist.all_reduce(sums)
+    return {f"indexer_{name}": float(sums[2 * j] / sums[2 * j + 1]) for j, name in enumerate(names)
+            if sums[2 * j + 1] > 0}

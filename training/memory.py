@@ -137,6 +137,21 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int
     return out
 
 
+def stage_indexer_counts(args: ModelArgs, cfg: TrainConfig) -> list[int]:
+    """Parameters of each global stage's lightning indexers (DeepSeek-V3.2): what trains in the DSA warm-up."""
+    per_layer = sum(p.numel() for p in _indexer_params(args))
+    mtp_stage = num_model_stages(cfg.parallel.schedule, cfg.parallel.pp) - 1
+    return [per_layer * ((hi - lo) + (args.n_mtp_layers if s == mtp_stage else 0))
+            for s, (lo, hi) in enumerate(split_layers(args, mtp_stage + 1))]
+
+
+def _indexer_params(args: ModelArgs) -> list[torch.nn.Parameter]:
+    from models.deepseek_v3.indexer import Indexer
+
+    with torch.device("meta"):
+        return list(Indexer(args).parameters())
+
+
 # ---- the estimate ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -398,14 +413,18 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     shard_dense = par.dp if par.zero1 else 1
     shard_expert = (par.dp // par.ep) if par.zero1 else 1
     ranks = []
+    indexers = stage_indexer_counts(args, cfg) if args.dsa_warmup else None
     for r in range(par.pp):
         mine = stage_ids(par.schedule, par.pp, r)
         dense = sum(counts[s][0] for s in mine)
         expert = sum(counts[s][1] for s in mine)
+        # the DSA warm-up trains the indexers only: nothing else has a gradient or optimizer state
+        train_dense, train_expert = (sum(indexers[s] for s in mine), 0) if indexers else (dense, expert)
         items = {
             "weights": (dense + expert) * p.param,
-            "gradients": (dense + expert) * p.grad,
-            "optimizer": int((p.moments * p.moment + p.master) * (dense / shard_dense + expert / shard_expert)),
+            "gradients": (train_dense + train_expert) * p.grad,
+            "optimizer": int((p.moments * p.moment + p.master) * (train_dense / shard_dense
+                                                                  + train_expert / shard_expert)),
             "activations": peaks[r],
         }
         items["transient"] = max(max(work[s] for s in mine), step_transient - items["activations"], 0)

@@ -46,6 +46,10 @@ class ModelArgs:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # DeepSeek Sparse Attention (V3.2's lightning indexer; index_topk 0 = dense V3, no indexer)
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 0
     # RoPE / YaRN (rope_factor 1.0 = plain RoPE)
     max_seq_len: int = 163840
     original_seq_len: int = 4096
@@ -71,6 +75,9 @@ class ModelArgs:
     # FP8 GEMMs keep their inputs for backward only as e4m3 + 1x128 scales, and the SwiGLU input is kept in
     # FP8 with its output recomputed (V3 report 3.3.3). None: on exactly when ``fp8`` is.
     fp8_cache_activations: bool | None = None
+    # DSA stage 1 (the dense warm-up): attention stays dense and the indexer learns its distribution; off:
+    # attention reads each query's index_topk keys (stage 2, and inference). Needs index_topk > 0.
+    dsa_warmup: bool = False
     recompute: tuple[str, ...] = ()  # names of RECOMPUTE_NAMES (kinds, or aliases such as "v3")
     recompute_layers: tuple[int, ...] | None = None  # None: every layer (MTP blocks are layer n_layers + k)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown HF config fields, kept for round trips
@@ -121,6 +128,17 @@ class ModelArgs:
         if self.fp8_cache_activations and not self.fp8:
             raise ValueError("ModelArgs.fp8_cache_activations=True needs fp8=True (it caches the FP8 GEMMs' "
                              "inputs); set fp8=True, or fp8_cache_activations to False or None")
+        if self.index_topk < 0:
+            raise ValueError(f"ModelArgs.index_topk must be >= 0 (0 = dense V3), got {self.index_topk}")
+        if self.index_topk:
+            if not self.q_lora_rank:
+                raise ValueError("ModelArgs.index_topk > 0 needs q_lora_rank > 0: the indexer's queries come from "
+                                 "the MLA query's low-rank residual")
+            if self.index_n_heads <= 0 or self.index_head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"ModelArgs.index_n_heads must be > 0 and index_head_dim >= qk_rope_head_dim="
+                                 f"{self.qk_rope_head_dim}, got {self.index_n_heads}, {self.index_head_dim}")
+        elif self.dsa_warmup:
+            raise ValueError("ModelArgs.dsa_warmup=True needs index_topk > 0 (a model with an indexer)")
         unknown = [name for name in self.recompute if name not in RECOMPUTE_NAMES]
         if unknown:
             raise ValueError(f"ModelArgs.recompute: unknown name(s) {unknown}; valid names are "
@@ -151,6 +169,11 @@ class ModelArgs:
             m = 0.1 * self.mscale_all_dim * math.log(self.rope_factor) + 1.0
             scale *= m * m
         return scale
+
+    @property
+    def sparse(self) -> bool:
+        """Whether attention reads only each query's ``index_topk`` indexed keys (V3.2 outside the warm-up)."""
+        return self.index_topk > 0 and not self.dsa_warmup
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Layer ids run 0..n_layers-1 for the trunk and n_layers+k for MTP depth k+1 (always MoE)."""
@@ -248,6 +271,8 @@ class ModelArgs:
             raise ValueError("from_hf_config: hidden_act must be 'silu'")
         if cfg.pop("topk_method", "noaux_tc") not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise ValueError("from_hf_config: unsupported topk_method")
+        if cfg.get("model_type") == "deepseek_v32" and not kw.get("index_topk"):
+            kw["index_topk"] = 2048  # transformers' DeepseekV32Config default
         kw["extra"] = {k: v for k, v in cfg.items() if k not in _HF_DROPPED}
         kw.update(overrides)
         return cls(**kw)
@@ -257,6 +282,10 @@ class ModelArgs:
         cfg: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
         for ours, theirs in _HF_FIELDS.items():
             cfg[theirs] = getattr(self, ours)
+        for name in _HF_INDEX_FIELDS:
+            cfg.pop(name)
+            if self.index_topk:
+                cfg[name] = getattr(self, name)
         cfg.update(q_lora_rank=self.q_lora_rank or None, hidden_act="silu", topk_method="noaux_tc",
                    num_key_value_heads=self.n_heads, attention_bias=False, rope_interleave=True,
                    n_group=self.n_expert_groups, topk_group=self.n_limited_groups,
@@ -269,6 +298,9 @@ class ModelArgs:
         else:
             cfg["rope_scaling"] = None
         cfg["rope_theta"] = self.rope_theta
+        if self.index_topk:  # DeepSeek-V3.2 (transformers' DeepseekV32, whose config has no rope_interleave)
+            cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+            del cfg["rope_interleave"]
         for k, v in self.extra.items():
             cfg.setdefault(k, v)
         return cfg
@@ -289,6 +321,9 @@ class ModelArgs:
         kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
         kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         attn = q + kv + h * self.v_head_dim * d + 2 * d  # + both block norms
+        if self.index_topk:  # the lightning indexer: wq_b, wk, k_norm (weight and bias), weights_proj
+            hi, di = self.index_n_heads, self.index_head_dim
+            attn += self.q_lora_rank * hi * di + d * di + 2 * di + d * hi
         dense_ffn = 3 * d * self.inter_dim
         expert = 3 * d * self.moe_inter_dim
         moe_common = self.n_shared_experts * expert + self.n_routed_experts * d  # shared + router (bias: buffer)
@@ -318,7 +353,9 @@ _HF_FIELDS = {
     "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "max_seq_len": "max_position_embeddings",
     "n_mtp_layers": "num_nextn_predict_layers", "norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+    "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
 }
+_HF_INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # written for V3.2 configs only
 # HF fields that are implied by ours (re-written by to_hf_config) or carry no architecture.
 _HF_DROPPED = {"architectures", "model_type", "num_key_value_heads", "attention_bias", "rope_interleave",
                "transformers_version", "auto_map", "quantization_config", "torch_dtype", "dtype", "use_cache",
@@ -359,4 +396,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "v_head_dim": 128, "vocab_size": 16384, "max_seq_len": 8192, "original_seq_len": 4096,
                   "rope_factor": 40.0, "init_std": 0.006},
 }
+# DeepSeek-V3.2(-Exp): V3 plus the lightning indexer (64 heads x 128, top-2048) in every layer.
+PRESETS["deepseek_v32_671b"] = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
+# The CPU debug model with an indexer: top-32 keys of a 128-token window, so attention is really sparse.
+PRESETS["debug_dsa"] = {**_DEBUG, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 32}
 PRESETS["lite"] = PRESETS["deepseek_v2_lite"]

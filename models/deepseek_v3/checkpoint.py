@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.indexer import Indexer
 from models.deepseek_v3.model import Transformer
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,6 +66,8 @@ def _block_pieces(prefix: str, ours: str, tensor_rows: int) -> list[tuple[str, i
         return [(f"{prefix}.{name}.weight", 0, tensor_rows)]
     if parts[0] == "attn" and parts[1] in _ATTN_KEYS:
         return [(f"{prefix}.self_attn.{_ATTN_KEYS[parts[1]]}.weight", 0, tensor_rows)]
+    if parts[0] == "attn" and parts[1] == "indexer":  # V3.2's lightning indexer: the same names in HF and the release
+        return [(f"{prefix}.self_attn.indexer.{'.'.join(parts[2:])}", 0, tensor_rows)]
     if parts[0] != "ffn":
         return None
     rest = parts[1:]
@@ -118,7 +121,8 @@ def hf_plan(model: Transformer) -> dict[str, list[Piece]]:
             pieces = _block_pieces(prefix, rest, t.shape[0])
             if pieces is None:
                 raise ValueError(f"hf_plan: no HF name for model tensor {name!r}")
-            quant = not ("norm" in rest or ".gate." in rest)
+            # the release keeps the indexer's weights_proj unquantised (transformers keeps it in fp32)
+            quant = not ("norm" in rest or ".gate." in rest or "weights_proj" in rest)
             plan[name] = [Piece(k, None, row, n, quant) for k, row, n in pieces]
         else:
             raise ValueError(f"hf_plan: no HF name for model tensor {name!r}")
@@ -215,14 +219,17 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, key: st
 
 def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str | Path, *,
                        device: torch.device | str = "cpu", expert_ids: range | None = None,
-                       dtype: torch.dtype | None = None, strict: bool = True) -> Transformer:
+                       dtype: torch.dtype | None = None, strict: bool = True, fresh_indexer: bool = False
+                       ) -> Transformer:
     """Load an HF-format DeepSeek-V3 checkpoint directory into a model and return the model.
 
     ``model_or_args``: a ``Transformer`` (its non-meta tensors are filled; meta ones -- another
     stage's -- are skipped), a ``ModelArgs`` or None (read ``config.json``), in which case the model
     is built on ``device`` with ``expert_ids`` (default: all) in ``dtype`` (default: fp32).
     ``strict``: unknown checkpoint keys are an error (keys this process does not need are always
-    skipped without being read).
+    skipped without being read). ``fresh_indexer``: the checkpoint is a DeepSeek-V3 one, without V3.2's
+    lightning indexer: the model's indexers keep their initialisation (a model built here is initialised
+    as ``Transformer.init_weights``), to start V3.2's dense warm-up from V3 weights.
     """
     path = Path(path)
     if isinstance(model_or_args, Transformer):
@@ -238,7 +245,13 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 module.e_score_correction_bias = bias.float()
+        if fresh_indexer:
+            for module in model.modules():
+                if isinstance(module, Indexer):
+                    model.init_weights(module)
     args = model.args
+    if fresh_indexer and not args.index_topk:
+        raise ValueError("load_hf_checkpoint: fresh_indexer=True needs a model with an indexer (index_topk > 0)")
     weight_map = _read_index(path)
     if strict:
         expected = _expected_keys(args)
@@ -257,6 +270,11 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
             continue
         for p in pieces:
             dst = t[p.expert] if p.expert is not None else t
+            if fresh_indexer and ".self_attn.indexer." in p.key:
+                if p.key in weight_map:
+                    raise ValueError(f"load_hf_checkpoint: fresh_indexer=True but {path} holds {p.key}: it is a "
+                                     "V3.2 checkpoint; load it without fresh_indexer")
+                continue
             wanted[p.key] = (name, dst.narrow(0, p.row, p.rows), p)
     missing = [k for k in wanted if k not in weight_map]
     if missing:

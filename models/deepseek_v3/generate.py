@@ -3,6 +3,9 @@
 The cache holds, per layer, 576 values per token (``kv_lora_rank`` latent + ``qk_rope_head_dim``
 RoPE key) in FlashMLA's paged layout: ``[num_blocks, 64, 1, 576]`` pages addressed through a
 ``block_table [batch, max_blocks]``. Every sequence in a batch advances in lockstep (same length).
+A DeepSeek-V3.2 model (sparse attention) also caches each layer's lightning-indexer keys; its new queries
+score every cached key and attend to their top-k cached latents through FlashMLA's sparse decoding
+(``MLA._attend_indexed_cache``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class LatentKVCache:
         num_blocks = int(block_table.max()) + 1
         self.k_cache = {layer: torch.zeros(num_blocks, BLOCK_SIZE, 1, self.width, dtype=dtype, device=device)
                         for layer in range(args.n_layers)}
+        # DeepSeek-V3.2: each layer's lightning-indexer keys (index_head_dim per token), scored by every new query
+        self.index_k = {layer: torch.zeros(batch, max_len, args.index_head_dim, dtype=dtype, device=device)
+                        for layer in range(args.n_layers)} if args.sparse else {}
         self._step: dict | None = None
 
     def write(self, layer_id: int, start_pos: int, latent: torch.Tensor) -> None:
@@ -46,6 +52,21 @@ class LatentKVCache:
         pos = torch.arange(start_pos, start_pos + s, device=latent.device)
         pages = self.block_table[:, pos // BLOCK_SIZE].long()  # [b, s]
         self.k_cache[layer_id][pages, pos % BLOCK_SIZE, 0] = latent.to(self.k_cache[layer_id].dtype)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Token positions ``[batch, ...]`` (-1 = none) as cache slots ``page * 64 + offset``, FlashMLA's sparse
+        decoding ``indices`` (-1 kept)."""
+        pos = positions.clamp_min(0).long()
+        pages = self.block_table.gather(1, (pos // BLOCK_SIZE).flatten(1)).view_as(pos)
+        return torch.where(positions >= 0, pages * BLOCK_SIZE + pos % BLOCK_SIZE, -1).to(torch.int32)
+
+    def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store the indexer keys ``[batch, s, index_head_dim]`` at ``start_pos..``; return all ``start_pos + s``."""
+        end = start_pos + keys.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"LatentKVCache: positions up to {end} exceed max_len={self.max_len}")
+        self.index_k[layer_id][:, start_pos:end] = keys.to(self.index_k[layer_id].dtype)
+        return self.index_k[layer_id][:, :end]
 
     def begin_step(self, start_pos: int, num_tokens: int, num_heads: int) -> None:
         """Plan one step of ``num_tokens`` new tokens at ``start_pos`` (FlashMLA's once-per-step metadata)."""

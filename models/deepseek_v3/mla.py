@@ -9,6 +9,11 @@ Queries go through a low-rank bottleneck (``wq_a`` -> RMSNorm -> ``wq_b``; a pla
 * Absorbed form (decode): fold ``wkv_b``'s key half into the query and its value half into the
   output, so attention runs directly on the cached 576-wide latent ``[kv_norm(c_kv), rope(k_pe)]``
   through ``flash_mla.flash_mla_with_kvcache`` (MQA with one KV head, dv = 512).
+* Sparse form (DeepSeek-V3.2, ``index_topk > 0`` outside the dense warm-up): the lightning indexer
+  (``indexer.py``) picks each query's top-k causal keys and the absorbed form attends to those only,
+  through ``flash_mla.sparse_mla_attention`` (training and prefill) over the batch's latents flattened
+  to ``[b * s, 576]``. In training the indexer's KL loss rides on the attention output's backward
+  (``balancing.attach_aux_loss``), so every pipeline schedule carries it as it carries the output.
 """
 
 from __future__ import annotations
@@ -22,8 +27,21 @@ import flash_mla
 from deep_gemm import linear
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.balancing import attach_aux_loss
+from models.deepseek_v3.indexer import (
+    Indexer,
+    attention_target,
+    causal_rows,
+    causal_topk,
+    dense_chunk,
+    dense_indexer_kl,
+    index_scores,
+    indexer_kl,
+    record_recall,
+    select_rows,
+)
 from models.deepseek_v3.layers import Linear, RMSNorm
-from models.deepseek_v3.recompute import produce_consume
+from models.deepseek_v3.recompute import produce_consume, recomputing
 from models.deepseek_v3.rope import apply_rotary_emb
 
 
@@ -32,6 +50,8 @@ class LatentCache(Protocol):
 
     def write(self, layer_id: int, start_pos: int, latent: torch.Tensor) -> None: ...
     def attention_args(self, layer_id: int) -> dict: ...
+    def slots(self, positions: torch.Tensor) -> torch.Tensor: ...
+    def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor: ...
 
 
 class MLA(nn.Module):
@@ -70,6 +90,9 @@ class MLA(nn.Module):
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
+        self.sparse = args.sparse
+        self.fp8_index = bool(args.fp8)  # the indexer scores in FP8 (DeepGEMM's fp8_mqa_logits) when the GEMMs do
+        self.indexer = Indexer(args) if args.index_topk else None
 
     # ---- shared by both forms ---------------------------------------------------------------------
     def _q_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,11 +133,95 @@ class MLA(nn.Module):
             return self.forward_absorbed(x, cos, sin, cache, start_pos)
         q_latent = self._q_latent(x)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
-        out = produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend, q_latent, c_kv,
-                              k_pe, enabled=self.recompute_up)
-        # the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an FP8 copy beside it
+        learn = self.indexer is not None and self.training and torch.is_grad_enabled()
+        if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
+            return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
+                                                q_latent, c_kv, k_pe, enabled=self.recompute_up))
+        # the indexer reads the layer's input and query residual detached: only its own loss trains it
+        q_i, k_i, w = self._index(x.detach(), q_latent.detach(), cos, sin)
+        b, s = x.shape[:2]
+        if self.sparse:
+            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index)
+            out = produce_consume(lambda a, b_, c: self._absorb(a, b_, c, cos, sin),
+                                  lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
+                                  q_latent, c_kv, k_pe, enabled=self.recompute_up)
+        else:
+            rows = None  # the warm-up's candidates: every causal key (``dense_indexer_kl`` makes them per chunk)
+            out = produce_consume(lambda a, b_, c: self._up_project(a, b_, c, cos, sin), self._attend, q_latent,
+                                  c_kv, k_pe, enabled=self.recompute_up)
+        out = self._output(out)
+        if learn:
+            out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
+        return out
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """``wo(out)``; the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an
+        FP8 copy beside it."""
         cache = self.wo.fp8_cache and not keeps_output(out.device)
-        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache)
+        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache, health=self.wo.health)
+
+    # ---- sparse form (DSA) ------------------------------------------------------------------------
+    def _index(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's queries ``[b, s, H, D]``, keys ``[b, s, D]`` and head weights ``[b, s, H]``."""
+        q_resid = self.q_norm(q_latent).detach()  # q_norm's weight belongs to the main graph
+        return self.indexer.queries(q_resid, cos, sin), self.indexer.keys(x, cos, sin), self.indexer.head_weights(x)
+
+    def _absorb(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed queries ``[b * s, h, 576]`` and latents ``[b * s, 576]`` (``[kv_norm(c_kv), rope(k_pe)]``)."""
+        kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1)
+        return self._absorb_queries(q_latent, cos, sin).flatten(0, 1), kv.flatten(0, 1)
+
+    def _absorb_queries(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``[q_nope W_uk, rope(q_pe)]``, ``[b, s, h, 576]``, from the query latent before ``q_norm``; cos/sin
+        ``[s, rope/2]`` or per row ``[b, s, rope/2]``."""
+        q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        w_uk, _ = self._absorbed_weights()
+        return torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
+                          apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+
+    def _attend_sparse(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each query over its selected latent rows, then ``wkv_b``'s value half: ``[b * s, h * v_head_dim]``."""
+        out = flash_mla.sparse_mla_attention(q, kv, rows, self.softmax_scale, d_v=self.kv_lora_rank)
+        _, w_uv = self._absorbed_weights()
+        return torch.einsum("thc,hdc->thd", out, w_uv.to(out.dtype)).flatten(1)
+
+    def _indexer_loss(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+                      rows: torch.Tensor | None) -> torch.Tensor:
+        """KL of the indexer to the main attention over each query's candidates: the selected ``rows`` in the
+        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached."""
+        s = q_latent.shape[1]
+        q_i, k_i, w = q_i.flatten(0, 1), k_i.flatten(0, 1), w.flatten(0, 1)
+        stats = self.indexer.stats
+        if rows is not None:
+            with torch.no_grad():
+                p = attention_target(*self._absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
+            loss = indexer_kl(p, q_i, k_i, w, rows)
+            if not recomputing():
+                stats.record("kl", loss)
+            return loss
+        with torch.no_grad():  # what the target is remade from: the query latents and the 576-wide latents
+            q_latent = q_latent.detach().flatten(0, 1)
+            kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1).flatten(0, 1)
+
+        def target(start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad():
+                pos = torch.arange(start, start + count, device=kv.device) % s
+                q = self._absorb_queries(q_latent[None, start:start + count], cos[pos][None], sin[pos][None])[0]
+                cand = causal_rows(start, count, s, kv.device)
+                return attention_target(q, kv, cand, self.softmax_scale, chunk=count), cand
+
+        # each candidate costs a gathered latent and a logit per head (main side), or D + H (indexer side)
+        chunk = dense_chunk(s, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
+        loss = dense_indexer_kl(target, q_i, k_i, w, chunk)
+        if not recomputing():
+            stats.record("kl", loss)
+            last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
+            p, cand = target(last, q_i.shape[0] - last)
+            record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
+        return loss
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +232,15 @@ class MLA(nn.Module):
     def forward_absorbed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache,
                          start_pos: int) -> torch.Tensor:
         """Write this step's latents at ``start_pos`` and attend over the whole cached prefix (causal)."""
-        q_nope, q_pe = self._q_up(self._q_latent(x)).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = self._q_latent(x)
         c_kv, k_pe = self._kv_latent(x, cos, sin)
         c_kv = self.kv_norm(c_kv)
         cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
-        w_uk, w_uv = self._absorbed_weights()
-        q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype)),
-                           apply_rotary_emb(q_pe, cos, sin)], dim=-1)
+        _, w_uv = self._absorbed_weights()
+        q_abs = self._absorb_queries(q_latent, cos, sin)
+        if self.indexer is not None and self.sparse:
+            out = self._attend_indexed_cache(x, q_latent, q_abs, cos, sin, cache, start_pos)
+            return self.wo(torch.einsum("bshc,hdc->bshd", out, w_uv.to(out.dtype)).flatten(2))
         kwargs = cache.attention_args(self.layer_id)
         if q_abs.dtype == torch.float32:  # FlashMLA's kernels take bf16/fp16 only; fp32 (CPU) models take this path
             out = _latent_attention_fp32(q_abs, kwargs["k_cache"], kwargs["block_table"], kwargs["cache_seqlens"],
@@ -141,6 +250,19 @@ class MLA(nn.Module):
                                                       softmax_scale=self.softmax_scale, causal=True, **kwargs)
         out = torch.einsum("bshc,hdc->bshd", out, w_uv.to(out.dtype))
         return self.wo(out.flatten(2))
+
+    def _attend_indexed_cache(self, x: torch.Tensor, q_latent: torch.Tensor, q_abs: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, cache: LatentCache, start_pos: int) -> torch.Tensor:
+        """Sparse decoding of this step's absorbed queries ``[b, s, h, 576]``: the indexer's keys join the cache's
+        indexer key cache, each query takes its top-k cached positions, and FlashMLA's sparse decoding
+        (``flash_mla_with_kvcache(..., indices=...)``) attends to those slots of the paged latent cache.
+        Returns ``[b, s, h, 512]``."""
+        q_i, k_i, w = self._index(x, q_latent, cos, sin)
+        keys = cache.index_keys(self.layer_id, start_pos, k_i)
+        slots = cache.slots(causal_topk(index_scores(q_i, keys, w), self.indexer.topk, start_pos))
+        out, _ = flash_mla.flash_mla_with_kvcache(q_abs, head_dim_v=self.kv_lora_rank, softmax_scale=self.softmax_scale,
+                                                  indices=slots, **cache.attention_args(self.layer_id))
+        return out
 
 
 def _latent_attention_fp32(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

@@ -97,6 +97,8 @@ class Transformer(nn.Module):
         for m in (module or self).modules():
             if isinstance(m, (Linear, nn.Linear, nn.Embedding)) and not m.weight.is_meta:
                 nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.LayerNorm) and not m.weight.is_meta:  # the indexer's k_norm: weight 1, bias 0
+                m.reset_parameters()
             elif isinstance(m, (RMSNorm, Gate, Experts)) and not next(m.parameters()).is_meta:
                 m.reset_parameters(std) if not isinstance(m, RMSNorm) else m.reset_parameters()
 

@@ -72,3 +72,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     # products as four real multiplies and a stack, ~3x faster forward+backward on a CPU
     y = torch.view_as_complex(pairs) * torch.complex(cos, sin)
     return torch.view_as_real(y).flatten(-2).to(x.dtype)
+
+
+def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, s, h, d]`` as two halves, ``(x[:d/2], x[d/2:])`` paired element by element (Llama's
+    ``rotate_half``; transformers' ``rope_interleave=False``), by ``cos/sin [s, d/2]``; fp32 math. V3.2's
+    lightning indexer lays its RoPE dims out this way, unlike the main MLA's interleaved pairs."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -7,7 +7,8 @@ parts, so zero-bubble schedules can place W on their own:
 
 - a GEMM ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs in each of F, I (dgrad) and W (wgrad);
 - the causal attention core costs ``2 s^2 h (d_qk + d_v) / 2`` per sequence forward and 2.5x that
-  backward (FlashAttention's five GEMMs against two), all in I;
+  backward (FlashAttention's five GEMMs against two), all in I; DeepSeek-V3.2's sparse core ``2 s k h
+  (576 + 512)`` (O(s k)) plus its lightning indexer, whose FP8 logits stay O(s^2) (``dsa_ops``);
 - memory-bound ops (norms, RoPE, SwiGLU, the MoE permute/unpermute, cross-entropy) move their bytes
   forward and twice that backward, plus the system's fixed cost per kernel (``memory_latency_us``) in each
   pass; permutes and cross-entropy have their own kernel classes (their index gathers and vocabulary-wide
@@ -105,6 +106,44 @@ def attention_core(args: ModelArgs, tokens: int, seq_len: int) -> Op:
     flops = 2.0 * tokens * (seq_len + 1) / 2 * h * (args.qk_head_dim + args.v_head_dim)
     nbytes = tokens * h * (2 * args.qk_head_dim + 2 * args.v_head_dim) * BF16
     return Op("attention", "attention", flops, nbytes, f"{seq_len}x{h}x{args.qk_head_dim}")
+
+
+def mean_keys(seq_len: int, topk: int | None = None) -> float:
+    """Keys a causal query attends to on average over a sequence of ``seq_len``, at most ``topk`` each."""
+    if topk is None or topk >= seq_len:
+        return (seq_len + 1) / 2
+    return (topk * (topk + 1) / 2 + (seq_len - topk) * topk) / seq_len
+
+
+def dsa_ops(args: ModelArgs, tokens: int, seq_len: int, fp8: bool) -> list[Op]:
+    """DeepSeek-V3.2's attention core with its lightning indexer, per micro-batch (``args.index_topk > 0``).
+
+    The indexer: ``wq_b`` / ``wk`` / ``weights_proj`` GEMMs, and its causal logits ``2 s^2/2 H_I D_I`` (O(s^2))
+    in FP8 (``fp8_mqa_logits``, a forward only: no gradient flows through the selection); its loss scores the
+    candidates again, indexer and main side (``h x 576`` per key), in fp32. The main attention: dense in the
+    warm-up (the core V3 has), else the absorbed MQA over each query's top-k latents, O(s k): ``2 k h (576 +
+    512)`` per token forward (2.5x backward), plus folding ``wkv_b`` into q and out (whose per-token expansion
+    it replaces: ``block_durations`` drops that GEMM)."""
+    h, hi, di, t = args.n_heads, args.index_n_heads, args.index_head_dim, tokens
+    latent = args.kv_lora_rank + args.qk_rope_head_dim
+    dense = mean_keys(seq_len)
+    ops = [gemm("index_wq_b", t, hi * di, args.q_lora_rank), gemm("index_wk", t, di, args.dim),
+           gemm("index_weights", t, hi, args.dim)]
+    candidates = dense if args.dsa_warmup else mean_keys(seq_len, args.index_topk)
+    if args.sparse:
+        ops.append(Op("index_logits", "indexer", 2.0 * t * dense * hi * di, t * (hi + 1) * di * FP8_BYTES + t * 4,
+                      f"{seq_len}x{hi}x{di}", fp8=True))
+        keys = candidates
+        core_flops = 2.0 * t * keys * h * (latent + args.kv_lora_rank)
+        core_bytes = t * h * (latent + args.kv_lora_rank) * BF16 + t * keys * latent * BF16
+        ops += [Op("attention", "attention", core_flops, core_bytes, f"{seq_len}x{h}x{latent}"),
+                gemm("absorb_uk", t * h, args.kv_lora_rank, args.qk_nope_head_dim),
+                gemm("absorb_uv", t * h, args.v_head_dim, args.kv_lora_rank)]
+    else:
+        ops.append(attention_core(args, tokens, seq_len))
+    loss_flops = 2.0 * t * candidates * (hi * di + h * latent)
+    ops.append(Op("index_loss", "attention", loss_flops, t * candidates * (di + latent) * 4, f"{seq_len}x{hi}x{di}"))
+    return ops
 
 
 def ffn_ops(args: ModelArgs, layer_id: int, tokens: int, ep: int, fp8: bool, imbalance: float) -> list[Op]:
@@ -216,6 +255,8 @@ class OpTimer:
         if op.kind in MEMORY_KINDS:  # backward moves twice the bytes, in one kernel
             f = self._seconds(0.0, op.nbytes, op.kind, None, False, "f")
             return f, self._seconds(0.0, 2 * op.nbytes, op.kind, None, False, "i"), 0.0
+        if op.kind == "indexer":  # the top-k selection's logits: forward only
+            return self._seconds(op.flops, op.nbytes, "gemm", op.shape, op.fp8, "f"), 0.0, 0.0
         if op.kind == "attention":
             return (self._seconds(op.flops, op.nbytes, "attention_fwd", op.shape, False, "f"),
                     self._seconds(2.5 * op.flops, 2 * op.nbytes, "attention_bwd", op.shape, False, "f"), 0.0)
@@ -283,8 +324,9 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     (``Durations``) from where each op runs: before the dispatch (attention, router, permute: the forward's head,
     and with the shared experts the backward's tail) or after the combine (unpermute)."""
     fp8 = w.fp8 and timer.system.fp8_tflops > 0
-    ops = attention_ops(args, w.tokens, fp8) + [attention_core(args, w.tokens, w.seq_len),
-                                                gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
+    core = dsa_ops(args, w.tokens, w.seq_len, fp8) if args.index_topk else [attention_core(args, w.tokens, w.seq_len)]
+    ops = [op for op in attention_ops(args, w.tokens, fp8) if not (args.sparse and op.name == "wkv_b")]
+    ops += core + [gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
     ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
     full_block = "block" in w.recompute
     f = i = wg = flops = 0.0
@@ -295,7 +337,7 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
         if full_block or (op.recompute_kind is not None and op.recompute_kind in w.recompute):
             oi += of
         f, i, wg = f + of, i + oi, wg + ow
-        flops += op.flops * (3.5 if op.kind == "attention" else 3.0)
+        flops += op.flops * (3.5 if op.kind == "attention" else 1.0 if op.kind == "indexer" else 3.0)
         phase = _PHASE.get(op.name, "pre")
         phase_f[phase] += of
         phase_b[phase] += oi + ow - (of if full_block else 0.0)  # a block's re-run forward runs before its backward
