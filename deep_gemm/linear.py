@@ -46,6 +46,7 @@ from deep_gemm.grouped import (
     m_grouped_fp8_gemm_nn_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
 )
+from deep_gemm.health import Fp8Health
 from deep_gemm.reference import dequantize
 from deep_gemm.utils import BLOCK, M_ALIGNMENT, MX_BLOCK, align
 
@@ -115,11 +116,15 @@ def _fp8_weight(weight: torch.Tensor, recipe: str, dgrad: bool = False) -> tuple
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
-                fp8_cache: bool):
+                fp8_cache: bool, health: Fp8Health | None):
         m, n = x.shape[0], weight.shape[0]
+        ctx.health = health
         if fp8:
             w_q = _fp8_weight(weight, fp8)
             x_q = _act_cast(x, fp8)
+            if health is not None:
+                health.observe(weight, "fwd", "w", weight, w_q)
+                health.observe(weight, "fwd", "x", x, x_q)
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
             fp8_gemm_nt(x_q, w_q, d)
             out = d[:, :n].to(x.dtype)
@@ -148,12 +153,15 @@ class _LinearFunction(torch.autograd.Function):
             if ctx.fp8:
                 w_q = _fp8_weight(weight, ctx.fp8, dgrad=True)
                 d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
-                fp8_gemm_nn(_act_cast(grad_out, ctx.fp8), w_q, d)
+                dy_q = _act_cast(grad_out, ctx.fp8)
+                if ctx.health is not None:
+                    ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+                fp8_gemm_nn(dy_q, w_q, d)
                 grad_x = d[:, :k].to(x_dtype)
             else:
                 grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            fp8, cached = ctx.fp8, ctx.fp8_cache
+            fp8, cached, health = ctx.fp8, ctx.fp8_cache, ctx.health
             saved = ctx.saved_tensors
 
             def weight_grad() -> None:
@@ -161,6 +169,9 @@ class _LinearFunction(torch.autograd.Function):
                     x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
                     dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
                     x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
+                    if health is not None:
+                        health.observe(weight, "wgrad", "dy", grad_out, dy_q)
+                        health.observe(weight, "wgrad", "x", x, x_q)
                     d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
                     fp8_gemm_tn(dy_q, x_q, d)
                     g = d[: weight.shape[0], :k]
@@ -171,17 +182,18 @@ class _LinearFunction(torch.autograd.Function):
             _run_or_defer(weight_grad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0)
-        return grad_x, None, grad_bias, None, None
+        return grad_x, None, grad_bias, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
-           fp8_cache: bool = False) -> torch.Tensor:
+           fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``
     (True or "blockwise": DeepSeek-V3's recipe; "mxfp8": 1x32 blocks with UE8M0 scales).
 
     ``fp8_cache`` (with ``fp8``): keep ``x`` for the weight gradient only as the forward's e4m3 + 1x128
     cast (about 1/4 of fp32, 1/2 of bf16), not ``x`` itself; the wgrad re-tiles it to 128x1.
-    The weight gradient is deferred through ``accel.wgrad`` (see the module docstring).
+    The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
+    ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor [..., K], got {getattr(x, 'dtype', type(x).__name__)}")
@@ -193,7 +205,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     recipe = fp8_recipe(fp8)
     lead = x.shape[:-1]
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache))
+    health = health if health is not None and health.active else None
+    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -206,9 +219,10 @@ class Fp8Linear(nn.Linear):
         fp8_recipe(fp8)  # a bad recipe fails here, not at the first forward
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8, self.fp8_cache = fp8, fp8_cache
+        self.health: Fp8Health | None = None  # set by Fp8Health.attach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, fp8=self.fp8, fp8_cache=self.fp8_cache)
+        return linear(x, self.weight, self.bias, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8}, fp8_cache={self.fp8_cache}"
@@ -312,15 +326,15 @@ def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, gr
             accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
 
         _run_or_defer(weight_grad)
-    return grad_x, None, None, None, None
+    return grad_x, None, None, None, None, None
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
-                fp8_cache: bool):
+                fp8_cache: bool, health: Fp8Health | None):
         num_groups, n, k = weight.shape
-        ctx.weight = weight  # the parameter itself: see _LinearFunction
+        ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
         ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
         if not fp8:
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
@@ -332,7 +346,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
         w_q = _fp8_weight(weight, fp8)
-        x_q = _act_cast(x * valid.to(x.dtype), fp8)  # padding rows give 0, whatever they hold
+        x_valid = x * valid.to(x.dtype)  # padding rows give 0, whatever they hold
+        x_q = _act_cast(x_valid, fp8)
+        if health is not None:
+            health.observe(weight, "fwd", "w", weight, w_q)
+            health.observe(weight, "fwd", "x", x_valid, x_q)
         d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
         m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
         out = d[:, :n].to(x.dtype)
@@ -352,12 +370,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return _grouped_backward_unquantized(ctx, saved_x[0], weight, grad_out.contiguous())
         valid = (m_indices >= 0).unsqueeze(1)
         grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners, cached, x_dtype, recipe = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8
+        owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
         grad_x = None
         if ctx.needs_input_grad[0]:
             w_q = _fp8_weight(weight, recipe, dgrad=True)
             d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
-            m_grouped_fp8_gemm_nn_contiguous(_act_cast(grad_out, recipe), w_q, d, m_indices)
+            dy_q = _act_cast(grad_out, recipe)
+            if health is not None:
+                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+            m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
             grad_x = d[:, :k].to(x_dtype)
             grad_x = grad_x * valid.to(grad_x.dtype)
         if ctx.needs_input_grad[1]:
@@ -369,23 +390,27 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
                 dy_q = _wgrad_cast(_pad(dy, BLOCK), recipe)
                 x_q = _wgrad_cast(_pad(xs, BLOCK), recipe)
+                if health is not None:
+                    health.observe(weight, "wgrad", "dy", dy, dy_q)
+                    health.observe(weight, "wgrad", "x", xs, x_q)
                 d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
                 ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
                 k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
                 accumulate_grad(weight, d[:, :n, :k])
 
             _run_or_defer(weight_grad)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
-                   fp8_cache: bool = False) -> torch.Tensor:
+                   fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
     """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
 
     ``x [M, K]`` in the contiguous grouped layout (each group padded to 128 rows, M a multiple of
     128), ``weight [G, N, K]``. Backward: dgrad by the grouped nn GEMM, wgrad by the k-grouped tn
     GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients. ``fp8_cache`` (with
     ``fp8``): ``x`` is kept for the weight gradient only as the forward's e4m3 + 1x128 cast (see ``linear``).
+    ``health``: as in ``linear``.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -397,7 +422,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
-    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache))
+    health = health if health is not None and health.active else None
+    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health)
 
 
 class GroupedLinear(nn.Module):

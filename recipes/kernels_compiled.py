@@ -10,10 +10,11 @@ Each case is one kernel specialised as the JIT specialises it at the benchmark s
 pointers, strides and sizes marked; unit strides and constants folded), compiled with the Triton in
 this environment (``accel.aot``), then read back: registers, spill (stack) bytes, shared memory,
 whether the SASS uses the architecture's tensor-core MMA (``tensor_core_mma``: Hopper's wgmma, Blackwell's
-tcgen05) and TMA, and the size of the main loop. The deep_gemm GEMMs use that architecture's autotune tiles
-(``deep_gemm.kernels.gemm.tiles_for``). The gates (``gate_failures``): no spills, shared memory within a
-block of that architecture, and the tensor-core MMA in every MMA kernel whose tile allows it (M tile a
-multiple of 64 rows per warp group).
+tcgen05) and TMA, and the size of the main loop. The deep_gemm GEMMs and flash_mla's decode and attention
+kernels use that architecture's autotune lists (``deep_gemm.kernels.gemm.tiles_for``,
+``flash_mla.kernels.decode.decode_configs``, ``accel.autotune.for_capability``). The gates
+(``gate_failures``): no spills, shared memory within a block of that architecture, and the tensor-core MMA in
+every MMA kernel whose tile allows it (M tile a multiple of 64 rows per warp group).
 Runs without the interpreter: ``main`` clears ``TRITON_INTERPRET`` before any kernel module is imported.
 """
 
@@ -27,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel import aot
+from accel import aot, autotune
 from accel.cli import BAD_INPUT, ArgumentParser, check_output_file, positive_int
 
 
@@ -106,7 +107,7 @@ def gemm_cases(capability: int = 90) -> list[Case]:
     return cases
 
 
-def decode_cases() -> list[Case]:
+def decode_cases(capability: int = 90) -> list[Case]:
     from flash_mla.kernels import decode
 
     cases = []
@@ -121,7 +122,7 @@ def decode_cases() -> list[Case]:
         divisible = tuple(pointers) + kv_strides + ("stride_qb", "stride_qs", "stride_qh", "stride_ob", "stride_os",
                                                     "stride_oh", "stride_pa_slot", "stride_pa_h", "stride_pa_row")
         for causal, s_q in ((False, 1), (True, 2)):
-            for i, cfg in enumerate(decode.DECODE_CONFIGS[fp8]):
+            for i, cfg in enumerate(decode.decode_configs(fp8, capability)):
                 meta = decode.config_kwargs(cfg)
                 consts = {"CAUSAL": causal, "FP8": fp8, "D_NOPE": 512, "D_ROPE": 64, "PAGE": 64,
                           "PAGE_IDS": decode.PAGE_IDS, "UPCAST": False, **meta}
@@ -138,7 +139,7 @@ def decode_cases() -> list[Case]:
     return cases
 
 
-def attention_cases() -> list[Case]:
+def attention_cases(capability: int = 90) -> list[Case]:
     from flash_mla.kernels import attention
 
     cases = []
@@ -149,10 +150,10 @@ def attention_cases() -> list[Case]:
                ("bwd_dkdv", attention._bwd_dkdv_kernel, attention.DKDV_CONFIGS, {**bwd_ptrs, "DK": "*bf16",
                                                                                    "DV_": "*bf16"}),
                ("bwd_dq", attention._bwd_dq_kernel, attention.DQ_CONFIGS, {**bwd_ptrs, "DQ": "*bf16"})]
-    for name, fn, configs, pointers in kernels:
+    for name, fn, lists, pointers in kernels:
         divisible = tuple(pointers) + tuple(n for n in fn.arg_names if n.startswith("stride_")) + ("H",)
         for causal in (True, False):
-            for i, (bm, bn, w, s) in enumerate(configs):
+            for i, (bm, bn, w, s) in enumerate(autotune.for_capability(lists, capability)):
                 consts = {**attention.static_args(192, 128, causal), "UPCAST": False, "BLOCK_M": bm, "BLOCK_N": bn}
                 rows = bn if name == "bwd_dkdv" else bm
                 cases.append(Case(f"flash_mla.attention.{name}[192/128{' causal' if causal else ''}]",
@@ -268,7 +269,7 @@ def fused_cases() -> list[Case]:
 
 
 def all_cases(capability: int = 90) -> list[Case]:
-    return gemm_cases(capability) + decode_cases() + attention_cases() + dsa_cases() + fused_cases()
+    return gemm_cases(capability) + decode_cases(capability) + attention_cases(capability) + dsa_cases() + fused_cases()
 
 
 def _compile_one(index: int, capability: int = 90) -> dict:

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from accel import autotune
 from accel.cli import ArgumentParser, positive_float, positive_int
 
 AREAS = ("deep_gemm", "flash_mla")
@@ -28,9 +29,12 @@ def shard_count() -> int:
     """The longest autotune config list among the kernels: that many shards compile everything once."""
     from deep_gemm.kernels import gemm
     from flash_mla.kernels import attention, decode
+    from flash_mla.kernels.common import cuda_capability
 
-    lists = [gemm._dense_kernel.configs, *decode.DECODE_CONFIGS.values(),
-             attention.FWD_CONFIGS, attention.DKDV_CONFIGS, attention.DQ_CONFIGS]
+    capability = cuda_capability()  # the lists this machine's autotuners use
+    lists = [gemm._dense_kernel.configs, *(decode.decode_configs(fp8, capability) for fp8 in (False, True)),
+             *(autotune.for_capability(c, capability)
+               for c in (attention.FWD_CONFIGS, attention.DKDV_CONFIGS, attention.DQ_CONFIGS))]
     return max(len(c) for c in lists)
 
 

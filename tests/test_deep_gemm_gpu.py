@@ -1,8 +1,10 @@
 """deep_gemm's compiled Triton kernels on a real GPU at DeepSeek-V3 shapes (skipped without a GPU).
 
-Same rules as on the CPU: calc_diff < 1e-3 against the fp32 product of the unquantized inputs
-(DeepGEMM's own threshold) and < 1e-5 against the reference on the same FP8 inputs; outputs
-NaN-poisoned first, skipped rows must stay NaN.
+Same rules as on the CPU: calc_diff against the fp32 product of the unquantized inputs below
+``tests.tolerances.fp8_calc_diff_bound`` (two e4m3 casts per GEMM, three for the Linear's wgrad; every
+compared tensor here has >= 64 x 2112 outputs: ~1.4e-3 and ~2.1e-3; DeepGEMM's own 1e-3 is the Gaussian-input
+case of the same formula) and < 1e-5 against the reference on the same FP8 inputs; outputs NaN-poisoned first,
+skipped rows must stay NaN.
 """
 
 import pytest
@@ -13,10 +15,12 @@ import deep_gemm
 from accel import registry
 from deep_gemm import calc_diff
 from deep_gemm.grouped import contiguous_layout
+from tests.tolerances import fp8_calc_diff_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-QUANT_TOL, SAME_INPUT_TOL = 1e-3, 1e-5
+QUANT_TOL, SAME_INPUT_TOL = fp8_calc_diff_bound(casts=2, reduction=7168, samples=64 * 2112), 1e-5
+WGRAD_TOL = fp8_calc_diff_bound(casts=3, reduction=2048, samples=2048 * 1536)
 
 
 @pytest.fixture
@@ -108,8 +112,8 @@ def test_fp8_linear_training_step_on_gpu(dev, monkeypatch):
     layer(x1).float().backward(grad)
     assert registry.get("deep_gemm.fp8_gemm_tn").last_impl == "triton"
     ref(x2).backward(grad)
-    assert calc_diff(x1.grad, x2.grad) < 2e-3
-    assert calc_diff(layer.weight.grad, ref.weight.grad) < 2e-3
+    assert calc_diff(x1.grad, x2.grad) < QUANT_TOL
+    assert calc_diff(layer.weight.grad, ref.weight.grad) < WGRAD_TOL
     assert calc_diff(layer.bias.grad, ref.bias.grad) < 1e-4  # sums of bf16-rounded output grads
 
 

@@ -8,6 +8,7 @@ import flash_mla
 from accel import registry
 from accel.verify import calc_diff
 from flash_mla.attention import mla_attention_reference
+from flash_mla.kernels.attention import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS
 
 
 def _float64_attention(q, k, v, causal, scale):
@@ -79,3 +80,14 @@ def test_triton_forward_backward_matches_reference(layout, size, heads, dqk, dv,
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype and torch.isfinite(g).all(), name
         assert calc_diff(g, w) < tol, f"{name}: {calc_diff(g, w)}"
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+def test_every_gpu_tile_keeps_the_causal_diagonal_whole(capability):
+    """The forward and dQ walk key blocks inside a query block (BLOCK_M % BLOCK_N == 0), dK/dV query blocks
+    inside a key block (BLOCK_N % BLOCK_M == 0): a tile breaking this masks the diagonal wrongly, and the
+    compile gates cannot see it (tiles as (BLOCK_M, BLOCK_N, warps, stages))."""
+    for block_m, block_n, _, _ in FWD_CONFIGS[capability] + DQ_CONFIGS[capability]:
+        assert block_m % block_n == 0, (capability, block_m, block_n)
+    for block_m, block_n, _, _ in DKDV_CONFIGS[capability]:
+        assert block_n % block_m == 0, (capability, block_m, block_n)

@@ -62,19 +62,10 @@ GATES = [
     ("memory-bound kernel without 128-bit loads", lambda r: r["kernel"].startswith("fused_ops."),
      lambda r: not r["vector_loads"]),
 ]
-# Known gate failures, each with why and where the fix belongs: (capability, Triton "major.minor", kernel, config or
-# "*") -> reason. Their rows make the test xfail (reported, never silently passed); any other failure fails it.
-KNOWN_FAILURES = {
-    (100, "3.6", "flash_mla.decode[bf16]", "*"): "decode's Triton-3.6 list (64-row wgmma tiles) spills 456-536 B on "
-    "sm_100a; needs an sm_100 list in flash_mla/kernels/decode.py (accel.autotune.for_capability)",
-    (100, "3.6", "flash_mla.decode[bf16 causal]", "*"): "as flash_mla.decode[bf16]",
-    (100, "3.6", "flash_mla.decode[fp8]", "*"): "as flash_mla.decode[bf16]",
-    (100, "3.6", "flash_mla.decode[fp8 causal]", "*"): "as flash_mla.decode[bf16]",
-    (100, "3.9", "flash_mla.attention.fwd[192/128]", "BLOCK_M=128 BLOCK_N=32 w8 s3"): "spills 16 B on sm_100a; needs "
-    "an sm_100 list in flash_mla/kernels/attention.py",
-    (100, "3.9", "flash_mla.attention.bwd_dq[192/128 causal]", "BLOCK_M=128 BLOCK_N=32 w8 s2"): "spills 16 B on "
-    "sm_100a; needs an sm_100 list in flash_mla/kernels/attention.py",
-}
+# Known gate failures (none at present), each with why and where the fix belongs: (capability, Triton "major.minor",
+# kernel, config or "*") -> reason. Their rows make the test xfail (reported, never silently passed); any other
+# failure fails it.
+KNOWN_FAILURES: dict[tuple[int, str, str, str], str] = {}
 # The FP8 dense GEMM at 128x128x128, 8 warps (Triton 3.9 / 3.6). sm_90a: 175 / 184 registers, 170-172 SASS
 # instructions and 11 global loads (8 tile copies, A's scales, one B scale) per K block; the bounds leave ~15%
 # for compiler drift and fail on a return of per-element addressing (247 registers, 323 instructions, 42 loads).

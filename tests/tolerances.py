@@ -41,3 +41,27 @@ def assert_reorder_close(actual: torch.Tensor, expected: torch.Tensor, reduction
     torch.testing.assert_close(actual, expected, rtol=0, atol=atol,
                                msg=lambda m: f"{msg + ': ' if msg else ''}{m}\n(fp32 reorder bound: reduction "
                                              f"{reduction}, depth {depth}, atol {atol:.3g})")
+
+
+# ---- FP8 (e4m3) ------------------------------------------------------------------------------------------
+E4M3_MANTISSA_BITS = 3
+# One cast to e4m3 rounds a value m * 2^e (1 <= m < 2, normal range) to the nearest of 2^3 steps per binade: the
+# error is uniform within half a step, 2^(e-4), so its relative variance is (2^-4 / m)^2 / 3, largest at m = 1:
+E4M3_REL_VAR = (2.0 ** -(E4M3_MANTISSA_BITS + 1)) ** 2 / 3  # 1.30e-3 (Gaussian inputs average 3/(8 ln 2) of it)
+
+
+def fp8_calc_diff_bound(casts: int, reduction: int, samples: int) -> float:
+    """Bound on ``calc_diff(result, exact)`` for a product whose operands went through ``casts`` e4m3 roundings
+    in all (a GEMM of two cast operands: 2; the wgrad of the FP8 Linear, whose X is cast twice: 3).
+
+    Each output sums ``reduction`` terms a_i b_i (1 + d_i), d_i the terms' summed relative cast errors of variance
+    ``casts_per_term * E4M3_REL_VAR``. For inputs of random sign the output and its error are both random walks of
+    the ``reduction`` terms, so their power ratio ``casts * E4M3_REL_VAR`` is independent of the length, and
+    calc_diff ~ ||err||^2 / (2 ||y||^2) is half of it; same-sign inputs make the output grow like the length and
+    the ratio shrink, so random signs are the worst case. fp32 accumulation adds (2 gamma_reduction)^2, negligible.
+    ``samples`` outputs estimate that mean with a relative spread ~ sqrt(2 / samples): the bound allows 6 of it.
+    """
+    if casts < 1 or reduction < 1 or samples < 1:
+        raise ValueError(f"casts, reduction and samples must be >= 1, got {casts}, {reduction}, {samples}")
+    gamma = reduction * U32 / (1 - reduction * U32)
+    return (casts * E4M3_REL_VAR / 2 + (2 * gamma) ** 2) * (1 + 6 * math.sqrt(2 / samples))

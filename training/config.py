@@ -41,6 +41,7 @@ OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
+FP8_SHADOW_ACTIONS = ("bf16", "warn")
 
 
 def pipeline_layout(schedule: str, pp: int) -> Layout:
@@ -166,6 +167,11 @@ class LoggingConfig:
     eval_every: int = 0  # 0 = only at the end
     eval_batches: int = 4
     plot: bool = True
+    # FP8 health (deep_gemm.health, with model.fp8): every N steps each FP8 GEMM's e4m3 underflow, subnormals and
+    # tile amax range go to metrics.jsonl (per layer) and wandb (maxima); 0 = off. A warning names the layer and
+    # GEMM whose share of nonzero values rounding to 0 exceeds fp8_underflow_warn.
+    fp8_health_every: int = 10
+    fp8_underflow_warn: float = 0.01
 
 
 @dataclass
@@ -190,6 +196,18 @@ class FaultConfig:
     stable_after: int = 20  # healthy steps after which a committed checkpoint becomes stable (a rollback target)
     max_retries: int = 3
     inject_nan_at_step: int = 0  # check the guard: step N's loss is made NaN, once per process (0 = never)
+    # BF16 shadow (with model.fp8): every N steps micro-batch 0's loss is computed again with FP8 off and the
+    # relative gap logged (0 = off: it costs two forwards of one micro-batch per check, docs/fp8.md). A gap above
+    # fp8_shadow_threshold in fp8_shadow_patience checks in a row is a fault: "warn" logs it and the layers to
+    # blame; "bf16" also rolls back as for a NaN and continues with those layers' GEMMs in BF16.
+    fp8_shadow_every: int = 0
+    fp8_shadow_threshold: float = 0.0025
+    fp8_shadow_patience: int = 3
+    fp8_shadow_action: str = "bf16"
+    # check the shadow: from this step on, the named FP8 module's forward output is 16x too large, as from a
+    # dequantization scale off by 16x (a module called as a module, e.g. layers.1.attn.wq_b; 0 = never)
+    inject_fp8_scale_error_at_step: int = 0
+    inject_fp8_scale_error_layer: str = ""
 
 
 @dataclass
@@ -485,6 +503,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"model.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.model.fp8_recipe!r}")
     validate_fault(cfg.fault)
+    if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
+        raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "
+                         f"got {cfg.logging.fp8_health_every} and {cfg.logging.fp8_underflow_warn}")
     validate_eplb(cfg)
 
 
@@ -495,9 +516,19 @@ def validate_fault(f: FaultConfig) -> None:
     for key in ("window", "stable_after"):
         if getattr(f, key) < 1:
             raise ValueError(f"fault.{key} must be >= 1, got {getattr(f, key)}")
-    for key in ("max_retries", "inject_nan_at_step"):
+    for key in ("max_retries", "inject_nan_at_step", "fp8_shadow_every", "inject_fp8_scale_error_at_step"):
         if getattr(f, key) < 0:
             raise ValueError(f"fault.{key} must be >= 0, got {getattr(f, key)}")
+    if not f.fp8_shadow_threshold > 0 or f.fp8_shadow_patience < 1:
+        raise ValueError(f"fault.fp8_shadow_threshold must be > 0 and fault.fp8_shadow_patience >= 1, got "
+                         f"{f.fp8_shadow_threshold} and {f.fp8_shadow_patience}")
+    if f.fp8_shadow_action not in FP8_SHADOW_ACTIONS:
+        raise ValueError(f"fault.fp8_shadow_action must be one of {', '.join(FP8_SHADOW_ACTIONS)}, "
+                         f"got {f.fp8_shadow_action!r}")
+    if bool(f.inject_fp8_scale_error_at_step) != bool(f.inject_fp8_scale_error_layer):
+        raise ValueError("fault.inject_fp8_scale_error_at_step and fault.inject_fp8_scale_error_layer go together "
+                         f"(both set or both unset), got {f.inject_fp8_scale_error_at_step} and "
+                         f"{f.inject_fp8_scale_error_layer!r}")
 
 
 def validate_eplb(cfg: TrainConfig) -> None:

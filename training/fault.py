@@ -19,15 +19,21 @@ write (weights, optimizer moments, buffers) is finite: an update can make it non
 loss and gradient norm (an overflowing moment, a NaN in an expert no token reached), and such a state
 is treated as a fault of that step instead of being committed. The errors' messages are one line, as
 ``recipes.train`` prints them (exit status ``accel.cli.FAULT_STOP``).
+
+FP8 runs can add a fourth reason: :class:`Fp8Shadow` watches the relative gap between a micro-batch's loss
+with FP8 GEMMs and the same loss with them off; a gap above its threshold in ``patience`` checks in a row is a
+fault (``check(..., fp8_shadow=True)``), handled like the others, and ``blame_layers`` finds the blocks whose
+FP8 GEMMs make the gap so that the run can continue with those in BF16 (docs/fp8.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +42,9 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-_NONFINITE_LOSS, _NONFINITE_GRAD, _SPIKE, _NONFINITE_STATE = 0, 1, 2, 3
-_REASONS = ("non-finite loss", "non-finite gradient norm", "loss spike", "non-finite weights or optimizer state")
+_NONFINITE_LOSS, _NONFINITE_GRAD, _SPIKE, _NONFINITE_STATE, _FP8_SHADOW = 0, 1, 2, 3, 4
+_REASONS = ("non-finite loss", "non-finite gradient norm", "loss spike", "non-finite weights or optimizer state",
+            "FP8 loss gap to BF16 above threshold")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -193,11 +200,14 @@ class FaultTolerance:
                 self.manager.unpin(c)
 
     # ------------------------------------------------------------------------------------------ the check
-    def check(self, step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None) -> Verdict:
-        """Judge step ``step`` on every rank together; a bad verdict carries the rollback target."""
+    def check(self, step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None,
+              fp8_shadow: bool = False) -> Verdict:
+        """Judge step ``step`` on every rank together; a bad verdict carries the rollback target.
+        ``fp8_shadow``: this step's BF16 shadow check found a sustained FP8 gap (:class:`Fp8Shadow`)."""
         loss_f = float(loss)
         grad_f = float(grad_norm) if grad_norm is not None else None
         flags = [0.0] * len(_REASONS)
+        flags[_FP8_SHADOW] = float(fp8_shadow)
         if not math.isfinite(loss_f):
             flags[_NONFINITE_LOSS] = 1.0
         if grad_f is not None and not math.isfinite(grad_f):
@@ -291,6 +301,73 @@ class FaultTolerance:
     def _log(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics(record)
+
+
+class Fp8Shadow:
+    """The BF16 shadow's verdicts: a relative gap ``|loss_fp8 / loss_bf16 - 1|`` above ``threshold`` in
+    ``patience`` checks in a row is sustained (one check alone is noise a single batch can make)."""
+
+    def __init__(self, threshold: float, patience: int) -> None:
+        if not threshold > 0 or patience < 1:
+            raise ValueError(f"Fp8Shadow needs threshold > 0 and patience >= 1, got {threshold} and {patience}")
+        self.threshold = threshold
+        self.recent: deque[bool] = deque(maxlen=patience)
+
+    def add(self, gap: float) -> bool:
+        """Record one check's gap; True when the last ``patience`` gaps were all above the threshold (a NaN gap
+        counts as above). The history then restarts, so a fault is raised once per ``patience`` bad checks."""
+        self.recent.append(not abs(gap) <= self.threshold)
+        if len(self.recent) == self.recent.maxlen and all(self.recent):
+            self.recent.clear()
+            return True
+        return False
+
+
+def fp8_modules(modules: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """Name -> module of every FP8 GEMM layer (a module with ``fp8`` on and a ``health`` slot: the FP8 Linear
+    and the grouped experts) under ``modules``, named as in the checkpoint (``layers.3.attn.wq_b``)."""
+    out: dict[str, torch.nn.Module] = {}
+    for root in modules:
+        for name, m in root.named_modules():
+            if getattr(m, "fp8", False) and hasattr(m, "health"):
+                out.setdefault(name, m)
+    return out
+
+
+@contextlib.contextmanager
+def fp8_disabled(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """The given FP8 layers run their GEMMs in BF16 (or the run's dtype) inside the block."""
+    before = [m.fp8 for m in layers]
+    for m in layers:
+        m.fp8 = False
+    try:
+        yield
+    finally:
+        for m, fp8 in zip(layers, before):
+            m.fp8 = fp8
+
+
+def block_of(name: str) -> str:
+    """The block a layer belongs to: ``layers.3.attn.wq_b`` -> ``layers.3``."""
+    return ".".join(name.split(".")[:2])
+
+
+def blame_layers(blocks: Sequence[str], gap_without: Callable[[list[str]], float], threshold: float) -> list[str]:
+    """The blocks whose FP8 GEMMs make the gap: greedily, the block whose FP8-off forward shrinks the gap most,
+    until the gap with all chosen blocks off is within ``threshold``. ``gap_without(blocks)`` is the relative
+    gap with FP8 off in those blocks (a collective under a pipeline: every rank calls it with the same list).
+    Costs one forward per block, plus one per block chosen after the first; all blocks when none suffices."""
+    def size(gap: float) -> float:
+        return abs(gap) if math.isfinite(gap) else math.inf
+
+    alone = {b: size(gap_without([b])) for b in blocks}
+    chosen: list[str] = []
+    for b in sorted(blocks, key=lambda b: (alone[b], blocks.index(b))):
+        chosen.append(b)
+        gap = alone[b] if len(chosen) == 1 else size(gap_without(chosen))
+        if gap <= threshold:
+            break
+    return chosen
 
 
 def tensors_finite(state: Any) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import accel
+from deep_gemm.health import GEMMS, rows
 
 WANDB_MODES = ("offline", "online", "disabled")
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
@@ -114,6 +115,7 @@ class MetricsLogger:
         self.total_steps, self.flops_per_token, self.fp8 = total_steps, flops_per_token, fp8
         self.device_name = accel.device_name()
         self.history: list[dict[str, Any]] = []
+        self._fp8_post = ""
         self._bar = None
         if progress:
             self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, unit="step", dynamic_ncols=True)
@@ -149,6 +151,10 @@ class MetricsLogger:
                 post["tok/s"] = f"{record['tokens_per_s']:.0f}"
             if "lr" in record:
                 post["lr"] = f"{record['lr']:.2e}"
+            if "fp8_underflow_max" in record:  # held from the last health step: FP8 health beside the loss
+                self._fp8_post = f"{record['fp8_underflow_max']:.2%}"
+            if self._fp8_post:
+                post["fp8 underflow"] = self._fp8_post
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(step - self._bar.n)
 
@@ -191,6 +197,47 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
         self._file.close()
+
+
+def fp8_health_metrics(counts: dict[str, list[float]], step: int, warn: float,
+                       warned: dict[str, float]) -> tuple[dict[str, Any], list[str]]:
+    """One FP8-health report (``deep_gemm.health`` counts, all ranks merged) as metrics, and its warnings.
+
+    Scalars (wandb and the progress bar): the worst layer's underflow, hidden underflow and subnormal share per
+    GEMM (``fp8_{fwd,dgrad,wgrad}_underflow_max`` ...) and over all, and the widest tile amax range.
+    ``fp8_health`` (metrics.jsonl only): per layer, per ``gemm.operand``, every statistic. A warning names each
+    layer, GEMM and operand whose share of nonzero values that round to 0 exceeds ``warn``: the first time, and
+    again each time it has doubled since (``warned``, the caller's record of the shares last warned about, is
+    updated), so a run is told when a layer crosses the line or gets worse, not at every report."""
+    table = rows(counts)
+    if not table:
+        return {}, []
+    out: dict[str, Any] = {}
+    for gemm in GEMMS:
+        mine = [r for r in table if r.gemm == gemm]
+        if mine:
+            out[f"fp8_{gemm}_underflow_max"] = max(r.underflow for r in mine)
+            out[f"fp8_{gemm}_hidden_underflow_max"] = max(r.hidden for r in mine)
+            out[f"fp8_{gemm}_subnormal_max"] = max(r.subnormal for r in mine)
+    out["fp8_underflow_max"] = max(r.underflow for r in table)
+    out["fp8_floored_tiles_max"] = max(r.floored for r in table)
+    out["fp8_log2_amax_min"] = min(r.log2_amax_min for r in table)
+    out["fp8_log2_amax_max"] = max(r.log2_amax_max for r in table)
+    per_layer: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in table:
+        per_layer.setdefault(r.layer, {})[f"{r.gemm}.{r.operand}"] = {
+            "underflow": r.underflow, "hidden_underflow": r.hidden, "subnormal": r.subnormal,
+            "floored_tiles": r.floored, "log2_amax": [r.log2_amax_min, r.log2_amax_mean, r.log2_amax_max]}
+    out["fp8_health"] = per_layer
+    warnings = []
+    for r in table:
+        key = f"{r.layer} {r.gemm} {r.operand}"
+        if r.underflow > warn and r.underflow >= 2 * warned.get(key, 0.0):
+            warned[key] = r.underflow
+            warnings.append(f"FP8 health at step {step}: {key}: {r.underflow:.2%} of nonzero values round to 0 in "
+                            f"e4m3 ({r.hidden:.2%} in tiles under the amax floor 1e-4), {r.subnormal:.2%} subnormal; "
+                            f"threshold {warn:.2%} (logging.fp8_underflow_warn)")
+    return out, warnings
 
 
 def format_summary(summary: dict[str, Any]) -> str:

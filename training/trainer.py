@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import math
 import os
 import time
@@ -32,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import accel
 from accel import grads
 from accel.flight import FlightRecorder, flight_path, record_collective
 from accel.trace import TraceRecorder
+from deep_gemm.health import Fp8Health, merge_counts
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
@@ -47,9 +50,10 @@ from training.config import DataConfig, TrainConfig, check_microbatches, check_w
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
+from training.fault import Fp8Shadow, blame_layers, block_of, fp8_disabled, fp8_modules
 from training.inference import pipeline_generate, pipeline_hidden
 from training.loss import StageLoss, freeze_all_but_indexers, indexer_metrics, init_from_hf
-from training.metrics import MetricsLogger, NullLogger, model_flops_per_token
+from training.metrics import MetricsLogger, NullLogger, fp8_health_metrics, model_flops_per_token
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
 from training.pipeline import PipelineRunner
@@ -59,6 +63,7 @@ if TYPE_CHECKING:  # the loop only calls them; training.run makes them
     from training.preempt import Preemption, Stop
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def model_args(cfg: TrainConfig) -> ModelArgs:
@@ -197,6 +202,18 @@ class Trainer:
         self.preemption: Preemption | None = None  # set by training.run: SIGTERM / SIGINT / run.max_minutes
         self.stopped: Stop | None = None  # why and after which step fit() stopped early (every rank agrees)
         self._nan_injected = False  # fault.inject_nan_at_step fires once per process
+        # FP8 health (logging.fp8_health_every) and the BF16 shadow (fault.fp8_shadow_every): owned here, handed
+        # to the FP8 layers; the shadow's fallback switches blocks to BF16 for the rest of the run
+        self.fp8_health = Fp8Health() if cfg.model.fp8 and cfg.logging.fp8_health_every else None
+        if self.fp8_health is not None:
+            self.fp8_health.attach(self.stages)
+        f = cfg.fault
+        self.fp8_shadow = Fp8Shadow(f.fp8_shadow_threshold, f.fp8_shadow_patience) \
+            if cfg.model.fp8 and f.fp8_shadow_every else None
+        self.fp8_bf16_blocks: list[str] = []
+        self._fp8_warned: dict[str, float] = {}  # FP8-health warnings given: layer GEMM operand -> underflow
+        if f.inject_fp8_scale_error_at_step:
+            self._inject_fp8_scale_error(f.inject_fp8_scale_error_layer, f.inject_fp8_scale_error_at_step)
 
     # ---- construction helpers -----------------------------------------------------------------
     def _holds_loss(self) -> bool:
@@ -349,6 +366,8 @@ class Trainer:
         ids = self.sampler.next_batch(global_batch)
         windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
         self.optimizer.zero_grad()
+        if self.fp8_health is not None:
+            self.fp8_health.active = (step + 1) % cfg.logging.fp8_health_every == 0
         with unchecked_scale_values():  # FP8: a NaN must reach the loss / gradient norm, where the guard sees it
             criterion = self._forward_backward(windows, chunks)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp, self.flight)
@@ -371,6 +390,7 @@ class Trainer:
             metrics["mtp_loss"] = mtp
         if grad_sync_s is not None:
             metrics["eplb_grad_sync_s"] = grad_sync_s
+        metrics.update(self._fp8_checks(windows.chunk(chunks)[0]))
         apply = all(hook(self, metrics) is not False for hook in self.after_backward_hooks)
         if apply:
             self.optimizer.step()
@@ -391,6 +411,87 @@ class Trainer:
         for hook in self.step_end_hooks:
             hook(self, metrics)
         return metrics
+
+    # ---- FP8 health and the BF16 shadow ------------------------------------------------------------
+    def _fp8_checks(self, micro_batch: torch.Tensor) -> dict[str, Any]:
+        """This step's FP8 health report and BF16 shadow check, where due (every rank calls it)."""
+        out: dict[str, Any] = {}
+        if self.fp8_health is not None and self.fp8_health.active:
+            self.fp8_health.active = False
+            counts = [self.fp8_health.counts()]
+            if self.ps.world_size > 1:
+                gathered = [None] * self.ps.world_size if self.ps.rank == 0 else None
+                dist.gather_object(counts[0], gathered, dst=0)
+                counts = gathered or []
+            if self.ps.rank == 0:
+                health, warnings = fp8_health_metrics(merge_counts(counts), self.step + 1,
+                                                      self.cfg.logging.fp8_underflow_warn, self._fp8_warned)
+                out.update(health)
+                for line in warnings:
+                    log.warning(line)
+        if self.fp8_shadow is not None and (self.step + 1) % self.cfg.fault.fp8_shadow_every == 0:
+            out.update(self._fp8_shadow_check(micro_batch))
+        return out
+
+    def _fp8_shadow_check(self, micro_batch: torch.Tensor) -> dict[str, Any]:
+        """``micro_batch``'s main loss with FP8 and with every FP8 layer in BF16, at this step's weights; on a
+        sustained gap the blocks to blame, and with ``fault.fp8_shadow_action = "bf16"`` the fault flag and the
+        switch of those blocks to BF16 (the checkpoint hooks roll back on the flag)."""
+        layers = fp8_modules(self.stages)
+        fp8_loss = self._main_loss(micro_batch)
+        with fp8_disabled(list(layers.values())):
+            bf16_loss = self._main_loss(micro_batch)
+        gap = fp8_loss / bf16_loss - 1.0
+        out: dict[str, Any] = {"fp8_shadow_gap": gap}
+        if not self.fp8_shadow.add(gap):
+            return out
+
+        def gap_without(blocks: list[str]) -> float:
+            with fp8_disabled([m for name, m in layers.items() if block_of(name) in blocks]):
+                return self._main_loss(micro_batch) / bf16_loss - 1.0
+
+        f = self.cfg.fault
+        blocks = [f"layers.{i}" for i in range(self.args.n_layers) if f"layers.{i}" not in self.fp8_bf16_blocks]
+        blame = blame_layers(blocks, gap_without, f.fp8_shadow_threshold)
+        if self.ps.rank == 0:
+            log.warning("FP8 shadow at step %d: loss gap %+.3f%% to BF16 on the same micro-batch, above %.3f%% in "
+                        "%d checks in a row; FP8 GEMMs of %s make it; action %s (fault.fp8_shadow_action)",
+                        self.step + 1, gap * 100, f.fp8_shadow_threshold * 100, f.fp8_shadow_patience,
+                        ", ".join(blame), f.fp8_shadow_action)
+        out["fp8_shadow_blame"] = blame
+        if f.fp8_shadow_action == "bf16":
+            for name, m in layers.items():
+                if block_of(name) in blame:
+                    m.fp8 = False
+            self.fp8_bf16_blocks += blame
+            out["fp8_shadow_fault"] = 1
+        return out
+
+    @torch.no_grad()
+    def _main_loss(self, windows: torch.Tensor) -> float:
+        """Mean next-token loss of ``windows [b, s + 1]`` (one per data-parallel rank) through the pipeline."""
+        with self._autocast():
+            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, windows[:, :-1], self.dtype)
+            loss = None
+            if h is not None:
+                st = self.loss_stage
+                loss = float(F.cross_entropy(st.head(st.norm(h)).flatten(0, 1).float(), windows[:, 1:].flatten()))
+        return self._global_mean(loss or 0.0, 0 if loss is None else 1)
+
+    def _inject_fp8_scale_error(self, name: str, at_step: int) -> None:
+        """``fault.inject_fp8_scale_error_*``: from ``at_step`` on, ``name``'s FP8 forward output is 16x too large."""
+        if not hasattr(dict(self.model.named_modules()).get(name), "fp8"):
+            raise ValueError(f"fault.inject_fp8_scale_error_layer={name!r} is not an FP8 layer of the model "
+                             "(e.g. layers.1.attn.wq_b)")
+
+        def scale_error(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            return out * 16 if module.fp8 and self.step + 1 >= at_step else None
+
+        for st in self.stages:
+            module = dict(st.named_modules()).get(name)
+            if module is not None:
+                module.register_forward_hook(scale_error)
+                break
 
     def _update_expert_biases(self) -> None:
         bal = self.cfg.balance

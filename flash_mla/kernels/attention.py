@@ -16,7 +16,7 @@ import triton.language as tl
 
 from accel import autotune, registry
 from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
-from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, split_head_dim
+from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
 
@@ -26,19 +26,27 @@ def _configs(blocks: list[tuple[int, int, int, int]]) -> list[triton.Config]:
             for m, n, w, s in blocks]
 
 
-# (BLOCK_M, BLOCK_N, warps, stages); the interpreter gets one small config (autotuning would run them all).
-# The forward and dQ walk key blocks inside a query block (BLOCK_M % BLOCK_N == 0, so the diagonal is whole key
-# blocks); dK/dV walks query blocks inside a key block (BLOCK_N % BLOCK_M == 0). Each list holds only configs
-# that compile for sm_90a without register spills at the V3 head dims, in Triton 3.6 and 3.9
-# (benchmarks/kernels_compiled.md).
-FWD_CONFIGS = [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)]
-DKDV_CONFIGS = [(32, 64, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)]
-DQ_CONFIGS = [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 16, 4, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages) per architecture (``accel.autotune.for_capability``); the interpreter gets one
+# small config (autotuning would run them all). The forward and dQ walk key blocks inside a query block
+# (BLOCK_M % BLOCK_N == 0, so the diagonal is whole key blocks); dK/dV walks query blocks inside a key block
+# (BLOCK_N % BLOCK_M == 0). Each list holds only configs that compile for its target without register spills at the
+# V3 head dims, in Triton 3.6 and 3.9 (benchmarks/kernels_compiled.md). Four of Hopper's spill 8-24 B on sm_100a in
+# one version or both (forward 128 x 32 s3, dK/dV 16 x 128, dQ 128 x 32 and 64 x 64); Blackwell's lists swap them
+# for tiles that fit in both and still issue tcgen05: a 3-stage 128 x 64 forward, a 32 x 128 dK/dV tile (128-row
+# MMAs), 128 x 16 and 3-stage 64 x 32 dQ tiles.
+FWD_CONFIGS = {90: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
+               100: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]}
+DKDV_CONFIGS = {90: [(32, 64, 8, 2), (16, 64, 8, 2), (16, 128, 8, 2)],
+                100: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2)]}
+DQ_CONFIGS = {90: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 16, 4, 2)],
+              100: [(64, 32, 4, 2), (128, 16, 8, 2), (64, 32, 4, 3), (64, 16, 4, 2)]}
 _INTERP_CONFIG = [(16, 16, 1, 1)]
 
 
-def _pick(configs):
-    return autotune.shard(_configs(_INTERP_CONFIG if interpreted() else configs))
+def _pick(lists: dict[int, list]) -> list[triton.Config]:
+    """This device's configs from a per-architecture dict (one small config under the interpreter)."""
+    blocks = _INTERP_CONFIG if interpreted() else autotune.for_capability(lists, cuda_capability())
+    return autotune.shard(_configs(blocks))
 
 
 @triton.jit

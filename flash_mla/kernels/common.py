@@ -13,6 +13,11 @@ def interpreted() -> bool:
     return accel.triton_interpreted()
 
 
+def cuda_capability() -> tuple[int, int] | None:
+    """This device's CUDA capability, which picks the per-architecture autotune lists; None on MUSA and the CPU."""
+    return accel.device_capability() if accel.backend() == "cuda" else None
+
+
 def pipeline_stages(stages: int) -> int:
     """Software-pipelining depth for a config: Moore Threads' Triton builds want ``num_stages=1``."""
     return 1 if accel.backend() == "musa" else stages

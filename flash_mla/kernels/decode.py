@@ -19,7 +19,7 @@ import triton.language as tl
 
 from accel import autotune, registry
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
-from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages, round_to_bf16_grid
+from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, round_to_bf16_grid
 from flash_mla.metadata import BLOCK_SIZE
 
 LOG2E = 1.4426950408889634
@@ -172,23 +172,33 @@ def _combine_kernel(NSPLITS, OACC, LACC, OUT, LSE,
     tl.store(LSE + b * stride_lb + head * stride_lh + tok, lse, mask=r_ok)
 
 
-# (BLOCK_H, BLOCK_N, warps, stages) per cache dtype: only configs that compile for sm_90a without register spills
-# (tests/test_kernel_compile.py, benchmarks/kernels_compiled.md). FlashMLA's shape comes first: 64 query rows on two
-# warp groups, each holding half of the 512-wide fp32 accumulator, Q and the K tile in shared memory, the K tile
-# reused as V. It fits in Triton 3.6 (the H200 image's), which keeps the wgmma shared-memory descriptors in uniform
-# registers; Triton 3.9 computes them per thread (the 36 K steps of Q K^T hold ~70 more registers across the loop)
-# and every 64-row tile spills there, so 3.9 gets the 32/16-row tiles (mma.sync) that fit.
+# (BLOCK_H, BLOCK_N, warps, stages) per architecture (``accel.autotune.for_capability``) and cache dtype: only configs
+# that compile for their target without register spills (tests/test_kernel_compile.py, benchmarks/kernels_compiled.md).
+# FlashMLA's shape is 64 query rows on two warp groups, each holding half of the 512-wide fp32 accumulator, Q and the
+# K tile in shared memory, the K tile reused as V. On sm_90a it fits in Triton 3.6 (the H200 image's), which keeps the
+# wgmma shared-memory descriptors in uniform registers; Triton 3.9 computes them per thread (the 36 K steps of Q K^T
+# hold ~70 more registers across the loop) and every 64-row tile spills there, so 3.9 gets the 32/16-row tiles
+# (mma.sync) that fit. On sm_100a every 64-row tile spills in both versions (the tcgen05 accumulator is rescaled
+# through registers each tile; 16 warps or one stage spill too), so Blackwell gets the 32/16-row tiles as well.
+_MMA_SYNC_TILES = {False: [(32, 16, 8, 3), (32, 32, 8, 3), (16, 16, 4, 2)], True: [(16, 16, 8, 3), (16, 16, 8, 2)]}
 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    DECODE_CONFIGS = {False: [(64, 16, 8, 3), (64, 32, 8, 2), (32, 16, 8, 3)],
-                      True: [(64, 16, 8, 3), (64, 16, 8, 2), (16, 16, 8, 2)]}
+    _HOPPER_TILES = {False: [(64, 16, 8, 3), (64, 32, 8, 2), (32, 16, 8, 3)],
+                     True: [(64, 16, 8, 3), (64, 16, 8, 2), (16, 16, 8, 2)]}
 else:
-    DECODE_CONFIGS = {False: [(32, 16, 8, 3), (32, 32, 8, 3), (16, 16, 4, 2)], True: [(16, 16, 8, 3), (16, 16, 8, 2)]}
+    _HOPPER_TILES = _MMA_SYNC_TILES
+DECODE_CONFIGS = {90: _HOPPER_TILES, 100: _MMA_SYNC_TILES}
 # the interpreter runs one config (tests swap in others) and reads page ids in windows of 2 pages, so that
 # sub-page tiles and several windows per chunk are exercised
 _INTERP_DECODE_CONFIG = [(16, 32, 1, 1)]
 PAGE_IDS = 16  # block-table entries read ahead in one load (1024 tokens)
 _INTERP_PAGE_IDS = 2
 _decode = None  # {fp8: autotuned kernel}
+
+
+def decode_configs(fp8: bool, capability: tuple[int, int] | int | None) -> list[tuple]:
+    """The autotune list for a cache dtype on a CUDA capability (``(10, 0)`` or ``100``; None: Hopper's list, which
+    MUSA and the CPU get too)."""
+    return autotune.for_capability(DECODE_CONFIGS, capability)[fp8]
 
 
 def config_kwargs(config: tuple) -> dict:
@@ -201,7 +211,7 @@ def _decode_kernel_tuned(fp8: bool):
     if _decode is None:
         _decode = {}
     if fp8 not in _decode:
-        configs = _INTERP_DECODE_CONFIG if interpreted() else DECODE_CONFIGS[fp8]
+        configs = _INTERP_DECODE_CONFIG if interpreted() else decode_configs(fp8, cuda_capability())
         _decode[fp8] = triton.autotune(
             autotune.shard([triton.Config(config_kwargs(c), num_warps=c[-2], num_stages=pipeline_stages(c[-1]))
                             for c in configs]),

@@ -159,7 +159,7 @@ class MLA(nn.Module):
         """``wo(out)``; the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an
         FP8 copy beside it."""
         cache = self.wo.fp8_cache and not keeps_output(out.device)
-        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache)
+        return linear(out, self.wo.weight, fp8=self.wo.fp8, fp8_cache=cache, health=self.wo.health)
 
     # ---- sparse form (DSA) ------------------------------------------------------------------------
     def _index(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -166,6 +166,7 @@ class Experts(nn.Module):
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
         self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
+        self.health = None  # deep_gemm.health.Fp8Health, set by its attach
         self.recompute_swiglu = recompute_swiglu or self.fp8_cache
         self.stash = FP8_STASH if self.fp8_cache else None
         self.w13 = nn.Parameter(torch.empty(n, 2 * args.moe_inter_dim, args.dim))
@@ -181,8 +182,8 @@ class Experts(nn.Module):
         ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights)."""
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
-        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
-        down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8)  # noqa: E731 (its input is recomputed)
+        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health)
+        down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8, health=self.health)  # noqa: E731 (its input is recomputed)
         if weights is None:
             return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
         return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))

@@ -122,7 +122,8 @@ class CheckpointHooks:
         if self.fault is None:
             return True
         with self._stopping():
-            verdict = self.fault.check(trainer.step + 1, metrics["loss"], metrics.get("grad_norm"))
+            verdict = self.fault.check(trainer.step + 1, metrics["loss"], metrics.get("grad_norm"),
+                                       fp8_shadow=bool(metrics.get("fp8_shadow_fault")))
         if verdict.ok:
             return True
         self._pending = verdict
