@@ -17,19 +17,23 @@ STAMP211 := $(VENV211)/.installed
 TORCH211_PINS ?= torch==2.11.0 "numpy<2.4"
 # What it runs (README, "Torch versions"): the combination matrix; the overlapped / EP / recompute / pipeline
 # equivalence tests against one process; the trace test (all-to-all hidden in both directions); HF parity
-# and the model tests; every kernel under Triton 3.6's interpreter and its sm_90a compile gates; the
+# and the model tests (V3 and V3.2 DSA); every kernel (fused ops included) under Triton 3.6's interpreter and its
+# compile gates; FP8 health and the BF16 shadow; the
 # version check. An explicit list, so a renamed or deleted file fails loudly here instead of dropping out.
 TESTS211 ?= \
 	tests/test_combinations.py tests/test_training_overlap.py tests/test_model_recompute.py \
 	tests/test_training_recompute.py tests/test_training.py tests/test_training_dualpipe.py \
 	tests/test_training_eplb.py tests/test_v3_layout.py tests/test_expert_parallel.py \
-	tests/test_dualpipe_runtime.py tests/test_trace.py \
-	tests/test_model.py tests/test_model_checkpoint.py tests/test_model_generate.py tests/test_model_gpu.py \
-	tests/test_deep_gemm_cast.py tests/test_deep_gemm_gemm.py tests/test_deep_gemm_grouped.py \
-	tests/test_deep_gemm_linear.py tests/test_deep_gemm_mxfp8.py tests/test_checkpoint_ue8m0.py tests/test_flash_mla_attention.py tests/test_flash_mla_decode.py \
-	tests/test_flash_mla_inputs.py tests/test_flash_mla_sparse.py tests/test_deep_gemm_mqa_logits.py tests/test_fused_ce.py tests/test_fused_ops.py tests/test_kernel_overflow.py \
-	tests/test_kernel_registry.py tests/test_verify_project_ops.py tests/test_kernel_compile.py \
-	tests/test_plan.py tests/test_torch_support.py tests/test_dsa.py tests/test_dsa_combinations.py
+	tests/test_dualpipe_runtime.py tests/test_trace.py tests/test_model.py tests/test_model_checkpoint.py \
+	tests/test_model_generate.py tests/test_model_gpu.py tests/test_deep_gemm_cast.py \
+	tests/test_deep_gemm_gemm.py tests/test_deep_gemm_grouped.py tests/test_deep_gemm_linear.py \
+	tests/test_deep_gemm_mxfp8.py tests/test_checkpoint_ue8m0.py tests/test_flash_mla_attention.py \
+	tests/test_flash_mla_decode.py tests/test_flash_mla_inputs.py tests/test_flash_mla_sparse.py \
+	tests/test_deep_gemm_mqa_logits.py tests/test_fused_ce.py tests/test_fused_ops.py \
+	tests/test_kernel_overflow.py tests/test_kernel_registry.py tests/test_verify_project_ops.py \
+	tests/test_kernel_compile.py tests/test_plan.py tests/test_torch_support.py tests/test_dsa.py \
+	tests/test_dsa_combinations.py tests/test_fused_ops_model.py tests/test_fused_ops_gpu.py \
+	tests/test_fp8_health.py tests/test_fp8_shadow.py
 
 .PHONY: venv test test-fast test-torch211 lint demo clean
 
