@@ -21,6 +21,7 @@ from accel.cli import has_default
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "configs" / "tiny_cpu.toml")
+TINY = str(ROOT / "recipes" / "configs" / "tiny_cpu.toml")
 # argparse's own refusals end with "<prog>: error: ..."; the recipes' with "error: ..."
 ERROR_LINE = re.compile(r"^(\S[^:]*: )?error: ")
 
@@ -95,6 +96,10 @@ CASES = [
     ("dualpipe.bench", ["--json", "{t}"], "--json '{t}' is a folder"),
     # recipes.train: config file, --set, --nproc, --device
     ("recipes.train", ["--config", "{t}/missing.toml"], "--config: no such file '{t}/missing.toml'"),
+    ("recipes.train", ["--config", TINY, "--set", "model.init_from={t}", "--dry-run"],
+     "model.init_from='{t}': no config.json there"),
+    ("recipes.train", ["--config", TINY, "--set", "model.fp8_recipe=bogus", "--dry-run"],
+     "model.fp8_recipe must be one of blockwise, mxfp8, got 'bogus'"),
     ("recipes.train", ["--config", "{t}/a_folder", "--dry-run"], "--config '{t}/a_folder' is a folder"),
     ("recipes.train", ["--config", "{t}/bad.toml", "--dry-run"],
      "--config '{t}/bad.toml': not valid TOML: Invalid value (at line 3"),

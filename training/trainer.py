@@ -116,6 +116,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
+    if cfg.model.init_from and not (Path(cfg.model.init_from) / "config.json").is_file():
+        raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
+                         "folder (e.g. one written by recipes.export_hf)")
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")
