@@ -37,8 +37,7 @@ def _token(S, stride_b, stride_s, stride_ob, stride_os, stride_cb, stride_cs):
 
 @triton.jit
 def _rope_interleaved_kernel(X, OUT, COS, SIN, S, H, stride_b, stride_s, stride_h, stride_ob, stride_os, stride_oh,
-                      stride_cb, stride_cs, sign,
-                             HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                             stride_cb, stride_cs, sign, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     x_off, o_off, c_off = _token(S, stride_b, stride_s, stride_ob, stride_os, stride_cb, stride_cs)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, HALF)
