@@ -389,7 +389,8 @@ def _dtype(act: float) -> torch.dtype:
 
 def attention_piece(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The attention half of a block, ``x + attn(attn_norm(x))`` (the one place that names it)."""
-    return block.attention(x, cos, sin)
+    x, attn_out = block.attention(x, cos, sin)
+    return x + attn_out
 
 
 def _layer_args(args: ModelArgs, layer_id: int) -> tuple[ModelArgs, int]:

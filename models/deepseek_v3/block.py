@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm
@@ -12,13 +16,57 @@ from models.deepseek_v3.moe import MoE
 from models.deepseek_v3.recompute import maybe_recompute, produce_consume
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``.
+class _Added(torch.autograd.Function):
+    """``x + residual``, already computed without a graph (``box[0]``, by the fused norm's kernel), given one:
+    the incoming gradient goes to both summands as it is."""
 
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, box: list) -> torch.Tensor:
+        return box.pop()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad, None
+
+
+def norm_consume(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, consumer: Callable[..., Any],
+                 recompute: bool, fp8: bool = False) -> tuple[torch.Tensor, Any]:
+    """``(h, consumer(y, *cast))``: ``h = x + residual`` (``x`` without a residual), ``y = norm(h)`` and, with
+    ``fp8`` where the fused kernel runs, ``cast`` = y's 1x128 e4m3 cast (else nothing: the consumer casts).
+
+    The add, the norm and the cast are one fused kernel. With ``recompute`` (V3's norm recompute) only ``h``
+    is kept for backward: the kernel runs without a graph, ``y`` and the cast are released after the consumer
+    and recomputed from ``h`` by the norm alone, which gives the same bits (the kernel normalises the rounded
+    ``h``); ``h`` gets the add's gradient through ``_Added``.
+    """
+
+    def normed(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = norm(h, fp8=fp8)
+        return (out,) if isinstance(out, torch.Tensor) else (out.y, *(out.fp8 or ()))
+
+    if residual is None:
+        return x, produce_consume(normed, consumer, x, enabled=recompute)
+    if recompute and torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
+        with torch.no_grad():
+            out = norm(x, residual, fp8=fp8)
+        h = _Added.apply(x, residual, [out.residual])
+        return h, produce_consume(normed, consumer, h, outputs=(out.y, *(out.fp8 or ())))
+    out = norm(x, residual, fp8=fp8)
+    return out.residual, consumer(out.y, *(out.fp8 or ()))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``h = x + attn(attn_norm(x))``, then ``h + ffn(ffn_norm(h))``.
+
+    Each residual add runs inside the next norm's kernel (``norm_consume``): ``x + attn`` in ``ffn_norm``'s,
+    and, between consecutive layers, ``h + ffn`` in the next layer's ``attn_norm``: ``unadded`` returns
+    ``(h, ffn_out)`` and takes the previous layer's pair as ``(x, pending)``; ``forward`` returns the sum.
     With recompute kind "norm" each norm's output is dropped after its consumer saved it and recomputed
-    from ``x`` (kept anyway) before that consumer's backward; "block" keeps only ``x``. The overlapped
-    pipeline runs an expert-parallel layer as the pieces in ``models.deepseek_v3.plan``, which call the
-    same methods: ``attention``, the MoE's ``send`` / ``expert_rows`` / ``combined``.
+    from the norm's input (kept anyway) before that consumer's backward; "block" keeps only the layer's
+    input. The overlapped pipeline runs an expert-parallel layer as the pieces in ``models.deepseek_v3.plan``,
+    which call the same methods: ``attention``, ``ffn_input``, the MoE's ``send`` / ``expert_rows`` /
+    ``combined``.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
@@ -26,6 +74,7 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.recompute_norm = args.recomputes("norm", layer_id)
         self.recompute_block = args.recomputes("block", layer_id)
+        self.norm_fp8 = False
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
@@ -36,20 +85,35 @@ class Block(nn.Module):
                            fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm, fused=args.fused_ops)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-                  start_pos: int = 0) -> torch.Tensor:
-        """``x + attn(attn_norm(x))``."""
-        attend = lambda y: self.attn(y, cos, sin, cache, start_pos)  # noqa: E731
-        return x + produce_consume(self.attn_norm, attend, x, enabled=self.recompute_norm)
+                  start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x', attn(attn_norm(x')))`` with the layer's input ``x' = x + pending`` (the previous layer's FFN
+        output, added in attn_norm's kernel; ``x`` itself without one). Not added: ``ffn_input`` adds them."""
+        attend = lambda y, *cast: self.attn(y, cos, sin, cache, start_pos)  # noqa: E731
+        return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.norm_fp8)
 
-    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``h + ffn(ffn_norm(h))``."""
-        return h + produce_consume(self.ffn_norm, self.ffn, h, enabled=self.recompute_norm)
+    def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any]
+                  ) -> tuple[torch.Tensor, Any]:
+        """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel."""
+        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, self.norm_fp8)
+
+    def unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on ``x + pending``: ``(h, ffn(ffn_norm(h)))``, whose sum is its output (left for the next
+        layer's attn_norm to add)."""
+        if self.recompute_block and cache is None:
+            x = x if pending is None else x + pending  # the checkpoint then keeps one tensor, as before
+            return maybe_recompute(lambda x: self._unadded(x, cos, sin), x, enabled=True)
+        return self._unadded(x, cos, sin, cache, start_pos, pending)
+
+    def _unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                 start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, attn_out = self.attention(x, cos, sin, cache, start_pos, pending)
+        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
-        if self.recompute_block and cache is None:
-            return maybe_recompute(lambda h: self.feed_forward(self.attention(h, cos, sin)), x, enabled=True)
-        return self.feed_forward(self.attention(x, cos, sin, cache, start_pos))
+        h, ffn_out = self.unadded(x, cos, sin, cache, start_pos)
+        return h + ffn_out
 
     @property
     def expert_parallel(self) -> bool:

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 import deep_gemm
 import fused_ops
 from deep_gemm.reference import dequantize
+from fused_ops.functions import NormOut
 from models.deepseek_v3.recompute import Stash, produce_consume
 
 # The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
@@ -58,6 +59,10 @@ class _RMSNormFunction(torch.autograd.Function):
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations).
 
+    ``norm(x)`` is ``y``. ``norm(x, residual)`` adds the residual stream first: ``NormOut(y, h, None)`` with
+    ``h = x + residual`` (rounded to x's dtype, as torch's add) and ``y`` the norm of that rounded ``h``.
+    ``fp8=True`` asks for ``y``'s 1x128 e4m3 cast too (``NormOut.fp8``), made in the same pass where the
+    fused kernel runs and None otherwise (the consumer then casts ``y`` itself: the same bits).
     Recomputing it (``recompute`` kind "norm") is up to the caller, which knows the consumer:
     ``recompute.produce_consume(norm, consumer, x)``. ``fused``: one ``fused_ops.rmsnorm`` kernel each way
     where it runs (same rounding points).
@@ -68,12 +73,17 @@ class RMSNorm(nn.Module):
         self.dim, self.eps, self.fused = dim, eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                fp8: bool = False) -> torch.Tensor | NormOut:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
         if self.fused and fused_ops.kernels_run(x.device):
-            return fused_ops.rmsnorm(x, self.weight, eps=self.eps)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+            return fused_ops.rmsnorm(x, self.weight, residual, eps=self.eps, fp8=fp8)
+        h = x if residual is None else x + residual
+        y = _RMSNormFunction.apply(h, self.weight, self.eps)
+        if residual is None and not fp8:
+            return y
+        return NormOut(y, None if residual is None else h, None)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

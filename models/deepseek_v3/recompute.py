@@ -21,7 +21,10 @@ alive:
 The GEMMs of the consumer are not recomputed (full checkpointing would). The same idea is
 Megatron-Core's ``CheckpointWithoutOutput``. Nothing here is global: the bookkeeping lives on the
 producer's autograd node; only public torch APIs (a custom ``autograd.Function``, storage ``resize_``,
-a node pre-hook). ``maybe_recompute`` is whole-region recompute (``torch.utils.checkpoint``); inside
+a node pre-hook). ``outputs=`` hands in producer outputs a kernel already made in the forward (the fused
+residual add + RMSNorm writes the norm's input ``h`` and its output ``y`` in one pass): they feed the
+consumer and are released and recomputed exactly as if the producer had made them, which gives the same
+bits when the producer computes what that kernel did. ``maybe_recompute`` is whole-region recompute (``torch.utils.checkpoint``); inside
 its recomputation ``recomputing()`` is true, so counters do not count twice. Producer outputs must
 not be used after the consumer (they are released), must not alias the producer's inputs, and must
 not be returned by the consumer.
@@ -55,7 +58,8 @@ class _Produce(torch.autograd.Function):
     """``producer(*inputs)`` with only the (stashed) inputs saved; see ``_recompute`` for the backward graph."""
 
     @staticmethod
-    def forward(ctx, producer, stash: Stash | tuple[Stash | None, ...] | None, *inputs: torch.Tensor):
+    def forward(ctx, producer, stash: Stash | tuple[Stash | None, ...] | None, given: tuple[torch.Tensor, ...] | None,
+                *inputs: torch.Tensor):
         stashes = stash if isinstance(stash, tuple) else (stash,) * len(inputs)
         if len(stashes) != len(inputs):
             raise ValueError(f"produce_consume: {len(stashes)} stashes for {len(inputs)} inputs")
@@ -66,7 +70,7 @@ class _Produce(torch.autograd.Function):
         ctx.save_for_backward(*(t for p in packed for t in p))
         ctx.storages = None  # [(storage, nbytes)] of the released outputs, set by ``Dropped.release``
         ctx.graph = None  # (detached inputs, recomputed outputs) once recomputed
-        outputs = producer(*inputs)
+        outputs = producer(*inputs) if given is None else given
         return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
 
     @staticmethod
@@ -78,7 +82,7 @@ class _Produce(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
+        return (None, None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
 def _recompute(ctx) -> None:
@@ -86,7 +90,7 @@ def _recompute(ctx) -> None:
     if ctx.graph is not None:
         return
     saved, inputs, i = ctx.saved_tensors, [], 0
-    for stash, count, dtype, needs_grad in zip(ctx.stashes, ctx.counts, ctx.dtypes, ctx.needs_input_grad[2:]):
+    for stash, count, dtype, needs_grad in zip(ctx.stashes, ctx.counts, ctx.dtypes, ctx.needs_input_grad[3:]):
         x = stash.unpack(saved[i:i + count], dtype) if stash is not None else saved[i]
         inputs.append(x.detach().requires_grad_(needs_grad))
         i += count
@@ -185,21 +189,29 @@ class Dropped:
 
 
 def _produce(producer: Callable, *inputs: torch.Tensor, enabled: bool = True,
-             stash: Stash | tuple[Stash | None, ...] | None = None) -> Dropped:
-    """Run ``producer(*inputs)`` keeping only its inputs; ``Dropped.outputs`` feed the consumer, then
-    ``Dropped.release(result)``."""
+             stash: Stash | tuple[Stash | None, ...] | None = None,
+             outputs: tuple[torch.Tensor, ...] | None = None) -> Dropped:
+    """Run ``producer(*inputs)`` (or take its ``outputs``) keeping only its inputs; ``Dropped.outputs`` feed the
+    consumer, then ``Dropped.release(result)``."""
     if not (enabled and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+        if outputs is not None:
+            raise ValueError("produce_consume: outputs= is for a recomputed producer (enabled, gradients on)")
         out = producer(*inputs)
         return Dropped((out,) if isinstance(out, torch.Tensor) else tuple(out))
-    outputs = _Produce.apply(producer, stash, *inputs)
+    if outputs is not None and any(t.requires_grad for t in outputs):
+        raise ValueError("produce_consume: outputs= must be computed without a graph (the recompute makes it)")
+    outputs = _Produce.apply(producer, stash, outputs, *inputs)
     return Dropped(outputs, outputs[0].grad_fn)
 
 
 def produce_consume(producer: Callable, consumer: Callable, *inputs: torch.Tensor, enabled: bool = True,
-                    stash: Stash | tuple[Stash | None, ...] | None = None):
+                    stash: Stash | tuple[Stash | None, ...] | None = None,
+                    outputs: tuple[torch.Tensor, ...] | None = None):
     """``consumer(*producer(*inputs))``, keeping ``inputs`` instead of the producer's outputs for backward
-    when ``enabled`` (see the module docstring)."""
-    dropped = _produce(producer, *inputs, enabled=enabled, stash=stash)
+    when ``enabled`` (see the module docstring). ``outputs``: what ``producer(*inputs)`` gives, already
+    computed without a graph in this forward (only where the recompute runs); the producer then runs only
+    in backward."""
+    dropped = _produce(producer, *inputs, enabled=enabled, stash=stash, outputs=outputs)
     result = consumer(*dropped.outputs)
     dropped.release(result)
     return result
