@@ -21,6 +21,9 @@ from deep_gemm.reference import dequantize
 from fused_ops.functions import NormOut
 from models.deepseek_v3.recompute import Stash, produce_consume
 
+# A GEMM input's 1x128 cast made by its producer: (e4m3 values [rows, K], fp32 scales [rows, ceil(K/128)]).
+Precast = tuple[torch.Tensor, torch.Tensor]
+
 # The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
 grouped_linear = deep_gemm.grouped_linear
 
@@ -178,6 +181,7 @@ class MLP(nn.Module):
         self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8, fp8_cache=fp8_cache and not input_recomputed)
         self.w2 = Linear(inter_dim, dim, fp8=fp8)  # its input is recomputed whenever caching is on
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, self.w13(x),
+    def forward(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
+        """``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``w13`` instead of casting x again."""
+        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, self.w13(x, x_fp8),
                                enabled=self.recompute_swiglu, stash=self.stash)

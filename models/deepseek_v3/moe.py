@@ -36,7 +36,7 @@ import fused_ops
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
-from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
+from models.deepseek_v3.layers import FP8_STASH, MLP, Precast, grouped_linear, swiglu
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, unpermute
 from models.deepseek_v3.recompute import produce_consume, recomputing
 
@@ -176,13 +176,15 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return len(self.expert_ids)
 
-    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor, weights: torch.Tensor | None = None,
+                x_fp8: Precast | None = None) -> torch.Tensor:
         """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1;
-        ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights)."""
+        ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights).
+        ``x_fp8``: the rows' 1x128 cast made on the way (the FP8 permute or dispatch), read by ``w13``."""
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
-        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health)
+        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
+                           x_fp8=x_fp8)
         down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8, health=self.health)  # noqa: E731 (its input is recomputed)
         if weights is None:
             return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
