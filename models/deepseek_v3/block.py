@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm
 from models.deepseek_v3.mla import MLA, LatentCache
@@ -74,7 +75,6 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.recompute_norm = args.recomputes("norm", layer_id)
         self.recompute_block = args.recomputes("block", layer_id)
-        self.norm_fp8 = False
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
@@ -83,18 +83,23 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
                            fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm, fused=args.fused_ops)
+        # the norms hand their FP8 cast to consumers whose first GEMMs take it (MLA's wq_a / wkv_a, the dense
+        # FFN's w13); the MoE's router reads the bf16 values, its expert rows are cast on their own way
+        precast = bool(args.fp8) and deep_gemm.takes_precast(args.fp8)
+        self.attn_fp8, self.ffn_fp8 = precast, precast and isinstance(self.ffn, MLP)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                   start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x', attn(attn_norm(x')))`` with the layer's input ``x' = x + pending`` (the previous layer's FFN
         output, added in attn_norm's kernel; ``x`` itself without one). Not added: ``ffn_input`` adds them."""
-        attend = lambda y, *cast: self.attn(y, cos, sin, cache, start_pos)  # noqa: E731
-        return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.norm_fp8)
+        attend = lambda y, *cast: self.attn(y, cos, sin, cache, start_pos, x_fp8=cast or None)  # noqa: E731
+        return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.attn_fp8)
 
     def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any]
                   ) -> tuple[torch.Tensor, Any]:
-        """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel."""
-        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, self.norm_fp8)
+        """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel (the cast
+        only for a dense FFN: ``ffn_fp8``)."""
+        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, self.ffn_fp8)
 
     def unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +113,7 @@ class Block(nn.Module):
     def _unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                  start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x, attn_out = self.attention(x, cos, sin, cache, start_pos, pending)
-        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y))
+        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y, x_fp8=cast) if cast else self.ffn(y))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:

@@ -80,6 +80,8 @@ class RMSNorm(nn.Module):
                 fp8: bool = False) -> torch.Tensor | NormOut:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"RMSNorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         if self.fused and fused_ops.kernels_run(x.device):
             return fused_ops.rmsnorm(x, self.weight, residual, eps=self.eps, fp8=fp8)
         h = x if residual is None else x + residual
