@@ -37,24 +37,30 @@ def norm_consume(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, 
     ``fp8`` where the fused kernel runs, ``cast`` = y's 1x128 e4m3 cast (else nothing: the consumer casts).
 
     The add, the norm and the cast are one fused kernel. With ``recompute`` (V3's norm recompute) only ``h``
-    is kept for backward: the kernel runs without a graph, ``y`` and the cast are released after the consumer
-    and recomputed from ``h`` by the norm alone, which gives the same bits (the kernel normalises the rounded
-    ``h``); ``h`` gets the add's gradient through ``_Added``.
+    is kept for backward: the kernel runs without a graph, ``y`` is released after the consumer and
+    recomputed from ``h`` by the norm alone, which gives the same bits (the kernel normalises the rounded
+    ``h``); ``h`` gets the add's gradient through ``_Added``. The cast is not recomputed: a consumer whose
+    input is recomputed keeps no FP8 copy of it (it casts ``y`` again for its weight gradient), so the cast
+    lives only while the consumer's forward runs.
     """
+    needs_grad = x.requires_grad or (residual is not None and residual.requires_grad)
+    if not (recompute and torch.is_grad_enabled() and needs_grad):
+        y, h, cast = _normed(norm, x, residual, fp8)
+        return h, consumer(y, *cast)
+    with torch.no_grad():
+        y, h, cast = _normed(norm, x, residual, fp8)
+    if residual is not None:
+        h = _Added.apply(x, residual, [h])
+    return h, produce_consume(norm, lambda y: consumer(y, *cast), h, outputs=(y,))
 
-    def normed(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = norm(h, fp8=fp8)
-        return (out,) if isinstance(out, torch.Tensor) else (out.y, *(out.fp8 or ()))
 
-    if residual is None:
-        return x, produce_consume(normed, consumer, x, enabled=recompute)
-    if recompute and torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
-        with torch.no_grad():
-            out = norm(x, residual, fp8=fp8)
-        h = _Added.apply(x, residual, [out.residual])
-        return h, produce_consume(normed, consumer, h, outputs=(out.y, *(out.fp8 or ())))
+def _normed(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, fp8: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(y, h, cast)`` of ``norm(x, residual, fp8)``, ``cast`` empty where none was made."""
     out = norm(x, residual, fp8=fp8)
-    return out.residual, consumer(out.y, *(out.fp8 or ()))
+    if isinstance(out, torch.Tensor):
+        return out, x, ()
+    return out.y, x if residual is None else out.residual, out.fp8 or ()
 
 
 class Block(nn.Module):
