@@ -89,8 +89,8 @@ def test_norm_recompute_keeps_h_and_refills_the_fused_output():
         for recompute in (False, True):
             inputs = [x.clone().requires_grad_(), residual.clone().requires_grad_()]
             modules.zero_grad(set_to_none=True)
-            nbytes, (h, out) = saved_bytes(lambda: norm_consume(norm, *inputs, lambda y: lin(y), recompute),
-                                           modules)
+            nbytes, (h, out) = saved_bytes(
+                lambda inputs=inputs, recompute=recompute: norm_consume(norm, *inputs, lin, recompute), modules)
             (out.square().sum() + h.sum()).backward()
             kept.append(nbytes)
             results.append([out.detach(), h.detach(), *(t.grad for t in inputs), norm.weight.grad, lin.weight.grad])

@@ -21,13 +21,13 @@ alive:
 The GEMMs of the consumer are not recomputed (full checkpointing would). The same idea is
 Megatron-Core's ``CheckpointWithoutOutput``. Nothing here is global: the bookkeeping lives on the
 producer's autograd node; only public torch APIs (a custom ``autograd.Function``, storage ``resize_``,
-a node pre-hook). ``outputs=`` hands in producer outputs a kernel already made in the forward (the fused
-residual add + RMSNorm writes the norm's input ``h`` and its output ``y`` in one pass): they feed the
-consumer and are released and recomputed exactly as if the producer had made them, which gives the same
-bits when the producer computes what that kernel did. ``maybe_recompute`` is whole-region recompute (``torch.utils.checkpoint``); inside
-its recomputation ``recomputing()`` is true, so counters do not count twice. Producer outputs must
-not be used after the consumer (they are released), must not alias the producer's inputs, and must
-not be returned by the consumer.
+a node pre-hook). ``outputs=`` hands in producer outputs that a kernel already made in the forward
+(the fused residual add + RMSNorm writes the norm's input ``h`` and its output ``y`` in one pass): they
+feed the consumer and are released and recomputed as if the producer had made them (the same bits when
+the producer computes what that kernel did). ``maybe_recompute`` is whole-region recompute
+(``torch.utils.checkpoint``); inside its recomputation ``recomputing()`` is true, so counters do not
+count twice. Producer outputs must not be used after the consumer (they are released), must not alias
+the producer's inputs, and must not be returned by the consumer.
 """
 
 from __future__ import annotations
