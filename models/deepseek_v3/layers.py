@@ -18,7 +18,6 @@ from torch.autograd.function import once_differentiable
 import deep_gemm
 import fused_ops
 from deep_gemm.reference import dequantize
-from fused_ops.functions import NormOut
 from models.deepseek_v3.recompute import Stash, produce_consume
 
 # A GEMM input's 1x128 cast made by its producer: (e4m3 values [rows, K], fp32 scales [rows, ceil(K/128)]).
@@ -77,7 +76,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                fp8: bool = False) -> torch.Tensor | NormOut:
+                fp8: bool = False) -> torch.Tensor | fused_ops.functions.NormOut:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
         if residual is not None and residual.shape != x.shape:
@@ -88,7 +87,7 @@ class RMSNorm(nn.Module):
         y = _RMSNormFunction.apply(h, self.weight, self.eps)
         if residual is None and not fp8:
             return y
-        return NormOut(y, None if residual is None else h, None)
+        return fused_ops.functions.NormOut(y, None if residual is None else h, None)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
