@@ -36,7 +36,16 @@ import fused_ops
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
-from models.deepseek_v3.layers import FP8_STASH, MLP, Precast, grouped_linear, swiglu
+from models.deepseek_v3.layers import (
+    FP8_STASH,
+    MLP,
+    Precast,
+    fp8_down,
+    fp8_swiglu_handoff,
+    grouped_linear,
+    swiglu,
+    swiglu_cast,
+)
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, unpermute
 from models.deepseek_v3.recompute import produce_consume, recomputing
 
@@ -165,6 +174,7 @@ class Experts(nn.Module):
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
+        self.fused = args.fused_ops
         self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
         self.health = None  # deep_gemm.health.Fp8Health, set by its attach
         self.recompute_swiglu = recompute_swiglu or self.fp8_cache
@@ -185,10 +195,14 @@ class Experts(nn.Module):
             return x_grouped * 0
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
                            x_fp8=x_fp8)
-        down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8, health=self.health)  # noqa: E731 (its input is recomputed)
+        down = functools.partial(grouped_linear, weight=self.w2, m_indices=m_indices, fp8=self.fp8,
+                                 health=self.health)  # no fp8_cache: its input is recomputed
+        swiglu_fn = self.swiglu
+        if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.fp8, self.health, h):
+            swiglu_fn, down = swiglu_cast, fp8_down(down)  # the forward writes only the cast w2 reads
         if weights is None:
-            return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
-        return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
+            return produce_consume(swiglu_fn, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(swiglu_fn, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
