@@ -14,11 +14,18 @@ import pytest
 import torch
 
 import deep_gemm
-from models.deepseek_v3 import ModelArgs
+import fused_ops
+import models.deepseek_v3.moe as moe_mod
+from accel import registry
+from deep_gemm import calc_diff
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.balancing import BalanceConfig
 from models.deepseek_v3.layers import MLP
 from models.deepseek_v3.mla import MLA
-from models.deepseek_v3.moe import Experts
+from models.deepseek_v3.moe import MoE, Experts
 from models.deepseek_v3.rope import rope_cos_sin
+from tests.test_model import randomize
+from tests.tolerances import fp8_calc_diff_bound
 
 linear_mod = importlib.import_module("deep_gemm.linear")
 
@@ -88,3 +95,98 @@ def test_experts_take_the_permutes_precast(fp8_cache, act_casts):
     x0 = torch.randn(m_indices.numel(), args.dim)
     weights = torch.rand(m_indices.numel())
     _run_twice(experts, x0, lambda x, q: experts(x, m_indices, weights, x_fp8=q), act_casts, saved_casts=1)
+
+
+# ------------------------------------------------------------------ the model, fused ops on (interpreter)
+
+
+@pytest.fixture
+def only_fused_kernels(monkeypatch):
+    """Only the fused ops run as Triton kernels (in the interpreter); deep_gemm's GEMMs and casts and the attention
+    run their references, as in tests/test_fused_ops_model.py."""
+    for name in registry.ops():
+        if not name.startswith("fused_ops."):
+            monkeypatch.setattr(registry.get(name), "_triton", None)
+
+
+def _model_run(fused: bool, tokens: torch.Tensor, **overrides):
+    """(loss, grads) of a small debug model (a dense layer, an MoE layer of 2 experts top-2 (top-1 would leave
+    the router a zero gradient), no MTP: the
+    interpreter runs one program per grouped row), FP8 on."""
+    torch.manual_seed(1)
+    args = ModelArgs.preset("debug", fused_ops=fused, n_layers=2, n_mtp_layers=0, n_routed_experts=2,
+                            n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, fp8=True, **overrides)
+    model = randomize(Transformer(args))
+    with registry.force("auto"):
+        logits, mtp = model.forward_with_mtp(tokens[:, :-1])
+        loss = lm_losses(args, logits, mtp, tokens[:, 1:])["loss"]
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _counted(monkeypatch, module, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+# fused vs unfused with FP8: the fused kernels round at the unfused ops' points and differ by fp32 evaluation order
+# only (tests/test_fused_ops_model.py); an FP8 cast of such a value may flip to the next e4m3 step. Counting every
+# flip as a further e4m3 rounding of every operand (3 per GEMM's wgrad) bounds calc_diff by the FP8 rule's bound
+# for the smallest gradient (64 values); the loss then moves by at most sqrt(2 bound) relative. Measured: equal.
+# A wrong row, scale or weight moves gradients by calc_diff > 1e-2.
+FP8_FUSED_TOL = fp8_calc_diff_bound(casts=3, reduction=64, samples=64)
+
+
+@pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow)],
+                         ids=["swiglu", "v3"])  # ~11 s each on the 2-core box
+def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts, monkeypatch):
+    """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
+    cast in the forward and ``w2`` reads it; the one-rank MoE moves its rows once, cast to e4m3 on the way, and
+    ``w13`` reads them (no bf16 grouped rows). Against the same fused model without the hand-offs
+    (``takes_precast`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
+    exactly one GEMM cast fewer per hand-off; against the unfused model within ``FP8_FUSED_TOL``."""
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
+    permutes = _counted(monkeypatch, moe_mod, "permute_fp8")
+    results, casts = [], []
+    for fused, handoff in ((True, True), (True, False), (False, False)):
+        with monkeypatch.context() as m:
+            if not handoff:
+                m.setattr(deep_gemm, "takes_precast", lambda fp8: False)
+            swiglus[0] = permutes[0] = act_casts[0] = 0
+            results.append(_model_run(fused, tokens, recompute=recompute))
+            casts.append((act_casts[0], swiglus[0], permutes[0]))
+    (loss, grads), (want_loss, want), (unfused_loss, unfused) = results
+    # SwiGLU: the dense MLP, the MoE layer's shared and routed experts; permute: the routed experts' rows
+    assert casts[0][1:] == (3, 1) and casts[1][1:] == (0, 0)
+    assert casts[1][0] - casts[0][0] == 3 + 1 and casts[2][0] == casts[1][0]
+    assert torch.equal(loss, want_loss) and grads.keys() == want.keys() == unfused.keys()
+    assert all(torch.equal(grads[n], want[n]) for n in want)
+    assert abs(float(loss) - float(unfused_loss)) <= (2 * FP8_FUSED_TOL) ** 0.5 * abs(float(unfused_loss))
+    worst = max(calc_diff(grads[n], unfused[n]) for n in unfused)
+    assert worst < FP8_FUSED_TOL, worst
+
+
+@pytest.mark.parametrize("capacity", [None, pytest.param(0.6, marks=pytest.mark.slow)],
+                         ids=["all", "drops"])  # ~8 and ~11 s on the 2-core box
+def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels, act_casts, monkeypatch):
+    """``MoE.forward(x, x_fp8)`` on one rank with FP8 caching: the shared experts read the norm's cast and the
+    routed experts' rows are that cast moved with its scales (``fused_ops.permute``, e4m3 in and out) instead of
+    cast on the way: output and gradients (x, gate, experts) bit-equal to ``MoE.forward(x)``, one GEMM cast fewer
+    (the shared ``w13``; the routed ``w13`` casts nothing either way). With a capacity factor dropped assignments
+    become padding rows."""
+    args = ModelArgs.preset("debug", fp8=True, n_routed_experts=2, n_activated_experts=2, n_expert_groups=1,
+                            n_limited_groups=1)
+    torch.manual_seed(0)
+    moe = MoE(args, balance=BalanceConfig(capacity_factor=capacity))
+    moe.experts.reset_parameters(0.05)
+    x0 = torch.randn(1, 7, args.dim)
+    with registry.force("auto"):
+        _run_twice(moe, x0, lambda x, q: moe(x, x_fp8=q), act_casts, saved_casts=1)
