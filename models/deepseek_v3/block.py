@@ -89,23 +89,22 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
                            fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm, fused=args.fused_ops)
-        # the norms hand their FP8 cast to consumers whose first GEMMs take it (MLA's wq_a / wkv_a, the dense
-        # FFN's w13); the MoE's router reads the bf16 values, its expert rows are cast on their own way
-        precast = bool(args.fp8) and deep_gemm.takes_precast(args.fp8)
-        self.attn_fp8, self.ffn_fp8 = precast, precast and isinstance(self.ffn, MLP)
+        # the norms hand their FP8 cast to the GEMMs after them (MLA's wq_a / wkv_a, the FFN's w13, the one-rank
+        # MoE's shared and routed w13) where the recipe takes one
+        self.norm_fp8 = bool(args.fp8) and deep_gemm.takes_precast(args.fp8)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                   start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x', attn(attn_norm(x')))`` with the layer's input ``x' = x + pending`` (the previous layer's FFN
         output, added in attn_norm's kernel; ``x`` itself without one). Not added: ``ffn_input`` adds them."""
         attend = lambda y, *cast: self.attn(y, cos, sin, cache, start_pos, x_fp8=cast or None)  # noqa: E731
-        return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.attn_fp8)
+        return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.norm_fp8)
 
-    def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any]
+    def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any], fp8: bool
                   ) -> tuple[torch.Tensor, Any]:
-        """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel (the cast
-        only for a dense FFN: ``ffn_fp8``)."""
-        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, self.ffn_fp8)
+        """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel; the cast
+        with ``fp8`` (for a consumer that takes it) where ``norm_fp8``."""
+        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, fp8 and self.norm_fp8)
 
     def unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +118,9 @@ class Block(nn.Module):
     def _unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                  start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x, attn_out = self.attention(x, cos, sin, cache, start_pos, pending)
-        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y, x_fp8=cast) if cast else self.ffn(y))
+        # an expert-parallel MoE's send gathers the bf16 rows (its FP8 dispatch casts them on the way)
+        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y, x_fp8=cast or None),
+                              fp8=not self.expert_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
