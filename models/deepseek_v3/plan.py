@@ -109,23 +109,22 @@ def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str
                                                   fp8=False)
         return {stream: h, "send": send, "plan": plan, "shared": shared}
 
+    def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
+        return out(h, moe.combined(back, plan, shared).view_as(h))
+
+    def recomputed(fn: Callable[..., dict]) -> Callable[..., dict]:
+        return lambda *args: maybe_recompute(fn, *args, enabled=block.recompute_block)
+
     def recomputed_attention(x: torch.Tensor, p: torch.Tensor | None = None) -> dict[str, Any]:
         if p is not None and block.recompute_block:
             x, p = x + p, None  # the recompute then keeps one tensor, as before
-        return maybe_recompute(attention, x, p, enabled=block.recompute_block)
-
-    def experts(rows: torch.Tensor, received) -> dict[str, Any]:
-        return {"y": moe.expert_rows(rows, received)}
-
-    def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
-        return out(h, moe.combined(back, plan, shared).view_as(h))
+        return recomputed(attention)(x, p)
 
     return [
         Compute("attention", recomputed_attention, reads, (stream, "send", "plan", "shared")),
         Exchange("dispatch", lambda send, plan: moe.ep.post_dispatch(send, plan, moe.dim), ("send", "plan"),
                  lands="rows", info="received"),
-        Compute("experts", lambda rows, received: maybe_recompute(experts, rows, received,
-                                                                  enabled=block.recompute_block),
+        Compute("experts", recomputed(lambda rows, received: {"y": moe.expert_rows(rows, received)}),
                 ("rows", "received"), ("y",)),
         Exchange("combine", moe.ep.post_combine, ("y", "received"), lands="back"),
         Compute("output", output, (stream, "back", "plan", "shared"), writes),
