@@ -15,6 +15,7 @@ import torch
 
 import deep_gemm
 import fused_ops
+import models.deepseek_v3.layers as layers_mod
 import models.deepseek_v3.moe as moe_mod
 from accel import registry
 from deep_gemm import calc_diff
@@ -150,7 +151,7 @@ def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kern
     """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
     cast in the forward and ``w2`` reads it; the one-rank MoE moves its rows once, cast to e4m3 on the way, and
     ``w13`` reads them (no bf16 grouped rows). Against the same fused model without the hand-offs
-    (``takes_precast`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
+    (``fp8_swiglu_handoff``, ``MoE.takes_fp8_rows`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
     exactly one GEMM cast fewer per hand-off; against the unfused model within ``FP8_FUSED_TOL``."""
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
@@ -158,8 +159,10 @@ def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kern
     results, casts = [], []
     for fused, handoff in ((True, True), (True, False), (False, False)):
         with monkeypatch.context() as m:
-            if not handoff:
-                m.setattr(deep_gemm, "takes_precast", lambda fp8: False)
+            if not handoff:  # these hand-offs off (a norm's cast handed in by the block is not counted here)
+                m.setattr(layers_mod, "fp8_swiglu_handoff", lambda *args: False)
+                m.setattr(moe_mod, "fp8_swiglu_handoff", lambda *args: False)
+                m.setattr(MoE, "takes_fp8_rows", lambda self, device: False)
             swiglus[0] = permutes[0] = act_casts[0] = 0
             results.append(_model_run(fused, tokens, recompute=recompute))
             casts.append((act_casts[0], swiglus[0], permutes[0]))
