@@ -169,7 +169,7 @@ def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kern
     (loss, grads), (want_loss, want), (unfused_loss, unfused) = results
     # SwiGLU: the dense MLP, the MoE layer's shared and routed experts; permute: the routed experts' rows
     assert casts[0][1:] == (3, 1) and casts[1][1:] == (0, 0)
-    assert casts[1][0] - casts[0][0] == 3 + 1 and casts[2][0] == casts[1][0]
+    assert casts[1][0] - casts[0][0] == 3 + 1
     assert torch.equal(loss, want_loss) and grads.keys() == want.keys() == unfused.keys()
     assert all(torch.equal(grads[n], want[n]) for n in want)
     assert abs(float(loss) - float(unfused_loss)) <= (2 * FP8_FUSED_TOL) ** 0.5 * abs(float(unfused_loss))
