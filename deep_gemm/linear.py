@@ -89,6 +89,11 @@ def takes_precast(fp8: object) -> bool:
     return fp8_recipe(fp8) == "blockwise"
 
 
+def out_is_view(fp8: object, out_features: int) -> bool:
+    """Whether ``linear``'s output is a view (of the FP8 GEMM's output padded to N = 128n): not to modify in place."""
+    return fp8_recipe(fp8) is not None and out_features % BLOCK != 0
+
+
 def _precast(x_fp8: object, rows: int, k: int, fp8: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_fp8`` checked against ``x [rows, k]`` and as ``_act_cast`` makes it: values zero-padded to K = 128n (the
     cast of zero-padded ``x`` is the padded cast of ``x``: zeros move no amax and cast to 0)."""
@@ -153,7 +158,7 @@ class _LinearFunction(torch.autograd.Function):
                 health.observe(weight, "fwd", "x", x, x_q)
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
             fp8_gemm_nt(x_q, w_q, d)
-            out = d[:, :n].to(x.dtype)
+            out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
             # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
             # would cost a byte per parameter each
             ctx.save_for_backward(*(x_q if fp8_cache else (x,)))
@@ -221,6 +226,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cast (about 1/4 of fp32, 1/2 of bf16), not ``x`` itself; the wgrad re-tiles it to 128x1.
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
     ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
+
+    The output is a tensor of its own, which the caller may modify in place, except with ``fp8`` and N not a
+    multiple of 128 (``out_is_view``): then it is a view of the GEMM's padded output, and autograd forbids
+    in-place changes to a view made inside an ``autograd.Function``.
 
     ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
     call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead

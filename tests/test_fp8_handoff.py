@@ -195,3 +195,47 @@ def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels,
     x0 = torch.randn(1, 7, args.dim)
     with registry.force("auto"):
         _run_twice(moe, x0, lambda x, q: moe(x, x_fp8=q), act_casts, saved_casts=1)
+
+
+def _saved_bytes(fn) -> tuple[object, int]:
+    """(fn(), bytes of the distinct storages autograd saved while it ran)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mla_rotates_the_query_in_place(fp8, only_fused_kernels, monkeypatch):
+    """With fused ops MLA rotates the rotary dims of its queries where they sit (``fused_ops.rope_``) instead of
+    rotating a copy and concatenating: the same kernel on the same values each way, so output and gradients are
+    bit-equal to the out-of-place rotation (``q_is_view``: what a padded FP8 output gets), and no more is kept
+    for backward. 16 heads x 24 dims: N = 384, whole 128-blocks, so FP8's output is no view."""
+    args = ModelArgs.preset("debug", n_heads=16, fp8=fp8, fused_ops=True)
+    torch.manual_seed(0)
+    mla = MLA(args)
+    assert not mla.q_is_view
+    x0 = torch.randn(2, 5, args.dim)
+    cos, sin = rope_cos_sin(args, torch.arange(5))
+    rotations = _counted(monkeypatch, fused_ops, "rope_")
+    results = []
+    for in_place in (True, False):
+        mla.q_is_view = not in_place
+        rotations[0] = 0
+        mla.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with registry.force("auto"):
+            y, saved = _saved_bytes(lambda x=x: mla(x, cos, sin))
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)))
+        assert rotations[0] == in_place
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in mla.named_parameters() if p.grad is not None},
+                        saved))
+    (y0, gx0, gp0, saved0), (y1, gx1, gp1, saved1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
+    assert saved0 <= saved1, (saved0, saved1)
