@@ -23,7 +23,7 @@ from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
 from models.deepseek_v3.balancing import BalanceConfig
 from models.deepseek_v3.layers import MLP
 from models.deepseek_v3.mla import MLA
-from models.deepseek_v3.moe import MoE, Experts
+from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
 from tests.test_model import randomize
 from tests.tolerances import fp8_calc_diff_bound
@@ -152,8 +152,9 @@ def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kern
     """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
     cast in the forward and ``w2`` reads it; the one-rank MoE moves its rows once, cast to e4m3 on the way, and
     ``w13`` reads them (no bf16 grouped rows). Against the same fused model without the hand-offs
-    (``fp8_swiglu_handoff``, ``MoE.takes_fp8_rows`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
-    exactly one GEMM cast fewer per hand-off; against the unfused model within ``FP8_FUSED_TOL``."""
+    (``fp8_swiglu_handoff``, ``MoE.takes_fp8_rows`` patched False): loss and gradients bit-equal (the same
+    kernels, the same casts), and exactly one GEMM cast fewer per hand-off; against the unfused model within
+    ``FP8_FUSED_TOL``."""
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
     permutes = _counted(monkeypatch, moe_mod, "permute_fp8")
