@@ -247,7 +247,8 @@ def test_mla_rotates_the_query_in_place(fp8, only_fused_kernels, monkeypatch):
 def test_bf16_experts_hand_the_swiglu_cast_to_w2(fp8_cache, only_fused_kernels, monkeypatch):
     """In bf16 (the GPU's activations) too: ``swiglu_fp8``'s cast is the one ``w2`` makes of the bf16 SwiGLU
     output, so the routed experts with the hand-off give the output and gradients (rows, routing weights,
-    both weights) of the same experts without it, bit for bit; with and without the SwiGLU input in FP8."""
+    both weights) of the same experts without it, bit for bit; with and without the SwiGLU input in FP8; and
+    the same output without a graph (inference)."""
     args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache, recompute=("swiglu",),
                             n_routed_experts=2, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
     torch.manual_seed(0)
@@ -272,3 +273,5 @@ def test_bf16_experts_hand_the_swiglu_cast_to_w2(fp8_cache, only_fused_kernels, 
             results.append((y.detach(), x.grad, w.grad, experts.w13.grad, experts.w2.grad))
     for got, want in zip(*results):
         assert torch.equal(got, want)
+    with torch.no_grad(), registry.force("auto"):  # inference: the forward's path, nothing to recompute
+        assert torch.equal(experts(x0, m_indices, w0), results[0][0])
