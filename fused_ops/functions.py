@@ -258,9 +258,9 @@ def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor |
 
 class _Route(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm):
+    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
         weights, indices, scores = ops.route_op(logits.contiguous(), bias.float().contiguous(), topk, groups,
-                                                topk_groups, route_scale, norm)
+                                                topk_groups, route_scale, norm, nodes, max_nodes)
         ctx.save_for_backward(scores, indices)
         ctx.route_scale, ctx.norm = route_scale, norm
         ctx.mark_non_differentiable(indices)
@@ -273,18 +273,23 @@ class _Route(torch.autograd.Function):
         grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
         grad_scores = None if grad_scores is None else grad_scores.contiguous()
         d_logits = ops.route_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
-        return d_logits, None, None, None, None, None, None
+        return d_logits, None, None, None, None, None, None, None, None
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
-          norm: bool = True):
+          norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     """DeepSeek-V3's sigmoid router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
 
-    Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums;
+    Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums, then
+    (``max_nodes`` < ``nodes``) to the ``max_nodes`` of ``nodes`` contiguous expert blocks whose ``topk //
+    max_nodes`` best remaining values sum highest (V3's node-limited routing, ``balancing.node_limited_mask``);
     weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. One kernel each way;
     ``bias`` gets no gradient (it is updated by the balancing rule).
     """
     if logits.dim() != 2 or logits.shape[-1] % groups or bias.shape != logits.shape[-1:]:
         raise ValueError(f"route: logits must be [tokens, experts] with experts divisible by groups={groups} and "
                          f"bias [experts]; got {list(logits.shape)} and {list(bias.shape)}")
-    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm)
+    if logits.shape[-1] % nodes or (max_nodes is not None and not 1 <= max_nodes <= nodes):
+        raise ValueError(f"route: nodes={nodes} must divide the {logits.shape[-1]} experts and max_nodes={max_nodes} "
+                         f"lie in [1, nodes]")
+    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)

@@ -12,7 +12,7 @@
 ``fused_ops.permute_gather_fp8``       the same, cast to e4m3 with 1x128 scales on the way
 ``fused_ops.unpermute_sum``            grouped rows back to tokens, weighted sum over the top-k
 ``fused_ops.unpermute_spread``         the unpermute backward
-``fused_ops.route``                    sigmoid + bias + group-limited top-k + normalised weights
+``fused_ops.route``                    sigmoid + bias + group- and node-limited top-k + normalised weights
 ``fused_ops.route_backward``           the logits' gradient from the weights' and the scores'
 =====================================  ===============================================================
 
@@ -144,16 +144,24 @@ def unpermute_spread_reference(grad: torch.Tensor, y: torch.Tensor, assign: torc
         (src[assign >= 0],), dots[assign >= 0])
 
 
+def _keep_best(choice: torch.Tensor, blocks: int, best: int, count: int) -> torch.Tensor:
+    """``choice [T, E]`` with all but the ``count`` contiguous blocks (of ``blocks``) whose ``best`` largest values
+    sum highest masked to -inf: the group limit (top-2 sums) and the node limit."""
+    grouped = choice.view(len(choice), blocks, -1)
+    kept = grouped.topk(best, dim=-1).values.sum(-1).topk(count, dim=-1).indices
+    losing = torch.ones(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, kept, False)
+    return grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+
+
 @registry.reference_for("fused_ops.route")
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int,
-                    route_scale: float, norm: bool = True):
+                    route_scale: float, norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     scores = logits.sigmoid()
     choice = scores + bias
     if groups > 1:
-        grouped = choice.view(-1, groups, choice.shape[-1] // groups)
-        kept = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices
-        losing = torch.ones(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, kept, False)
-        choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+        choice = _keep_best(choice, groups, 2, topk_groups)
+    if max_nodes is not None and max_nodes < nodes:
+        choice = _keep_best(choice, nodes, min(choice.shape[-1] // nodes, max(1, topk // max_nodes)), max_nodes)
     indices = choice.topk(topk, dim=-1).indices
     weights = scores.gather(1, indices)
     weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) if norm else weights
@@ -268,26 +276,31 @@ def _spread_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(grad, y, assign, shape["k"], weights))
 
 
-def _near_ties(logits: torch.Tensor, bias: torch.Tensor, groups: int, gap: float) -> torch.Tensor:
-    """Rows whose selection scores (or group scores) have two values closer than ``gap``: there a few-ulp
+def _near_ties(logits: torch.Tensor, bias: torch.Tensor, groups: int, gap: float, nodes: int = 1,
+               node_best: int = 1) -> torch.Tensor:
+    """Rows whose selection scores (or group, or node scores) have two values closer than ``gap``: there a few-ulp
     difference between two sigmoids (a GPU's fast ``exp``) may legitimately swap two experts."""
     choice = torch.sigmoid(logits.double()) + bias.double()
-    group_scores = choice.view(len(choice), groups, -1).topk(min(2, choice.shape[-1] // groups), -1).values.sum(-1)
-    close = [(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in (choice, group_scores)]
-    return close[0] | close[1]
+    scores = [choice, choice.view(len(choice), groups, -1).topk(min(2, choice.shape[-1] // groups), -1).values.sum(-1),
+              choice.view(len(choice), nodes, -1).topk(node_best, -1).values.sum(-1)]
+    return torch.stack([(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in scores]).any(0)
 
 
 def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = _gen(seed)
     logits = torch.randn(shape["rows"], shape["experts"], generator=g) * 2
     bias = torch.randn(shape["experts"], generator=g) * 0.1
-    while (redo := _near_ties(logits, bias, shape["groups"], 1e-6)).any():  # ~17 fp32 ulps apart at least
+    nodes, max_nodes = shape.get("nodes", 1), shape.get("max_nodes")
+    best = min(shape["experts"] // nodes, max(1, shape["k"] // (max_nodes or nodes)))
+    while (redo := _near_ties(logits, bias, shape["groups"], 1e-6, nodes, best)).any():  # >= ~17 fp32 ulps apart
         logits[redo] = torch.randn(int(redo.sum()), shape["experts"], generator=g) * 2
-    return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5))
+    return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5),
+                kwargs={"nodes": nodes, "max_nodes": max_nodes})
 
 
 def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
-    weights, indices, scores = route_reference.__wrapped__(*_route_case(shape, seed, device).args)
+    case = _route_case(shape, seed, device)
+    weights, indices, scores = route_reference.__wrapped__(*case.args, **case.kwargs)
     g = _gen(seed + 1)
     grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
     return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 2.5))
@@ -344,7 +357,9 @@ _PERMUTE_SHAPES = [dict(rows=9, k=3, experts=5, dim=384), dict(rows=7, k=2, expe
 _PERMUTE_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168)]
 _ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(rows=5, experts=24, k=6, groups=3,
                                                                               topk_groups=2),
-                 dict(rows=4, experts=16, k=2, groups=1, topk_groups=1)]
+                 dict(rows=4, experts=16, k=2, groups=1, topk_groups=1),
+                 dict(rows=7, experts=24, k=4, groups=1, topk_groups=1, nodes=6, max_nodes=2),
+                 dict(rows=6, experts=32, k=6, groups=4, topk_groups=3, nodes=8, max_nodes=3)]
 _ROUTE_BENCH = [dict(rows=4096, experts=256, k=8, groups=8, topk_groups=4)]
 
 

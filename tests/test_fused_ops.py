@@ -268,8 +268,14 @@ def test_permute_fp8_moves_values_with_their_scales_and_casts_like_deep_gemm():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("experts,k,groups,topk_groups", [(64, 8, 8, 4), (24, 6, 3, 2), (16, 2, 1, 1)])
-def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
+@pytest.mark.parametrize("experts,k,groups,topk_groups,node_limit", [
+    (64, 8, 8, 4, None), (24, 6, 3, 2, None), (16, 2, 1, 1, None),
+    (24, 4, 1, 1, (6, 2)),  # node limit alone: 6 nodes of 4, each token on <= 2 (node score: top-2 sum)
+    (32, 6, 4, 3, (8, 3)),  # after the group limit, nodes finer than groups (the top-2 sum of 4 experts)
+    (30, 6, 2, 1, (5, 2)),  # nodes of 6 across groups of 15: a node straddling a losing group scores -inf
+    (64, 8, 8, 4, (8, 4)),  # V3's shape: nodes = groups, max_nodes = topk_groups (the limits coincide)
+])
+def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups, node_limit):
     from models.deepseek_v3.args import ModelArgs
     from models.deepseek_v3.moe import Gate
 
@@ -279,11 +285,18 @@ def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
     gate.reset_parameters(0.3)
     gate.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(24))
     x = _randn(13, 32, seed=25)
-    want = gate(x.double().float())
+    want = gate(x.double().float(), node_limit)
     logits = want.logits.detach().clone().requires_grad_()
-    with registry.force(impl):
-        weights, indices, scores = route(logits, gate.e_score_correction_bias, k, groups, topk_groups, 2.5)
+    nodes, max_nodes = node_limit or (1, None)
+    with registry.poisoned_outputs(), registry.force(impl):
+        weights, indices, scores = route(logits, gate.e_score_correction_bias, k, groups, topk_groups, 2.5,
+                                         nodes=nodes, max_nodes=max_nodes)
     assert torch.equal(indices, want.indices)
+    if node_limit is not None:  # no token beyond max_nodes nodes; the limit bites unless it is the group limit
+        per_node = experts // nodes
+        assert max(len(set((row // per_node).tolist())) for row in indices) <= max_nodes
+        unlimited = gate(x.double().float(), None).indices
+        assert torch.equal(unlimited, indices) == (nodes == groups and max_nodes == topk_groups and k // max_nodes == 2)
     torch.testing.assert_close(scores, want.scores, rtol=2 ** -22, atol=0)
     torch.testing.assert_close(weights, want.weights, rtol=4 * 2 ** -23, atol=0)
     gw, gs = _randn(13, k, seed=26), _randn(13, experts, seed=27)

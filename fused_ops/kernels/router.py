@@ -3,8 +3,10 @@
 times ``route_scale``.
 
 Groups are the rows of a ``[groups, experts / groups]`` tile. A group's score is the sum of its two largest
-biased scores; the ``topk_groups`` best groups stay, the others are masked to -inf; then ``topk`` experts by
-repeated arg-max (largest first, as ``torch.topk``; the lower index wins an exact tie).
+biased scores; the ``topk_groups`` best groups stay, the others are masked to -inf. Then the node limit (V3:
+at most ``max_nodes`` of ``nodes`` contiguous expert blocks per token), on what the group limit left: a node's
+score is the sum of its ``node_best`` largest values, the ``max_nodes`` best nodes stay. Then ``topk`` experts
+by repeated arg-max (largest first, as ``torch.topk``; the lower index wins an exact tie, everywhere).
 """
 
 from __future__ import annotations
@@ -19,9 +21,42 @@ WARPS = 2  # V3's 256 fp32 logits of a token: four (one 128-bit load) per thread
 
 
 @triton.jit
+def _keep_best(score, count: tl.constexpr, BLOCK: tl.constexpr):
+    """``[BLOCK]`` bool: the ``count`` largest of ``score [BLOCK]`` (lower index first on a tie)."""
+    at = tl.arange(0, BLOCK)
+    kept = tl.zeros([BLOCK], tl.int1)
+    for _ in tl.static_range(count):  # (-inf scores too are taken one at a time: a node may hold a few finite values)
+        best = tl.max(tl.where(kept, float("-inf"), score), axis=0)
+        best_at = tl.min(tl.where((score == best) & ~kept, at, BLOCK), axis=0)
+        kept = kept | (at == best_at)
+    return kept
+
+
+@triton.jit
+def _node_limit(choice, expert, PER_NODE: tl.constexpr, NODES: tl.constexpr, MAX_NODES: tl.constexpr,
+                NODE_BEST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``choice [G, E]`` with the experts of all but the ``MAX_NODES`` best nodes masked to -inf. A node (the
+    contiguous experts ``[n * PER_NODE, (n + 1) * PER_NODE)``) scores the sum of its ``NODE_BEST`` largest
+    values, taken largest first; the node axis is the first of a ``[nodes, G, E]`` tile."""
+    node = tl.arange(0, BLOCK_N)[:, None, None]
+    mine = (expert // PER_NODE)[None, :, :] == node
+    values = tl.where(mine, choice[None, :, :], float("-inf"))
+    score = tl.zeros([BLOCK_N], tl.float32)
+    for _ in tl.static_range(NODE_BEST):
+        best = tl.max(tl.max(values, axis=2), axis=1)
+        at = tl.min(tl.min(tl.where(values == best[:, None, None], expert[None, :, :], 1 << 30), axis=2), axis=1)
+        score += best
+        values = tl.where(expert[None, :, :] == at[:, None, None], float("-inf"), values)
+    kept = _keep_best(tl.where(tl.arange(0, BLOCK_N) < NODES, score, float("-inf")), MAX_NODES, BLOCK_N)
+    allowed = tl.max(tl.where(mine & kept[:, None, None], 1, 0), axis=0) > 0
+    return tl.where(allowed, choice, float("-inf"))
+
+
+@triton.jit
 def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_scale, GROUPS: tl.constexpr,
                   PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  NODES: tl.constexpr, MAX_NODES: tl.constexpr, NODE_BEST: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
@@ -36,13 +71,10 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
         first_at = tl.min(tl.where(choice == first[:, None], e, BLOCK_E), axis=1)
         second = tl.max(tl.where(e == first_at[:, None], float("-inf"), choice), axis=1)
         group_score = tl.where(tl.arange(0, BLOCK_G) < GROUPS, first + second, float("-inf"))
-        kept = tl.zeros([BLOCK_G], tl.int1)
-        for _ in tl.static_range(TOPK_GROUPS):
-            best = tl.max(group_score, axis=0)
-            best_at = tl.min(tl.where(group_score == best, tl.arange(0, BLOCK_G), BLOCK_G), axis=0)
-            kept = kept | (tl.arange(0, BLOCK_G) == best_at)
-            group_score = tl.where(tl.arange(0, BLOCK_G) == best_at, float("-inf"), group_score)
+        kept = _keep_best(group_score, TOPK_GROUPS, BLOCK_G)
         choice = tl.where(kept[:, None], choice, float("-inf"))
+    if MAX_NODES < NODES:
+        choice = _node_limit(choice, expert, (GROUPS * PER_GROUP) // NODES, NODES, MAX_NODES, NODE_BEST, BLOCK_N)
     slots = tl.arange(0, BLOCK_K)  # TOPK rounded up to a power of two; the extra slots stay 0 and are not stored
     picked = tl.zeros([BLOCK_K], tl.int32)
     weights = tl.zeros([BLOCK_K], tl.float32)
@@ -50,7 +82,7 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
         best = tl.max(tl.max(choice, axis=1), axis=0)
         at = tl.min(tl.min(tl.where(choice == best, expert, GROUPS * PER_GROUP), axis=1), axis=0)
         picked = tl.where(slots == j, at, picked)
-        weights = tl.where(slots == j, tl.sum(tl.sum(tl.where(expert == at, scores, 0.0), axis=1), axis=0), weights)
+        weights = tl.where(slots == j, tl.sum(tl.sum(tl.where(ok & (expert == at), scores, 0.0), axis=1), axis=0), weights)
         choice = tl.where(expert == at, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
@@ -80,8 +112,13 @@ def _route_backward_kernel(SCORES, INDICES, GW, GS, DL, E, route_scale, HAS_GS: 
     tl.store(DL + t * E + experts, d * s * (1.0 - s), mask=ok)
 
 
+def node_best(experts: int, nodes: int, max_nodes: int, topk: int) -> int:
+    """How many of a node's largest scores make its score: ``topk / max_nodes`` (V3: 8 / 4 = 2), within the node."""
+    return min(experts // nodes, max(1, topk // max_nodes))
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
-          norm: bool = True):
+          norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     """(weights ``[T, topk]`` fp32, indices ``[T, topk]`` int64, scores ``[T, E]`` fp32)."""
     tokens, experts = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or bias.dtype != torch.float32:
@@ -91,11 +128,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     indices = registry.empty(tokens, topk, dtype=torch.int64, device=logits.device)
     scores = registry.empty(tokens, experts, dtype=torch.float32, device=logits.device)
     per_group = experts // groups
+    max_nodes = nodes if max_nodes is None else max_nodes
     if tokens:
         _route_kernel[(tokens,)](logits, bias, weights, indices, scores, experts, logits.stride(0), route_scale,
                                  GROUPS=groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOPK=topk, NORM=norm,
+                                 NODES=nodes, MAX_NODES=max_nodes, NODE_BEST=node_best(experts, nodes, max_nodes, topk),
                                  BLOCK_G=triton.next_power_of_2(groups), BLOCK_E=triton.next_power_of_2(per_group),
-                                 BLOCK_K=triton.next_power_of_2(topk), num_warps=WARPS)
+                                 BLOCK_K=triton.next_power_of_2(topk), BLOCK_N=triton.next_power_of_2(nodes),
+                                 num_warps=WARPS)
     return weights, indices, scores
 
 

@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 import deep_gemm
 import fused_ops
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, node_limited_mask
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
 from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, unpermute
@@ -78,9 +78,10 @@ class Gate(nn.Module):
     Logits in fp32 -> sigmoid (or softmax) scores -> selection on scores + ``e_score_correction_bias``
     (auxiliary-loss-free balancing; it never touches the gate weights) -> group-limited routing
     (group score = sum of the group's top-2 biased scores, or its max without a bias; losing groups
-    masked to -inf) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid),
-    times ``route_scale``. With ``args.fused_ops``, a sigmoid gate with its bias and no node limit runs all of that
-    after the logits as one ``fused_ops.route`` kernel (each way) where it runs.
+    masked to -inf) -> node-limited routing when asked (``balancing.node_limited_mask`` on what the group limit
+    left) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid), times ``route_scale``.
+    With ``args.fused_ops``, a sigmoid gate with its bias runs all of that after the logits as one
+    ``fused_ops.route`` kernel (each way) where it runs.
     """
 
     def __init__(self, args: ModelArgs):
@@ -97,15 +98,18 @@ class Gate(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor, selection_mask=None) -> Routing:
-        """x ``[T, dim]`` -> ``Routing``. ``selection_mask(choice) -> [T, E] bool`` limits selection (node limit)."""
+    def forward(self, x: torch.Tensor, node_limit: tuple[int, int] | None = None) -> Routing:
+        """x ``[T, dim]`` -> ``Routing``. ``node_limit = (num_nodes, max_nodes)``: each token's experts on at most
+        ``max_nodes`` of ``num_nodes`` contiguous expert blocks (``ExpertBalancer.node_limit``)."""
         logits = _Fp32Logits.apply(x, self.weight)
         # (not on the meta device: the memory model's unfused top-k gets balanced index values; it keeps at
         # least what the fused router keeps, its scores and indices)
-        if self.fused and selection_mask is None and self.e_score_correction_bias is not None \
-                and self.score_func == "sigmoid" and fused_ops.kernels_run(logits.device) and not logits.is_meta:
+        if self.fused and self.e_score_correction_bias is not None and self.score_func == "sigmoid" \
+                and fused_ops.kernels_run(logits.device) and not logits.is_meta:
+            nodes, max_nodes = node_limit or (1, None)
             weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, self.topk, self.n_groups,
-                                                       self.topk_groups, self.route_scale, self.norm_topk_prob)
+                                                       self.topk_groups, self.route_scale, self.norm_topk_prob,
+                                                       nodes, max_nodes)
             return Routing(weights=weights, indices=indices, scores=scores, logits=logits)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -118,9 +122,8 @@ class Gate(nn.Module):
             kept = group_scores.topk(self.topk_groups, dim=-1).indices
             losing = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
             choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
-        allowed = None if selection_mask is None else selection_mask(choice)
-        if allowed is not None:
-            choice = choice.masked_fill(~allowed, float("-inf"))
+        if node_limit is not None:
+            choice = choice.masked_fill(~node_limited_mask(choice, *node_limit, self.topk), float("-inf"))
         indices = choice.topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
@@ -230,7 +233,7 @@ class MoE(nn.Module):
 
         seq_len: tokens per sequence (the sequence-wise balance loss); None = one sequence.
         """
-        routing = self.gate(x, self.balancer.selection_mask if self.balancer.limits_nodes else None)
+        routing = self.gate(x, self.balancer.node_limit)
         indices, weights = self.balancer(routing.scores, routing.logits, routing.indices, routing.weights, seq_len)
         return replace(routing, indices=indices, weights=weights)
 
