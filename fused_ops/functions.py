@@ -256,6 +256,79 @@ def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor |
     return _Unpermute.apply(y_grouped, weights, layout)
 
 
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, columns, assign, inverse, k):
+        ctx.save_for_backward(assign, inverse)
+        ctx.k, ctx.dim = k, x.shape[1]
+        return ops.gather_rows_op(x.contiguous(), assign, k, None if columns is None else columns.contiguous())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        assign, inverse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = ops.unpermute_sum_op(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
+        dc = None
+        if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch
+            real = assign >= 0
+            dc = grad.new_zeros(inverse.numel(), grad.shape[1] - ctx.dim).index_put_((assign[real],),
+                                                                                     grad[real, ctx.dim:])
+        return dx, dc, None, None, None
+
+
+def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
+                columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[len(assign), d (+ c)]``: row ``m`` is ``x[assign[m] // k]`` followed by ``columns[assign[m]]``
+    (``columns [len(x) * k, c]`` in x's dtype: a few values per (row, slot) assignment), zeros where
+    ``assign[m] < 0``. One kernel, no concatenation.
+
+    ``inverse [len(x) * k]`` is the output row of each assignment (-1: none), what the backward needs to sum each
+    source row's gradients without atomics (one kernel); the columns get theirs at their assignment.
+    """
+    if x.dim() != 2 or inverse.numel() != x.shape[0] * k:
+        raise ValueError(f"gather_rows: x must be [n, d] and inverse [n * k] = [{x.shape[0] * k}], got "
+                         f"{list(x.shape)} and {list(inverse.shape)}")
+    if columns is not None and (columns.dim() != 2 or columns.shape[0] != inverse.numel() or columns.dtype != x.dtype):
+        raise ValueError(f"gather_rows: columns must be [{inverse.numel()}, c] in {x.dtype}, got "
+                         f"{columns.dtype} {list(columns.shape)}")
+    return _GatherRows.apply(x, columns, assign, inverse, k)
+
+
+class _RegroupRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, dim, assign, inverse):
+        values = rows[:, :dim]
+        weights = rows[:, dim:].float().sum(1) if rows.shape[1] > dim else None  # a column or two: plain torch
+        grouped, _, grouped_w = ops.permute_gather_op(values, assign, 1, None, weights)
+        ctx.save_for_backward(inverse)
+        ctx.columns = rows.shape[1] - dim
+        return grouped, grouped_w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, grad_w):
+        (inverse,) = ctx.saved_tensors
+        columns = None
+        if ctx.columns:
+            gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w is None else grad_w
+            columns = gw.to(grad.dtype).unsqueeze(1).expand(-1, ctx.columns).contiguous()
+        return ops.gather_rows_op(grad.contiguous(), inverse, 1, columns), None, None, None
+
+
+def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,
+                 inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows that carry a weight as trailing columns (``rows [n, dim + c]``, the weight the columns' fp32 sum; c may
+    be 0) into another order: ``(values [len(assign), dim], weights [len(assign)] fp32 or None)`` with row ``m``
+    from ``rows[assign[m]]``, zeros (and weight 0) where ``assign[m] < 0``. One kernel each way: the backward
+    gathers each row's gradient back through ``inverse [n]`` (the output row of each input row, -1: none), the
+    weight's gradient into each of its columns."""
+    if rows.dim() != 2 or not 0 <= dim <= rows.shape[1] or inverse.numel() != rows.shape[0]:
+        raise ValueError(f"regroup_rows: rows must be [n, >= dim={dim}] and inverse [n]; got {list(rows.shape)} "
+                         f"and {list(inverse.shape)}")
+    return _RegroupRows.apply(rows, dim, assign, inverse)
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):

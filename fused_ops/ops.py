@@ -10,6 +10,7 @@
 ``fused_ops.rope``                     rotary embedding, interleaved pairs (MLA) or halves (indexer), into ``out``
 ``fused_ops.permute_gather``           tokens (values, scales, routing weights) into the grouped layout
 ``fused_ops.permute_gather_fp8``       the same, cast to e4m3 with 1x128 scales on the way
+``fused_ops.gather_rows``              rows gathered with per-assignment columns appended (EP's rows to send)
 ``fused_ops.unpermute_sum``            grouped rows back to tokens, weighted sum over the top-k
 ``fused_ops.unpermute_spread``         the unpermute backward
 ``fused_ops.route``                    sigmoid + bias + group- and node-limited top-k + normalised weights
@@ -125,10 +126,19 @@ def permute_gather_fp8_reference(x: torch.Tensor, assign: torch.Tensor, k: int, 
     return (*cast_1x128(grouped), w)
 
 
+@registry.reference_for("fused_ops.gather_rows")
+def gather_rows_reference(x: torch.Tensor, assign: torch.Tensor, k: int,
+                          columns: torch.Tensor | None = None) -> torch.Tensor:
+    src = assign.clamp_min(0)
+    rows = x[src // k] if columns is None else torch.cat([x[src // k], columns[src]], dim=1)
+    return torch.where((assign >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype))
+
+
 @registry.reference_for("fused_ops.unpermute_sum")
 def unpermute_sum_reference(y: torch.Tensor, rows: torch.Tensor, k: int,
                             weights: torch.Tensor | None = None) -> torch.Tensor:
-    picked = y[rows].view(rows.numel() // k, k, y.shape[-1])
+    picked = torch.where((rows >= 0).unsqueeze(-1), y[rows.clamp_min(0)], torch.zeros((), dtype=y.dtype))
+    picked = picked.view(rows.numel() // k, k, y.shape[-1])
     return picked.sum(1) if weights is None else (picked * weights.view(-1, k).to(y.dtype).unsqueeze(-1)).sum(1)
 
 
@@ -261,8 +271,18 @@ def _permute_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(x, assign, shape["k"]), kwargs={"weights": weights})
 
 
+def _gather_rows_case(shape: dict, seed: int, device: torch.device) -> Case:
+    assign, _ = _assignments(shape, seed, device)
+    x = _rows(shape, seed, device, shape["dim"])
+    columns = _rows({**shape, "rows": shape["rows"] * shape["k"]}, seed + 6, device, shape["columns"]) \
+        if shape["columns"] else None
+    return Case(args=(x, assign, shape["k"], columns))
+
+
 def _unpermute_case(shape: dict, seed: int, device: torch.device) -> Case:
     assign, rows = _assignments(shape, seed, device)
+    if shape.get("dropped"):  # assignments that were never sent: rows -1, nothing to add
+        rows = torch.where(torch.arange(rows.numel(), device=device) % 5 == 1, -1, rows)
     y = _rows({**shape, "rows": assign.numel()}, seed, device, shape["dim"])
     weights = torch.rand(shape["rows"] * shape["k"], generator=_gen(seed + 6)).to(device)
     return Case(args=(y, rows, shape["k"], weights))
@@ -355,6 +375,11 @@ _ROPE_BENCH = [dict(b=1, s=4096, h=128, d=64, interleaved=True), dict(b=1, s=409
 _PERMUTE_SHAPES = [dict(rows=9, k=3, experts=5, dim=384), dict(rows=7, k=2, experts=4, dim=200, dtype="float32"),
                    dict(rows=6, k=2, experts=3, dim=256, dtype="float8_e4m3fn")]
 _PERMUTE_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168)]
+_UNPERMUTE_SHAPES = _PERMUTE_SHAPES[:2] + [dict(rows=5, k=3, experts=4, dim=130, dropped=True)]
+_GATHER_ROWS_SHAPES = [dict(rows=9, k=3, experts=5, dim=384, columns=2),
+                       dict(rows=7, k=2, experts=4, dim=200, dtype="float32", columns=1),
+                       dict(rows=5, k=1, experts=3, dim=130, columns=0)]
+_GATHER_ROWS_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168, columns=2)]
 _ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(rows=5, experts=24, k=6, groups=3,
                                                                               topk_groups=2),
                  dict(rows=4, experts=16, k=2, groups=1, topk_groups=1),
@@ -403,9 +428,13 @@ permute_gather_fp8_op = registry.register(
     "fused_ops.permute_gather_fp8", reference=permute_gather_fp8_reference, triton=_impl("permute:gather_fp8"),
     verify=VerifySpec(make_case=_permute_case, shapes=_PERMUTE_SHAPES[:2], bench_shapes=_PERMUTE_BENCH,
                       tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * s["dim"] * 3))
+gather_rows_op = registry.register(
+    "fused_ops.gather_rows", reference=gather_rows_reference, triton=_impl("permute:gather_rows"),
+    verify=VerifySpec(make_case=_gather_rows_case, shapes=_GATHER_ROWS_SHAPES, bench_shapes=_GATHER_ROWS_BENCH,
+                      tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * (s["dim"] + s["columns"]) * 2 * 2))
 unpermute_sum_op = registry.register(
     "fused_ops.unpermute_sum", reference=unpermute_sum_reference, triton=_impl("permute:sum_rows"),
-    verify=VerifySpec(make_case=_unpermute_case, shapes=_PERMUTE_SHAPES[:2], bench_shapes=_PERMUTE_BENCH,
+    verify=VerifySpec(make_case=_unpermute_case, shapes=_UNPERMUTE_SHAPES, bench_shapes=_PERMUTE_BENCH,
                       tolerance=TOL, bytes_moved=lambda s: s["rows"] * (s["k"] + 1) * s["dim"] * 2))
 unpermute_spread_op = registry.register(
     "fused_ops.unpermute_spread", reference=unpermute_spread_reference, triton=_impl("permute:spread"),

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from accel import registry
 from deep_gemm.reference import per_token_cast_reference
-from fused_ops import apply_rope, grouping, permute, rmsnorm, rope_, route, swiglu, swiglu_fp8, unpermute
+from fused_ops import (apply_rope, gather_rows, grouping, permute, regroup_rows, rmsnorm, rope_, route, swiglu, swiglu_fp8,
+                       unpermute)
 
 BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
 GRAD_REL = 4 * 2.0 ** -8
@@ -262,6 +263,45 @@ def test_permute_fp8_moves_values_with_their_scales_and_casts_like_deep_gemm():
     assert torch.equal(q2.view(torch.uint8)[real], q_dg.view(torch.uint8)[real])  # a row's cast is the token's
     assert torch.equal(sf2[real], sf_dg[real]) and torch.equal(gw, gw2)
     assert torch.equal(gw[real], w.reshape(-1)[layout.assign[real]]) and not gw[~real].any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,columns", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_gather_rows_and_regroup_rows_match_float64(impl, dtype, columns):
+    """Expert parallelism's row movements: 7 tokens x top-3 with 4 assignments dropped, the rest sent in a
+    shuffled order with per-assignment columns, then regrouped with padding. Forward values are copies (exact);
+    the backward sums a token's up to 3 row gradients in fp32 and rounds once: within 2 roundings of float64
+    (the gradient's own, and the sum's), the columns' and the regrouped gradients are copies again (exact)."""
+    g = torch.Generator().manual_seed(30)
+    tokens, k, dim = 7, 3, 200
+    x = _randn(tokens, dim, dtype=dtype, seed=31)
+    cols = _randn(tokens * k, columns, dtype=dtype, seed=32)
+    assign = torch.randperm(tokens * k, generator=g)[:tokens * k - 4]  # sent row -> assignment; 4 never sent
+    inverse = torch.full((tokens * k,), -1).index_put_((assign,), torch.arange(len(assign)))
+    regroup = torch.randperm(len(assign) + 1, generator=g)  # arrival row of each grouped row, -1 = padding
+    regroup = torch.cat([regroup[:8], torch.tensor([-1, -1]), regroup[8:]])
+    regroup = torch.where(regroup == len(assign), -1, regroup)  # the spare row of the arrivals: padding too
+    back = torch.full((len(assign) + 1,), -1).index_put_((regroup[regroup >= 0],), torch.nonzero(regroup >= 0)[:, 0])
+
+    def fused(a, c):
+        sent = gather_rows(a, assign, inverse, k, c)
+        landed = torch.cat([sent, torch.zeros(1, sent.shape[1], dtype=sent.dtype)])  # + the spare zero row
+        return regroup_rows(landed, dim, regroup, back)
+
+    def exact(a, c):
+        real = (regroup >= 0).unsqueeze(-1)
+        a_rows = torch.cat([a[assign // k], torch.zeros(1, dim, dtype=a.dtype)])[regroup]
+        w = torch.cat([c[assign].sum(1), torch.zeros(1, dtype=c.dtype)])[regroup]
+        return torch.where(real, a_rows, 0), torch.where(real[:, 0], w, 0)
+
+    with registry.poisoned_outputs(), registry.force(impl):
+        (got, got_w), (gx, gc), grads = _grads(fused, x, cols)
+    (want, want_w), (gx64, gc64), _ = _grads(exact, x.double(), cols.double(), grad_out=[g.double() for g in grads])
+    assert torch.equal(got.double(), want) and got_w.dtype == torch.float32
+    _close(got_w, want_w, 0.0 if columns == 1 else 2.0 ** -24, "weights")  # two columns summed: one fp32 rounding
+    _close(gx, gx64, 2 * _rel(dtype, True), "dx")
+    # each column's gradient is the weight's, rounded once to the rows' dtype (pads and dropped slots: 0)
+    _close(gc, gc64, 2.0 ** -8 if dtype == torch.bfloat16 else 0.0, "d columns")
 
 
 # ---------------------------------------------------------------------------------------------- router

@@ -7,8 +7,10 @@ row of each assignment. Gathers only, never scatters, so no atomics and every ou
 - ``gather``: grouped row ``m`` <- token ``assign[m] // k`` (values, their 1x128 scales when FP8, and the
   routing weight ``weights[assign[m]]``); zeros on padding rows. The permute forward.
 - ``gather_fp8``: the same from bf16/fp32 tokens, cast to e4m3 with 1x128 scales on the way (permute + quant).
-- ``sum_rows``: token ``t`` <- ``sum_j w[t, j] y[rows[t k + j]]`` in fp32. The unpermute forward, and the
-  permute backward (``w = 1``).
+- ``gather_rows``: row ``m`` <- ``[x[assign[m] // k], columns[assign[m]]]``, the source row with a few
+  per-assignment columns appended (expert parallelism's rows to send, routing weights as columns).
+- ``sum_rows``: token ``t`` <- ``sum_j w[t, j] y[rows[t k + j]]`` in fp32, a row index < 0 adding nothing (an
+  assignment that was dropped). The unpermute forward, and the permute backward (``w = 1``).
 - ``spread``: grouped row ``m`` <- ``w[a] g[t]`` and ``dw[a] = g[t] . y[m]`` for ``a = assign[m]``. The
   unpermute backward.
 """
@@ -55,6 +57,15 @@ def _gather_kernel(ASSIGN, X, XS, W, OUT, OUTS, OUTW, K, D, DS, stride_x, stride
 
 
 @triton.jit
+def _gather_rows_kernel(ASSIGN, X, C, OUT, K, D, NC, stride_x, stride_c, stride_out, HAS_COLUMNS: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    m, a, t, readable = _source(ASSIGN, K, D)
+    _copy_row(X + t * stride_x, OUT + m * stride_out, readable, D, BLOCK)
+    if HAS_COLUMNS:
+        _copy_row(C + a * stride_c, OUT + m * stride_out + D, tl.minimum(readable, NC), NC, BLOCK_C)
+
+
+@triton.jit
 def _gather_fp8_kernel(ASSIGN, X, W, Q, S, OUTW, K, D, stride_x, stride_q, stride_s, HAS_WEIGHTS: tl.constexpr,
                        BLOCK: tl.constexpr):
     m, a, t, readable = _source(ASSIGN, K, D)
@@ -75,7 +86,7 @@ def _sum_rows_kernel(ROWS, Y, W, OUT, K, D, stride_y, stride_out, HAS_WEIGHTS: t
         acc = tl.zeros([BLOCK], tl.float32)
         for j in range(K):
             row = tl.load(ROWS + t * K + j).to(tl.int64)
-            y = tl.load(Y + row * stride_y + cols, mask=cols < D, other=0.0).to(tl.float32)
+            y = tl.load(Y + row * stride_y + cols, mask=cols < tl.where(row >= 0, D, 0), other=0.0).to(tl.float32)
             if HAS_WEIGHTS:  # the weight in y's dtype and the product rounded to it, as the unfused ``(y * w).sum``
                 y = on_grid(y * on_grid(tl.load(W + t * K + j), dtype), dtype)
             acc += y
@@ -125,6 +136,25 @@ def gather(x: torch.Tensor, assign: torch.Tensor, k: int, scales: torch.Tensor |
                                 HAS_WEIGHTS=weights is not None, BLOCK=_block(x, d),
                                 BLOCK_S=triton.next_power_of_2(ds))
     return out, outs, outw
+
+
+def gather_rows(x: torch.Tensor, assign: torch.Tensor, k: int, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(assign), d + columns]`` in x's dtype: each row's source row, then its assignment's columns."""
+    _rows_ok("x", x)
+    nc = 0
+    if columns is not None:
+        _rows_ok("columns", columns)
+        if columns.dtype != x.dtype:
+            raise registry.Unsupported(f"columns must have x's dtype {x.dtype}, got {columns.dtype}")
+        nc = columns.shape[1]
+    rows, d = assign.numel(), x.shape[1]
+    out = registry.empty(rows, d + nc, dtype=x.dtype, device=x.device)
+    if rows:
+        _gather_rows_kernel[(rows,)](assign, x, x if columns is None else columns, out, k, d, nc, x.stride(0),
+                                     0 if columns is None else columns.stride(0), out.stride(0),
+                                     HAS_COLUMNS=columns is not None, BLOCK=_block(x, d),
+                                     BLOCK_C=triton.next_power_of_2(max(nc, 1)))
+    return out
 
 
 def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Tensor | None = None):

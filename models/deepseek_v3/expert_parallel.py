@@ -63,9 +63,11 @@ from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import accel
 import deep_gemm
+import fused_ops
 from accel.flight import Entry, FlightRecorder, FlightSite, group_ranks
 from accel.trace import TraceRecorder
 from models.deepseek_v3.permute import PermuteState, unpermute
@@ -332,6 +334,9 @@ class SendPlan:
     send_splits: list[int]  # rows sent to each rank
     num_sent: int  # assignments that travel (the rest were dropped)
     k: int  # slots per token
+    # with fused kernels (``ExpertParallel.fused``): ``assign`` the assignment of each sent row, ``rows`` the sent
+    # row of each assignment or -1 (dropped), for ``fused_ops.gather_rows`` and ``fused_ops.unpermute``
+    layout: fused_ops.Grouping | None = None
 
 
 @dataclass
@@ -346,6 +351,9 @@ class Received:
     m_indices: torch.Tensor  # [M] int32: local expert of each grouped row, -1 for pad rows
     state: PermuteState  # arrival rows <-> grouped rows
     tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
+    # with fused kernels: ``assign`` the arrival row of each grouped row or -1 (padding), ``rows`` the grouped row
+    # of each arrival row (``state.rows``), for ``fused_ops.regroup_rows`` / ``gather_rows``
+    layout: fused_ops.Grouping | None = None
 
 
 @dataclass
@@ -367,19 +375,21 @@ class ExpertParallel:
     ``[num physical]`` row); without it physical expert i is logical expert i.
     fp8_dispatch: send tokens as e4m3 + 1x128 scales. alignment: rows per grouped-GEMM block
     (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``). flight: the rank's flight recorder
-    (``accel.flight``), with ``layer`` the MoE layer's id its entries name.
+    (``accel.flight``), with ``layer`` the MoE layer's id its entries name. fused: the row movements (gather,
+    regroup, ungroup, scatter-back) as ``fused_ops`` kernels where they run (``fused_ops.kernels_run``; the
+    model's ``fused_ops`` switch), the same numbers as the torch path at the same rounding points.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, fp8_dispatch: bool = False,
                  phy2log: torch.Tensor | None = None, alignment: int | None = None,
                  recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None,
-                 layer: int | None = None) -> None:
+                 layer: int | None = None, fused: bool = False) -> None:
         if not dist.is_initialized():
             raise ValueError("ExpertParallel needs an initialized torch.distributed process group")
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
-        self.fp8_dispatch = fp8_dispatch
+        self.fp8_dispatch, self.fused = fp8_dispatch, fused
         self.recorder = recorder  # records every exchange on its comm track (recipes.train --trace)
         self.site = FlightSite(flight, "ep", group_ranks(group), layer) if flight is not None else None
         self.alignment = alignment or deep_gemm.get_m_alignment_for_contiguous_layout()
@@ -469,18 +479,27 @@ class ExpertParallel:
         rows = torch.empty_like(order)
         rows[order] = torch.arange(order.numel(), device=order.device)
         send_counts = counts[:self.num_physical]
+        num_sent = int(send_counts.sum())
+        layout = None
+        if self.fused and fused_ops.kernels_run(indices.device):
+            layout = fused_ops.Grouping(rows=torch.where(rows < num_sent, rows, -1), assign=order[:num_sent],
+                                        m_indices=flat[order[:num_sent]].to(torch.int32), tokens_per_expert=send_counts,
+                                        num_tokens=num_tokens, k=k)
         return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
-                        send_counts.view(self.world, self.local).sum(1).tolist(), int(send_counts.sum()), k)
+                        send_counts.view(self.world, self.local).sum(1).tolist(), num_sent, k, layout)
 
     @staticmethod
     def gather(x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan) -> torch.Tensor:
         """The rows to send ``[num_sent, dim (+ weight columns)]``: each assignment's token, its routing weight as
         extra columns (``_weight_columns``) when given."""
+        columns = None if weights is None else _weight_columns(weights.reshape(-1), x.dtype)
+        if plan.layout is not None:  # one kernel: each row and its weight columns
+            return fused_ops.gather_rows(x, plan.layout.assign, plan.layout.rows, plan.k, columns)
         picked = plan.order[:plan.num_sent]
         rows = x.index_select(0, picked // plan.k)
         if weights is None:
             return rows
-        return torch.cat([rows, _weight_columns(weights.reshape(-1).index_select(0, picked), x.dtype)], dim=1)
+        return torch.cat([rows, columns.index_select(0, picked)], dim=1)
 
     def post_dispatch(self, send: torch.Tensor, plan: SendPlan, dim: int) -> CommHandle[Received]:
         """Send the gathered rows (``dim`` feature columns, then weight columns) to their experts' ranks; not
@@ -493,6 +512,9 @@ class ExpertParallel:
         """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None)`` in the grouped layout (one gather;
         pad rows read the spare zero row, so their weight is 0)."""
         dim = received.dim
+        if received.layout is not None:  # one kernel: the rows and the weights their columns carry
+            inverse = F.pad(received.layout.rows, (0, 1), value=-1)  # the spare zero row is nobody's
+            return fused_ops.regroup_rows(rows, dim, received.layout.assign, inverse)
         x_grouped = rows[:, :dim].index_select(0, received.source)
         if rows.shape[1] == dim:
             return x_grouped, None
@@ -501,6 +523,8 @@ class ExpertParallel:
     @staticmethod
     def ungroup(y_grouped: torch.Tensor, received: Received) -> torch.Tensor:
         """Expert outputs back in arrival order (what travels back)."""
+        if received.layout is not None:
+            return fused_ops.gather_rows(y_grouped, received.layout.rows, received.layout.assign)
         return y_grouped.index_select(0, received.state.rows)
 
     def post_combine(self, y: torch.Tensor, received: Received) -> CommHandle[Returned]:
@@ -512,6 +536,8 @@ class ExpertParallel:
     def scatter_back(rows: torch.Tensor, plan: SendPlan, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Returned rows (sent order) -> ``[T, dim]``: each token's sum over its slots (dropped ones give 0),
         weighted by ``weights [T, k]`` when the rows were not scaled before ``w2``."""
+        if plan.layout is not None and weights is None:  # one kernel: dropped slots (row -1) add nothing
+            return fused_ops.unpermute(rows, plan.layout)
         pad = plan.state.rows.numel() - plan.num_sent
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
         return unpermute(rows, plan.state, weights)
@@ -572,6 +598,10 @@ class ExpertParallel:
         recv = rows[:total] if packed is None else packed.new_empty(total, packed.shape[1])
         works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, send.device)
+        layout = None
+        if plan.layout is not None:
+            layout = fused_ops.Grouping(rows=recv_rows, assign=torch.where(m_indices >= 0, source, -1),
+                                        m_indices=m_indices, tokens_per_expert=per_expert, num_tokens=total, k=1)
 
         def landed() -> T:
             if packed is not None:
@@ -582,7 +612,7 @@ class ExpertParallel:
                                   rows.device, self.group, self.recorder, self.site)
             return then(Received(rows, exchanged, dim, source, m_indices,
                                  PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert),
-                                 per_expert))
+                                 per_expert, layout))
 
         return Posted(works, landed, nbytes=wire.numel() * wire.element_size())
 
