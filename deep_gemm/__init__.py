@@ -32,7 +32,7 @@ from deep_gemm.grouped import (
     m_grouped_gemm_fp8_fp8_bf16_nt_contiguous,
     m_grouped_gemm_fp8_fp8_bf16_nt_masked,
 )
-from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear
+from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear, takes_precast
 from deep_gemm.mqa_logits import (
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
@@ -93,4 +93,5 @@ __all__ = [
     "per_token_cast_to_fp8",
     "select_topk",
     "set_num_sms",
+    "takes_precast",
 ]

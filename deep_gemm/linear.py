@@ -83,6 +83,32 @@ def _act_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]
     return per_token_cast_to_fp8(_pad(x, BLOCK), use_ue8m0=mx, gran_k=MX_BLOCK if mx else BLOCK)
 
 
+def takes_precast(fp8: object) -> bool:
+    """Whether a layer with this ``fp8`` argument takes ``x_fp8``, a precast 1x128 e4m3 cast with fp32 scales of
+    its input (the blockwise recipe). MXFP8 casts its activations 1x32 with UE8M0 scales: callers cast nothing."""
+    return fp8_recipe(fp8) == "blockwise"
+
+
+def _precast(x_fp8: object, rows: int, k: int, fp8: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_fp8`` checked against ``x [rows, k]`` and as ``_act_cast`` makes it: values zero-padded to K = 128n (the
+    cast of zero-padded ``x`` is the padded cast of ``x``: zeros move no amax and cast to 0)."""
+    if not takes_precast(fp8):
+        raise ValueError(f"x_fp8: the fp8={fp8!r} recipe casts its own input (deep_gemm.takes_precast is False)")
+    blocks = -(-k // BLOCK)
+    if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2 and all(isinstance(t, torch.Tensor) for t in x_fp8)):
+        raise ValueError("x_fp8 must be (values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)]), got "
+                         f"{type(x_fp8).__name__}")
+    values, scales = x_fp8
+    if (values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or values.shape[-1:] != (k,)
+            or values.numel() != rows * k or scales.shape[-1:] != (blocks,) or scales.numel() != rows * blocks):
+        raise ValueError(f"x_fp8 must be (e4m3 [{rows}, {k}], fp32 [{rows}, {blocks}]) for x's {rows} rows of K = {k}, "
+                         f"got ({values.dtype} {list(values.shape)}, {scales.dtype} {list(scales.shape)})")
+    values, scales = values.reshape(rows, k), scales.reshape(rows, blocks).contiguous()
+    if k % BLOCK:
+        values = _pad(values.view(torch.uint8), BLOCK).view(values.dtype)
+    return values.contiguous(), scales
+
+
 def _wgrad_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A wgrad operand ``[tokens, features]``, scaled along the tokens (its reduction dim): 128x1 or 32x1."""
     mx = recipe == "mxfp8"
@@ -116,12 +142,12 @@ def _fp8_weight(weight: torch.Tensor, recipe: str, dgrad: bool = False) -> tuple
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
-                fp8_cache: bool, health: Fp8Health | None):
+                fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
         m, n = x.shape[0], weight.shape[0]
         ctx.health = health
         if fp8:
             w_q = _fp8_weight(weight, fp8)
-            x_q = _act_cast(x, fp8)
+            x_q = _act_cast(x, fp8) if x_q is None else x_q
             if health is not None:
                 health.observe(weight, "fwd", "w", weight, w_q)
                 health.observe(weight, "fwd", "x", x, x_q)
@@ -182,11 +208,12 @@ class _LinearFunction(torch.autograd.Function):
             _run_or_defer(weight_grad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0)
-        return grad_x, None, grad_bias, None, None, None
+        return grad_x, None, grad_bias, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
-           fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
+           fp8_cache: bool = False, health: Fp8Health | None = None,
+           x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for ``x [..., K]`` and ``weight [N, K]``; FP8 GEMMs forward and backward with ``fp8``
     (True or "blockwise": DeepSeek-V3's recipe; "mxfp8": 1x32 blocks with UE8M0 scales).
 
@@ -194,6 +221,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cast (about 1/4 of fp32, 1/2 of bf16), not ``x`` itself; the wgrad re-tiles it to 128x1.
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
     ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
+
+    ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
+    call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead
+    of casting ``x`` again, and ``fp8_cache`` keeps it for the wgrad; ``x`` stays the differentiable input (and,
+    without caching, what the wgrad casts again). Only where ``takes_precast(fp8)``; the numbers are those of
+    the call without it when it is that cast.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor [..., K], got {getattr(x, 'dtype', type(x).__name__)}")
@@ -204,9 +237,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     recipe = fp8_recipe(fp8)
-    lead = x.shape[:-1]
+    lead, rows = x.shape[:-1], x.numel() // max(x.shape[-1], 1)
+    x_q = None if x_fp8 is None else _precast(x_fp8, rows, x.shape[-1], fp8)
     health = health if health is not None and health.active else None
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health)
+    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health, x_q)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -221,8 +255,10 @@ class Fp8Linear(nn.Linear):
         self.fp8, self.fp8_cache = fp8, fp8_cache
         self.health: Fp8Health | None = None  # set by Fp8Health.attach
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health)
+    def forward(self, x: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x_fp8``: ``x``'s 1x128 cast, made by its producer (see ``linear``)."""
+        return linear(x, self.weight, self.bias, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
+                      x_fp8=x_fp8)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8}, fp8_cache={self.fp8_cache}"
@@ -326,13 +362,13 @@ def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, gr
             accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
 
         _run_or_defer(weight_grad)
-    return grad_x, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
-                fp8_cache: bool, health: Fp8Health | None):
+                fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
         num_groups, n, k = weight.shape
         ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
         ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
@@ -346,8 +382,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
         w_q = _fp8_weight(weight, fp8)
-        x_valid = x * valid.to(x.dtype)  # padding rows give 0, whatever they hold
-        x_q = _act_cast(x_valid, fp8)
+        x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
+        # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
+        x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
         if health is not None:
             health.observe(weight, "fwd", "w", weight, w_q)
             health.observe(weight, "fwd", "x", x_valid, x_q)
@@ -384,8 +421,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> None:
-                # the forward's 1x128 cast (padding rows 0), kept or made again from x with its padding rows zeroed
-                x = dequantize(*saved_x) if cached else _forward_cast(saved_x[0] * valid.to(x_dtype), recipe)
+                # the forward's 1x128 cast with its padding rows 0, kept (a precast's padding rows may hold anything)
+                # or made again from x with its padding rows zeroed
+                x = (torch.where(valid, dequantize(*saved_x), 0.0) if cached
+                     else _forward_cast(saved_x[0] * valid.to(x_dtype), recipe))
                 order, ks = _k_grouped_rows(owners, num_groups, x.device)
                 dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
                 dy_q = _wgrad_cast(_pad(dy, BLOCK), recipe)
@@ -399,18 +438,20 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 accumulate_grad(weight, d[:, :n, :k])
 
             _run_or_defer(weight_grad)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
-                   fp8_cache: bool = False, health: Fp8Health | None = None) -> torch.Tensor:
+                   fp8_cache: bool = False, health: Fp8Health | None = None,
+                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
 
     ``x [M, K]`` in the contiguous grouped layout (each group padded to 128 rows, M a multiple of
     128), ``weight [G, N, K]``. Backward: dgrad by the grouped nn GEMM, wgrad by the k-grouped tn
     GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients. ``fp8_cache`` (with
     ``fp8``): ``x`` is kept for the weight gradient only as the forward's e4m3 + 1x128 cast (see ``linear``).
-    ``health``: as in ``linear``.
+    ``health``, ``x_fp8``: as in ``linear`` (a precast's padding rows are ignored: the fused permute writes
+    zeros there, a plain cast of ``x`` whatever ``x`` holds).
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -422,8 +463,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
+    x_q = None if x_fp8 is None else _precast(x_fp8, x.shape[0], x.shape[1], fp8)
     health = health if health is not None and health.active else None
-    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health)
+    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q)
 
 
 class GroupedLinear(nn.Module):
@@ -442,8 +484,9 @@ class GroupedLinear(nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default (kaiming_uniform with a = sqrt(5))
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache)
+    def forward(self, x: torch.Tensor, m_indices: torch.Tensor,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return grouped_linear(x, self.weight, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, x_fp8=x_fp8)
 
     def extra_repr(self) -> str:
         return f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, " \

@@ -9,6 +9,7 @@ Embedding, output head, router, norms and the attention core never go through he
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,10 @@ from torch.autograd.function import once_differentiable
 import deep_gemm
 import fused_ops
 from deep_gemm.reference import dequantize
-from models.deepseek_v3.recompute import Stash, produce_consume
+from models.deepseek_v3.recompute import Stash, produce_consume, recomputing
+
+# A GEMM input's 1x128 cast made by its producer: (e4m3 values [rows, K], fp32 scales [rows, ceil(K/128)]).
+Precast = tuple[torch.Tensor, torch.Tensor]
 
 # The experts' grouped GEMM (contiguous layout, pad rows -1), re-exported for the MoE and its tests.
 grouped_linear = deep_gemm.grouped_linear
@@ -136,6 +140,35 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fused: bo
     return _SwiGLUFunction.apply(gate_up, weights)
 
 
+def fp8_swiglu_handoff(recomputed: bool, fused: bool, fp8: object, health, gate_up: torch.Tensor) -> bool:
+    """Whether a SwiGLU feeds its down projection through ``swiglu_cast``: its output is recomputed (so the
+    forward need not write it), the fused kernels run, the GEMM takes a precast, and no ``Fp8Health`` report
+    is being sampled (it counts the cast against the bf16 values it came from)."""
+    return (recomputed and fused and fused_ops.kernels_run(gate_up.device) and deep_gemm.takes_precast(fp8)
+            and (health is None or not health.active))
+
+
+def swiglu_cast(gate_up: torch.Tensor, weights: torch.Tensor | None = None):
+    """``produce_consume``'s producer of an FP8 down projection whose input (the SwiGLU output) is recomputed.
+
+    Its first run (no graph: ``produce_consume`` keeps only ``gate_up``) makes just the 1x128 cast the GEMM reads,
+    in one ``fused_ops.swiglu_fp8`` kernel, beside an output tensor it never writes: ``produce_consume`` releases
+    that unread, and refills it from the recompute that builds the graph (``torch.is_grad_enabled()``), which
+    returns the SwiGLU output itself, as does a checkpointed region's rerun (``recomputing()``, which keeps it).
+    The down projection's weight gradient casts that output again (``deep_gemm``: the forward's cast, bit for bit,
+    as ``swiglu_fp8`` casts exactly what ``swiglu`` writes). Returns ``(out, values, scales)`` or ``out``.
+    """
+    if torch.is_grad_enabled() or recomputing():
+        return swiglu(gate_up, weights, fused=True)
+    out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+    return (out, *fused_ops.swiglu_fp8(gate_up.reshape(-1, gate_up.shape[-1]), weights))
+
+
+def fp8_down(down: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``swiglu_cast``'s consumer: ``down(x, x_fp8=(values, scales))``, or ``down(x)`` without a cast."""
+    return lambda x, *cast: down(x, x_fp8=tuple(cast) if cast else None)
+
+
 def _fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scales = deep_gemm.per_token_cast_to_fp8(x.reshape(-1, x.shape[-1]))
     return q.view(x.shape), scales.view(*x.shape[:-1], -1)
@@ -168,6 +201,10 @@ class MLP(nn.Module):
         self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8, fp8_cache=fp8_cache and not input_recomputed)
         self.w2 = Linear(inter_dim, dim, fp8=fp8)  # its input is recomputed whenever caching is on
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, self.w13(x),
+    def forward(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
+        """``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``w13`` instead of casting x again."""
+        h = self.w13(x, x_fp8)
+        if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.w2.fp8, self.w2.health, h):
+            return produce_consume(swiglu_cast, fp8_down(self.w2), h, stash=self.stash)
+        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, h,
                                enabled=self.recompute_swiglu, stash=self.stash)

@@ -40,7 +40,7 @@ from models.deepseek_v3.indexer import (
     record_recall,
     select_rows,
 )
-from models.deepseek_v3.layers import Linear, RMSNorm
+from models.deepseek_v3.layers import Linear, Precast, RMSNorm
 from models.deepseek_v3.recompute import produce_consume, recomputing
 from models.deepseek_v3.rope import apply_rotary_emb
 
@@ -96,9 +96,9 @@ class MLA(nn.Module):
         self.indexer = Indexer(args) if args.index_topk else None
 
     # ---- shared by both forms ---------------------------------------------------------------------
-    def _q_latent(self, x: torch.Tensor) -> torch.Tensor:
+    def _q_latent(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
         """The query latent before ``q_norm`` (``x`` itself without q LoRA)."""
-        return self.wq_a(x) if self.q_lora_rank else x
+        return self.wq_a(x, x_fp8) if self.q_lora_rank else x
 
     def _q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
         """Per-head queries ``[b, s, h, qk_head_dim]`` from the latent before ``q_norm``."""
@@ -108,9 +108,10 @@ class MLA(nn.Module):
             q = self.wq(q_latent)
         return q.unflatten(-1, (self.n_heads, self.qk_head_dim))
 
-    def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   x_fp8: Precast | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c_kv [b, s, kv_lora] before kv_norm, rope(k_pe) [b, s, 1, rope_dim])``."""
-        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.wkv_a(x, x_fp8).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return c_kv, apply_rotary_emb(k_pe.unsqueeze(2), cos, sin, self.fused)
 
     # ---- naive form -------------------------------------------------------------------------------
@@ -128,12 +129,15 @@ class MLA(nn.Module):
         return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
-        """x ``[b, s, dim]``; cos/sin for positions ``start_pos .. start_pos+s``. With ``cache``: absorbed form."""
+                start_pos: int = 0, x_fp8: Precast | None = None) -> torch.Tensor:
+        """x ``[b, s, dim]``; cos/sin for positions ``start_pos .. start_pos+s``. With ``cache``: absorbed form.
+        ``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``wq_a`` and ``wkv_a`` instead of
+        casting x twice (only where ``deep_gemm.takes_precast(args.fp8)``). Without q LoRA ``wq`` runs inside the
+        recomputed up-projection and casts x itself (a precast held for it would be kept until backward)."""
         if cache is not None:
-            return self.forward_absorbed(x, cos, sin, cache, start_pos)
-        q_latent = self._q_latent(x)
-        c_kv, k_pe = self._kv_latent(x, cos, sin)
+            return self.forward_absorbed(x, cos, sin, cache, start_pos, x_fp8)
+        q_latent = self._q_latent(x, x_fp8)
+        c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
         learn = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
             return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
@@ -231,10 +235,10 @@ class MLA(nn.Module):
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     def forward_absorbed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache,
-                         start_pos: int) -> torch.Tensor:
+                         start_pos: int, x_fp8: Precast | None = None) -> torch.Tensor:
         """Write this step's latents at ``start_pos`` and attend over the whole cached prefix (causal)."""
-        q_latent = self._q_latent(x)
-        c_kv, k_pe = self._kv_latent(x, cos, sin)
+        q_latent = self._q_latent(x, x_fp8)
+        c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
         c_kv = self.kv_norm(c_kv)
         cache.write(self.layer_id, start_pos, torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
         _, w_uv = self._absorbed_weights()

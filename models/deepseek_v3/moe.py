@@ -36,7 +36,16 @@ import fused_ops
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, node_limited_mask
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
-from models.deepseek_v3.layers import FP8_STASH, MLP, grouped_linear, swiglu
+from models.deepseek_v3.layers import (
+    FP8_STASH,
+    MLP,
+    Precast,
+    fp8_down,
+    fp8_swiglu_handoff,
+    grouped_linear,
+    swiglu,
+    swiglu_cast,
+)
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, unpermute
 from models.deepseek_v3.recompute import produce_consume, recomputing
 
@@ -168,6 +177,7 @@ class Experts(nn.Module):
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
+        self.fused = args.fused_ops
         self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
         self.health = None  # deep_gemm.health.Fp8Health, set by its attach
         self.recompute_swiglu = recompute_swiglu or self.fp8_cache
@@ -179,17 +189,23 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return len(self.expert_ids)
 
-    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_grouped: torch.Tensor, m_indices: torch.Tensor, weights: torch.Tensor | None = None,
+                x_fp8: Precast | None = None) -> torch.Tensor:
         """``x_grouped`` ``[M, dim]`` in the contiguous layout, ``m_indices`` ``[M]`` local expert id or -1;
-        ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights)."""
+        ``weights`` ``[M]`` (optional) scale each row's SwiGLU output before ``w2`` (the routing weights).
+        ``x_fp8``: the rows' 1x128 cast made on the way (the FP8 permute or dispatch), read by ``w13``."""
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
-        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health)
-        down = lambda a: grouped_linear(a, self.w2, m_indices, fp8=self.fp8, health=self.health)  # noqa: E731 (its input is recomputed)
+        h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
+                           x_fp8=x_fp8)
+        down = functools.partial(grouped_linear, weight=self.w2, m_indices=m_indices, fp8=self.fp8,
+                                 health=self.health)  # no fp8_cache: its input is recomputed
+        swiglu_fn = self.swiglu
+        if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.fp8, self.health, h):
+            swiglu_fn, down = swiglu_cast, fp8_down(down)  # the forward writes only the cast w2 reads
         if weights is None:
-            return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
-        return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
+            return produce_consume(swiglu_fn, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(swiglu_fn, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)

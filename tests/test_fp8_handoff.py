@@ -1,0 +1,169 @@
+"""FP8 hand-offs in the model: a consumer fed its input's 1x128 cast by the producer (``x_fp8``) gives the numbers
+of the consumer that casts its input itself, bit for bit, and makes no cast of that input of its own.
+
+The precast is ``per_token_cast_to_fp8`` of the input, i.e. what the layer's first GEMMs would cast, so every
+GEMM reads the same bytes and scales: outputs and gradients must be equal, not close. Debug preset sizes (dim 64:
+K below one 128-block, padded like the GEMMs' own cast).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import deep_gemm
+import fused_ops
+from deep_gemm import calc_diff
+from accel import registry
+from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.layers import MLP
+from models.deepseek_v3.mla import MLA
+from models.deepseek_v3.moe import Experts
+from models.deepseek_v3.rope import rope_cos_sin
+from tests.test_model import randomize
+from tests.tolerances import fp8_calc_diff_bound
+
+linear_mod = importlib.import_module("deep_gemm.linear")
+
+
+@pytest.fixture
+def act_casts(monkeypatch) -> list[int]:
+    """Counts deep_gemm's own activation casts (forward inputs, dgrad's dy, the wgrad's re-cast)."""
+    calls = [0]
+    real = linear_mod._act_cast
+
+    def counting(x, recipe):
+        calls[0] += 1
+        return real(x, recipe)
+
+    monkeypatch.setattr(linear_mod, "_act_cast", counting)
+    return calls
+
+
+def _precast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return deep_gemm.per_token_cast_to_fp8(x.detach().reshape(-1, x.shape[-1]))
+
+
+def _run_twice(module, x0: torch.Tensor, call, casts: list[int], saved_casts: int):
+    """(outputs, input grads, param grads) without and with the precast; the forward with it makes
+    ``saved_casts`` fewer casts."""
+    results, counts = [], []
+    for precast in (False, True):
+        module.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        x_fp8 = _precast(x0) if precast else None
+        casts[0] = 0
+        y = call(x, x_fp8)
+        counts.append(casts[0])
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=y.dtype))
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
+    assert counts[0] - counts[1] == saved_casts, counts
+    (y0, gx0, gp0), (y1, gx1, gp1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
+def test_mla_takes_the_norms_precast(fp8_cache, act_casts):
+    args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache)
+    torch.manual_seed(0)
+    mla = MLA(args)
+    x0 = torch.randn(2, 7, args.dim)
+    cos, sin = rope_cos_sin(args, torch.arange(7))
+    _run_twice(mla, x0, lambda x, q: mla(x, cos, sin, x_fp8=q), act_casts, saved_casts=2)  # wq_a and wkv_a
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
+def test_mlp_takes_the_norms_precast(fp8_cache, act_casts):
+    torch.manual_seed(0)
+    mlp = MLP(64, 96, fp8=True, fp8_cache=fp8_cache)
+    _run_twice(mlp, torch.randn(3, 5, 64), lambda x, q: mlp(x, x_fp8=q), act_casts, saved_casts=1)
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
+def test_experts_take_the_permutes_precast(fp8_cache, act_casts):
+    args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache, n_routed_experts=3, n_expert_groups=1,
+                            n_limited_groups=1)
+    torch.manual_seed(0)
+    experts = Experts(args)
+    experts.reset_parameters(0.05)
+    m_indices = deep_gemm.grouped.contiguous_layout([20, 0, 9], "cpu")
+    x0 = torch.randn(m_indices.numel(), args.dim)
+    weights = torch.rand(m_indices.numel())
+    _run_twice(experts, x0, lambda x, q: experts(x, m_indices, weights, x_fp8=q), act_casts, saved_casts=1)
+
+
+# ------------------------------------------------------------------ the model, fused ops on (interpreter)
+
+
+@pytest.fixture
+def only_fused_kernels(monkeypatch):
+    """Only the fused ops run as Triton kernels (in the interpreter); deep_gemm's GEMMs and casts and the attention
+    run their references, as in tests/test_fused_ops_model.py."""
+    for name in registry.ops():
+        if not name.startswith("fused_ops."):
+            monkeypatch.setattr(registry.get(name), "_triton", None)
+
+
+def _model_run(fused: bool, tokens: torch.Tensor, **overrides):
+    """(loss, grads) of a small debug model (a dense layer, an MoE layer of 2 experts top-2 (top-1 would leave
+    the router a zero gradient), no MTP: the
+    interpreter runs one program per grouped row), FP8 on."""
+    torch.manual_seed(1)
+    args = ModelArgs.preset("debug", fused_ops=fused, n_layers=2, n_mtp_layers=0, n_routed_experts=2,
+                            n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, fp8=True, **overrides)
+    model = randomize(Transformer(args))
+    with registry.force("auto"):
+        logits, mtp = model.forward_with_mtp(tokens[:, :-1])
+        loss = lm_losses(args, logits, mtp, tokens[:, 1:])["loss"]
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _counted(monkeypatch, module, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+# fused vs unfused with FP8: the fused kernels round at the unfused ops' points and differ by fp32 evaluation order
+# only (tests/test_fused_ops_model.py); an FP8 cast of such a value may flip to the next e4m3 step. Counting every
+# flip as a further e4m3 rounding of every operand (3 per GEMM's wgrad) bounds calc_diff by the FP8 rule's bound
+# for the smallest gradient (64 values); the loss then moves by at most sqrt(2 bound) relative. Measured: equal.
+# A wrong row, scale or weight moves gradients by calc_diff > 1e-2.
+FP8_FUSED_TOL = fp8_calc_diff_bound(casts=3, reduction=64, samples=64)
+
+
+@pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow)],
+                         ids=["swiglu", "v3"])  # ~11 s each on the 2-core box
+def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts, monkeypatch):
+    """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
+    cast in the forward and ``w2`` reads it. Against the same fused model without the hand-offs
+    (``takes_precast`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
+    exactly one GEMM cast fewer per hand-off; against the unfused model within ``FP8_FUSED_TOL``."""
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    handoffs = _counted(monkeypatch, fused_ops, "swiglu_fp8")
+    results, casts = [], []
+    for fused, handoff in ((True, True), (True, False), (False, False)):
+        with monkeypatch.context() as m:
+            if not handoff:
+                m.setattr(deep_gemm, "takes_precast", lambda fp8: False)
+            handoffs[0] = act_casts[0] = 0
+            results.append(_model_run(fused, tokens, recompute=recompute))
+            casts.append((act_casts[0], handoffs[0]))
+    (loss, grads), (want_loss, want), (unfused_loss, unfused) = results
+    assert casts[0][1] == 3 and casts[1][1] == 0  # the dense MLP; the MoE layer's shared and routed experts
+    assert casts[1][0] - casts[0][0] == casts[0][1] and casts[2][0] == casts[1][0]
+    assert torch.equal(loss, want_loss) and grads.keys() == want.keys() == unfused.keys()
+    assert all(torch.equal(grads[n], want[n]) for n in want)
+    assert abs(float(loss) - float(unfused_loss)) <= (2 * FP8_FUSED_TOL) ** 0.5 * abs(float(unfused_loss))
+    worst = max(calc_diff(grads[n], unfused[n]) for n in unfused)
+    assert worst < FP8_FUSED_TOL, worst
