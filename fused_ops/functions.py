@@ -256,6 +256,19 @@ def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor |
     return _Unpermute.apply(y_grouped, weights, layout)
 
 
+def _gather_rows_backward(ctx, grad: torch.Tensor):
+    """``gather_rows``' backward: each source row's gradient summed over its rows (one kernel), the columns'
+    gradient at their assignment."""
+    assign, inverse = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = ops.unpermute_sum_op(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
+    dc = None
+    if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch
+        real = assign >= 0
+        dc = grad.new_zeros(inverse.numel(), grad.shape[1] - ctx.dim).index_put_((assign[real],), grad[real, ctx.dim:])
+    return dx, dc
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, columns, assign, inverse, k):
@@ -266,15 +279,47 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        assign, inverse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dx = ops.unpermute_sum_op(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
-        dc = None
-        if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch
-            real = assign >= 0
-            dc = grad.new_zeros(inverse.numel(), grad.shape[1] - ctx.dim).index_put_((assign[real],),
-                                                                                     grad[real, ctx.dim:])
-        return dx, dc, None, None, None
+        return *_gather_rows_backward(ctx, grad), None, None, None
+
+
+class _PackRowsFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, columns, assign, inverse, k, x_fp8):
+        if x_fp8 is None:  # cast on the way
+            q, sf, _ = ops.permute_gather_fp8_op(x.detach().contiguous(), assign, k)
+        else:  # the producer's cast, moved with its scales
+            q, sf, _ = ops.permute_gather_op(x_fp8[0].contiguous(), assign, k, x_fp8[1].contiguous())
+        parts = [q.view(torch.uint8), sf.view(torch.uint8)]
+        if columns is not None:  # a few values per row: plain torch
+            parts.append(columns.detach()[assign].contiguous().view(torch.uint8))
+        wire = torch.cat(parts, dim=1)
+        ctx.save_for_backward(assign, inverse)
+        ctx.k, ctx.dim = k, x.shape[1]
+        ctx.mark_non_differentiable(wire)
+        width = x.shape[1] + (0 if columns is None else columns.shape[1])
+        return x.new_zeros(()).expand(assign.numel(), width), wire  # no storage: the rows never exist in x's dtype
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _wire):
+        return *_gather_rows_backward(ctx, grad), None, None, None, None
+
+
+def pack_rows_fp8(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
+                  columns: torch.Tensor | None = None,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_rows``' rows as they travel in FP8: ``(rows, wire)``. ``wire`` is bytes ``[len(assign), d + 4 *
+    ceil(d / 128) + c * itemsize]``: each row's e4m3 values, its 1x128 fp32 scales, its columns' bytes. The values
+    are cast on the way (DeepGEMM's per-token cast, one kernel), or with ``x_fp8 = (values, scales)``, ``x``'s own
+    1x128 cast made by its producer, moved with their scales (no cast). ``rows`` stands for the ``[len(assign),
+    d + c]`` rows in x's dtype without their storage (they are never materialised): what the gradient of the
+    rows is taken against, ``gather_rows``' backward (straight through the cast)."""
+    _check_gather("pack_rows_fp8", x, inverse, k, columns)
+    if x_fp8 is not None and (x_fp8[0].shape != x.shape or x_fp8[0].dtype != ops.FP8 or
+                              x_fp8[1].shape != (x.shape[0], -(-x.shape[1] // 128))):
+        raise ValueError(f"pack_rows_fp8: x_fp8 must be (e4m3 {list(x.shape)}, fp32 [{x.shape[0]}, "
+                         f"{-(-x.shape[1] // 128)}]) for x")
+    return _PackRowsFp8.apply(x, columns, assign, inverse, k, x_fp8)
 
 
 def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
@@ -286,13 +331,17 @@ def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k:
     ``inverse [len(x) * k]`` is the output row of each assignment (-1: none), what the backward needs to sum each
     source row's gradients without atomics (one kernel); the columns get theirs at their assignment.
     """
+    _check_gather("gather_rows", x, inverse, k, columns)
+    return _GatherRows.apply(x, columns, assign, inverse, k)
+
+
+def _check_gather(name: str, x: torch.Tensor, inverse: torch.Tensor, k: int, columns: torch.Tensor | None) -> None:
     if x.dim() != 2 or inverse.numel() != x.shape[0] * k:
-        raise ValueError(f"gather_rows: x must be [n, d] and inverse [n * k] = [{x.shape[0] * k}], got "
+        raise ValueError(f"{name}: x must be [n, d] and inverse [n * k] = [{x.shape[0] * k}], got "
                          f"{list(x.shape)} and {list(inverse.shape)}")
     if columns is not None and (columns.dim() != 2 or columns.shape[0] != inverse.numel() or columns.dtype != x.dtype):
-        raise ValueError(f"gather_rows: columns must be [{inverse.numel()}, c] in {x.dtype}, got "
+        raise ValueError(f"{name}: columns must be [{inverse.numel()}, c] in {x.dtype}, got "
                          f"{columns.dtype} {list(columns.shape)}")
-    return _GatherRows.apply(x, columns, assign, inverse, k)
 
 
 class _RegroupRows(torch.autograd.Function):
@@ -308,12 +357,52 @@ class _RegroupRows(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_w):
-        (inverse,) = ctx.saved_tensors
-        columns = None
-        if ctx.columns:
-            gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w is None else grad_w
-            columns = gw.to(grad.dtype).unsqueeze(1).expand(-1, ctx.columns).contiguous()
-        return ops.gather_rows_op(grad.contiguous(), inverse, 1, columns), None, None, None
+        return _regroup_backward(ctx, grad, grad_w), None, None, None
+
+
+def _regroup_backward(ctx, grad: torch.Tensor, grad_w: torch.Tensor | None) -> torch.Tensor:
+    """``regroup_rows``' backward: each input row's gradient gathered back (one kernel), the weight's gradient
+    into each of its columns."""
+    (inverse,) = ctx.saved_tensors
+    columns = None
+    if ctx.columns:
+        gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w is None else grad_w
+        columns = gw.to(grad.dtype).unsqueeze(1).expand(-1, ctx.columns).contiguous()
+    return ops.gather_rows_op(grad.contiguous(), inverse, 1, columns)
+
+
+class _RegroupRowsFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, wire, dim, assign, inverse):
+        blocks = -(-dim // 128)
+        values = wire[:, :dim].view(ops.FP8)
+        scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
+        columns = wire[:, dim + 4 * blocks:].contiguous().view(rows.dtype)  # a column or two: plain torch
+        weights = columns.float().sum(1) if columns.shape[1] else None
+        grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights)
+        ctx.save_for_backward(inverse)
+        ctx.columns = rows.shape[1] - dim
+        ctx.mark_non_differentiable(q, sf)
+        return grouped, grouped_w, q, sf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, grad_w, _q, _sf):
+        return _regroup_backward(ctx, grad, grad_w), None, None, None, None
+
+
+def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: torch.Tensor, inverse: torch.Tensor):
+    """``regroup_rows`` for rows that travelled as ``pack_rows_fp8``'s ``wire`` (``rows``: their stand-in
+    ``[n, dim + c]``, n = len(wire) + 1 with the spare row): ``(values [M, dim], weights [M] or None, (e4m3 [M,
+    dim], scales [M, ceil(dim / 128)]))``. The values are the e4m3 rows times their scales rounded to ``rows``'
+    dtype (the dequantisation), the last pair that result's own 1x128 cast, bit for bit what an FP8 GEMM fed the
+    values would make of them (not differentiable: ``deep_gemm.grouped_linear(..., x_fp8=)``). One kernel each
+    way; the backward is ``regroup_rows``'."""
+    if rows.dim() != 2 or wire.dtype != torch.uint8 or inverse.numel() != rows.shape[0] or len(wire) >= len(rows):
+        raise ValueError(f"regroup_rows_fp8: rows must be [n, dim + c], wire uint8 [< n, bytes] and inverse [n]; got "
+                         f"{list(rows.shape)}, {wire.dtype} {list(wire.shape)}, {list(inverse.shape)}")
+    grouped, weights, q, sf = _RegroupRowsFp8.apply(rows, wire, dim, assign, inverse)
+    return grouped, weights, (q, sf)
 
 
 def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,

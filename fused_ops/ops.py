@@ -11,6 +11,7 @@
 ``fused_ops.permute_gather``           tokens (values, scales, routing weights) into the grouped layout
 ``fused_ops.permute_gather_fp8``       the same, cast to e4m3 with 1x128 scales on the way
 ``fused_ops.gather_rows``              rows gathered with per-assignment columns appended (EP's rows to send)
+``fused_ops.gather_dequant_fp8``       landed e4m3 rows dequantised into the grouped layout, with their recast
 ``fused_ops.unpermute_sum``            grouped rows back to tokens, weighted sum over the top-k
 ``fused_ops.unpermute_spread``         the unpermute backward
 ``fused_ops.route``                    sigmoid + bias + group- and node-limited top-k + normalised weights
@@ -132,6 +133,14 @@ def gather_rows_reference(x: torch.Tensor, assign: torch.Tensor, k: int,
     src = assign.clamp_min(0)
     rows = x[src // k] if columns is None else torch.cat([x[src // k], columns[src]], dim=1)
     return torch.where((assign >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype))
+
+
+@registry.reference_for("fused_ops.gather_dequant_fp8")
+def gather_dequant_fp8_reference(values: torch.Tensor, scales: torch.Tensor, assign: torch.Tensor, dtype: torch.dtype,
+                                 weights: torch.Tensor | None = None):
+    x = (values.float() * scales.repeat_interleave(128, dim=1)[:, :values.shape[1]]).to(dtype)
+    grouped, _, w = permute_gather_reference.__wrapped__(x, assign, 1, None, weights)
+    return (grouped, *cast_1x128(grouped), w)
 
 
 @registry.reference_for("fused_ops.unpermute_sum")
@@ -277,6 +286,17 @@ def _gather_rows_case(shape: dict, seed: int, device: torch.device) -> Case:
     columns = _rows({**shape, "rows": shape["rows"] * shape["k"]}, seed + 6, device, shape["columns"]) \
         if shape["columns"] else None
     return Case(args=(x, assign, shape["k"], columns))
+
+
+def _dequant_case(shape: dict, seed: int, device: torch.device) -> Case:
+    """Landed rows: e4m3 values with 1x128 scales over 6 decades, one all-zero row (the amax floor's scale)."""
+    assign, _ = _assignments({**shape, "k": 1}, seed, device)
+    x = _rows({**shape, "dtype": "float32"}, seed, device, shape["dim"], 100.0).to(FP8)
+    x[0] = 0
+    scales = torch.exp(torch.randn(shape["rows"], -(-shape["dim"] // 128), generator=_gen(seed + 8)) * 3) / 448
+    scales[0] = 1e-4 / 448
+    weights = torch.rand(shape["rows"], generator=_gen(seed + 6)).to(device)
+    return Case(args=(x.to(device), scales.to(device), assign, _dtype(shape), weights))
 
 
 def _unpermute_case(shape: dict, seed: int, device: torch.device) -> Case:
@@ -432,6 +452,12 @@ gather_rows_op = registry.register(
     "fused_ops.gather_rows", reference=gather_rows_reference, triton=_impl("permute:gather_rows"),
     verify=VerifySpec(make_case=_gather_rows_case, shapes=_GATHER_ROWS_SHAPES, bench_shapes=_GATHER_ROWS_BENCH,
                       tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * (s["dim"] + s["columns"]) * 2 * 2))
+gather_dequant_fp8_op = registry.register(
+    "fused_ops.gather_dequant_fp8", reference=gather_dequant_fp8_reference, triton=_impl("permute:gather_dequant_fp8"),
+    verify=VerifySpec(make_case=_dequant_case, shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3,
+                                                                                              dim=200, dtype="float32")],
+                      bench_shapes=[dict(rows=32768, experts=32, dim=7168)], tolerance=TOL, compare=_fp8_compare(TOL),
+                      bytes_moved=lambda s: s["rows"] * s["dim"] * (1 + 2 + 1)))
 unpermute_sum_op = registry.register(
     "fused_ops.unpermute_sum", reference=unpermute_sum_reference, triton=_impl("permute:sum_rows"),
     verify=VerifySpec(make_case=_unpermute_case, shapes=_UNPERMUTE_SHAPES, bench_shapes=_PERMUTE_BENCH,

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import deep_gemm
+import models.deepseek_v3.moe as moe_module
 from accel import registry
 from models.deepseek_v3.balancing import BalanceConfig
 from models.deepseek_v3.expert_parallel import ExpertParallel
@@ -24,42 +26,63 @@ from tests.dist_utils import run_distributed
 from tests.test_expert_parallel import TOKENS, _args, _ep_moe, _full_moe, _grads, _inputs
 from tests.tolerances import assert_reorder_close
 
+_GROUPED_LINEAR = moe_module.grouped_linear
 FUSED_EP_OPS = ("fused_ops.route", "fused_ops.route_backward", "fused_ops.gather_rows", "fused_ops.permute_gather",
                 "fused_ops.unpermute_sum")
 
 
-def _run(rank, world, dim, balance, fused, fp8):
-    args = _args(dim).replace(fused_ops=fused)
+def _spy_on_w13(moe) -> list[bool]:
+    """For each w13 grouped GEMM handed a precast: whether it is DeepGEMM's cast of the GEMM's input (real rows)."""
+    seen = []
+
+    def spy(x, weight, m_indices, **kwargs):
+        if weight is moe.experts.w13 and kwargs.get("x_fp8") is not None:
+            (q, sf), valid = kwargs["x_fp8"], m_indices >= 0
+            q_dg, sf_dg = deep_gemm.per_token_cast_to_fp8(x.detach())
+            seen.append(torch.equal(q.view(torch.uint8)[valid], q_dg.view(torch.uint8)[valid])
+                        and torch.equal(sf[valid], sf_dg[valid]))
+        return _GROUPED_LINEAR(x, weight, m_indices, **kwargs)
+
+    moe_module.grouped_linear = spy  # (each rank is a process of its own; each run replaces the last run's spy)
+    return seen
+
+
+def _run(rank, world, dim, balance, fused, fp8, fp8_gemms=False):
+    args = _args(dim).replace(fused_ops=fused, fp8=fp8_gemms)
     full = _full_moe(args, balance)
     moe = _ep_moe(args, balance, full, dist.group.WORLD)
+    precasts = _spy_on_w13(moe)
     moe.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD, fp8_dispatch=fp8, fused=fused)
     x_all, g_all = _inputs(world, dim)
     x = x_all[rank].clone().requires_grad_()
     y = moe(x)
     (y * g_all[rank]).sum().backward()
-    return dict(y=y.detach(), x_grad=x.grad, grads=_grads(moe), received=int(moe.received_rows or 0))
+    return dict(y=y.detach(), x_grad=x.grad, grads=_grads(moe), received=int(moe.received_rows or 0),
+                precasts=precasts)
 
 
-def _fused_vs_unfused_rank(rank, world, dim, balance_kwargs, fp8):
+def _fused_vs_unfused_rank(rank, world, dim, balance_kwargs, fp8, fp8_gemms, unfused_kernels):
     # fused_ops' kernels in the interpreter (every thread, the comm thread too); every other op its reference
     os.environ["DSV3_KERNEL_IMPL"] = "auto"
     for name in registry.ops():
-        if not name.startswith("fused_ops."):
+        if not name.startswith("fused_ops.") or name in unfused_kernels:
             registry.get(name)._triton = None
     balance = BalanceConfig(**balance_kwargs)
-    unfused = _run(rank, world, dim, balance, False, fp8)
-    for name in FUSED_EP_OPS:
+    unfused = _run(rank, world, dim, balance, False, fp8, fp8_gemms)
+    fused_ops = [name for name in registry.ops() if name.startswith("fused_ops.")]
+    for name in fused_ops:
         registry.get(name).last_impl = None
-    fused = _run(rank, world, dim, balance, True, fp8)
-    return dict(unfused=unfused, fused=fused, impls={n: registry.get(n).last_impl for n in FUSED_EP_OPS})
+    fused = _run(rank, world, dim, balance, True, fp8, fp8_gemms)
+    return dict(unfused=unfused, fused=fused, ran={n for n in fused_ops if registry.get(n).last_impl == "triton"})
 
 
-def _check(world, dim, balance_kwargs, fp8=False):
-    results = run_distributed(_fused_vs_unfused_rank, world, dim, balance_kwargs, fp8, timeout=200)
+def _check(world, dim, balance_kwargs, fp8=False, fp8_gemms=False, ops=FUSED_EP_OPS, unfused_kernels=()):
+    results = run_distributed(_fused_vs_unfused_rank, world, dim, balance_kwargs, fp8, fp8_gemms, unfused_kernels,
+                              timeout=200)
     args = _args(dim)
     n = max(dim, 2 * args.moe_inter_dim, world * TOKENS * args.n_activated_experts)
     for r, res in enumerate(results):
-        assert all(impl == "triton" for impl in res["impls"].values()), res["impls"]
+        assert set(ops) <= res["ran"], res["ran"]
         got, want = res["fused"], res["unfused"]
         assert got["received"] == want["received"]  # the same routing: the same rows travelled
         assert_reorder_close(got["y"], want["y"], reduction=n, depth=4, msg=f"rank {r} y")
@@ -76,7 +99,26 @@ def test_fused_ep_matches_unfused_ep_with_node_limit_and_dropped_tokens():
     _check(2, 32, dict(strategy="aux_free+seq_aux", alpha=0.1, capacity_factor=1.0, num_nodes=4, max_nodes=2))
 
 
+FP8_DISPATCH_OPS = ("fused_ops.permute_gather_fp8", "fused_ops.gather_dequant_fp8", "fused_ops.gather_rows",
+                    "fused_ops.unpermute_sum")
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_fused_ep_matches_unfused_ep_with_fp8_dispatch():
-    _check(2, 160, dict(strategy="none"), fp8=True)  # 160 = one full and one partial 1x128 scale tile
+    """The rows travel packed by the sender's gather + cast kernel and land straight in the grouped layout."""
+    _check(2, 160, dict(strategy="none"), fp8=True, ops=FP8_DISPATCH_OPS)  # 160: a full and a partial 1x128 tile
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast():
+    """FP8 GEMMs: w13 reads the cast the landing kernel made instead of casting the grouped rows itself (one cast
+    fewer per rank, and the sender's cast is the packing kernel's: two). The router and SwiGLU run their
+    references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3 step
+    (2^-3 relative) would be far outside the reorder bound."""
+    results = _check(2, 160, dict(strategy="none"), fp8=True, fp8_gemms=True, ops=FP8_DISPATCH_OPS,
+                     unfused_kernels=("fused_ops.route", "fused_ops.route_backward", "fused_ops.swiglu",
+                                      "fused_ops.swiglu_fp8", "fused_ops.swiglu_backward"))
+    for res in results:
+        assert not res["unfused"]["precasts"] and res["fused"]["precasts"] == [True]

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from accel import registry
 from deep_gemm.reference import per_token_cast_reference
-from fused_ops import (apply_rope, gather_rows, grouping, permute, regroup_rows, rmsnorm, rope_, route, swiglu, swiglu_fp8,
-                       unpermute)
+from fused_ops import (apply_rope, gather_rows, grouping, pack_rows_fp8, permute, regroup_rows, regroup_rows_fp8, rmsnorm,
+                       rope_, route, swiglu, swiglu_fp8, unpermute)
 
 BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
 GRAD_REL = 4 * 2.0 ** -8
@@ -302,6 +302,47 @@ def test_gather_rows_and_regroup_rows_match_float64(impl, dtype, columns):
     _close(gx, gx64, 2 * _rel(dtype, True), "dx")
     # each column's gradient is the weight's, rounded once to the rows' dtype (pads and dropped slots: 0)
     _close(gc, gc64, 2.0 ** -8 if dtype == torch.bfloat16 else 0.0, "d columns")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rows_travel_packed_and_land_with_the_gemms_cast(dtype):
+    """Expert parallelism's FP8 dispatch, fused: the sender's wire (gather + cast in one kernel, or the producer's
+    precast moved) is byte for byte today's (gather, then DeepGEMM's cast, then the bytes concatenated); the
+    receiver's grouped rows are today's dequantisation (bit for bit) and the cast it hands the grouped GEMM is
+    DeepGEMM's cast of those rows (bit for bit, padding rows aside: the GEMM skips them). Tiles: six decades of
+    magnitudes, an all-zero row and rows at the 1e-4 amax floor."""
+    from models.deepseek_v3.expert_parallel import _pack_fp8, _unpack_fp8
+
+    g = torch.Generator().manual_seed(40)
+    tokens, k, dim = 7, 3, 300
+    x = _randn(tokens, dim, seed=41) * torch.exp(_randn(tokens, 1, seed=42) * 3)
+    x[0], x[1] = 0.0, x[1] / x[1].abs().max() * 0.97e-4  # the amax floor: all zero, and just below 1e-4
+    x = x.to(dtype)
+    cols = _randn(tokens * k, 2 if dtype == torch.bfloat16 else 1, dtype=dtype, seed=43)
+    assign = torch.randperm(tokens * k, generator=g)[:tokens * k - 2]
+    inverse = torch.full((tokens * k,), -1).index_put_((assign,), torch.arange(len(assign)))
+    regroup = torch.cat([torch.randperm(len(assign), generator=g), torch.tensor([-1, -1, -1])])
+    back = torch.full((len(assign) + 1,), -1).index_put_((regroup[regroup >= 0],), torch.nonzero(regroup >= 0)[:, 0])
+    with registry.poisoned_outputs(), registry.force("triton"):
+        send, wire = pack_rows_fp8(x, assign, inverse, k, cols)
+        _, moved = pack_rows_fp8(x, assign, inverse, k, cols, x_fp8=per_token_cast_reference(x))
+        landed = torch.zeros((), dtype=dtype).expand(len(assign) + 1, dim + cols.shape[1])
+        grouped, weights, (q, sf) = regroup_rows_fp8(landed, wire, dim, regroup, back)
+    today = torch.cat([_pack_fp8(x[assign // k]), cols[assign].view(torch.uint8)], dim=1)
+    assert torch.equal(wire, today) and torch.equal(moved, today)
+    assert send.shape == (len(assign), dim + cols.shape[1]) and send.untyped_storage().nbytes() <= 4
+    real = regroup >= 0
+    rows = _unpack_fp8(today, dim, dtype)
+    assert torch.equal(grouped[real], rows[regroup[real]]) and not grouped[~real].any()
+    assert torch.equal(weights[real], cols[assign].float().sum(1)[regroup[real]]) and not weights[~real].any()
+    q_dg, sf_dg = per_token_cast_reference(grouped)
+    assert torch.equal(q.view(torch.uint8)[real], q_dg.view(torch.uint8)[real]) and torch.equal(sf[real], sf_dg[real])
+    # Why the receiver casts again (in registers) rather than hand on the e4m3 that landed: the landed codes are
+    # that same cast except where a tile's amax sits just below the 1e-4 floor (its dequantised amax can round
+    # up past it); there the GEMM's cast of the dequantised rows has other scales. Token 1 is such a row.
+    sent_q, sent_sf = _pack_fp8(x[assign // k])[regroup[real]].split([dim, sf.shape[1] * 4], dim=1)
+    differs = (sent_q != q[real].view(torch.uint8)).any(1) | (sent_sf.contiguous().view(torch.float32) != sf[real]).any(1)
+    assert set((assign[regroup[real]] // k)[differs].tolist()) == ({1} if dtype == torch.bfloat16 else set())
 
 
 # ---------------------------------------------------------------------------------------------- router

@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 import torch
@@ -337,6 +337,8 @@ class SendPlan:
     # with fused kernels (``ExpertParallel.fused``): ``assign`` the assignment of each sent row, ``rows`` the sent
     # row of each assignment or -1 (dropped), for ``fused_ops.gather_rows`` and ``fused_ops.unpermute``
     layout: fused_ops.Grouping | None = None
+    # FP8 dispatch with fused kernels: the rows as they travel, packed by the sender (``fused_ops.pack_rows_fp8``)
+    wire: torch.Tensor | None = None
 
 
 @dataclass
@@ -354,6 +356,9 @@ class Received:
     # with fused kernels: ``assign`` the arrival row of each grouped row or -1 (padding), ``rows`` the grouped row
     # of each arrival row (``state.rows``), for ``fused_ops.regroup_rows`` / ``gather_rows``
     layout: fused_ops.Grouping | None = None
+    # the FP8 bytes that landed when the sender packed them (``SendPlan.wire``); ``rows`` then only stands for
+    # the rows in the activations' dtype (no storage): ``regroup`` dequantises straight into the grouped layout
+    wire: torch.Tensor | None = None
 
 
 @dataclass
@@ -366,6 +371,7 @@ class Dispatched:
     weights: torch.Tensor | None  # [M] fp32 routing weight of each row (0 on pad rows), if sent
     received: Received
     plan: SendPlan
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # x_grouped's 1x128 cast when it landed as FP8 (fused)
 
 
 class ExpertParallel:
@@ -488,18 +494,26 @@ class ExpertParallel:
         return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
                         send_counts.view(self.world, self.local).sum(1).tolist(), num_sent, k, layout)
 
-    @staticmethod
-    def gather(x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan,
+               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, SendPlan]:
         """The rows to send ``[num_sent, dim (+ weight columns)]``: each assignment's token, its routing weight as
-        extra columns (``_weight_columns``) when given."""
+        extra columns (``_weight_columns``) when given; and the plan to post them with.
+
+        With fused kernels, one kernel: the rows with their columns; under FP8 dispatch the rows as they travel
+        instead (e4m3 + scales, cast on the way, or moved from ``x_fp8``, the 1x128 cast of ``x`` its producer
+        made: no cast at all) in the returned plan's ``wire``, the returned rows then a stand-in without storage
+        for the gradient. (``x_fp8`` is not needed otherwise: the torch path casts the rows it sends.)"""
         columns = None if weights is None else _weight_columns(weights.reshape(-1), x.dtype)
-        if plan.layout is not None:  # one kernel: each row and its weight columns
-            return fused_ops.gather_rows(x, plan.layout.assign, plan.layout.rows, plan.k, columns)
+        if plan.layout is not None and self.fp8_dispatch:
+            send, wire = fused_ops.pack_rows_fp8(x, plan.layout.assign, plan.layout.rows, plan.k, columns, x_fp8)
+            return send, replace(plan, wire=wire)
+        if plan.layout is not None:
+            return fused_ops.gather_rows(x, plan.layout.assign, plan.layout.rows, plan.k, columns), plan
         picked = plan.order[:plan.num_sent]
         rows = x.index_select(0, picked // plan.k)
         if weights is None:
-            return rows
-        return torch.cat([rows, columns.index_select(0, picked)], dim=1)
+            return rows, plan
+        return torch.cat([rows, columns.index_select(0, picked)], dim=1), plan
 
     def post_dispatch(self, send: torch.Tensor, plan: SendPlan, dim: int) -> CommHandle[Received]:
         """Send the gathered rows (``dim`` feature columns, then weight columns) to their experts' ranks; not
@@ -508,17 +522,22 @@ class ExpertParallel:
         return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, dim, lambda r: r),
                     self.site)
 
-    def regroup(self, rows: torch.Tensor, received: Received) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None)`` in the grouped layout (one gather;
-        pad rows read the spare zero row, so their weight is 0)."""
+    def regroup(self, rows: torch.Tensor, received: Received) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                        tuple[torch.Tensor, torch.Tensor] | None]:
+        """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None, x_fp8)`` in the grouped layout (one
+        gather; pad rows read the spare zero row, so their weight is 0). ``x_fp8``: when the rows landed as FP8
+        bytes (``Received.wire``), ``x_grouped``'s own 1x128 cast made in the same kernel, bit for bit what the
+        grouped GEMM would make of it (``Experts.forward(..., x_fp8=)``); else None."""
         dim = received.dim
         if received.layout is not None:  # one kernel: the rows and the weights their columns carry
             inverse = F.pad(received.layout.rows, (0, 1), value=-1)  # the spare zero row is nobody's
-            return fused_ops.regroup_rows(rows, dim, received.layout.assign, inverse)
+            if received.wire is not None:
+                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, received.layout.assign, inverse)
+            return (*fused_ops.regroup_rows(rows, dim, received.layout.assign, inverse), None)
         x_grouped = rows[:, :dim].index_select(0, received.source)
         if rows.shape[1] == dim:
-            return x_grouped, None
-        return x_grouped, rows[:, dim:].float().sum(1).index_select(0, received.source)
+            return x_grouped, None, None
+        return x_grouped, rows[:, dim:].float().sum(1).index_select(0, received.source), None
 
     @staticmethod
     def ungroup(y_grouped: torch.Tensor, received: Received) -> torch.Tensor:
@@ -558,13 +577,13 @@ class ExpertParallel:
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
-        plan = self.plan_send(indices)
-        send = self.gather(x, weights, plan)
+        send, plan = self.gather(x, weights, self.plan_send(indices))
 
         def grouped(received: Received) -> Dispatched:
             rows = arrived(send, received.rows, received.exchanged)
-            x_grouped, row_weights = self.regroup(rows, received)
-            return Dispatched(x_grouped, received.m_indices, received.tokens_per_expert, row_weights, received, plan)
+            x_grouped, row_weights, x_fp8 = self.regroup(rows, received)
+            return Dispatched(x_grouped, received.m_indices, received.tokens_per_expert, row_weights, received, plan,
+                              x_fp8)
 
         return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, x.shape[1], grouped),
                     self.site)
@@ -586,14 +605,17 @@ class ExpertParallel:
         """The exchange, staged so the wire is busy while the host works: the rows are packed while the counts
         travel, the regrouping's index plan is computed while the rows travel."""
         recv_counts, count_work = self._post_counts(plan.send_counts)
-        packed = None
-        if self.fp8_dispatch:  # e4m3 + scales, then the weight columns' bytes: one buffer, one exchange
+        packed = plan.wire  # packed by the sender's fused gather, or:
+        if self.fp8_dispatch and packed is None:  # e4m3 + scales, then the weight columns' bytes: one buffer
             packed = torch.cat([_pack_fp8(send[:, :dim]), send[:, dim:].contiguous().view(torch.uint8)], dim=1)
         count_work[0].wait()
         recv_splits = recv_counts.sum(1).tolist()
         total = sum(recv_splits)
-        rows = send.new_empty(total + 1, send.shape[1])
-        rows[total:].zero_()  # one spare zero row: the regrouping's pad rows read it; the rest is overwritten
+        if plan.wire is not None:  # the landed bytes go straight into the grouped layout: a stand-in, no storage
+            rows = send.new_zeros(()).expand(total + 1, send.shape[1])
+        else:
+            rows = send.new_empty(total + 1, send.shape[1])
+            rows[total:].zero_()  # one spare zero row: the regrouping's pad rows read it; the rest is overwritten
         wire = send if packed is None else packed
         recv = rows[:total] if packed is None else packed.new_empty(total, packed.shape[1])
         works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
@@ -604,7 +626,7 @@ class ExpertParallel:
                                         m_indices=m_indices, tokens_per_expert=per_expert, num_tokens=total, k=1)
 
         def landed() -> T:
-            if packed is not None:
+            if packed is not None and plan.wire is None:
                 rows[:total, :dim] = _unpack_fp8(recv, dim, send.dtype)
                 rows[:total, dim:] = recv[:, packed.shape[1] - (send.shape[1] - dim) * send.element_size():] \
                     .contiguous().view(send.dtype)
@@ -612,7 +634,7 @@ class ExpertParallel:
                                   rows.device, self.group, self.recorder, self.site)
             return then(Received(rows, exchanged, dim, source, m_indices,
                                  PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert),
-                                 per_expert, layout))
+                                 per_expert, layout, None if plan.wire is None else recv))
 
         return Posted(works, landed, nbytes=wire.numel() * wire.element_size())
 

@@ -275,12 +275,16 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x)
 
     # ---- expert parallelism: the pieces between the all-to-alls -----------------------------------
-    def send(self, x: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
+    def send(self, x: torch.Tensor, seq_len: int | None = None,
+             x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
         """Before the dispatch: route ``x [T, dim]``, gather the rows to send (routing weights as extra columns)
-        and run the shared experts. Returns ``(rows to send, their plan, shared output or None)``."""
+        and run the shared experts. Returns ``(rows to send, their plan, shared output or None)``.
+
+        ``x_fp8``: ``x``'s 1x128 cast (e4m3 values, fp32 scales), made by the norm that produced ``x``: under FP8
+        dispatch with fused kernels the rows travel as a gather of it (no cast), else it is not needed."""
         routing = self.route(x, seq_len)
-        plan = self.ep.plan_send(routing.indices)
-        return self.ep.gather(x, routing.weights, plan), plan, self.shared(x)
+        send, plan = self.ep.gather(x, routing.weights, self.ep.plan_send(routing.indices), x_fp8)
+        return send, plan, self.shared(x)
 
     def expert_rows(self, rows: torch.Tensor, received: Received) -> torch.Tensor:
         """Between the dispatch and the combine: this rank's experts on the rows that arrived (arrival order in
@@ -288,9 +292,11 @@ class MoE(nn.Module):
         if self.training and not recomputing():
             n = received.tokens_per_expert.sum().double()
             self.received_rows = n if self.received_rows is None else self.received_rows + n
-        x_grouped, weights = self.ep.regroup(rows, received)
+        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received)
+        # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast
+        x_fp8 = x_fp8 if deep_gemm.takes_precast(self.experts.fp8) else None
         # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
-        return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights), received)
+        return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights, x_fp8=x_fp8), received)
 
     def combined(self, rows: torch.Tensor, plan: SendPlan, shared: torch.Tensor | None) -> torch.Tensor:
         """After the combine: each token's sum over its experts' returned rows, plus the shared experts."""
