@@ -292,6 +292,8 @@ class _PackRowsFp8(torch.autograd.Function):
         parts = [q.view(torch.uint8), sf.view(torch.uint8)]
         if columns is not None:  # a few values per row: plain torch
             parts.append(columns.detach()[assign].contiguous().view(torch.uint8))
+        width = sum(p.shape[1] for p in parts)
+        parts.append(q.new_zeros(len(q), -width % 16, dtype=torch.uint8))  # rows 16-byte aligned: 128-bit loads
         wire = torch.cat(parts, dim=1)
         ctx.save_for_backward(assign, inverse)
         ctx.k, ctx.dim = k, x.shape[1]
@@ -309,7 +311,8 @@ def pack_rows_fp8(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, 
                   columns: torch.Tensor | None = None,
                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gather_rows``' rows as they travel in FP8: ``(rows, wire)``. ``wire`` is bytes ``[len(assign), d + 4 *
-    ceil(d / 128) + c * itemsize]``: each row's e4m3 values, its 1x128 fp32 scales, its columns' bytes. The values
+    ceil(d / 128) + c * itemsize]`` rounded up to 16: each row's e4m3 values, its 1x128 fp32 scales, its columns'
+    bytes, zeros (so that rows start 16-byte aligned: the receiving kernel's 128-bit loads). The values
     are cast on the way (DeepGEMM's per-token cast, one kernel), or with ``x_fp8 = (values, scales)``, ``x``'s own
     1x128 cast made by its producer, moved with their scales (no cast). ``rows`` stands for the ``[len(assign),
     d + c]`` rows in x's dtype without their storage (they are never materialised): what the gradient of the
@@ -377,7 +380,8 @@ class _RegroupRowsFp8(torch.autograd.Function):
         blocks = -(-dim // 128)
         values = wire[:, :dim].view(ops.FP8)
         scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
-        columns = wire[:, dim + 4 * blocks:].contiguous().view(rows.dtype)  # a column or two: plain torch
+        ends = dim + 4 * blocks + (rows.shape[1] - dim) * rows.element_size()
+        columns = wire[:, dim + 4 * blocks:ends].contiguous().view(rows.dtype)  # a column or two: plain torch
         weights = columns.float().sum(1) if columns.shape[1] else None
         grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights)
         ctx.save_for_backward(inverse)

@@ -94,6 +94,7 @@ def _check(world, dim, balance_kwargs, fp8=False, fp8_gemms=False, ops=FUSED_EP_
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~16 s on the 2-core box
 @pytest.mark.timeout(300)
 def test_fused_ep_matches_unfused_ep_with_node_limit_and_dropped_tokens():
     _check(2, 32, dict(strategy="aux_free+seq_aux", alpha=0.1, capacity_factor=1.0, num_nodes=4, max_nodes=2))
@@ -104,6 +105,7 @@ FP8_DISPATCH_OPS = ("fused_ops.permute_gather_fp8", "fused_ops.gather_dequant_fp
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~10 s; the FP8-GEMM case below runs the same path in `make test-fast`
 @pytest.mark.timeout(300)
 def test_fused_ep_matches_unfused_ep_with_fp8_dispatch():
     """The rows travel packed by the sender's gather + cast kernel and land straight in the grouped layout."""

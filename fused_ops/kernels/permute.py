@@ -208,7 +208,7 @@ def gather_dequant_fp8(values: torch.Tensor, scales: torch.Tensor, assign: torch
         _gather_dequant_fp8_kernel[(rows,)](assign, values, scales, values if weights is None else weights, x, q, sf,
                                             x if outw is None else outw, d, values.stride(0), scales.stride(0),
                                             x.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
-                                            BLOCK=_block(x, d, 128))
+                                            BLOCK=_block(values, d, 128))
     return x, q, sf, outw
 
 
