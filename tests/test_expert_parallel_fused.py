@@ -124,3 +124,63 @@ def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast():
                                       "fused_ops.swiglu_fp8", "fused_ops.swiglu_backward"))
     for res in results:
         assert not res["unfused"]["precasts"] and res["fused"]["precasts"] == [True]
+
+
+def _plan_rank(rank, world):
+    """A MoE block with fused ops and FP8 dispatch (the rows to send and the rows that land are stand-ins without
+    storage) run as the overlapped pipeline runs it (``plan.layer_pieces``, the reverse all-to-alls posted by the
+    plan, with and without whole-block recompute) and as its plain forward and ``backward()``."""
+    from models.deepseek_v3 import Block
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.moe import MoE
+    from models.deepseek_v3.plan import Run, layer_pieces
+    from models.deepseek_v3.rope import rope_cos_sin
+    from training.stages import expert_range
+
+    os.environ["DSV3_KERNEL_IMPL"] = "auto"
+    for name in registry.ops():  # the interpreter runs the expert-parallel kernels only (the rest: seconds each)
+        if name not in FP8_DISPATCH_OPS + ("fused_ops.permute_gather",):
+            registry.get(name)._triton = None
+    out = {}
+    for recompute, path in (((), "block"), ((), "stage"), (("block",), "stage")):
+        torch.manual_seed(0)
+        args = ModelArgs.preset("debug_tiny", recompute=recompute, fused_ops=True)
+        block = Block(args, layer_id=1)
+        block.ffn = MoE(args, 1, expert_range(args, rank, world))
+        block.ffn.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD, fp8_dispatch=True, fused=True)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        g = torch.Generator().manual_seed(10 + rank)
+        h = torch.randn(2, 6, args.dim, generator=g).requires_grad_()
+        cos, sin = rope_cos_sin(args, torch.arange(6))
+        registry.get("fused_ops.gather_dequant_fp8").last_impl = None
+        if path == "stage":
+            run = Run(layer_pieces(block, cos, sin), h=h)
+            y = run.forward()["h"]
+            run.backward(h=torch.randn(y.shape, generator=g))
+        else:
+            y = block(h, cos, sin)
+            (y * torch.randn(y.shape, generator=g)).sum().backward()
+        assert registry.get("fused_ops.gather_dequant_fp8").last_impl == "triton"
+        out[(recompute, path)] = (y.detach(), h.grad, {n: p.grad.clone() for n, p in block.named_parameters()
+                                                       if p.grad is not None})
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # ~45 s on the 2-core box (the interpreter runs the grouped layout's padded rows)
+@pytest.mark.timeout(300)
+def test_fused_fp8_dispatch_through_the_overlapped_plan_and_recompute():
+    """Same kernels, same order of every sum: only the schedule differs, so the results agree to fp32 rounding
+    of the few reductions whose split the schedule may change (rtol 1e-5, as tests/test_model_recompute.py)."""
+    for rank_out in run_distributed(_plan_rank, 2, timeout=250):
+        base = rank_out[((), "block")]
+        for key, (y, gh, grads) in rank_out.items():
+            torch.testing.assert_close(y, base[0], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} y: {m}")
+            torch.testing.assert_close(gh, base[1], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} dh: {m}")
+            assert grads.keys() == base[2].keys(), key
+            for n in grads:
+                torch.testing.assert_close(grads[n], base[2][n], rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, k=key, n=n: f"{k} {n}: {m}")
