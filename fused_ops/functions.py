@@ -442,6 +442,26 @@ class _Route(torch.autograd.Function):
         return d_logits, None, None, None, None, None, None, None, None
 
 
+class _RouteSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
+        weights, indices, scores = ops.route_softmax_op(logits.contiguous(), topk, groups, topk_groups, route_scale,
+                                                        norm, nodes, max_nodes)
+        ctx.save_for_backward(scores, indices)
+        ctx.route_scale, ctx.norm = route_scale, norm
+        ctx.mark_non_differentiable(indices)
+        return weights, indices, scores
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_w, _grad_indices, grad_scores):
+        scores, indices = ctx.saved_tensors
+        grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
+        grad_scores = None if grad_scores is None else grad_scores.contiguous()
+        d_logits = ops.route_softmax_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
+        return d_logits, None, None, None, None, None, None, None
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
           norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     """DeepSeek-V3's sigmoid router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
@@ -452,10 +472,27 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. One kernel each way;
     ``bias`` gets no gradient (it is updated by the balancing rule).
     """
-    if logits.dim() != 2 or logits.shape[-1] % groups or bias.shape != logits.shape[-1:]:
-        raise ValueError(f"route: logits must be [tokens, experts] with experts divisible by groups={groups} and "
-                         f"bias [experts]; got {list(logits.shape)} and {list(bias.shape)}")
-    if logits.shape[-1] % nodes or (max_nodes is not None and not 1 <= max_nodes <= nodes):
-        raise ValueError(f"route: nodes={nodes} must divide the {logits.shape[-1]} experts and max_nodes={max_nodes} "
-                         f"lie in [1, nodes]")
+    if bias.shape != logits.shape[-1:]:
+        raise ValueError(f"route: bias must be [experts] = {list(logits.shape[-1:])}, got {list(bias.shape)}")
+    _check_route("route", logits, groups, nodes, max_nodes)
     return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def route_softmax(logits: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+                  norm: bool = False, nodes: int = 1, max_nodes: int | None = None):
+    """DeepSeek-V2 / V2-Lite's router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
+
+    Scores ``softmax(logits)`` over the experts; selection on them limited to the ``topk_groups`` groups with the
+    largest single score, then the node limit as in ``route``; weights the picked scores, normalised when
+    ``norm``, times ``route_scale``. One kernel each way."""
+    _check_route("route_softmax", logits, groups, nodes, max_nodes)
+    return _RouteSoftmax.apply(logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def _check_route(name: str, logits: torch.Tensor, groups: int, nodes: int, max_nodes: int | None) -> None:
+    if logits.dim() != 2 or logits.shape[-1] % groups:
+        raise ValueError(f"{name}: logits must be [tokens, experts] with experts divisible by groups={groups}, got "
+                         f"{list(logits.shape)}")
+    if logits.shape[-1] % nodes or (max_nodes is not None and not 1 <= max_nodes <= nodes):
+        raise ValueError(f"{name}: nodes={nodes} must divide the {logits.shape[-1]} experts and "
+                         f"max_nodes={max_nodes} lie in [1, nodes]")

@@ -16,6 +16,8 @@
 ``fused_ops.unpermute_spread``         the unpermute backward
 ``fused_ops.route``                    sigmoid + bias + group- and node-limited top-k + normalised weights
 ``fused_ops.route_backward``           the logits' gradient from the weights' and the scores'
+``fused_ops.route_softmax``            V2's router: softmax, group max, group- and node-limited top-k
+``fused_ops.route_softmax_backward``   its logits' gradient
 =====================================  ===============================================================
 
 The references are the unfused torch sequences the model ran before (its rounding points included), so a
@@ -176,9 +178,22 @@ def _keep_best(choice: torch.Tensor, blocks: int, best: int, count: int) -> torc
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int,
                     route_scale: float, norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     scores = logits.sigmoid()
-    choice = scores + bias
+    return _limited_topk(scores, scores + bias, 2, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+@registry.reference_for("fused_ops.route_softmax")
+def route_softmax_reference(logits: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+                            norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
+    scores = logits.softmax(dim=-1)
+    return _limited_topk(scores, scores, 1, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def _limited_topk(scores: torch.Tensor, choice: torch.Tensor, group_best: int, topk: int, groups: int,
+                  topk_groups: int, route_scale: float, norm: bool, nodes: int, max_nodes: int | None):
+    """Selection on ``choice`` (groups scored by their ``group_best`` largest values, then the node limit),
+    weights from ``scores``."""
     if groups > 1:
-        choice = _keep_best(choice, groups, 2, topk_groups)
+        choice = _keep_best(choice, groups, group_best, topk_groups)
     if max_nodes is not None and max_nodes < nodes:
         choice = _keep_best(choice, nodes, min(choice.shape[-1] // nodes, max(1, topk // max_nodes)), max_nodes)
     indices = choice.topk(topk, dim=-1).indices
@@ -187,16 +202,30 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups:
     return weights * route_scale, indices, scores
 
 
-@registry.reference_for("fused_ops.route_backward")
-def route_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
-                             grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+def _scores_grad(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                 grad_scores: torch.Tensor | None, route_scale: float, norm: bool) -> torch.Tensor:
+    """The scores' gradient: ``grad_scores`` plus the weights' at the picked experts (through the normalisation)."""
     picked = scores.gather(1, indices)
     g = grad_weights * route_scale
     if norm:
         total = picked.sum(-1, keepdim=True) + 1e-20
         g = (g - (g * picked).sum(-1, keepdim=True) / total) / total
     d = torch.zeros_like(scores) if grad_scores is None else grad_scores.clone()
-    return d.scatter_add_(1, indices, g) * scores * (1 - scores)
+    return d.scatter_add_(1, indices, g)
+
+
+@registry.reference_for("fused_ops.route_backward")
+def route_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                             grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+    return _scores_grad(scores, indices, grad_weights, grad_scores, route_scale, norm) * scores * (1 - scores)
+
+
+@registry.reference_for("fused_ops.route_softmax_backward")
+def route_softmax_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                                     grad_scores: torch.Tensor | None, route_scale: float,
+                                     norm: bool = True) -> torch.Tensor:
+    d = _scores_grad(scores, indices, grad_weights, grad_scores, route_scale, norm)
+    return scores * (d - (scores * d).sum(-1, keepdim=True))
 
 
 # ------------------------------------------------------------------------------------------------ verify cases
@@ -316,26 +345,41 @@ def _spread_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(grad, y, assign, shape["k"], weights))
 
 
-def _near_ties(logits: torch.Tensor, bias: torch.Tensor, groups: int, gap: float, nodes: int = 1,
+def _near_ties(choice: torch.Tensor, groups: int, group_best: int, gap: float, nodes: int = 1,
                node_best: int = 1) -> torch.Tensor:
     """Rows whose selection scores (or group, or node scores) have two values closer than ``gap``: there a few-ulp
-    difference between two sigmoids (a GPU's fast ``exp``) may legitimately swap two experts."""
-    choice = torch.sigmoid(logits.double()) + bias.double()
-    scores = [choice, choice.view(len(choice), groups, -1).topk(min(2, choice.shape[-1] // groups), -1).values.sum(-1),
+    difference between two sigmoids or softmaxes (a GPU's fast ``exp``) may legitimately swap two experts."""
+    scores = [choice, choice.view(len(choice), groups, -1).topk(min(group_best, choice.shape[-1] // groups),
+                                                               -1).values.sum(-1),
               choice.view(len(choice), nodes, -1).topk(node_best, -1).values.sum(-1)]
     return torch.stack([(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in scores]).any(0)
 
 
-def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
-    g = _gen(seed)
+def _logits_away_from_ties(shape: dict, g: torch.Generator, choice_of) -> torch.Tensor:
+    """``[rows, experts]`` logits whose selection (``choice_of(logits)``, float64) has no near-ties (>= 1e-6 apart:
+    ~17 fp32 ulps of a sigmoid score, hundreds of a softmax one)."""
     logits = torch.randn(shape["rows"], shape["experts"], generator=g) * 2
-    bias = torch.randn(shape["experts"], generator=g) * 0.1
     nodes, max_nodes = shape.get("nodes", 1), shape.get("max_nodes")
     best = min(shape["experts"] // nodes, max(1, shape["k"] // (max_nodes or nodes)))
-    while (redo := _near_ties(logits, bias, shape["groups"], 1e-6, nodes, best)).any():  # >= ~17 fp32 ulps apart
+    group_best = 1 if shape.get("softmax") else 2
+    while (redo := _near_ties(choice_of(logits.double()), shape["groups"], group_best, 1e-6, nodes, best)).any():
         logits[redo] = torch.randn(int(redo.sum()), shape["experts"], generator=g) * 2
+    return logits
+
+
+def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
+    g = _gen(seed)
+    bias = torch.randn(shape["experts"], generator=g) * 0.1
+    logits = _logits_away_from_ties(shape, g, lambda lg: lg.sigmoid() + bias.double())
     return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5),
-                kwargs={"nodes": nodes, "max_nodes": max_nodes})
+                kwargs={"nodes": shape.get("nodes", 1), "max_nodes": shape.get("max_nodes")})
+
+
+def _route_softmax_case(shape: dict, seed: int, device: torch.device) -> Case:
+    logits = _logits_away_from_ties({**shape, "softmax": True}, _gen(seed), lambda lg: lg.softmax(-1))
+    return Case(args=(logits.to(device), shape["k"], shape["groups"], shape["topk_groups"], 1.0),
+                kwargs={"norm": shape.get("norm", False), "nodes": shape.get("nodes", 1),
+                        "max_nodes": shape.get("max_nodes")})
 
 
 def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
@@ -344,6 +388,15 @@ def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = _gen(seed + 1)
     grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
     return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 2.5))
+
+
+def _route_softmax_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
+    case = _route_softmax_case(shape, seed, device)
+    weights, indices, scores = route_softmax_reference.__wrapped__(*case.args, **case.kwargs)
+    g = _gen(seed + 1)
+    grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
+    return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 1.0),
+                kwargs={"norm": case.kwargs["norm"]})
 
 
 def _fp8_compare(tolerance: float):
@@ -406,6 +459,10 @@ _ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(ro
                  dict(rows=7, experts=24, k=4, groups=1, topk_groups=1, nodes=6, max_nodes=2),
                  dict(rows=6, experts=32, k=6, groups=4, topk_groups=3, nodes=8, max_nodes=3)]
 _ROUTE_BENCH = [dict(rows=4096, experts=256, k=8, groups=8, topk_groups=4)]
+_ROUTE_SOFTMAX_SHAPES = [dict(rows=9, experts=64, k=6, groups=8, topk_groups=3, norm=True),  # V2's 160 / 8 / 3, scaled
+                         dict(rows=5, experts=24, k=6, groups=1, topk_groups=1),  # V2-Lite: no groups, no norm
+                         dict(rows=6, experts=30, k=4, groups=3, topk_groups=2, nodes=5, max_nodes=2)]
+_ROUTE_SOFTMAX_BENCH = [dict(rows=4096, experts=160, k=6, groups=8, topk_groups=3, norm=True)]
 
 
 def _impl(name: str) -> str:
@@ -474,3 +531,13 @@ route_backward_op = registry.register(
     "fused_ops.route_backward", reference=route_backward_reference, triton=_impl("router:route_backward"),
     verify=VerifySpec(make_case=_route_backward_case, shapes=_ROUTE_SHAPES, bench_shapes=_ROUTE_BENCH,
                       tolerance=TOL, bytes_moved=lambda s: s["rows"] * s["experts"] * 12))
+route_softmax_op = registry.register(
+    "fused_ops.route_softmax", reference=route_softmax_reference, triton=_impl("router:route_softmax"),
+    verify=VerifySpec(make_case=_route_softmax_case, shapes=_ROUTE_SOFTMAX_SHAPES, bench_shapes=_ROUTE_SOFTMAX_BENCH,
+                      tolerance=TOL, bytes_moved=lambda s: s["rows"] * s["experts"] * 8))
+route_softmax_backward_op = registry.register(
+    "fused_ops.route_softmax_backward", reference=route_softmax_backward_reference,
+    triton=_impl("router:route_softmax_backward"),
+    verify=VerifySpec(make_case=_route_softmax_backward_case, shapes=_ROUTE_SOFTMAX_SHAPES,
+                      bench_shapes=_ROUTE_SOFTMAX_BENCH, tolerance=TOL,
+                      bytes_moved=lambda s: s["rows"] * s["experts"] * 12))

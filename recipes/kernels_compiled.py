@@ -276,6 +276,14 @@ def fused_cases() -> list[Case]:
         case("route_backward[256 experts]", router._route_backward_kernel,
              {"SCORES": "*fp32", "INDICES": "*i64", "GW": "*fp32", "GS": "*fp32", "DL": "*fp32"},
              {"HAS_GS": True, "TOPK": 8, "NORM": True, "BLOCK": 256, "BLOCK_K": 8}, router.WARPS),
+        case("route_softmax[160 experts, 8 groups]", router._route_softmax_kernel,
+             {"LOGITS": "*fp32", "WEIGHTS": "*fp32", "INDICES": "*i64", "SCORES": "*fp32"},
+             {"GROUPS": 8, "PER_GROUP": 20, "TOPK_GROUPS": 3, "TOPK": 6, "NORM": False, "NODES": 1, "MAX_NODES": 1,
+              "NODE_BEST": 1, "BLOCK_G": 8, "BLOCK_E": 32, "BLOCK_K": 8, "BLOCK_N": 1},
+             router.WARPS),
+        case("route_softmax_backward[160 experts]", router._route_softmax_backward_kernel,
+             {"SCORES": "*fp32", "INDICES": "*i64", "GW": "*fp32", "GS": "*fp32", "DL": "*fp32"},
+             {"HAS_GS": True, "TOPK": 6, "NORM": False, "BLOCK": 256, "BLOCK_K": 8}, router.WARPS),
     ]
 
 

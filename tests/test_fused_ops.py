@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from accel import registry
 from deep_gemm.reference import per_token_cast_reference
 from fused_ops import (apply_rope, gather_rows, grouping, pack_rows_fp8, permute, regroup_rows, regroup_rows_fp8, rmsnorm,
-                       rope_, route, swiglu, swiglu_fp8, unpermute)
+                       rope_, route, route_softmax, swiglu, swiglu_fp8, unpermute)
 
 BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
 GRAD_REL = 4 * 2.0 ** -8
@@ -387,6 +387,41 @@ def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups, no
     s64 = logits64.sigmoid()
     picked = s64.gather(1, indices)
     w64 = picked / picked.sum(-1, keepdim=True) * 2.5
+    torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
+    _close(logits.grad, logits64.grad, FP32_REL, "d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("experts,k,groups,topk_groups,norm,node_limit", [
+    (64, 6, 8, 3, True, None),  # V2's shape scaled down: 8 groups, 3 kept, group score = its largest
+    (24, 6, 1, 1, False, None),  # V2-Lite: no groups, weights not normalised
+    (30, 4, 3, 2, False, (5, 2)),  # a node limit (nodes of 6 across groups of 10)
+])
+def test_route_softmax_matches_the_models_gate(impl, experts, k, groups, topk_groups, norm, node_limit):
+    """The softmax-scored gate (no bias). Scores: a softmax's fp32 evaluation order and exp differ by a few ulps
+    (2^-21 relative); weights add the normalisation (4 ulps); the logits' gradient as the sigmoid router's."""
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.moe import Gate
+
+    args = ModelArgs(dim=32, n_routed_experts=experts, n_activated_experts=k, n_expert_groups=groups,
+                     n_limited_groups=topk_groups, route_scale=1.5, score_func="softmax", norm_topk_prob=norm)
+    gate = Gate(args)
+    gate.reset_parameters(0.3)
+    x = _randn(13, 32, seed=28)
+    want = gate(x, node_limit)
+    logits = want.logits.detach().clone().requires_grad_()
+    nodes, max_nodes = node_limit or (1, None)
+    with registry.poisoned_outputs(), registry.force(impl):
+        weights, indices, scores = route_softmax(logits, k, groups, topk_groups, 1.5, norm, nodes, max_nodes)
+    assert torch.equal(indices, want.indices)
+    torch.testing.assert_close(scores, want.scores, rtol=2 ** -21, atol=0)
+    torch.testing.assert_close(weights, want.weights, rtol=8 * 2 ** -23, atol=0)
+    gw, gs = _randn(13, k, seed=29), _randn(13, experts, seed=30)
+    torch.autograd.backward([weights, scores], [gw, gs])
+    logits64 = want.logits.detach().double().requires_grad_()
+    s64 = logits64.softmax(-1)
+    picked = s64.gather(1, indices)
+    w64 = (picked / picked.sum(-1, keepdim=True) if norm else picked) * 1.5
     torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
     _close(logits.grad, logits64.grad, FP32_REL, "d logits")
 

@@ -89,8 +89,8 @@ class Gate(nn.Module):
     (group score = sum of the group's top-2 biased scores, or its max without a bias; losing groups
     masked to -inf) -> node-limited routing when asked (``balancing.node_limited_mask`` on what the group limit
     left) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid), times ``route_scale``.
-    With ``args.fused_ops``, a sigmoid gate with its bias runs all of that after the logits as one
-    ``fused_ops.route`` kernel (each way) where it runs.
+    With ``args.fused_ops`` all of that after the logits runs as one kernel each way where it runs:
+    ``fused_ops.route`` (sigmoid, with the bias) or ``fused_ops.route_softmax`` (softmax, no bias).
     """
 
     def __init__(self, args: ModelArgs):
@@ -113,12 +113,13 @@ class Gate(nn.Module):
         logits = _Fp32Logits.apply(x, self.weight)
         # (not on the meta device: the memory model's unfused top-k gets balanced index values; it keeps at
         # least what the fused router keeps, its scores and indices)
-        if self.fused and self.e_score_correction_bias is not None and self.score_func == "sigmoid" \
-                and fused_ops.kernels_run(logits.device) and not logits.is_meta:
+        if self.fused and fused_ops.kernels_run(logits.device) and not logits.is_meta:
             nodes, max_nodes = node_limit or (1, None)
-            weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, self.topk, self.n_groups,
-                                                       self.topk_groups, self.route_scale, self.norm_topk_prob,
-                                                       nodes, max_nodes)
+            limits = (self.topk, self.n_groups, self.topk_groups, self.route_scale, self.norm_topk_prob, nodes, max_nodes)
+            if self.e_score_correction_bias is not None:  # sigmoid (V3)
+                weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, *limits)
+            else:  # softmax (V2)
+                weights, indices, scores = fused_ops.route_softmax(logits, *limits)
             return Routing(weights=weights, indices=indices, scores=scores, logits=logits)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
