@@ -7,7 +7,7 @@
 #              config on the host's cores, in parallel, into Triton's cache (so no benchmark waits on ptxas)
 #   deep_gemm, flash_mla   the kernel benchmarks (benchmarks/gpu_check.d/<area>.sh, header "# timeout: SECONDS");
 #              each row is appended to <area>/*.rows.jsonl the moment it is measured
-#   model, experts         the other areas with GPU performance targets
+#   model, experts, fused  the other areas with GPU performance targets
 #   pytest     pytest -m gpu over tests/ (after the benchmarks: a failing test cannot cost a number)
 #   verify     python -m recipes.verify_kernels --bench-shapes (strict); an area script of a core step's name
 #              (gpu_check.d/verify.sh) replaces it
@@ -183,9 +183,9 @@ run_named() {
     fi
     case "$name" in
         env) run_step env 15 bash -c env_report ;;
-        warm) run_step warm 110 "$PY" -m recipes.warm_kernels --jobs "${GPU_CHECK_JOBS:-$(nproc)}" --timeout 100 ;;
+        warm) run_step warm 105 "$PY" -m recipes.warm_kernels --jobs "${GPU_CHECK_JOBS:-$(nproc)}" --timeout 95 ;;
         # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
-        pytest) run_step pytest 75 env DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+        pytest) run_step pytest 70 env DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
             --continue-on-collection-errors --timeout 60 tests ;;
         verify) run_step verify 45 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
             --json "$OUTDIR/verify_kernels.json" ;;
@@ -201,7 +201,7 @@ run_named() {
 # Default order: env, the compile warm-up, the areas whose performance targets have no GPU figure yet
 # (benchmarks first), pytest, verify, then the other areas alphabetically. GPU_CHECK_STEPS picks and orders.
 CORE=(env warm pytest verify)
-FIRST=(env warm deep_gemm flash_mla model experts pytest verify)
+FIRST=(env warm deep_gemm flash_mla model experts fused pytest verify)
 if [[ -n "$ONLY" ]]; then
     read -r -a ORDER <<<"$ONLY"
 else

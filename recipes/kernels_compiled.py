@@ -159,6 +159,13 @@ def attention_cases(capability: int = 90) -> list[Case]:
                 cases.append(Case(f"flash_mla.attention.{name}[192/128{' causal' if causal else ''}]",
                                   f"BLOCK_M={bm} BLOCK_N={bn} w{w} s{s}", fn, pointers, consts, divisible, w, s,
                                   mma_rows=rows // max(1, w // 4), default=(i == 0 and causal)))
+    # a power-of-two head dim has no second tile (DB = 0): that branch must compile away
+    bm, bn, w, s = autotune.for_capability(attention.FWD_CONFIGS, capability)[0]
+    cases.append(Case("flash_mla.attention.fwd[128/128 causal]", f"BLOCK_M={bm} BLOCK_N={bn} w{w} s{s}",
+                      attention._fwd_kernel, fwd_ptrs,
+                      {**attention.static_args(128, 128, True), "UPCAST": False, "BLOCK_M": bm, "BLOCK_N": bn},
+                      tuple(fwd_ptrs) + tuple(n for n in attention._fwd_kernel.arg_names if n.startswith("stride_"))
+                      + ("H",), w, s, mma_rows=bm // max(1, w // 4), default=True))
     cases.append(Case("flash_mla.attention.delta", "BLOCK_T=64 w4", attention._delta_kernel,
                       {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32"},
                       {"DV": 128, "BLOCK_DV": 128, "BLOCK_T": 64}, ("O", "DO", "DELTA", "stride_ot", "stride_dot"),

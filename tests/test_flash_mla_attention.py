@@ -50,9 +50,12 @@ def _grads(fn, q, k, v, dout, **kw):
 
 
 # (layout, shape or seqlens, heads, dqk, dv, causal, dtype): the debug model's non-power-of-two 48/32,
-# DeepSeek-V3's 192/128, a head dim needing a padded second tile (80 = 64 + 16), varlen with an empty sequence.
+# DeepSeek-V3's 192/128, a head dim needing a padded second tile (80 = 64 + 16), varlen with an empty sequence,
+# power-of-two head dims that need no second tile (64; debug_tiny's 16 with dv 8).
 CASES = [
     ("dense", (2, 21), 2, 48, 32, True, torch.float32),
+    ("dense", (1, 19), 2, 64, 64, True, torch.float32),
+    ("dense", (2, 11), 1, 16, 8, True, torch.float32),
     ("dense", (1, 33), 2, 192, 128, False, torch.bfloat16),
     ("varlen", [9, 0, 30, 17], 2, 80, 64, True, torch.bfloat16),
 ]

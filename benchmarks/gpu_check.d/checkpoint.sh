@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# checkpointing on one GPU (H200) host, from the repo root, under 25 s:
+# checkpointing on one GPU (H200) host, from the repo root, under 20 s:
 #  1. bench_checkpoint with a 1 GB state on the GPU: the async stall is the device-to-host copy into
 #     pinned buffers (non_blocking, one synchronize), against a full sync save (copy + write + fsync +
 #     sha256 + commit) in the same run; target: stall <= 10% of the sync save;
 #  2. a save/load round trip of a GPU state through the manager (pinned snapshot path), checked exactly.
-# timeout: 25
+# timeout: 20
 set -euo pipefail
 PY=${PY:-python3}
 OUTDIR="${GPU_CHECK_OUT:-/tmp}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# training on one GPU (H200), from the repo root, under 50 s:
+# training on one GPU (H200), from the repo root, under 45 s:
 #  1. the debug_gpu model trained 20 steps in one process (bf16 autocast, FP8 GEMMs through the
 #     compiled deep_gemm kernels, MTP, aux-loss-free balancing, async checkpoint): loss must fall,
 #     and metrics.jsonl gets tokens/s and MFU against the H200 peak from accel.specs;
@@ -10,7 +10,7 @@
 # (~dim 512, 8 layers) for 200 steps x 16 x 512 tokens, 3 seeds, both FP8 recipes against BF16 autocast.
 # One GPU allows no PP x EP layout (NCCL refuses two ranks on one device): the overlap benchmark
 # (recipes.bench_overlap) needs >= 4 GPUs; run it by hand on a node.
-# timeout: 50
+# timeout: 45
 set -euo pipefail
 PY=${PY:-python3}
 OUTDIR=${GPU_CHECK_OUT:-benchmarks/results}
@@ -28,7 +28,7 @@ print(f"debug_gpu: loss {first['loss']:.3f} -> {last['loss']:.3f}, {last['tokens
       f"MFU {last.get('mfu', float('nan')):.4f}")
 assert last["loss"] < first["loss"] - 0.5, "loss did not fall"
 PYEOF
-timeout 22 "$PY" -m recipes.fp8_vs_bf16 --config recipes/configs/debug_gpu.toml --steps 20 --seeds 1 \
+timeout 20 "$PY" -m recipes.fp8_vs_bf16 --config recipes/configs/debug_gpu.toml --steps 20 --seeds 1 \
   --window 20 --recipes blockwise --set data.global_batch=16 --set optim.warmup_steps=5 --out "$OUTDIR/fp8_vs_bf16"
 if [[ "${GPU_CHECK_FP8_STUDY:-0}" == 1 ]]; then
   "$PY" -m recipes.fp8_vs_bf16 --config recipes/configs/debug_gpu.toml --steps 200 --seeds 3 --window 50 \

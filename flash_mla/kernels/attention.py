@@ -79,11 +79,11 @@ def _fwd_inner(acc, m_i, l_i, q_a, q_b, k_base, v_base, stride_kt, stride_vt, lo
     """Online softmax over key blocks [lo, hi); ``MASKED`` applies the causal and length masks (diagonal and
     tail blocks only)."""
     cols_a = tl.arange(0, DA)
-    cols_b = DA + tl.arange(0, DB)
     cols_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         s = tl.dot(q_a, tl.trans(_load_block(k_base, start_n, length, stride_kt, cols_a, DQK, BLOCK_N, UPCAST)))
         if DB > 0:
+            cols_b = DA + tl.arange(0, DB)
             s += tl.dot(q_b, tl.trans(_load_block(k_base, start_n, length, stride_kt, cols_b, DQK, BLOCK_N, UPCAST)))
         s = s * qk_scale_log2
         if MASKED:
@@ -162,7 +162,6 @@ def _dkdv_inner(dk_a, dk_b, dv, k_a, k_b, v, q_base, do_base, LSE_h, DELTA_h, st
     """dK, dV contributions of query blocks [lo, hi); ``MASKED`` applies the causal mask (diagonal blocks only).
     Query rows past the sequence load as zeros (q, dO, lse, delta), so they add exactly 0 unmasked."""
     cols_a = tl.arange(0, DA)
-    cols_b = DA + tl.arange(0, DB)
     cols_v = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -170,6 +169,7 @@ def _dkdv_inner(dk_a, dk_b, dv, k_a, k_b, v, q_base, do_base, LSE_h, DELTA_h, st
         q_a = _load_block(q_base, start_m, length, stride_qt, cols_a, DQK, BLOCK_M, UPCAST)
         s_t = tl.dot(k_a, tl.trans(q_a))
         if DB > 0:
+            cols_b = DA + tl.arange(0, DB)
             q_b = _load_block(q_base, start_m, length, stride_qt, cols_b, DQK, BLOCK_M, UPCAST)
             s_t += tl.dot(k_b, tl.trans(q_b))
         lse = tl.load(LSE_h + offs_m, mask=m_ok, other=0.0)
@@ -200,13 +200,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, CU, sm_scale, qk_scale_lo
         return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols_a = tl.arange(0, DA)
-    cols_b = DA + tl.arange(0, DB)
     cols_v = tl.arange(0, BLOCK_DV)
     k_base = K + start * stride_kt + h * stride_kh
     k_a = _load_block(k_base, n0, length, stride_kt, cols_a, DQK, BLOCK_N, UPCAST)
     k_b = k_a
     dk_b = tl.zeros([BLOCK_N, DA], tl.float32)
     if DB > 0:
+        cols_b = DA + tl.arange(0, DB)
         k_b = _load_block(k_base, n0, length, stride_kt, cols_b, DQK, BLOCK_N, UPCAST)
         dk_b = tl.zeros([BLOCK_N, DB], tl.float32)
     v = _load_block(V + start * stride_vt + h * stride_vh, n0, length, stride_vt, cols_v, DV, BLOCK_N, UPCAST)
@@ -231,6 +231,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, CU, sm_scale, qk_scale_lo
     tl.store(dk_base + cols_a[None, :], cast_out(dk_a * sm_scale, DK.dtype.element_ty, UPCAST),
              mask=n_ok & (cols_a < DQK)[None, :])
     if DB > 0:
+        cols_b = DA + tl.arange(0, DB)
         tl.store(dk_base + cols_b[None, :], cast_out(dk_b * sm_scale, DK.dtype.element_ty, UPCAST),
                  mask=n_ok & (cols_b < DQK)[None, :])
     dv_ptr = DV_ + (start + n0) * stride_dvt + h * stride_dvh + rows[:, None] * stride_dvt + cols_v[None, :]
@@ -244,12 +245,12 @@ def _dq_inner(dq_a, dq_b, q_a, q_b, do, lse, delta, k_base, v_base, stride_kt, s
               BLOCK_N: tl.constexpr):
     """dQ contributions of key blocks [lo, hi); ``MASKED`` applies the causal and length masks."""
     cols_a = tl.arange(0, DA)
-    cols_b = DA + tl.arange(0, DB)
     cols_v = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         k_a = _load_block(k_base, start_n, length, stride_kt, cols_a, DQK, BLOCK_N, UPCAST)
         s = tl.dot(q_a, tl.trans(k_a))
         if DB > 0:
+            cols_b = DA + tl.arange(0, DB)
             k_b = _load_block(k_base, start_n, length, stride_kt, cols_b, DQK, BLOCK_N, UPCAST)
             s += tl.dot(q_b, tl.trans(k_b))
         p = tl.exp2(s * qk_scale_log2 - lse[:, None] * 1.4426950408889634)
@@ -281,12 +282,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sm_scale, qk_scale_log2,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
     cols_a = tl.arange(0, DA)
-    cols_b = DA + tl.arange(0, DB)
     q_base = Q + start * stride_qt + h * stride_qh
     q_a = _load_block(q_base, m0, length, stride_qt, cols_a, DQK, BLOCK_M, UPCAST)
     q_b = q_a
     dq_b = tl.zeros([BLOCK_M, DA], tl.float32)
     if DB > 0:
+        cols_b = DA + tl.arange(0, DB)
         q_b = _load_block(q_base, m0, length, stride_qt, cols_b, DQK, BLOCK_M, UPCAST)
         dq_b = tl.zeros([BLOCK_M, DB], tl.float32)
     dq_a = tl.zeros([BLOCK_M, DA], tl.float32)
@@ -307,6 +308,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sm_scale, qk_scale_log2,
     tl.store(dq_base + cols_a[None, :], cast_out(dq_a * sm_scale, DQ.dtype.element_ty, UPCAST),
              mask=m_ok[:, None] & (cols_a < DQK)[None, :])
     if DB > 0:
+        cols_b = DA + tl.arange(0, DB)
         tl.store(dq_base + cols_b[None, :], cast_out(dq_b * sm_scale, DQ.dtype.element_ty, UPCAST),
                  mask=m_ok[:, None] & (cols_b < DQK)[None, :])
 
