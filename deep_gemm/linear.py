@@ -89,7 +89,12 @@ def takes_precast(fp8: object) -> bool:
     return fp8_recipe(fp8) == "blockwise"
 
 
-def _precast(x_fp8: object, rows: int, k: int, fp8: object) -> tuple[torch.Tensor, torch.Tensor]:
+def out_is_view(fp8: object, out_features: int) -> bool:
+    """Whether ``linear``'s output is a view (of the FP8 GEMM's output padded to N = 128n): not to modify in place."""
+    return fp8_recipe(fp8) is not None and out_features % BLOCK != 0
+
+
+def _precast(x_fp8: object, x: torch.Tensor, rows: int, k: int, fp8: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_fp8`` checked against ``x [rows, k]`` and as ``_act_cast`` makes it: values zero-padded to K = 128n (the
     cast of zero-padded ``x`` is the padded cast of ``x``: zeros move no amax and cast to 0)."""
     if not takes_precast(fp8):
@@ -103,6 +108,8 @@ def _precast(x_fp8: object, rows: int, k: int, fp8: object) -> tuple[torch.Tenso
             or values.numel() != rows * k or scales.shape[-1:] != (blocks,) or scales.numel() != rows * blocks):
         raise ValueError(f"x_fp8 must be (e4m3 [{rows}, {k}], fp32 [{rows}, {blocks}]) for x's {rows} rows of K = {k}, "
                          f"got ({values.dtype} {list(values.shape)}, {scales.dtype} {list(scales.shape)})")
+    if values.device != x.device or scales.device != x.device:
+        raise ValueError(f"x_fp8 must be on x's device {x.device}, got {values.device} and {scales.device}")
     values, scales = values.reshape(rows, k), scales.reshape(rows, blocks).contiguous()
     if k % BLOCK:
         values = _pad(values.view(torch.uint8), BLOCK).view(values.dtype)
@@ -153,7 +160,7 @@ class _LinearFunction(torch.autograd.Function):
                 health.observe(weight, "fwd", "x", x, x_q)
             d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
             fp8_gemm_nt(x_q, w_q, d)
-            out = d[:, :n].to(x.dtype)
+            out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
             # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
             # would cost a byte per parameter each
             ctx.save_for_backward(*(x_q if fp8_cache else (x,)))
@@ -222,6 +229,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
     ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
 
+    The output is a tensor of its own, which the caller may modify in place, except with ``fp8`` and N not a
+    multiple of 128 (``out_is_view``): then it is a view of the GEMM's padded output, and autograd forbids
+    in-place changes to a view made inside an ``autograd.Function``.
+
     ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
     call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead
     of casting ``x`` again, and ``fp8_cache`` keeps it for the wgrad; ``x`` stays the differentiable input (and,
@@ -238,7 +249,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     recipe = fp8_recipe(fp8)
     lead, rows = x.shape[:-1], x.numel() // max(x.shape[-1], 1)
-    x_q = None if x_fp8 is None else _precast(x_fp8, rows, x.shape[-1], fp8)
+    x_q = None if x_fp8 is None else _precast(x_fp8, x, rows, x.shape[-1], fp8)
     health = health if health is not None and health.active else None
     out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health, x_q)
     return out.reshape(*lead, weight.shape[0])
@@ -463,7 +474,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
-    x_q = None if x_fp8 is None else _precast(x_fp8, x.shape[0], x.shape[1], fp8)
+    x_q = None if x_fp8 is None else _precast(x_fp8, x, x.shape[0], x.shape[1], fp8)
     health = health if health is not None and health.active else None
     return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q)
 

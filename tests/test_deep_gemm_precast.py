@@ -93,6 +93,7 @@ _Q, _S = deep_gemm.per_token_cast_to_fp8(_X)
     ((_Q.float(), _S), True, "got \\(torch.float32"),  # values not e4m3
     ((_Q, _S.bfloat16()), True, "torch.bfloat16"),  # scales not fp32
     ((_Q,), True, "x_fp8 must be \\(values"),
+    ((_Q, _S.to("meta")), True, "x's device"),
     ((_Q, _S), "mxfp8", "casts its own input"),  # 1x32 UE8M0 recipe
     ((_Q, _S), False, "casts its own input"),
 ])

@@ -15,12 +15,15 @@ import torch
 
 import deep_gemm
 import fused_ops
-from deep_gemm import calc_diff
+import models.deepseek_v3.layers as layers_mod
+import models.deepseek_v3.moe as moe_mod
 from accel import registry
+from deep_gemm import calc_diff
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
+from models.deepseek_v3.balancing import BalanceConfig
 from models.deepseek_v3.layers import MLP
 from models.deepseek_v3.mla import MLA
-from models.deepseek_v3.moe import Experts
+from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
 from tests.test_model import randomize
 from tests.tolerances import fp8_calc_diff_bound
@@ -142,28 +145,98 @@ def _counted(monkeypatch, module, name: str) -> list[int]:
 FP8_FUSED_TOL = fp8_calc_diff_bound(casts=3, reduction=64, samples=64)
 
 
-@pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow)],
-                         ids=["swiglu", "v3"])  # ~11 s each on the 2-core box
+@pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow),
+                                       pytest.param(("block",), marks=pytest.mark.slow)],
+                         ids=["swiglu", "v3", "block"])  # ~11 s each on the 2-core box
 def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts, monkeypatch):
     """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
-    cast in the forward and ``w2`` reads it. Against the same fused model without the hand-offs
-    (``takes_precast`` patched False): loss and gradients bit-equal (the same kernels, the same casts), and
-    exactly one GEMM cast fewer per hand-off; against the unfused model within ``FP8_FUSED_TOL``."""
+    cast in the forward and ``w2`` reads it; the one-rank MoE moves its rows once, cast to e4m3 on the way, and
+    ``w13`` reads them (no bf16 grouped rows). Against the same fused model without the hand-offs
+    (``fp8_swiglu_handoff``, ``MoE.takes_fp8_rows`` patched False): loss and gradients bit-equal (the same
+    kernels, the same casts), and exactly one GEMM cast fewer per hand-off; against the unfused model within
+    ``FP8_FUSED_TOL``."""
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
-    handoffs = _counted(monkeypatch, fused_ops, "swiglu_fp8")
+    swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
+    permutes = _counted(monkeypatch, moe_mod, "permute_fp8")
     results, casts = [], []
     for fused, handoff in ((True, True), (True, False), (False, False)):
         with monkeypatch.context() as m:
-            if not handoff:
-                m.setattr(deep_gemm, "takes_precast", lambda fp8: False)
-            handoffs[0] = act_casts[0] = 0
+            if not handoff:  # these hand-offs off (a norm's cast handed in by the block is not counted here)
+                m.setattr(layers_mod, "fp8_swiglu_handoff", lambda *args: False)
+                m.setattr(moe_mod, "fp8_swiglu_handoff", lambda *args: False)
+                m.setattr(MoE, "takes_fp8_rows", lambda self, device: False)
+            swiglus[0] = permutes[0] = act_casts[0] = 0
             results.append(_model_run(fused, tokens, recompute=recompute))
-            casts.append((act_casts[0], handoffs[0]))
+            casts.append((act_casts[0], swiglus[0], permutes[0]))
     (loss, grads), (want_loss, want), (unfused_loss, unfused) = results
-    assert casts[0][1] == 3 and casts[1][1] == 0  # the dense MLP; the MoE layer's shared and routed experts
-    assert casts[1][0] - casts[0][0] == casts[0][1] and casts[2][0] == casts[1][0]
+    # SwiGLU: the dense MLP, the MoE layer's shared and routed experts (a block's recompute makes the real output);
+    # permute: the routed experts' rows (again in a block's recompute, whose w13 then casts nothing either)
+    assert casts[0][1:] == (3, 2 if "block" in recompute else 1) and casts[1][1:] == (0, 0)
+    assert casts[1][0] - casts[0][0] == sum(casts[0][1:])
     assert torch.equal(loss, want_loss) and grads.keys() == want.keys() == unfused.keys()
     assert all(torch.equal(grads[n], want[n]) for n in want)
     assert abs(float(loss) - float(unfused_loss)) <= (2 * FP8_FUSED_TOL) ** 0.5 * abs(float(unfused_loss))
     worst = max(calc_diff(grads[n], unfused[n]) for n in unfused)
     assert worst < FP8_FUSED_TOL, worst
+
+
+@pytest.mark.parametrize("capacity", [None, pytest.param(0.6, marks=pytest.mark.slow)],
+                         ids=["all", "drops"])  # ~8 and ~11 s on the 2-core box
+def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels, act_casts, monkeypatch):
+    """``MoE.forward(x, x_fp8)`` on one rank with FP8 caching: the shared experts read the norm's cast and the
+    routed experts' rows are that cast moved with its scales (``fused_ops.permute``, e4m3 in and out) instead of
+    cast on the way: output and gradients (x, gate, experts) bit-equal to ``MoE.forward(x)``, one GEMM cast fewer
+    (the shared ``w13``; the routed ``w13`` casts nothing either way). With a capacity factor dropped assignments
+    become padding rows."""
+    args = ModelArgs.preset("debug", fp8=True, n_routed_experts=2, n_activated_experts=2, n_expert_groups=1,
+                            n_limited_groups=1)
+    torch.manual_seed(0)
+    moe = MoE(args, balance=BalanceConfig(capacity_factor=capacity))
+    moe.experts.reset_parameters(0.05)
+    x0 = torch.randn(1, 7, args.dim)
+    with registry.force("auto"):
+        _run_twice(moe, x0, lambda x, q: moe(x, x_fp8=q), act_casts, saved_casts=1)
+
+
+def _saved_bytes(fn) -> tuple[object, int]:
+    """(fn(), bytes of the distinct storages autograd saved while it ran)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mla_rotates_the_query_in_place(fp8, only_fused_kernels, monkeypatch):
+    """With fused ops MLA rotates the rotary dims of its queries where they sit (``fused_ops.rope_``) instead of
+    rotating a copy and concatenating: the same kernel on the same values each way, so output and gradients are
+    bit-equal to the out-of-place rotation (``q_is_view``: what a padded FP8 output gets), and no more is kept
+    for backward. 16 heads x 24 dims: N = 384, whole 128-blocks, so FP8's output is no view."""
+    args = ModelArgs.preset("debug", n_heads=16, fp8=fp8, fused_ops=True)
+    torch.manual_seed(0)
+    mla = MLA(args)
+    assert not mla.q_is_view
+    x0 = torch.randn(2, 5, args.dim)
+    cos, sin = rope_cos_sin(args, torch.arange(5))
+    rotations = _counted(monkeypatch, fused_ops, "rope_")
+    results = []
+    for in_place in (True, False):
+        mla.q_is_view = not in_place
+        rotations[0] = 0
+        mla.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with registry.force("auto"):
+            y, saved = _saved_bytes(lambda x=x: mla(x, cos, sin))
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)))
+        assert rotations[0] == in_place
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in mla.named_parameters() if p.grad is not None},
+                        saved))
+    (y0, gx0, gp0, saved0), (y1, gx1, gp1, saved1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
+    assert saved0 <= saved1, (saved0, saved1)

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 import flash_mla
+import fused_ops
 from deep_gemm import linear
+from deep_gemm.linear import out_is_view
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
@@ -88,6 +90,8 @@ class MLA(nn.Module):
                             fp8_cache=cache and not input_recomputed)
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, args.fused_ops)
         self.fused = args.fused_ops  # RoPE through fused_ops where its kernel runs
+        # in place into the queries unless they are a view (deep_gemm's padded FP8 output: N not 128n)
+        self.q_is_view = out_is_view(fp8, self.n_heads * self.qk_head_dim)
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
@@ -117,8 +121,13 @@ class MLA(nn.Module):
     # ---- naive form -------------------------------------------------------------------------------
     def _up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q_nope, q_pe = self._q_up(q_latent).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
+        q = self._q_up(q_latent)
+        if self.fused and fused_ops.kernels_run(q.device) and not self.q_is_view:
+            # the rotary dims rotated where they sit in the heads: no second copy of q to join nope and rope parts
+            fused_ops.rope_(q[..., self.qk_nope_head_dim:], cos, sin)
+        else:
+            q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+            q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
         kv = produce_consume(self.kv_norm, self.wkv_b, c_kv, enabled=self.recompute_norm)
         k_nope, v = kv.unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim)).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=-1)

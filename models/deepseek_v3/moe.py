@@ -46,7 +46,7 @@ from models.deepseek_v3.layers import (
     swiglu,
     swiglu_cast,
 )
-from models.deepseek_v3.permute import PermuteState, group_weights, permute, unpermute
+from models.deepseek_v3.permute import PermuteState, group_weights, permute, permute_fp8, unpermute
 from models.deepseek_v3.recompute import produce_consume, recomputing
 
 
@@ -256,36 +256,59 @@ class MoE(nn.Module):
 
     def permute(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
         """Local (single-rank) dispatch: every chosen expert must live in ``self.experts``."""
+        x_grouped, m_indices, state = self._grouped(
+            routing, lambda indices, groups: permute(x, indices, groups, self.m_alignment, self.fused))
+        return x_grouped, m_indices, state
+
+    def permute_fp8(self, x: torch.Tensor, routing: Routing, x_fp8: Precast | None = None
+                    ) -> tuple[torch.Tensor, Precast, torch.Tensor, PermuteState]:
+        """``permute`` where ``takes_fp8_rows``: ``(x_grouped stand-in, the rows' 1x128 cast, m_indices, state)``,
+        the rows moved once as e4m3 (cast on the way, or ``x_fp8``, x's cast, moved with its scales); see
+        ``permute.permute_fp8``."""
+        return self._grouped(routing, lambda indices, groups: permute_fp8(x, indices, groups, self.m_alignment,
+                                                                            x_fp8))
+
+    def takes_fp8_rows(self, device: torch.device) -> bool:
+        """Whether the routed experts take their rows as the fused permute's FP8 cast without bf16 rows: FP8 GEMMs
+        that take a precast and keep it for the wgrad (``fp8_cache``), the fused kernels running, and no
+        ``Fp8Health`` report being sampled (it compares the cast with the bf16 rows)."""
+        experts = self.experts
+        return (self.fused and experts.fp8_cache and deep_gemm.takes_precast(experts.fp8)
+                and fused_ops.kernels_run(device) and (experts.health is None or not experts.health.active))
+
+    def _grouped(self, routing: Routing, run):
+        """``run(indices, groups)`` (a permute) over ``routing``'s experts, all in ``self.experts``: dropped
+        assignments (-1, capacity) go to a sentinel group past the real experts, whose rows become padding (-1)."""
         if self.experts.num_experts != self.n_routed_experts:
             raise ValueError(f"MoE.permute: this layer holds experts {self.experts.expert_ids} of "
                              f"{self.n_routed_experts}; tokens must be dispatched across expert-parallel ranks")
         if self.balancer.config.capacity_factor is None:
-            return permute(x, routing.indices, self.n_routed_experts, self.m_alignment, self.fused)
-        # dropped assignments (-1) go to a sentinel group past the real experts, whose rows compute 0
+            return run(routing.indices, self.n_routed_experts)
         dropped = self.n_routed_experts
         indices = torch.where(routing.indices >= 0, routing.indices, torch.full_like(routing.indices, dropped))
-        x_grouped, m_indices, state = permute(x, indices, self.n_routed_experts + 1, self.m_alignment, self.fused)
+        *grouped, m_indices, state = run(indices, self.n_routed_experts + 1)
         m_indices = m_indices.masked_fill(m_indices == dropped, -1)
-        return x_grouped, m_indices, replace(state, tokens_per_expert=state.tokens_per_expert[:dropped])
+        return (*grouped, m_indices, replace(state, tokens_per_expert=state.tokens_per_expert[:dropped]))
 
     def unpermute(self, y_grouped: torch.Tensor, state: PermuteState,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
         return unpermute(y_grouped, state, weights)
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None if self.shared_experts is None else self.shared_experts(x)
+    def shared(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x, x_fp8)
 
     # ---- expert parallelism: the pieces between the all-to-alls -----------------------------------
     def send(self, x: torch.Tensor, seq_len: int | None = None,
-             x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
+             x_fp8: Precast | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
         """Before the dispatch: route ``x [T, dim]``, gather the rows to send (routing weights as extra columns)
         and run the shared experts. Returns ``(rows to send, their plan, shared output or None)``.
 
         ``x_fp8``: ``x``'s 1x128 cast (e4m3 values, fp32 scales), made by the norm that produced ``x``: under FP8
-        dispatch with fused kernels the rows travel as a gather of it (no cast), else it is not needed."""
+        dispatch with fused kernels the rows travel as a gather of it (no cast); the shared experts' ``w13``
+        reads it too."""
         routing = self.route(x, seq_len)
         send, plan = self.ep.gather(x, routing.weights, self.ep.plan_send(routing.indices), x_fp8)
-        return send, plan, self.shared(x)
+        return send, plan, self.shared(x, x_fp8)
 
     def expert_rows(self, rows: torch.Tensor, received: Received) -> torch.Tensor:
         """Between the dispatch and the combine: this rank's experts on the rows that arrived (arrival order in
@@ -305,19 +328,25 @@ class MoE(nn.Module):
         return y if shared is None else y + shared
 
     # ---- all together -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> routed experts' weighted sum plus the shared experts, same shape."""
+    def forward(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
+        """``x [..., dim]`` -> routed experts' weighted sum plus the shared experts, same shape. ``x_fp8``: x's
+        1x128 cast made by its producer (the norm; rows flattened): the shared experts' ``w13`` reads it and, on
+        one rank, the routed experts' rows are gathered from it (where ``takes_fp8_rows``)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         seq_len = shape[-2] if len(shape) == 3 else None
         if self.ep is None:
             routing = self.route(x, seq_len)
-            x_grouped, m_indices, state = self.permute(x, routing)
+            rows_fp8 = None
+            if self.takes_fp8_rows(x.device):
+                x_grouped, rows_fp8, m_indices, state = self.permute_fp8(x, routing, x_fp8)
+            else:
+                x_grouped, m_indices, state = self.permute(x, routing)
             rows = group_weights(routing.weights, state, len(m_indices))
-            y = self.unpermute(self.experts(x_grouped, m_indices, rows), state)
-            z = self.shared(x)
+            y = self.unpermute(self.experts(x_grouped, m_indices, rows, x_fp8=rows_fp8), state)
+            z = self.shared(x, x_fp8)
             return (y if z is None else y + z).view(shape)
-        send, plan, z = self.send(x, seq_len)
+        send, plan, z = self.send(x, seq_len, x_fp8)
         received = self.ep.post_dispatch(send, plan, self.dim).wait()
         y = self.expert_rows(arrived(send, received.rows, received.exchanged), received)
         back = self.ep.post_combine(y, received).wait()

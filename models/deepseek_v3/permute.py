@@ -7,8 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 import fused_ops
+from models.deepseek_v3.layers import Precast
+
+_ZERO_TILE_SCALE = 1e-4 / 448  # DeepGEMM's 1x128 scale of an all-zero tile: max(amax, 1e-4) / 448
 
 
 @dataclass
@@ -53,6 +57,45 @@ def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int, alignment:
     source[rows] = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
     x_grouped = torch.cat([x, x.new_zeros(1, x.shape[-1])])[source]
     return x_grouped, m_indices, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts)
+
+
+class _GroupedStandIn(torch.autograd.Function):
+    """``[M, d]`` of x's dtype with no storage per row, standing for the grouped rows of ``x``; backward is
+    permute's: each token's rows' gradients summed (``fused_ops.unpermute``, the fused permute's own backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: fused_ops.Grouping) -> torch.Tensor:
+        ctx.layout = layout
+        return x.new_zeros(()).expand(layout.assign.numel(), x.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return fused_ops.unpermute(grad, ctx.layout), None
+
+
+def permute_fp8(x: torch.Tensor, indices: torch.Tensor, num_experts: int, alignment: int,
+                x_fp8: Precast | None = None) -> tuple[torch.Tensor, Precast, torch.Tensor, PermuteState]:
+    """``permute`` for an FP8 grouped GEMM that keeps its input's cast for the weight gradient (``fp8_cache``),
+    where the fused kernels run: ``(x_grouped, its 1x128 cast, m_indices, state)``.
+
+    The rows move once, as e4m3 with their scales: cast on the way (``fused_ops.permute(fp8=True)``, the cast
+    the GEMM would make of the grouped rows, bit for bit) or, given ``x_fp8`` (x's cast, from the norm), moved
+    with its scales. The bf16 grouped rows are never materialised: that GEMM reads only the cast, keeps it for
+    its wgrad, and its dgrad needs no input, so ``x_grouped`` is a stand-in without storage (a broadcast zero)
+    that carries the rows' gradient back to ``x``. Read its values and you read zeros.
+    """
+    layout = fused_ops.grouping(indices, num_experts, alignment)
+    if x_fp8 is None:
+        values, scales, _ = fused_ops.permute(x.detach(), layout, fp8=True)
+    else:
+        values, scales, _ = fused_ops.permute(x_fp8[0].reshape(x.shape), layout,
+                                              scales=x_fp8[1].reshape(x.shape[0], -1))
+        # padding rows come with zero scales; the GEMM takes only positive ones: a zero tile's, as the cast makes
+        scales = torch.where((layout.assign >= 0).unsqueeze(1), scales, _ZERO_TILE_SCALE)
+    state = PermuteState(rows=layout.rows, num_tokens=layout.num_tokens, tokens_per_expert=layout.tokens_per_expert,
+                         layout=layout)
+    return _GroupedStandIn.apply(x, layout), (values, scales), layout.m_indices, state
 
 
 def group_weights(weights: torch.Tensor, state: PermuteState, num_rows: int) -> torch.Tensor:
