@@ -55,7 +55,8 @@ def _run(rank, world, dim, balance, fused, fp8, fp8_gemms=False):
     moe.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD, fp8_dispatch=fp8, fused=fused)
     x_all, g_all = _inputs(world, dim)
     x = x_all[rank].clone().requires_grad_()
-    y = moe(x)
+    # with FP8 GEMMs, x's 1x128 cast as its norm would hand it on: the sender moves it instead of casting
+    y = moe(x, deep_gemm.per_token_cast_to_fp8(x.detach().view(-1, dim)) if fp8_gemms else None)
     (y * g_all[rank]).sum().backward()
     return dict(y=y.detach(), x_grad=x.grad, grads=_grads(moe), received=int(moe.received_rows or 0),
                 precasts=precasts)
@@ -102,6 +103,8 @@ def test_fused_ep_matches_unfused_ep_with_node_limit_and_dropped_tokens():
 
 FP8_DISPATCH_OPS = ("fused_ops.permute_gather_fp8", "fused_ops.gather_dequant_fp8", "fused_ops.gather_rows",
                     "fused_ops.unpermute_sum")
+PRECAST_OPS = ("fused_ops.permute_gather", "fused_ops.gather_dequant_fp8", "fused_ops.gather_rows",
+               "fused_ops.unpermute_sum")
 
 
 @pytest.mark.dist
@@ -115,15 +118,16 @@ def test_fused_ep_matches_unfused_ep_with_fp8_dispatch():
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast():
-    """FP8 GEMMs: w13 reads the cast the landing kernel made instead of casting the grouped rows itself (one cast
-    fewer per rank, and the sender's cast is the packing kernel's: two). The router and SwiGLU run their
+    """FP8 GEMMs: the sender moves x's precast (no cast), w13 reads the cast the landing kernel made instead of
+    casting the grouped rows itself (checked bit for bit against DeepGEMM's cast of them). The router and SwiGLU run their
     references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3 step
     (2^-3 relative) would be far outside the reorder bound."""
-    results = _check(2, 160, dict(strategy="none"), fp8=True, fp8_gemms=True, ops=FP8_DISPATCH_OPS,
+    results = _check(2, 160, dict(strategy="none"), fp8=True, fp8_gemms=True, ops=PRECAST_OPS,
                      unfused_kernels=("fused_ops.route", "fused_ops.route_backward", "fused_ops.swiglu",
                                       "fused_ops.swiglu_fp8", "fused_ops.swiglu_backward"))
     for res in results:
         assert not res["unfused"]["precasts"] and res["fused"]["precasts"] == [True]
+        assert "fused_ops.permute_gather_fp8" not in res["ran"]  # the precast moved, never cast again
 
 
 def _plan_rank(rank, world):

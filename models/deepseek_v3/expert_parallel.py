@@ -41,6 +41,12 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
+- Fused kernels (``fused``, the model's ``fused_ops`` switch, where ``fused_ops.kernels_run``): the rows to send
+  with their weight columns in one gather, the regroup / ungroup / scatter-back as gathers and sums whose backward
+  is a gather (no ``index_add``); under FP8 dispatch the sender packs the wire in the gather (cast on the way, or
+  the norm's precast moved) and the receiver dequantises the landed bytes straight into the grouped layout with
+  the rows' own 1x128 cast for the grouped GEMM; the rows in the activations' dtype in sent and arrival order are
+  then stand-ins without storage (``SendPlan.wire``, ``Received.wire`` hold the bytes).
 - Dropped assignments (index -1, capacity factor) are never sent.
 - Redundant experts (EPLB): with a ``phy2log`` plan, assignment (t, j) to logical expert ``e``
   goes to replica ``t % logcnt[e]`` of ``e``, spreading a hot expert's tokens over its copies.
