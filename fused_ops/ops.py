@@ -511,8 +511,8 @@ gather_rows_op = registry.register(
                       tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * (s["dim"] + s["columns"]) * 2 * 2))
 gather_dequant_fp8_op = registry.register(
     "fused_ops.gather_dequant_fp8", reference=gather_dequant_fp8_reference, triton=_impl("permute:gather_dequant_fp8"),
-    verify=VerifySpec(make_case=_dequant_case, shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3,
-                                                                                              dim=200, dtype="float32")],
+    verify=VerifySpec(make_case=_dequant_case,
+                      shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3, dim=200, dtype="float32")],
                       bench_shapes=[dict(rows=32768, experts=32, dim=7168)], tolerance=TOL, compare=_fp8_compare(TOL),
                       bytes_moved=lambda s: s["rows"] * s["dim"] * (1 + 2 + 1)))
 unpermute_sum_op = registry.register(

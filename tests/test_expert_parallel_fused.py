@@ -98,6 +98,7 @@ def _check(world, dim, balance_kwargs, fp8=False, fp8_gemms=False, ops=FUSED_EP_
 @pytest.mark.slow  # ~16 s on the 2-core box
 @pytest.mark.timeout(300)
 def test_fused_ep_matches_unfused_ep_with_node_limit_and_dropped_tokens():
+    """test_expert_parallel's config that drops tokens (asserted there): dropped slots (row -1) add nothing."""
     _check(2, 32, dict(strategy="aux_free+seq_aux", alpha=0.1, capacity_factor=1.0, num_nodes=4, max_nodes=2))
 
 
@@ -119,8 +120,8 @@ def test_fused_ep_matches_unfused_ep_with_fp8_dispatch():
 @pytest.mark.timeout(300)
 def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast():
     """FP8 GEMMs: the sender moves x's precast (no cast), w13 reads the cast the landing kernel made instead of
-    casting the grouped rows itself (checked bit for bit against DeepGEMM's cast of them). The router and SwiGLU run their
-    references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3 step
+    casting the grouped rows itself (checked bit for bit against DeepGEMM's cast of them). The router and SwiGLU
+    run their references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3 step
     (2^-3 relative) would be far outside the reorder bound."""
     results = _check(2, 160, dict(strategy="none"), fp8=True, fp8_gemms=True, ops=PRECAST_OPS,
                      unfused_kernels=("fused_ops.route", "fused_ops.route_backward", "fused_ops.swiglu",

@@ -115,7 +115,8 @@ class Gate(nn.Module):
         # least what the fused router keeps, its scores and indices)
         if self.fused and fused_ops.kernels_run(logits.device) and not logits.is_meta:
             nodes, max_nodes = node_limit or (1, None)
-            limits = (self.topk, self.n_groups, self.topk_groups, self.route_scale, self.norm_topk_prob, nodes, max_nodes)
+            limits = (self.topk, self.n_groups, self.topk_groups, self.route_scale, self.norm_topk_prob, nodes,
+                      max_nodes)
             if self.e_score_correction_bias is not None:  # sigmoid (V3)
                 weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, *limits)
             else:  # softmax (V2)
