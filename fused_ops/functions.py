@@ -376,14 +376,16 @@ def _regroup_backward(ctx, grad: torch.Tensor, grad_w: torch.Tensor | None) -> t
 
 class _RegroupRowsFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, wire, dim, assign, inverse):
+    def forward(ctx, rows, wire, dim, assign, inverse, keep_rows):
         blocks = -(-dim // 128)
         values = wire[:, :dim].view(ops.FP8)
         scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
         ends = dim + 4 * blocks + (rows.shape[1] - dim) * rows.element_size()
         columns = wire[:, dim + 4 * blocks:ends].contiguous().view(rows.dtype)  # a column or two: plain torch
         weights = columns.float().sum(1) if columns.shape[1] else None
-        grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights)
+        grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights, keep_rows)
+        if grouped is None:  # a stand-in without storage: what the gradient of the grouped rows is taken against
+            grouped = rows.new_zeros(()).expand(len(assign), dim)
         ctx.save_for_backward(inverse)
         ctx.columns = rows.shape[1] - dim
         ctx.mark_non_differentiable(q, sf)
@@ -392,20 +394,22 @@ class _RegroupRowsFp8(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_w, _q, _sf):
-        return _regroup_backward(ctx, grad, grad_w), None, None, None, None
+        return _regroup_backward(ctx, grad, grad_w), None, None, None, None, None
 
 
-def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: torch.Tensor, inverse: torch.Tensor):
+def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: torch.Tensor, inverse: torch.Tensor,
+                     keep_rows: bool = True):
     """``regroup_rows`` for rows that travelled as ``pack_rows_fp8``'s ``wire`` (``rows``: their stand-in
     ``[n, dim + c]``, n = len(wire) + 1 with the spare row): ``(values [M, dim], weights [M] or None, (e4m3 [M,
     dim], scales [M, ceil(dim / 128)]))``. The values are the e4m3 rows times their scales rounded to ``rows``'
     dtype (the dequantisation), the last pair that result's own 1x128 cast, bit for bit what an FP8 GEMM fed the
-    values would make of them (not differentiable: ``deep_gemm.grouped_linear(..., x_fp8=)``). One kernel each
-    way; the backward is ``regroup_rows``'."""
+    values would make of them (not differentiable: ``deep_gemm.grouped_linear(..., x_fp8=)``). Without
+    ``keep_rows`` the values are a stand-in without storage (for a GEMM that reads only the cast and keeps it
+    for its wgrad: ``fp8_cache``). One kernel each way; the backward is ``regroup_rows``'."""
     if rows.dim() != 2 or wire.dtype != torch.uint8 or inverse.numel() != rows.shape[0] or len(wire) >= len(rows):
         raise ValueError(f"regroup_rows_fp8: rows must be [n, dim + c], wire uint8 [< n, bytes] and inverse [n]; got "
                          f"{list(rows.shape)}, {wire.dtype} {list(wire.shape)}, {list(inverse.shape)}")
-    grouped, weights, q, sf = _RegroupRowsFp8.apply(rows, wire, dim, assign, inverse)
+    grouped, weights, q, sf = _RegroupRowsFp8.apply(rows, wire, dim, assign, inverse, keep_rows)
     return grouped, weights, (q, sf)
 
 

@@ -139,10 +139,10 @@ def gather_rows_reference(x: torch.Tensor, assign: torch.Tensor, k: int,
 
 @registry.reference_for("fused_ops.gather_dequant_fp8")
 def gather_dequant_fp8_reference(values: torch.Tensor, scales: torch.Tensor, assign: torch.Tensor, dtype: torch.dtype,
-                                 weights: torch.Tensor | None = None):
+                                 weights: torch.Tensor | None = None, keep_rows: bool = True):
     x = (values.float() * scales.repeat_interleave(128, dim=1)[:, :values.shape[1]]).to(dtype)
     grouped, _, w = permute_gather_reference.__wrapped__(x, assign, 1, None, weights)
-    return (grouped, *cast_1x128(grouped), w)
+    return (grouped if keep_rows else None, *cast_1x128(grouped), w)
 
 
 @registry.reference_for("fused_ops.unpermute_sum")
@@ -325,7 +325,8 @@ def _dequant_case(shape: dict, seed: int, device: torch.device) -> Case:
     scales = torch.exp(torch.randn(shape["rows"], -(-shape["dim"] // 128), generator=_gen(seed + 8)) * 3) / 448
     scales[0] = 1e-4 / 448
     weights = torch.rand(shape["rows"], generator=_gen(seed + 6)).to(device)
-    return Case(args=(x.to(device), scales.to(device), assign, _dtype(shape), weights))
+    return Case(args=(x.to(device), scales.to(device), assign, _dtype(shape), weights),
+                kwargs={"keep_rows": shape.get("keep_rows", True)})
 
 
 def _unpermute_case(shape: dict, seed: int, device: torch.device) -> Case:
@@ -512,7 +513,8 @@ gather_rows_op = registry.register(
 gather_dequant_fp8_op = registry.register(
     "fused_ops.gather_dequant_fp8", reference=gather_dequant_fp8_reference, triton=_impl("permute:gather_dequant_fp8"),
     verify=VerifySpec(make_case=_dequant_case,
-                      shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3, dim=200, dtype="float32")],
+                      shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3, dim=200, dtype="float32"),
+                              dict(rows=5, experts=2, dim=130, keep_rows=False)],
                       bench_shapes=[dict(rows=32768, experts=32, dim=7168)], tolerance=TOL, compare=_fp8_compare(TOL),
                       bytes_moved=lambda s: s["rows"] * s["dim"] * (1 + 2 + 1)))
 unpermute_sum_op = registry.register(

@@ -31,12 +31,15 @@ FUSED_EP_OPS = ("fused_ops.route", "fused_ops.route_backward", "fused_ops.gather
                 "fused_ops.unpermute_sum")
 
 
-def _spy_on_w13(moe) -> list[bool]:
-    """For each w13 grouped GEMM handed a precast: whether it is DeepGEMM's cast of the GEMM's input (real rows)."""
+def _spy_on_w13(moe) -> list[bool | str]:
+    """For each w13 grouped GEMM handed a precast: whether it is DeepGEMM's cast of the GEMM's input (real rows),
+    or "stand-in" when that input has no storage (the GEMM reads only the cast)."""
     seen = []
 
     def spy(x, weight, m_indices, **kwargs):
-        if weight is moe.experts.w13 and kwargs.get("x_fp8") is not None:
+        if weight is moe.experts.w13 and kwargs.get("x_fp8") is not None and x.stride(0) == 0:
+            seen.append("stand-in")
+        elif weight is moe.experts.w13 and kwargs.get("x_fp8") is not None:
             (q, sf), valid = kwargs["x_fp8"], m_indices >= 0
             q_dg, sf_dg = deep_gemm.per_token_cast_to_fp8(x.detach())
             seen.append(torch.equal(q.view(torch.uint8)[valid], q_dg.view(torch.uint8)[valid])
@@ -47,8 +50,9 @@ def _spy_on_w13(moe) -> list[bool]:
     return seen
 
 
-def _run(rank, world, dim, balance, fused, fp8, fp8_gemms=False):
-    args = _args(dim).replace(fused_ops=fused, fp8=fp8_gemms)
+def _run(rank, world, dim, balance, fused, fp8, model):
+    args = _args(dim).replace(fused_ops=fused, **model)
+    fp8_gemms = args.fp8
     full = _full_moe(args, balance)
     moe = _ep_moe(args, balance, full, dist.group.WORLD)
     precasts = _spy_on_w13(moe)
@@ -62,23 +66,23 @@ def _run(rank, world, dim, balance, fused, fp8, fp8_gemms=False):
                 precasts=precasts)
 
 
-def _fused_vs_unfused_rank(rank, world, dim, balance_kwargs, fp8, fp8_gemms, unfused_kernels):
+def _fused_vs_unfused_rank(rank, world, dim, balance_kwargs, fp8, model, unfused_kernels):
     # fused_ops' kernels in the interpreter (every thread, the comm thread too); every other op its reference
     os.environ["DSV3_KERNEL_IMPL"] = "auto"
     for name in registry.ops():
         if not name.startswith("fused_ops.") or name in unfused_kernels:
             registry.get(name)._triton = None
     balance = BalanceConfig(**balance_kwargs)
-    unfused = _run(rank, world, dim, balance, False, fp8, fp8_gemms)
+    unfused = _run(rank, world, dim, balance, False, fp8, model)
     fused_ops = [name for name in registry.ops() if name.startswith("fused_ops.")]
     for name in fused_ops:
         registry.get(name).last_impl = None
-    fused = _run(rank, world, dim, balance, True, fp8, fp8_gemms)
+    fused = _run(rank, world, dim, balance, True, fp8, model)
     return dict(unfused=unfused, fused=fused, ran={n for n in fused_ops if registry.get(n).last_impl == "triton"})
 
 
-def _check(world, dim, balance_kwargs, fp8=False, fp8_gemms=False, ops=FUSED_EP_OPS, unfused_kernels=()):
-    results = run_distributed(_fused_vs_unfused_rank, world, dim, balance_kwargs, fp8, fp8_gemms, unfused_kernels,
+def _check(world, dim, balance_kwargs, fp8=False, model=None, ops=FUSED_EP_OPS, unfused_kernels=()):
+    results = run_distributed(_fused_vs_unfused_rank, world, dim, balance_kwargs, fp8, model or {}, unfused_kernels,
                               timeout=200)
     args = _args(dim)
     n = max(dim, 2 * args.moe_inter_dim, world * TOKENS * args.n_activated_experts)
@@ -118,16 +122,18 @@ def test_fused_ep_matches_unfused_ep_with_fp8_dispatch():
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast():
+@pytest.mark.parametrize("cache", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp8", "fp8_cache"])
+def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast(cache):
     """FP8 GEMMs: the sender moves x's precast (no cast), w13 reads the cast the landing kernel made instead of
-    casting the grouped rows itself (checked bit for bit against DeepGEMM's cast of them). The router and SwiGLU
-    run their references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3 step
-    (2^-3 relative) would be far outside the reorder bound."""
-    results = _check(2, 160, dict(strategy="none"), fp8=True, fp8_gemms=True, ops=PRECAST_OPS,
+    casting the grouped rows itself (checked bit for bit against DeepGEMM's cast of them; under ``fp8_cache`` the
+    GEMM reads only that cast, so the bf16 grouped rows are a stand-in, never written). The router and SwiGLU
+    run their references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3
+    step (2^-3 relative) would be far outside the reorder bound."""
+    results = _check(2, 160, dict(strategy="none"), fp8=True, model=dict(fp8=True, fp8_cache_activations=cache), ops=PRECAST_OPS,
                      unfused_kernels=("fused_ops.route", "fused_ops.route_backward", "fused_ops.swiglu",
                                       "fused_ops.swiglu_fp8", "fused_ops.swiglu_backward"))
     for res in results:
-        assert not res["unfused"]["precasts"] and res["fused"]["precasts"] == [True]
+        assert not res["unfused"]["precasts"] and res["fused"]["precasts"] == ["stand-in" if cache else True]
         assert "fused_ops.permute_gather_fp8" not in res["ran"]  # the precast moved, never cast again
 
 

@@ -342,6 +342,10 @@ def test_fp8_rows_travel_packed_and_land_with_the_gemms_cast(dtype):
         _, moved = pack_rows_fp8(x, assign, inverse, k, cols, x_fp8=per_token_cast_reference(x))
         landed = torch.zeros((), dtype=dtype).expand(len(assign) + 1, dim + cols.shape[1])
         grouped, weights, (q, sf) = regroup_rows_fp8(landed, wire, dim, regroup, back)
+        standin, weights2, (q2, sf2) = regroup_rows_fp8(landed, wire, dim, regroup, back, keep_rows=False)
+    assert standin.shape == grouped.shape and standin.untyped_storage().nbytes() <= 4  # the cast only (fp8_cache)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sf2, sf)
+    assert torch.equal(weights2, weights)
     today = torch.cat([_pack_fp8(x[assign // k]), cols[assign].view(torch.uint8)], dim=1)
     assert wire.shape[1] % 16 == 0 and not wire[:, today.shape[1]:].any()  # rows padded to 16 bytes with zeros
     assert torch.equal(wire[:, :today.shape[1]], today) and torch.equal(moved, wire)

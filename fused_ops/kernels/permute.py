@@ -10,8 +10,8 @@ row of each assignment. Gathers only, never scatters, so no atomics and every ou
 - ``gather_rows``: row ``m`` <- ``[x[assign[m] // k], columns[assign[m]]]``, the source row with a few
   per-assignment columns appended (expert parallelism's rows to send, routing weights as columns).
 - ``gather_dequant_fp8``: row ``m`` <- e4m3 row ``assign[m]`` times its 1x128 scales, rounded to the output
-  dtype, and that result's own 1x128 cast (what the GEMM it feeds would make of it; k = 1). Expert
-  parallelism's FP8 rows that landed, into the grouped layout.
+  dtype, and that result's own 1x128 cast (what the GEMM it feeds would make of it; k = 1), or the cast alone.
+  Expert parallelism's FP8 rows that landed, into the grouped layout.
 - ``sum_rows``: token ``t`` <- ``sum_j w[t, j] y[rows[t k + j]]`` in fp32, a row index < 0 adding nothing (an
   assignment that was dropped). The unpermute forward, and the permute backward (``w = 1``).
 - ``spread``: grouped row ``m`` <- ``w[a] g[t]`` and ``dw[a] = g[t] . y[m]`` for ``a = assign[m]``. The
@@ -82,15 +82,16 @@ def _gather_fp8_kernel(ASSIGN, X, W, Q, S, OUTW, K, D, stride_x, stride_q, strid
 
 @triton.jit
 def _gather_dequant_fp8_kernel(ASSIGN, Q, S, W, X, Q2, S2, OUTW, D, stride_q, stride_s, stride_x, stride_q2,
-                               stride_s2, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+                               stride_s2, HAS_VALUES: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     m, a, t, readable = _source(ASSIGN, 1, D)
-    dtype = X.dtype.element_ty
+    dtype = X.dtype.element_ty  # (without HAS_VALUES, X is a one-element tensor of the rows' dtype)
     for start in range(0, D, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         q = tl.load(Q + t * stride_q + cols, mask=cols < readable, other=0.0).to(tl.float32)
         sf = tl.load(S + t * stride_s + cols // 128, mask=cols < readable, other=0.0)
         x = on_grid(q * sf, dtype)
-        tl.store(X + m * stride_x + cols, x.to(dtype), mask=cols < D)
+        if HAS_VALUES:
+            tl.store(X + m * stride_x + cols, x.to(dtype), mask=cols < D)
         store_fp8(Q2 + m * stride_q2, S2 + m * stride_s2, x, start, D, BLOCK)
     if HAS_WEIGHTS:
         tl.store(OUTW + m, tl.where(readable > 0, tl.load(W + a), 0.0))
@@ -193,23 +194,24 @@ def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Ten
 
 
 def gather_dequant_fp8(values: torch.Tensor, scales: torch.Tensor, assign: torch.Tensor, dtype: torch.dtype,
-                       weights: torch.Tensor | None = None):
-    """(rows ``[M, d]`` in ``dtype``, their e4m3 values and 1x128 scales, weights ``[M]`` or None)."""
+                       weights: torch.Tensor | None = None, keep_rows: bool = True):
+    """(rows ``[M, d]`` in ``dtype`` or None without ``keep_rows``, their e4m3 values and 1x128 scales, weights
+    ``[M]`` or None)."""
     _rows_ok("values", values)
     _rows_ok("scales", scales)
     if dtype not in (torch.float32, torch.bfloat16) or values.dtype != torch.float8_e4m3fn:
         raise registry.Unsupported(f"values must be e4m3 and dtype float32/bfloat16, got {values.dtype}, {dtype}")
     rows, d = assign.numel(), values.shape[1]
-    x = registry.empty(rows, d, dtype=dtype, device=values.device)
+    x = registry.empty(rows if keep_rows else 1, d if keep_rows else 1, dtype=dtype, device=values.device)
     q = registry.empty(rows, d, dtype=torch.float8_e4m3fn, device=values.device)
     sf = registry.empty(rows, triton.cdiv(d, 128), dtype=torch.float32, device=values.device)
     outw = None if weights is None else registry.empty(rows, dtype=weights.dtype, device=values.device)
     if rows:
         _gather_dequant_fp8_kernel[(rows,)](assign, values, scales, values if weights is None else weights, x, q, sf,
                                             x if outw is None else outw, d, values.stride(0), scales.stride(0),
-                                            x.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
-                                            BLOCK=_block(values, d, 128))
-    return x, q, sf, outw
+                                            x.stride(0), q.stride(0), sf.stride(0), HAS_VALUES=keep_rows,
+                                            HAS_WEIGHTS=weights is not None, BLOCK=_block(values, d, 128))
+    return x if keep_rows else None, q, sf, outw
 
 
 def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:

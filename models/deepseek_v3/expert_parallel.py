@@ -528,17 +528,19 @@ class ExpertParallel:
         return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, dim, lambda r: r),
                     self.site)
 
-    def regroup(self, rows: torch.Tensor, received: Received) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                        tuple[torch.Tensor, torch.Tensor] | None]:
+    def regroup(self, rows: torch.Tensor, received: Received, keep_rows: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None, x_fp8)`` in the grouped layout (one
         gather; pad rows read the spare zero row, so their weight is 0). ``x_fp8``: when the rows landed as FP8
         bytes (``Received.wire``), ``x_grouped``'s own 1x128 cast made in the same kernel, bit for bit what the
-        grouped GEMM would make of it (``Experts.forward(..., x_fp8=)``); else None."""
+        grouped GEMM would make of it (``Experts.forward(..., x_fp8=)``); else None. There, without
+        ``keep_rows`` (a GEMM that reads only that cast), ``x_grouped`` is a stand-in without storage."""
         dim = received.dim
         if received.layout is not None:  # one kernel: the rows and the weights their columns carry
             inverse = F.pad(received.layout.rows, (0, 1), value=-1)  # the spare zero row is nobody's
             if received.wire is not None:
-                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, received.layout.assign, inverse)
+                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, received.layout.assign, inverse,
+                                                  keep_rows)
             return (*fused_ops.regroup_rows(rows, dim, received.layout.assign, inverse), None)
         x_grouped = rows[:, :dim].index_select(0, received.source)
         if rows.shape[1] == dim:

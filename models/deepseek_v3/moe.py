@@ -317,8 +317,9 @@ class MoE(nn.Module):
         if self.training and not recomputing():
             n = received.tokens_per_expert.sum().double()
             self.received_rows = n if self.received_rows is None else self.received_rows + n
-        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received)
-        # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast
+        # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast; the bf16
+        # grouped rows are not even written where it reads only that cast (``takes_fp8_rows``: fp8_cache)
+        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received, keep_rows=not self.takes_fp8_rows(rows.device))
         x_fp8 = x_fp8 if deep_gemm.takes_precast(self.experts.fp8) else None
         # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
         return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights, x_fp8=x_fp8), received)
