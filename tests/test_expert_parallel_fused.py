@@ -129,7 +129,8 @@ def test_fused_fp8_dispatch_hands_the_grouped_gemm_its_own_cast(cache):
     GEMM reads only that cast, so the bf16 grouped rows are a stand-in, never written). The router and SwiGLU
     run their references here, so every FP8 cast sees the unfused run's inputs: a cast that differed by one e4m3
     step (2^-3 relative) would be far outside the reorder bound."""
-    results = _check(2, 160, dict(strategy="none"), fp8=True, model=dict(fp8=True, fp8_cache_activations=cache), ops=PRECAST_OPS,
+    results = _check(2, 160, dict(strategy="none"), fp8=True, model=dict(fp8=True, fp8_cache_activations=cache),
+                     ops=PRECAST_OPS,
                      unfused_kernels=("fused_ops.route", "fused_ops.route_backward", "fused_ops.swiglu",
                                       "fused_ops.swiglu_fp8", "fused_ops.swiglu_backward"))
     for res in results:
