@@ -320,7 +320,7 @@ def _gather_rows_case(shape: dict, seed: int, device: torch.device) -> Case:
 def _dequant_case(shape: dict, seed: int, device: torch.device) -> Case:
     """Landed rows: e4m3 values with 1x128 scales over 6 decades, one all-zero row (the amax floor's scale)."""
     assign, _ = _assignments({**shape, "k": 1}, seed, device)
-    x = _rows({**shape, "dtype": "float32"}, seed, device, shape["dim"], 100.0).to(FP8)
+    x = _rows({**shape, "dtype": "float32"}, seed, device, shape["dim"], 100.0).clamp(-448, 448).to(FP8)
     x[0] = 0
     scales = torch.exp(torch.randn(shape["rows"], -(-shape["dim"] // 128), generator=_gen(seed + 8)) * 3) / 448
     scales[0] = 1e-4 / 448
