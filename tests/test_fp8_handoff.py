@@ -240,3 +240,38 @@ def test_mla_rotates_the_query_in_place(fp8, only_fused_kernels, monkeypatch):
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
     assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
     assert saved0 <= saved1, (saved0, saved1)
+
+
+@pytest.mark.parametrize("fp8_cache", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["nocache", "cache"])  # ~5 s each on the 2-core box
+def test_bf16_experts_hand_the_swiglu_cast_to_w2(fp8_cache, only_fused_kernels, monkeypatch):
+    """In bf16 (the GPU's activations) too: ``swiglu_fp8``'s cast is the one ``w2`` makes of the bf16 SwiGLU
+    output, so the routed experts with the hand-off give the output and gradients (rows, routing weights,
+    both weights) of the same experts without it, bit for bit; with and without the SwiGLU input in FP8; and
+    the same output without a graph (inference)."""
+    args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache, recompute=("swiglu",),
+                            n_routed_experts=2, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
+    torch.manual_seed(0)
+    experts = Experts(args, recompute_swiglu=True).to(torch.bfloat16)
+    experts.reset_parameters(0.05)
+    m_indices = deep_gemm.grouped.contiguous_layout([29, 0], "cpu")  # one 128-row block: the interpreter's cost
+    x0 = torch.randn(m_indices.numel(), args.dim, dtype=torch.bfloat16)
+    w0 = torch.rand(m_indices.numel())
+    swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
+    results = []
+    for handoff in (True, False):
+        with monkeypatch.context() as m:
+            if not handoff:
+                m.setattr(moe_mod, "fp8_swiglu_handoff", lambda *args: False)
+            experts.zero_grad(set_to_none=True)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            swiglus[0] = 0
+            with registry.force("auto"):
+                y = experts(x, m_indices, w)
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype))
+            assert swiglus[0] == handoff
+            results.append((y.detach(), x.grad, w.grad, experts.w13.grad, experts.w2.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    with torch.no_grad(), registry.force("auto"):  # inference: the forward's path, nothing to recompute
+        assert torch.equal(experts(x0, m_indices, w0), results[0][0])

@@ -90,8 +90,10 @@ class MLA(nn.Module):
                             fp8_cache=cache and not input_recomputed)
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, args.fused_ops)
         self.fused = args.fused_ops  # RoPE through fused_ops where its kernel runs
-        # in place into the queries unless they are a view (deep_gemm's padded FP8 output: N not 128n)
-        self.q_is_view = out_is_view(fp8, self.n_heads * self.qk_head_dim)
+        # RoPE in place into the queries, unless they are a view made in an autograd.Function (deep_gemm's padded
+        # FP8 output: N not 128n) or the result of a recomputed q_norm (produce_consume hooks the backward of
+        # that view, a hook an in-place change to its base would drop: the released norm output never refilled)
+        self.q_is_view = out_is_view(fp8, self.n_heads * self.qk_head_dim) or self.recompute_norm
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
