@@ -355,12 +355,13 @@ class Received:
     rows: torch.Tensor
     exchanged: Exchanged
     dim: int  # feature columns; any columns after them are the routing weights
-    source: torch.Tensor  # [M] arrival row of each grouped row (the spare zero row for padding)
+    source: torch.Tensor  # [M] arrival row of each grouped row (the spare zero row for padding; -1 when fused)
     m_indices: torch.Tensor  # [M] int32: local expert of each grouped row, -1 for pad rows
     state: PermuteState  # arrival rows <-> grouped rows
     tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
-    # with fused kernels: ``assign`` the arrival row of each grouped row or -1 (padding), ``rows`` the grouped row
-    # of each arrival row (``state.rows``), for ``fused_ops.regroup_rows`` / ``gather_rows``
+    # with fused kernels: ``assign`` the arrival row of each grouped row or -1 (padding: ``source``), ``rows`` the
+    # grouped row of each arrival row and -1 for the spare row (``state.rows`` is a view of it), for
+    # ``fused_ops.regroup_rows`` / ``gather_rows``
     layout: fused_ops.Grouping | None = None
     # the FP8 bytes that landed when the sender packed them (``SendPlan.wire``); ``rows`` then only stands for
     # the rows in the activations' dtype (no storage): ``regroup`` dequantises straight into the grouped layout
@@ -494,8 +495,9 @@ class ExpertParallel:
         num_sent = int(send_counts.sum())
         layout = None
         if self.fused and fused_ops.kernels_run(indices.device):
+            # (the sent rows feed no grouped GEMM: no m_indices)
             layout = fused_ops.Grouping(rows=torch.where(rows < num_sent, rows, -1), assign=order[:num_sent],
-                                        m_indices=flat[order[:num_sent]].to(torch.int32), tokens_per_expert=send_counts,
+                                        m_indices=order.new_empty(0, dtype=torch.int32), tokens_per_expert=send_counts,
                                         num_tokens=num_tokens, k=k)
         return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
                         send_counts.view(self.world, self.local).sum(1).tolist(), num_sent, k, layout)
@@ -537,11 +539,10 @@ class ExpertParallel:
         ``keep_rows`` (a GEMM that reads only that cast), ``x_grouped`` is a stand-in without storage."""
         dim = received.dim
         if received.layout is not None:  # one kernel: the rows and the weights their columns carry
-            inverse = F.pad(received.layout.rows, (0, 1), value=-1)  # the spare zero row is nobody's
+            layout = received.layout
             if received.wire is not None:
-                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, received.layout.assign, inverse,
-                                                  keep_rows)
-            return (*fused_ops.regroup_rows(rows, dim, received.layout.assign, inverse), None)
+                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, layout.assign, layout.rows, keep_rows)
+            return (*fused_ops.regroup_rows(rows, dim, layout.assign, layout.rows), None)
         x_grouped = rows[:, :dim].index_select(0, received.source)
         if rows.shape[1] == dim:
             return x_grouped, None, None
@@ -551,7 +552,7 @@ class ExpertParallel:
     def ungroup(y_grouped: torch.Tensor, received: Received) -> torch.Tensor:
         """Expert outputs back in arrival order (what travels back)."""
         if received.layout is not None:
-            return fused_ops.gather_rows(y_grouped, received.layout.rows, received.layout.assign)
+            return fused_ops.gather_rows(y_grouped, received.layout.rows[:-1], received.layout.assign)
         return y_grouped.index_select(0, received.state.rows)
 
     def post_combine(self, y: torch.Tensor, received: Received) -> CommHandle[Returned]:
@@ -629,9 +630,11 @@ class ExpertParallel:
         works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, send.device)
         layout = None
-        if plan.layout is not None:
-            layout = fused_ops.Grouping(rows=recv_rows, assign=torch.where(m_indices >= 0, source, -1),
-                                        m_indices=m_indices, tokens_per_expert=per_expert, num_tokens=total, k=1)
+        if plan.layout is not None:  # the fused kernels' forms of the same plan, in place of the torch path's
+            source = torch.where(m_indices >= 0, source, -1)
+            layout = fused_ops.Grouping(rows=F.pad(recv_rows, (0, 1), value=-1), assign=source, m_indices=m_indices,
+                                        tokens_per_expert=per_expert, num_tokens=total + 1, k=1)
+            recv_rows = layout.rows[:total]
 
         def landed() -> T:
             if packed is not None and plan.wire is None:
