@@ -7,8 +7,24 @@ op has a PyTorch reference in ``accel.registry`` (``fused_ops.ops``); ``fused_op
 differentiable functions. A kernel package: it imports only ``accel`` (and torch, triton).
 """
 
-from fused_ops.functions import apply_rope, kernels_run, permute, rmsnorm, rope_, route, swiglu, swiglu_fp8, unpermute
+from fused_ops.functions import (
+                                 apply_rope,
+                                 gather_rows,
+                                 kernels_run,
+                                 pack_rows_fp8,
+                                 permute,
+                                 regroup_rows,
+                                 regroup_rows_fp8,
+                                 rmsnorm,
+                                 rope_,
+                                 route,
+                                 route_softmax,
+                                 swiglu,
+                                 swiglu_fp8,
+                                 unpermute,
+)
 from fused_ops.grouping import Grouping, grouping
 
-__all__ = ["Grouping", "apply_rope", "grouping", "kernels_run", "permute", "rmsnorm", "rope_", "route", "swiglu",
-           "swiglu_fp8", "unpermute"]
+__all__ = ["Grouping", "apply_rope", "gather_rows", "grouping", "kernels_run", "pack_rows_fp8", "permute",
+           "regroup_rows", "regroup_rows_fp8", "rmsnorm", "rope_", "route", "route_softmax", "swiglu", "swiglu_fp8",
+           "unpermute"]

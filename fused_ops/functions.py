@@ -256,11 +256,181 @@ def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor |
     return _Unpermute.apply(y_grouped, weights, layout)
 
 
+def _gather_rows_backward(ctx, grad: torch.Tensor):
+    """``gather_rows``' backward: each source row's gradient summed over its rows (one kernel), the columns'
+    gradient at their assignment."""
+    assign, inverse = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = ops.unpermute_sum_op(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
+    dc = None
+    if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch
+        real = assign >= 0
+        dc = grad.new_zeros(inverse.numel(), grad.shape[1] - ctx.dim).index_put_((assign[real],), grad[real, ctx.dim:])
+    return dx, dc
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, columns, assign, inverse, k):
+        ctx.save_for_backward(assign, inverse)
+        ctx.k, ctx.dim = k, x.shape[1]
+        return ops.gather_rows_op(x.contiguous(), assign, k, None if columns is None else columns.contiguous())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return *_gather_rows_backward(ctx, grad), None, None, None
+
+
+class _PackRowsFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, columns, assign, inverse, k, x_fp8):
+        if x_fp8 is None:  # cast on the way
+            q, sf, _ = ops.permute_gather_fp8_op(x.detach().contiguous(), assign, k)
+        else:  # the producer's cast, moved with its scales
+            q, sf, _ = ops.permute_gather_op(x_fp8[0].contiguous(), assign, k, x_fp8[1].contiguous())
+        parts = [q.view(torch.uint8), sf.view(torch.uint8)]
+        if columns is not None:  # a few values per row: plain torch
+            parts.append(columns.detach()[assign].contiguous().view(torch.uint8))
+        width = sum(p.shape[1] for p in parts)
+        parts.append(q.new_zeros(len(q), -width % 16, dtype=torch.uint8))  # rows 16-byte aligned: 128-bit loads
+        wire = torch.cat(parts, dim=1)
+        ctx.save_for_backward(assign, inverse)
+        ctx.k, ctx.dim = k, x.shape[1]
+        ctx.mark_non_differentiable(wire)
+        width = x.shape[1] + (0 if columns is None else columns.shape[1])
+        return x.new_zeros(()).expand(assign.numel(), width), wire  # no storage: the rows never exist in x's dtype
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _wire):
+        return *_gather_rows_backward(ctx, grad), None, None, None, None
+
+
+def pack_rows_fp8(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
+                  columns: torch.Tensor | None = None,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_rows``' rows as they travel in FP8: ``(rows, wire)``. ``wire`` is bytes ``[len(assign), d + 4 *
+    ceil(d / 128) + c * itemsize]`` rounded up to 16: each row's e4m3 values, its 1x128 fp32 scales, its columns'
+    bytes, zeros (so that rows start 16-byte aligned: the receiving kernel's 128-bit loads). The values
+    are cast on the way (DeepGEMM's per-token cast, one kernel), or with ``x_fp8 = (values, scales)``, ``x``'s own
+    1x128 cast made by its producer, moved with their scales (no cast). ``rows`` stands for the ``[len(assign),
+    d + c]`` rows in x's dtype without their storage (they are never materialised): what the gradient of the
+    rows is taken against, ``gather_rows``' backward (straight through the cast)."""
+    _check_gather("pack_rows_fp8", x, inverse, k, columns)
+    if x_fp8 is not None and (x_fp8[0].shape != x.shape or x_fp8[0].dtype != ops.FP8 or
+                              x_fp8[1].shape != (x.shape[0], -(-x.shape[1] // 128))):
+        raise ValueError(f"pack_rows_fp8: x_fp8 must be (e4m3 {list(x.shape)}, fp32 [{x.shape[0]}, "
+                         f"{-(-x.shape[1] // 128)}]) for x")
+    return _PackRowsFp8.apply(x, columns, assign, inverse, k, x_fp8)
+
+
+def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
+                columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[len(assign), d (+ c)]``: row ``m`` is ``x[assign[m] // k]`` followed by ``columns[assign[m]]``
+    (``columns [len(x) * k, c]`` in x's dtype: a few values per (row, slot) assignment), zeros where
+    ``assign[m] < 0``. One kernel, no concatenation.
+
+    ``inverse [len(x) * k]`` is the output row of each assignment (-1: none), what the backward needs to sum each
+    source row's gradients without atomics (one kernel); the columns get theirs at their assignment.
+    """
+    _check_gather("gather_rows", x, inverse, k, columns)
+    return _GatherRows.apply(x, columns, assign, inverse, k)
+
+
+def _check_gather(name: str, x: torch.Tensor, inverse: torch.Tensor, k: int, columns: torch.Tensor | None) -> None:
+    if x.dim() != 2 or inverse.numel() != x.shape[0] * k:
+        raise ValueError(f"{name}: x must be [n, d] and inverse [n * k] = [{x.shape[0] * k}], got "
+                         f"{list(x.shape)} and {list(inverse.shape)}")
+    if columns is not None and (columns.dim() != 2 or columns.shape[0] != inverse.numel() or columns.dtype != x.dtype):
+        raise ValueError(f"{name}: columns must be [{inverse.numel()}, c] in {x.dtype}, got "
+                         f"{columns.dtype} {list(columns.shape)}")
+
+
+class _RegroupRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, dim, assign, inverse):
+        values = rows[:, :dim]
+        weights = rows[:, dim:].float().sum(1) if rows.shape[1] > dim else None  # a column or two: plain torch
+        grouped, _, grouped_w = ops.permute_gather_op(values, assign, 1, None, weights)
+        ctx.save_for_backward(inverse)
+        ctx.columns = rows.shape[1] - dim
+        return grouped, grouped_w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, grad_w):
+        return _regroup_backward(ctx, grad, grad_w), None, None, None
+
+
+def _regroup_backward(ctx, grad: torch.Tensor, grad_w: torch.Tensor | None) -> torch.Tensor:
+    """``regroup_rows``' backward: each input row's gradient gathered back (one kernel), the weight's gradient
+    into each of its columns."""
+    (inverse,) = ctx.saved_tensors
+    columns = None
+    if ctx.columns:
+        gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w is None else grad_w
+        columns = gw.to(grad.dtype).unsqueeze(1).expand(-1, ctx.columns).contiguous()
+    return ops.gather_rows_op(grad.contiguous(), inverse, 1, columns)
+
+
+class _RegroupRowsFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, wire, dim, assign, inverse, keep_rows):
+        blocks = -(-dim // 128)
+        values = wire[:, :dim].view(ops.FP8)
+        scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
+        ends = dim + 4 * blocks + (rows.shape[1] - dim) * rows.element_size()
+        columns = wire[:, dim + 4 * blocks:ends].contiguous().view(rows.dtype)  # a column or two: plain torch
+        weights = columns.float().sum(1) if columns.shape[1] else None
+        grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights, keep_rows)
+        if grouped is None:  # a stand-in without storage: what the gradient of the grouped rows is taken against
+            grouped = rows.new_zeros(()).expand(len(assign), dim)
+        ctx.save_for_backward(inverse)
+        ctx.columns = rows.shape[1] - dim
+        ctx.mark_non_differentiable(q, sf)
+        return grouped, grouped_w, q, sf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, grad_w, _q, _sf):
+        return _regroup_backward(ctx, grad, grad_w), None, None, None, None, None
+
+
+def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: torch.Tensor, inverse: torch.Tensor,
+                     keep_rows: bool = True):
+    """``regroup_rows`` for rows that travelled as ``pack_rows_fp8``'s ``wire`` (``rows``: their stand-in
+    ``[n, dim + c]``, n = len(wire) + 1 with the spare row): ``(values [M, dim], weights [M] or None, (e4m3 [M,
+    dim], scales [M, ceil(dim / 128)]))``. The values are the e4m3 rows times their scales rounded to ``rows``'
+    dtype (the dequantisation), the last pair that result's own 1x128 cast, bit for bit what an FP8 GEMM fed the
+    values would make of them (not differentiable: ``deep_gemm.grouped_linear(..., x_fp8=)``). Without
+    ``keep_rows`` the values are a stand-in without storage (for a GEMM that reads only the cast and keeps it
+    for its wgrad: ``fp8_cache``). One kernel each way; the backward is ``regroup_rows``'."""
+    if rows.dim() != 2 or wire.dtype != torch.uint8 or inverse.numel() != rows.shape[0] or len(wire) >= len(rows):
+        raise ValueError(f"regroup_rows_fp8: rows must be [n, dim + c], wire uint8 [< n, bytes] and inverse [n]; got "
+                         f"{list(rows.shape)}, {wire.dtype} {list(wire.shape)}, {list(inverse.shape)}")
+    grouped, weights, q, sf = _RegroupRowsFp8.apply(rows, wire, dim, assign, inverse, keep_rows)
+    return grouped, weights, (q, sf)
+
+
+def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,
+                 inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows that carry a weight as trailing columns (``rows [n, dim + c]``, the weight the columns' fp32 sum; c may
+    be 0) into another order: ``(values [len(assign), dim], weights [len(assign)] fp32 or None)`` with row ``m``
+    from ``rows[assign[m]]``, zeros (and weight 0) where ``assign[m] < 0``. One kernel each way: the backward
+    gathers each row's gradient back through ``inverse [n]`` (the output row of each input row, -1: none), the
+    weight's gradient into each of its columns."""
+    if rows.dim() != 2 or not 0 <= dim <= rows.shape[1] or inverse.numel() != rows.shape[0]:
+        raise ValueError(f"regroup_rows: rows must be [n, >= dim={dim}] and inverse [n]; got {list(rows.shape)} "
+                         f"and {list(inverse.shape)}")
+    return _RegroupRows.apply(rows, dim, assign, inverse)
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm):
+    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
         weights, indices, scores = ops.route_op(logits.contiguous(), bias.float().contiguous(), topk, groups,
-                                                topk_groups, route_scale, norm)
+                                                topk_groups, route_scale, norm, nodes, max_nodes)
         ctx.save_for_backward(scores, indices)
         ctx.route_scale, ctx.norm = route_scale, norm
         ctx.mark_non_differentiable(indices)
@@ -273,18 +443,60 @@ class _Route(torch.autograd.Function):
         grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
         grad_scores = None if grad_scores is None else grad_scores.contiguous()
         d_logits = ops.route_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
-        return d_logits, None, None, None, None, None, None
+        return d_logits, None, None, None, None, None, None, None, None
+
+
+class _RouteSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
+        weights, indices, scores = ops.route_softmax_op(logits.contiguous(), topk, groups, topk_groups, route_scale,
+                                                        norm, nodes, max_nodes)
+        ctx.save_for_backward(scores, indices)
+        ctx.route_scale, ctx.norm = route_scale, norm
+        ctx.mark_non_differentiable(indices)
+        return weights, indices, scores
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_w, _grad_indices, grad_scores):
+        scores, indices = ctx.saved_tensors
+        grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
+        grad_scores = None if grad_scores is None else grad_scores.contiguous()
+        d_logits = ops.route_softmax_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
+        return d_logits, None, None, None, None, None, None, None
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
-          norm: bool = True):
+          norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     """DeepSeek-V3's sigmoid router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
 
-    Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums;
+    Selection on ``sigmoid(logits) + bias`` limited to the ``topk_groups`` groups with the best top-2 sums, then
+    (``max_nodes`` < ``nodes``) to the ``max_nodes`` of ``nodes`` contiguous expert blocks whose ``topk //
+    max_nodes`` best remaining values sum highest (V3's node-limited routing, ``balancing.node_limited_mask``);
     weights from the unbiased scores, normalised when ``norm``, times ``route_scale``. One kernel each way;
     ``bias`` gets no gradient (it is updated by the balancing rule).
     """
-    if logits.dim() != 2 or logits.shape[-1] % groups or bias.shape != logits.shape[-1:]:
-        raise ValueError(f"route: logits must be [tokens, experts] with experts divisible by groups={groups} and "
-                         f"bias [experts]; got {list(logits.shape)} and {list(bias.shape)}")
-    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm)
+    if bias.shape != logits.shape[-1:]:
+        raise ValueError(f"route: bias must be [experts] = {list(logits.shape[-1:])}, got {list(bias.shape)}")
+    _check_route("route", logits, groups, nodes, max_nodes)
+    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def route_softmax(logits: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+                  norm: bool = False, nodes: int = 1, max_nodes: int | None = None):
+    """DeepSeek-V2 / V2-Lite's router after the fp32 logits: ``(weights [T, k], indices [T, k], scores [T, E])``.
+
+    Scores ``softmax(logits)`` over the experts; selection on them limited to the ``topk_groups`` groups with the
+    largest single score, then the node limit as in ``route``; weights the picked scores, normalised when
+    ``norm``, times ``route_scale``. One kernel each way."""
+    _check_route("route_softmax", logits, groups, nodes, max_nodes)
+    return _RouteSoftmax.apply(logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def _check_route(name: str, logits: torch.Tensor, groups: int, nodes: int, max_nodes: int | None) -> None:
+    if logits.dim() != 2 or logits.shape[-1] % groups:
+        raise ValueError(f"{name}: logits must be [tokens, experts] with experts divisible by groups={groups}, got "
+                         f"{list(logits.shape)}")
+    if logits.shape[-1] % nodes or (max_nodes is not None and not 1 <= max_nodes <= nodes):
+        raise ValueError(f"{name}: nodes={nodes} must divide the {logits.shape[-1]} experts and "
+                         f"max_nodes={max_nodes} lie in [1, nodes]")

@@ -10,10 +10,14 @@
 ``fused_ops.rope``                     rotary embedding, interleaved pairs (MLA) or halves (indexer), into ``out``
 ``fused_ops.permute_gather``           tokens (values, scales, routing weights) into the grouped layout
 ``fused_ops.permute_gather_fp8``       the same, cast to e4m3 with 1x128 scales on the way
+``fused_ops.gather_rows``              rows gathered with per-assignment columns appended (EP's rows to send)
+``fused_ops.gather_dequant_fp8``       landed e4m3 rows dequantised into the grouped layout, with their recast
 ``fused_ops.unpermute_sum``            grouped rows back to tokens, weighted sum over the top-k
 ``fused_ops.unpermute_spread``         the unpermute backward
-``fused_ops.route``                    sigmoid + bias + group-limited top-k + normalised weights
+``fused_ops.route``                    sigmoid + bias + group- and node-limited top-k + normalised weights
 ``fused_ops.route_backward``           the logits' gradient from the weights' and the scores'
+``fused_ops.route_softmax``            V2's router: softmax, group max, group- and node-limited top-k
+``fused_ops.route_softmax_backward``   its logits' gradient
 =====================================  ===============================================================
 
 The references are the unfused torch sequences the model ran before (its rounding points included), so a
@@ -125,10 +129,27 @@ def permute_gather_fp8_reference(x: torch.Tensor, assign: torch.Tensor, k: int, 
     return (*cast_1x128(grouped), w)
 
 
+@registry.reference_for("fused_ops.gather_rows")
+def gather_rows_reference(x: torch.Tensor, assign: torch.Tensor, k: int,
+                          columns: torch.Tensor | None = None) -> torch.Tensor:
+    src = assign.clamp_min(0)
+    rows = x[src // k] if columns is None else torch.cat([x[src // k], columns[src]], dim=1)
+    return torch.where((assign >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype))
+
+
+@registry.reference_for("fused_ops.gather_dequant_fp8")
+def gather_dequant_fp8_reference(values: torch.Tensor, scales: torch.Tensor, assign: torch.Tensor, dtype: torch.dtype,
+                                 weights: torch.Tensor | None = None, keep_rows: bool = True):
+    x = (values.float() * scales.repeat_interleave(128, dim=1)[:, :values.shape[1]]).to(dtype)
+    grouped, _, w = permute_gather_reference.__wrapped__(x, assign, 1, None, weights)
+    return (grouped if keep_rows else None, *cast_1x128(grouped), w)
+
+
 @registry.reference_for("fused_ops.unpermute_sum")
 def unpermute_sum_reference(y: torch.Tensor, rows: torch.Tensor, k: int,
                             weights: torch.Tensor | None = None) -> torch.Tensor:
-    picked = y[rows].view(rows.numel() // k, k, y.shape[-1])
+    picked = torch.where((rows >= 0).unsqueeze(-1), y[rows.clamp_min(0)], torch.zeros((), dtype=y.dtype))
+    picked = picked.view(rows.numel() // k, k, y.shape[-1])
     return picked.sum(1) if weights is None else (picked * weights.view(-1, k).to(y.dtype).unsqueeze(-1)).sum(1)
 
 
@@ -144,32 +165,67 @@ def unpermute_spread_reference(grad: torch.Tensor, y: torch.Tensor, assign: torc
         (src[assign >= 0],), dots[assign >= 0])
 
 
+def _keep_best(choice: torch.Tensor, blocks: int, best: int, count: int) -> torch.Tensor:
+    """``choice [T, E]`` with all but the ``count`` contiguous blocks (of ``blocks``) whose ``best`` largest values
+    sum highest masked to -inf: the group limit (top-2 sums) and the node limit."""
+    grouped = choice.view(len(choice), blocks, -1)
+    kept = grouped.topk(best, dim=-1).values.sum(-1).topk(count, dim=-1).indices
+    losing = torch.ones(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, kept, False)
+    return grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+
+
 @registry.reference_for("fused_ops.route")
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int,
-                    route_scale: float, norm: bool = True):
+                    route_scale: float, norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
     scores = logits.sigmoid()
-    choice = scores + bias
+    return _limited_topk(scores, scores + bias, 2, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+@registry.reference_for("fused_ops.route_softmax")
+def route_softmax_reference(logits: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
+                            norm: bool = True, nodes: int = 1, max_nodes: int | None = None):
+    scores = logits.softmax(dim=-1)
+    return _limited_topk(scores, scores, 1, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+
+
+def _limited_topk(scores: torch.Tensor, choice: torch.Tensor, group_best: int, topk: int, groups: int,
+                  topk_groups: int, route_scale: float, norm: bool, nodes: int, max_nodes: int | None):
+    """Selection on ``choice`` (groups scored by their ``group_best`` largest values, then the node limit),
+    weights from ``scores``."""
     if groups > 1:
-        grouped = choice.view(-1, groups, choice.shape[-1] // groups)
-        kept = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices
-        losing = torch.ones(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, kept, False)
-        choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
+        choice = _keep_best(choice, groups, group_best, topk_groups)
+    if max_nodes is not None and max_nodes < nodes:
+        choice = _keep_best(choice, nodes, min(choice.shape[-1] // nodes, max(1, topk // max_nodes)), max_nodes)
     indices = choice.topk(topk, dim=-1).indices
     weights = scores.gather(1, indices)
     weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) if norm else weights
     return weights * route_scale, indices, scores
 
 
-@registry.reference_for("fused_ops.route_backward")
-def route_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
-                             grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+def _scores_grad(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                 grad_scores: torch.Tensor | None, route_scale: float, norm: bool) -> torch.Tensor:
+    """The scores' gradient: ``grad_scores`` plus the weights' at the picked experts (through the normalisation)."""
     picked = scores.gather(1, indices)
     g = grad_weights * route_scale
     if norm:
         total = picked.sum(-1, keepdim=True) + 1e-20
         g = (g - (g * picked).sum(-1, keepdim=True) / total) / total
     d = torch.zeros_like(scores) if grad_scores is None else grad_scores.clone()
-    return d.scatter_add_(1, indices, g) * scores * (1 - scores)
+    return d.scatter_add_(1, indices, g)
+
+
+@registry.reference_for("fused_ops.route_backward")
+def route_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                             grad_scores: torch.Tensor | None, route_scale: float, norm: bool = True) -> torch.Tensor:
+    return _scores_grad(scores, indices, grad_weights, grad_scores, route_scale, norm) * scores * (1 - scores)
+
+
+@registry.reference_for("fused_ops.route_softmax_backward")
+def route_softmax_backward_reference(scores: torch.Tensor, indices: torch.Tensor, grad_weights: torch.Tensor,
+                                     grad_scores: torch.Tensor | None, route_scale: float,
+                                     norm: bool = True) -> torch.Tensor:
+    d = _scores_grad(scores, indices, grad_weights, grad_scores, route_scale, norm)
+    return scores * (d - (scores * d).sum(-1, keepdim=True))
 
 
 # ------------------------------------------------------------------------------------------------ verify cases
@@ -253,8 +309,30 @@ def _permute_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(x, assign, shape["k"]), kwargs={"weights": weights})
 
 
+def _gather_rows_case(shape: dict, seed: int, device: torch.device) -> Case:
+    assign, _ = _assignments(shape, seed, device)
+    x = _rows(shape, seed, device, shape["dim"])
+    columns = _rows({**shape, "rows": shape["rows"] * shape["k"]}, seed + 6, device, shape["columns"]) \
+        if shape["columns"] else None
+    return Case(args=(x, assign, shape["k"], columns))
+
+
+def _dequant_case(shape: dict, seed: int, device: torch.device) -> Case:
+    """Landed rows: e4m3 values with 1x128 scales over 6 decades, one all-zero row (the amax floor's scale)."""
+    assign, _ = _assignments({**shape, "k": 1}, seed, device)
+    x = _rows({**shape, "dtype": "float32"}, seed, device, shape["dim"], 100.0).clamp(-448, 448).to(FP8)
+    x[0] = 0
+    scales = torch.exp(torch.randn(shape["rows"], -(-shape["dim"] // 128), generator=_gen(seed + 8)) * 3) / 448
+    scales[0] = 1e-4 / 448
+    weights = torch.rand(shape["rows"], generator=_gen(seed + 6)).to(device)
+    return Case(args=(x.to(device), scales.to(device), assign, _dtype(shape), weights),
+                kwargs={"keep_rows": shape.get("keep_rows", True)})
+
+
 def _unpermute_case(shape: dict, seed: int, device: torch.device) -> Case:
     assign, rows = _assignments(shape, seed, device)
+    if shape.get("dropped"):  # assignments that were never sent: rows -1, nothing to add
+        rows = torch.where(torch.arange(rows.numel(), device=device) % 5 == 1, -1, rows)
     y = _rows({**shape, "rows": assign.numel()}, seed, device, shape["dim"])
     weights = torch.rand(shape["rows"] * shape["k"], generator=_gen(seed + 6)).to(device)
     return Case(args=(y, rows, shape["k"], weights))
@@ -268,29 +346,58 @@ def _spread_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(grad, y, assign, shape["k"], weights))
 
 
-def _near_ties(logits: torch.Tensor, bias: torch.Tensor, groups: int, gap: float) -> torch.Tensor:
-    """Rows whose selection scores (or group scores) have two values closer than ``gap``: there a few-ulp
-    difference between two sigmoids (a GPU's fast ``exp``) may legitimately swap two experts."""
-    choice = torch.sigmoid(logits.double()) + bias.double()
-    group_scores = choice.view(len(choice), groups, -1).topk(min(2, choice.shape[-1] // groups), -1).values.sum(-1)
-    close = [(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in (choice, group_scores)]
-    return close[0] | close[1]
+def _near_ties(choice: torch.Tensor, groups: int, group_best: int, gap: float, nodes: int = 1,
+               node_best: int = 1) -> torch.Tensor:
+    """Rows whose selection scores (or group, or node scores) have two values closer than ``gap``: there a few-ulp
+    difference between two sigmoids or softmaxes (a GPU's fast ``exp``) may legitimately swap two experts."""
+    scores = [choice, choice.view(len(choice), groups, -1).topk(min(group_best, choice.shape[-1] // groups),
+                                                               -1).values.sum(-1),
+              choice.view(len(choice), nodes, -1).topk(node_best, -1).values.sum(-1)]
+    return torch.stack([(v.sort(-1).values.diff(dim=-1) < gap).any(-1) for v in scores]).any(0)
+
+
+def _logits_away_from_ties(shape: dict, g: torch.Generator, choice_of) -> torch.Tensor:
+    """``[rows, experts]`` logits whose selection (``choice_of(logits)``, float64) has no near-ties (>= 1e-6 apart:
+    ~17 fp32 ulps of a sigmoid score, hundreds of a softmax one)."""
+    logits = torch.randn(shape["rows"], shape["experts"], generator=g) * 2
+    nodes, max_nodes = shape.get("nodes", 1), shape.get("max_nodes")
+    best = min(shape["experts"] // nodes, max(1, shape["k"] // (max_nodes or nodes)))
+    group_best = 1 if shape.get("softmax") else 2
+    while (redo := _near_ties(choice_of(logits.double()), shape["groups"], group_best, 1e-6, nodes, best)).any():
+        logits[redo] = torch.randn(int(redo.sum()), shape["experts"], generator=g) * 2
+    return logits
 
 
 def _route_case(shape: dict, seed: int, device: torch.device) -> Case:
     g = _gen(seed)
-    logits = torch.randn(shape["rows"], shape["experts"], generator=g) * 2
     bias = torch.randn(shape["experts"], generator=g) * 0.1
-    while (redo := _near_ties(logits, bias, shape["groups"], 1e-6)).any():  # ~17 fp32 ulps apart at least
-        logits[redo] = torch.randn(int(redo.sum()), shape["experts"], generator=g) * 2
-    return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5))
+    logits = _logits_away_from_ties(shape, g, lambda lg: lg.sigmoid() + bias.double())
+    return Case(args=(logits.to(device), bias.to(device), shape["k"], shape["groups"], shape["topk_groups"], 2.5),
+                kwargs={"nodes": shape.get("nodes", 1), "max_nodes": shape.get("max_nodes")})
+
+
+def _route_softmax_case(shape: dict, seed: int, device: torch.device) -> Case:
+    logits = _logits_away_from_ties({**shape, "softmax": True}, _gen(seed), lambda lg: lg.softmax(-1))
+    return Case(args=(logits.to(device), shape["k"], shape["groups"], shape["topk_groups"], 1.0),
+                kwargs={"norm": shape.get("norm", False), "nodes": shape.get("nodes", 1),
+                        "max_nodes": shape.get("max_nodes")})
 
 
 def _route_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
-    weights, indices, scores = route_reference.__wrapped__(*_route_case(shape, seed, device).args)
+    case = _route_case(shape, seed, device)
+    weights, indices, scores = route_reference.__wrapped__(*case.args, **case.kwargs)
     g = _gen(seed + 1)
     grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
     return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 2.5))
+
+
+def _route_softmax_backward_case(shape: dict, seed: int, device: torch.device) -> Case:
+    case = _route_softmax_case(shape, seed, device)
+    weights, indices, scores = route_softmax_reference.__wrapped__(*case.args, **case.kwargs)
+    g = _gen(seed + 1)
+    grad_scores = torch.randn(scores.shape, generator=g).to(device) if shape["rows"] % 2 else None
+    return Case(args=(scores, indices, torch.randn(weights.shape, generator=g).to(device), grad_scores, 1.0),
+                kwargs={"norm": case.kwargs["norm"]})
 
 
 def _fp8_compare(tolerance: float):
@@ -342,10 +449,21 @@ _ROPE_BENCH = [dict(b=1, s=4096, h=128, d=64, interleaved=True), dict(b=1, s=409
 _PERMUTE_SHAPES = [dict(rows=9, k=3, experts=5, dim=384), dict(rows=7, k=2, experts=4, dim=200, dtype="float32"),
                    dict(rows=6, k=2, experts=3, dim=256, dtype="float8_e4m3fn")]
 _PERMUTE_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168)]
+_UNPERMUTE_SHAPES = _PERMUTE_SHAPES[:2] + [dict(rows=5, k=3, experts=4, dim=130, dropped=True)]
+_GATHER_ROWS_SHAPES = [dict(rows=9, k=3, experts=5, dim=384, columns=2),
+                       dict(rows=7, k=2, experts=4, dim=200, dtype="float32", columns=1),
+                       dict(rows=5, k=1, experts=3, dim=130, columns=0)]
+_GATHER_ROWS_BENCH = [dict(rows=4096, k=8, experts=256, dim=7168, columns=2)]
 _ROUTE_SHAPES = [dict(rows=9, experts=64, k=8, groups=8, topk_groups=4), dict(rows=5, experts=24, k=6, groups=3,
                                                                               topk_groups=2),
-                 dict(rows=4, experts=16, k=2, groups=1, topk_groups=1)]
+                 dict(rows=4, experts=16, k=2, groups=1, topk_groups=1),
+                 dict(rows=7, experts=24, k=4, groups=1, topk_groups=1, nodes=6, max_nodes=2),
+                 dict(rows=6, experts=32, k=6, groups=4, topk_groups=3, nodes=8, max_nodes=3)]
 _ROUTE_BENCH = [dict(rows=4096, experts=256, k=8, groups=8, topk_groups=4)]
+_ROUTE_SOFTMAX_SHAPES = [dict(rows=9, experts=64, k=6, groups=8, topk_groups=3, norm=True),  # V2's 160 / 8 / 3, scaled
+                         dict(rows=5, experts=24, k=6, groups=1, topk_groups=1),  # V2-Lite: no groups, no norm
+                         dict(rows=6, experts=30, k=4, groups=3, topk_groups=2, nodes=5, max_nodes=2)]
+_ROUTE_SOFTMAX_BENCH = [dict(rows=4096, experts=160, k=6, groups=8, topk_groups=3, norm=True)]
 
 
 def _impl(name: str) -> str:
@@ -388,9 +506,20 @@ permute_gather_fp8_op = registry.register(
     "fused_ops.permute_gather_fp8", reference=permute_gather_fp8_reference, triton=_impl("permute:gather_fp8"),
     verify=VerifySpec(make_case=_permute_case, shapes=_PERMUTE_SHAPES[:2], bench_shapes=_PERMUTE_BENCH,
                       tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * s["dim"] * 3))
+gather_rows_op = registry.register(
+    "fused_ops.gather_rows", reference=gather_rows_reference, triton=_impl("permute:gather_rows"),
+    verify=VerifySpec(make_case=_gather_rows_case, shapes=_GATHER_ROWS_SHAPES, bench_shapes=_GATHER_ROWS_BENCH,
+                      tolerance=0.0, bytes_moved=lambda s: s["rows"] * s["k"] * (s["dim"] + s["columns"]) * 2 * 2))
+gather_dequant_fp8_op = registry.register(
+    "fused_ops.gather_dequant_fp8", reference=gather_dequant_fp8_reference, triton=_impl("permute:gather_dequant_fp8"),
+    verify=VerifySpec(make_case=_dequant_case,
+                      shapes=[dict(rows=9, experts=4, dim=384), dict(rows=7, experts=3, dim=200, dtype="float32"),
+                              dict(rows=5, experts=2, dim=130, keep_rows=False)],
+                      bench_shapes=[dict(rows=32768, experts=32, dim=7168)], tolerance=TOL, compare=_fp8_compare(TOL),
+                      bytes_moved=lambda s: s["rows"] * s["dim"] * (1 + 2 + 1)))
 unpermute_sum_op = registry.register(
     "fused_ops.unpermute_sum", reference=unpermute_sum_reference, triton=_impl("permute:sum_rows"),
-    verify=VerifySpec(make_case=_unpermute_case, shapes=_PERMUTE_SHAPES[:2], bench_shapes=_PERMUTE_BENCH,
+    verify=VerifySpec(make_case=_unpermute_case, shapes=_UNPERMUTE_SHAPES, bench_shapes=_PERMUTE_BENCH,
                       tolerance=TOL, bytes_moved=lambda s: s["rows"] * (s["k"] + 1) * s["dim"] * 2))
 unpermute_spread_op = registry.register(
     "fused_ops.unpermute_spread", reference=unpermute_spread_reference, triton=_impl("permute:spread"),
@@ -404,3 +533,13 @@ route_backward_op = registry.register(
     "fused_ops.route_backward", reference=route_backward_reference, triton=_impl("router:route_backward"),
     verify=VerifySpec(make_case=_route_backward_case, shapes=_ROUTE_SHAPES, bench_shapes=_ROUTE_BENCH,
                       tolerance=TOL, bytes_moved=lambda s: s["rows"] * s["experts"] * 12))
+route_softmax_op = registry.register(
+    "fused_ops.route_softmax", reference=route_softmax_reference, triton=_impl("router:route_softmax"),
+    verify=VerifySpec(make_case=_route_softmax_case, shapes=_ROUTE_SOFTMAX_SHAPES, bench_shapes=_ROUTE_SOFTMAX_BENCH,
+                      tolerance=TOL, bytes_moved=lambda s: s["rows"] * s["experts"] * 8))
+route_softmax_backward_op = registry.register(
+    "fused_ops.route_softmax_backward", reference=route_softmax_backward_reference,
+    triton=_impl("router:route_softmax_backward"),
+    verify=VerifySpec(make_case=_route_softmax_backward_case, shapes=_ROUTE_SOFTMAX_SHAPES,
+                      bench_shapes=_ROUTE_SOFTMAX_BENCH, tolerance=TOL,
+                      bytes_moved=lambda s: s["rows"] * s["experts"] * 12))

@@ -20,7 +20,22 @@ import torch.nn.functional as F
 
 from accel import registry
 from deep_gemm.reference import per_token_cast_reference
-from fused_ops import apply_rope, grouping, permute, rmsnorm, rope_, route, swiglu, swiglu_fp8, unpermute
+from fused_ops import (
+    apply_rope,
+    gather_rows,
+    grouping,
+    pack_rows_fp8,
+    permute,
+    regroup_rows,
+    regroup_rows_fp8,
+    rmsnorm,
+    rope_,
+    route,
+    route_softmax,
+    swiglu,
+    swiglu_fp8,
+    unpermute,
+)
 
 BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
 GRAD_REL = 4 * 2.0 ** -8
@@ -264,12 +279,104 @@ def test_permute_fp8_moves_values_with_their_scales_and_casts_like_deep_gemm():
     assert torch.equal(gw[real], w.reshape(-1)[layout.assign[real]]) and not gw[~real].any()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,columns", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_gather_rows_and_regroup_rows_match_float64(impl, dtype, columns):
+    """Expert parallelism's row movements: 7 tokens x top-3 with 4 assignments dropped, the rest sent in a
+    shuffled order with per-assignment columns, then regrouped with padding. Forward values are copies (exact);
+    the backward sums a token's up to 3 row gradients in fp32 and rounds once: within 2 roundings of float64
+    (the gradient's own, and the sum's), the columns' and the regrouped gradients are copies again (exact)."""
+    g = torch.Generator().manual_seed(30)
+    tokens, k, dim = 7, 3, 200
+    x = _randn(tokens, dim, dtype=dtype, seed=31)
+    cols = _randn(tokens * k, columns, dtype=dtype, seed=32)
+    assign = torch.randperm(tokens * k, generator=g)[:tokens * k - 4]  # sent row -> assignment; 4 never sent
+    inverse = torch.full((tokens * k,), -1).index_put_((assign,), torch.arange(len(assign)))
+    regroup = torch.randperm(len(assign) + 1, generator=g)  # arrival row of each grouped row, -1 = padding
+    regroup = torch.cat([regroup[:8], torch.tensor([-1, -1]), regroup[8:]])
+    regroup = torch.where(regroup == len(assign), -1, regroup)  # the spare row of the arrivals: padding too
+    back = torch.full((len(assign) + 1,), -1).index_put_((regroup[regroup >= 0],), torch.nonzero(regroup >= 0)[:, 0])
+
+    def fused(a, c):
+        sent = gather_rows(a, assign, inverse, k, c)
+        landed = torch.cat([sent, torch.zeros(1, sent.shape[1], dtype=sent.dtype)])  # + the spare zero row
+        return regroup_rows(landed, dim, regroup, back)
+
+    def exact(a, c):
+        real = (regroup >= 0).unsqueeze(-1)
+        a_rows = torch.cat([a[assign // k], torch.zeros(1, dim, dtype=a.dtype)])[regroup]
+        w = torch.cat([c[assign].sum(1), torch.zeros(1, dtype=c.dtype)])[regroup]
+        return torch.where(real, a_rows, 0), torch.where(real[:, 0], w, 0)
+
+    with registry.poisoned_outputs(), registry.force(impl):
+        (got, got_w), (gx, gc), grads = _grads(fused, x, cols)
+    (want, want_w), (gx64, gc64), _ = _grads(exact, x.double(), cols.double(), grad_out=[g.double() for g in grads])
+    assert torch.equal(got.double(), want) and got_w.dtype == torch.float32
+    _close(got_w, want_w, 0.0 if columns == 1 else 2.0 ** -24, "weights")  # two columns summed: one fp32 rounding
+    _close(gx, gx64, 2 * _rel(dtype, True), "dx")
+    # each column's gradient is the weight's, rounded once to the rows' dtype (pads and dropped slots: 0)
+    _close(gc, gc64, 2.0 ** -8 if dtype == torch.bfloat16 else 0.0, "d columns")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rows_travel_packed_and_land_with_the_gemms_cast(dtype):
+    """Expert parallelism's FP8 dispatch, fused: the sender's wire (gather + cast in one kernel, or the producer's
+    precast moved) is byte for byte today's (gather, then DeepGEMM's cast, then the bytes concatenated); the
+    receiver's grouped rows are today's dequantisation (bit for bit) and the cast it hands the grouped GEMM is
+    DeepGEMM's cast of those rows (bit for bit, padding rows aside: the GEMM skips them). Tiles: six decades of
+    magnitudes, an all-zero row and rows at the 1e-4 amax floor."""
+    from models.deepseek_v3.expert_parallel import _pack_fp8, _unpack_fp8
+
+    g = torch.Generator().manual_seed(40)
+    tokens, k, dim = 7, 3, 300
+    x = _randn(tokens, dim, seed=41) * torch.exp(_randn(tokens, 1, seed=42) * 3)
+    x[0], x[1] = 0.0, x[1] / x[1].abs().max() * 0.97e-4  # the amax floor: all zero, and just below 1e-4
+    x = x.to(dtype)
+    cols = _randn(tokens * k, 2 if dtype == torch.bfloat16 else 1, dtype=dtype, seed=43)
+    assign = torch.randperm(tokens * k, generator=g)[:tokens * k - 2]
+    inverse = torch.full((tokens * k,), -1).index_put_((assign,), torch.arange(len(assign)))
+    regroup = torch.cat([torch.randperm(len(assign), generator=g), torch.tensor([-1, -1, -1])])
+    back = torch.full((len(assign) + 1,), -1).index_put_((regroup[regroup >= 0],), torch.nonzero(regroup >= 0)[:, 0])
+    with registry.poisoned_outputs(), registry.force("triton"):
+        send, wire = pack_rows_fp8(x, assign, inverse, k, cols)
+        _, moved = pack_rows_fp8(x, assign, inverse, k, cols, x_fp8=per_token_cast_reference(x))
+        landed = torch.zeros((), dtype=dtype).expand(len(assign) + 1, dim + cols.shape[1])
+        grouped, weights, (q, sf) = regroup_rows_fp8(landed, wire, dim, regroup, back)
+        standin, weights2, (q2, sf2) = regroup_rows_fp8(landed, wire, dim, regroup, back, keep_rows=False)
+    assert standin.shape == grouped.shape and standin.untyped_storage().nbytes() <= 4  # the cast only (fp8_cache)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sf2, sf)
+    assert torch.equal(weights2, weights)
+    today = torch.cat([_pack_fp8(x[assign // k]), cols[assign].view(torch.uint8)], dim=1)
+    assert wire.shape[1] % 16 == 0 and not wire[:, today.shape[1]:].any()  # rows padded to 16 bytes with zeros
+    assert torch.equal(wire[:, :today.shape[1]], today) and torch.equal(moved, wire)
+    assert send.shape == (len(assign), dim + cols.shape[1]) and send.untyped_storage().nbytes() <= 4
+    real = regroup >= 0
+    rows = _unpack_fp8(today, dim, dtype)
+    assert torch.equal(grouped[real], rows[regroup[real]]) and not grouped[~real].any()
+    assert torch.equal(weights[real], cols[assign].float().sum(1)[regroup[real]]) and not weights[~real].any()
+    q_dg, sf_dg = per_token_cast_reference(grouped)
+    assert torch.equal(q.view(torch.uint8)[real], q_dg.view(torch.uint8)[real]) and torch.equal(sf[real], sf_dg[real])
+    # Why the receiver casts again (in registers) rather than hand on the e4m3 that landed: the landed codes are
+    # that same cast except where a tile's amax sits just below the 1e-4 floor (its dequantised amax can round
+    # up past it); there the GEMM's cast of the dequantised rows has other scales. Token 1 is such a row.
+    sent_q, sent_sf = _pack_fp8(x[assign // k])[regroup[real]].split([dim, sf.shape[1] * 4], dim=1)
+    sent_sf = sent_sf.contiguous().view(torch.float32)
+    differs = (sent_q != q[real].view(torch.uint8)).any(1) | (sent_sf != sf[real]).any(1)
+    assert set((assign[regroup[real]] // k)[differs].tolist()) == ({1} if dtype == torch.bfloat16 else set())
+
+
 # ---------------------------------------------------------------------------------------------- router
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("experts,k,groups,topk_groups", [(64, 8, 8, 4), (24, 6, 3, 2), (16, 2, 1, 1)])
-def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
+@pytest.mark.parametrize("experts,k,groups,topk_groups,node_limit", [
+    (64, 8, 8, 4, None), (24, 6, 3, 2, None), (16, 2, 1, 1, None),
+    (24, 4, 1, 1, (6, 2)),  # node limit alone: 6 nodes of 4, each token on <= 2 (node score: top-2 sum)
+    (32, 6, 4, 3, (8, 3)),  # after the group limit, nodes finer than groups (the top-2 sum of 4 experts)
+    (30, 6, 2, 1, (5, 2)),  # nodes of 6 across groups of 15: a node straddling a losing group scores -inf
+    (64, 8, 8, 4, (8, 4)),  # V3's shape: nodes = groups, max_nodes = topk_groups (the limits coincide)
+])
+def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups, node_limit):
     from models.deepseek_v3.args import ModelArgs
     from models.deepseek_v3.moe import Gate
 
@@ -279,11 +386,18 @@ def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
     gate.reset_parameters(0.3)
     gate.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(24))
     x = _randn(13, 32, seed=25)
-    want = gate(x.double().float())
+    want = gate(x.double().float(), node_limit)
     logits = want.logits.detach().clone().requires_grad_()
-    with registry.force(impl):
-        weights, indices, scores = route(logits, gate.e_score_correction_bias, k, groups, topk_groups, 2.5)
+    nodes, max_nodes = node_limit or (1, None)
+    with registry.poisoned_outputs(), registry.force(impl):
+        weights, indices, scores = route(logits, gate.e_score_correction_bias, k, groups, topk_groups, 2.5,
+                                         nodes=nodes, max_nodes=max_nodes)
     assert torch.equal(indices, want.indices)
+    if node_limit is not None:  # no token beyond max_nodes nodes; the limit bites unless it is the group limit
+        per_node = experts // nodes
+        assert max(len(set((row // per_node).tolist())) for row in indices) <= max_nodes
+        unlimited = gate(x.double().float(), None).indices
+        assert torch.equal(unlimited, indices) == (nodes == groups and max_nodes == topk_groups and k // max_nodes == 2)
     torch.testing.assert_close(scores, want.scores, rtol=2 ** -22, atol=0)
     torch.testing.assert_close(weights, want.weights, rtol=4 * 2 ** -23, atol=0)
     gw, gs = _randn(13, k, seed=26), _randn(13, experts, seed=27)
@@ -292,6 +406,41 @@ def test_route_matches_the_models_gate(impl, experts, k, groups, topk_groups):
     s64 = logits64.sigmoid()
     picked = s64.gather(1, indices)
     w64 = picked / picked.sum(-1, keepdim=True) * 2.5
+    torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
+    _close(logits.grad, logits64.grad, FP32_REL, "d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("experts,k,groups,topk_groups,norm,node_limit", [
+    (64, 6, 8, 3, True, None),  # V2's shape scaled down: 8 groups, 3 kept, group score = its largest
+    (24, 6, 1, 1, False, None),  # V2-Lite: no groups, weights not normalised
+    (30, 4, 3, 2, False, (5, 2)),  # a node limit (nodes of 6 across groups of 10)
+])
+def test_route_softmax_matches_the_models_gate(impl, experts, k, groups, topk_groups, norm, node_limit):
+    """The softmax-scored gate (no bias). Scores: a softmax's fp32 evaluation order and exp differ by a few ulps
+    (2^-21 relative); weights add the normalisation (4 ulps); the logits' gradient as the sigmoid router's."""
+    from models.deepseek_v3.args import ModelArgs
+    from models.deepseek_v3.moe import Gate
+
+    args = ModelArgs(dim=32, n_routed_experts=experts, n_activated_experts=k, n_expert_groups=groups,
+                     n_limited_groups=topk_groups, route_scale=1.5, score_func="softmax", norm_topk_prob=norm)
+    gate = Gate(args)
+    gate.reset_parameters(0.3)
+    x = _randn(13, 32, seed=28)
+    want = gate(x, node_limit)
+    logits = want.logits.detach().clone().requires_grad_()
+    nodes, max_nodes = node_limit or (1, None)
+    with registry.poisoned_outputs(), registry.force(impl):
+        weights, indices, scores = route_softmax(logits, k, groups, topk_groups, 1.5, norm, nodes, max_nodes)
+    assert torch.equal(indices, want.indices)
+    torch.testing.assert_close(scores, want.scores, rtol=2 ** -21, atol=0)
+    torch.testing.assert_close(weights, want.weights, rtol=8 * 2 ** -23, atol=0)
+    gw, gs = _randn(13, k, seed=29), _randn(13, experts, seed=30)
+    torch.autograd.backward([weights, scores], [gw, gs])
+    logits64 = want.logits.detach().double().requires_grad_()
+    s64 = logits64.softmax(-1)
+    picked = s64.gather(1, indices)
+    w64 = (picked / picked.sum(-1, keepdim=True) if norm else picked) * 1.5
     torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
     _close(logits.grad, logits64.grad, FP32_REL, "d logits")
 

@@ -49,6 +49,9 @@ KERNELS = {  # every kernel variant each table must hold
     "fused_ops.rope[half-split]", "fused_ops.permute_gather[fp8 +scales +weights]",
     "fused_ops.permute_gather_fp8[bf16 +weights]", "fused_ops.unpermute_sum[bf16]", "fused_ops.unpermute_spread[bf16]",
     "fused_ops.route[256 experts, 8 groups]", "fused_ops.route_backward[256 experts]",
+    "fused_ops.route[256 experts, 8 groups, 4 of 8 nodes]", "fused_ops.gather_rows[bf16 +2 columns]",
+    "fused_ops.gather_dequant_fp8[bf16 +weights]", "fused_ops.route_softmax[160 experts, 8 groups]",
+    "fused_ops.route_softmax_backward[160 experts]",
 }
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90 and sm_100 (CUDA programming guide)
 # (what fails, which rows it applies to, the failing test on a row)

@@ -44,7 +44,7 @@ def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState
         if cfg.parallel.ep > 1:
             # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8
             moe.ep = ExpertParallel(moe.n_routed_experts, ps.group("ep"), fp8_dispatch=cfg.model.fp8,
-                                    recorder=recorder, flight=flight, layer=moe.layer_id)
+                                    recorder=recorder, flight=flight, layer=moe.layer_id, fused=moe.fused)
 
 
 def update_biases(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState, args: ModelArgs, gamma: float,

@@ -7,8 +7,13 @@ row of each assignment. Gathers only, never scatters, so no atomics and every ou
 - ``gather``: grouped row ``m`` <- token ``assign[m] // k`` (values, their 1x128 scales when FP8, and the
   routing weight ``weights[assign[m]]``); zeros on padding rows. The permute forward.
 - ``gather_fp8``: the same from bf16/fp32 tokens, cast to e4m3 with 1x128 scales on the way (permute + quant).
-- ``sum_rows``: token ``t`` <- ``sum_j w[t, j] y[rows[t k + j]]`` in fp32. The unpermute forward, and the
-  permute backward (``w = 1``).
+- ``gather_rows``: row ``m`` <- ``[x[assign[m] // k], columns[assign[m]]]``, the source row with a few
+  per-assignment columns appended (expert parallelism's rows to send, routing weights as columns).
+- ``gather_dequant_fp8``: row ``m`` <- e4m3 row ``assign[m]`` times its 1x128 scales, rounded to the output
+  dtype, and that result's own 1x128 cast (what the GEMM it feeds would make of it; k = 1), or the cast alone.
+  Expert parallelism's FP8 rows that landed, into the grouped layout.
+- ``sum_rows``: token ``t`` <- ``sum_j w[t, j] y[rows[t k + j]]`` in fp32, a row index < 0 adding nothing (an
+  assignment that was dropped). The unpermute forward, and the permute backward (``w = 1``).
 - ``spread``: grouped row ``m`` <- ``w[a] g[t]`` and ``dw[a] = g[t] . y[m]`` for ``a = assign[m]``. The
   unpermute backward.
 """
@@ -55,6 +60,15 @@ def _gather_kernel(ASSIGN, X, XS, W, OUT, OUTS, OUTW, K, D, DS, stride_x, stride
 
 
 @triton.jit
+def _gather_rows_kernel(ASSIGN, X, C, OUT, K, D, NC, stride_x, stride_c, stride_out, HAS_COLUMNS: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    m, a, t, readable = _source(ASSIGN, K, D)
+    _copy_row(X + t * stride_x, OUT + m * stride_out, readable, D, BLOCK)
+    if HAS_COLUMNS:
+        _copy_row(C + a * stride_c, OUT + m * stride_out + D, tl.minimum(readable, NC), NC, BLOCK_C)
+
+
+@triton.jit
 def _gather_fp8_kernel(ASSIGN, X, W, Q, S, OUTW, K, D, stride_x, stride_q, stride_s, HAS_WEIGHTS: tl.constexpr,
                        BLOCK: tl.constexpr):
     m, a, t, readable = _source(ASSIGN, K, D)
@@ -62,6 +76,23 @@ def _gather_fp8_kernel(ASSIGN, X, W, Q, S, OUTW, K, D, stride_x, stride_q, strid
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + t * stride_x + cols, mask=cols < readable, other=0.0).to(tl.float32)
         store_fp8(Q + m * stride_q, S + m * stride_s, x, start, D, BLOCK)
+    if HAS_WEIGHTS:
+        tl.store(OUTW + m, tl.where(readable > 0, tl.load(W + a), 0.0))
+
+
+@triton.jit
+def _gather_dequant_fp8_kernel(ASSIGN, Q, S, W, X, Q2, S2, OUTW, D, stride_q, stride_s, stride_x, stride_q2,
+                               stride_s2, HAS_VALUES: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    m, a, t, readable = _source(ASSIGN, 1, D)
+    dtype = X.dtype.element_ty  # (without HAS_VALUES, X is a one-element tensor of the rows' dtype)
+    for start in range(0, D, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        q = tl.load(Q + t * stride_q + cols, mask=cols < readable, other=0.0).to(tl.float32)
+        sf = tl.load(S + t * stride_s + cols // 128, mask=cols < readable, other=0.0)
+        x = on_grid(q * sf, dtype)
+        if HAS_VALUES:
+            tl.store(X + m * stride_x + cols, x.to(dtype), mask=cols < D)
+        store_fp8(Q2 + m * stride_q2, S2 + m * stride_s2, x, start, D, BLOCK)
     if HAS_WEIGHTS:
         tl.store(OUTW + m, tl.where(readable > 0, tl.load(W + a), 0.0))
 
@@ -75,7 +106,7 @@ def _sum_rows_kernel(ROWS, Y, W, OUT, K, D, stride_y, stride_out, HAS_WEIGHTS: t
         acc = tl.zeros([BLOCK], tl.float32)
         for j in range(K):
             row = tl.load(ROWS + t * K + j).to(tl.int64)
-            y = tl.load(Y + row * stride_y + cols, mask=cols < D, other=0.0).to(tl.float32)
+            y = tl.load(Y + row * stride_y + cols, mask=cols < tl.where(row >= 0, D, 0), other=0.0).to(tl.float32)
             if HAS_WEIGHTS:  # the weight in y's dtype and the product rounded to it, as the unfused ``(y * w).sum``
                 y = on_grid(y * on_grid(tl.load(W + t * K + j), dtype), dtype)
             acc += y
@@ -127,6 +158,25 @@ def gather(x: torch.Tensor, assign: torch.Tensor, k: int, scales: torch.Tensor |
     return out, outs, outw
 
 
+def gather_rows(x: torch.Tensor, assign: torch.Tensor, k: int, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(assign), d + columns]`` in x's dtype: each row's source row, then its assignment's columns."""
+    _rows_ok("x", x)
+    nc = 0
+    if columns is not None:
+        _rows_ok("columns", columns)
+        if columns.dtype != x.dtype:
+            raise registry.Unsupported(f"columns must have x's dtype {x.dtype}, got {columns.dtype}")
+        nc = columns.shape[1]
+    rows, d = assign.numel(), x.shape[1]
+    out = registry.empty(rows, d + nc, dtype=x.dtype, device=x.device)
+    if rows:
+        _gather_rows_kernel[(rows,)](assign, x, x if columns is None else columns, out, k, d, nc, x.stride(0),
+                                     0 if columns is None else columns.stride(0), out.stride(0),
+                                     HAS_COLUMNS=columns is not None, BLOCK=_block(x, d),
+                                     BLOCK_C=triton.next_power_of_2(max(nc, 1)))
+    return out
+
+
 def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Tensor | None = None):
     """(grouped e4m3 values, grouped 1x128 scales, grouped weights or None) from float32/bfloat16 tokens."""
     _rows_ok("x", x)
@@ -141,6 +191,27 @@ def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Ten
                                     k, d, x.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
                                     BLOCK=_block(x, d, 128))
     return q, sf, outw
+
+
+def gather_dequant_fp8(values: torch.Tensor, scales: torch.Tensor, assign: torch.Tensor, dtype: torch.dtype,
+                       weights: torch.Tensor | None = None, keep_rows: bool = True):
+    """(rows ``[M, d]`` in ``dtype`` or None without ``keep_rows``, their e4m3 values and 1x128 scales, weights
+    ``[M]`` or None)."""
+    _rows_ok("values", values)
+    _rows_ok("scales", scales)
+    if dtype not in (torch.float32, torch.bfloat16) or values.dtype != torch.float8_e4m3fn:
+        raise registry.Unsupported(f"values must be e4m3 and dtype float32/bfloat16, got {values.dtype}, {dtype}")
+    rows, d = assign.numel(), values.shape[1]
+    x = registry.empty(rows if keep_rows else 1, d if keep_rows else 1, dtype=dtype, device=values.device)
+    q = registry.empty(rows, d, dtype=torch.float8_e4m3fn, device=values.device)
+    sf = registry.empty(rows, triton.cdiv(d, 128), dtype=torch.float32, device=values.device)
+    outw = None if weights is None else registry.empty(rows, dtype=weights.dtype, device=values.device)
+    if rows:
+        _gather_dequant_fp8_kernel[(rows,)](assign, values, scales, values if weights is None else weights, x, q, sf,
+                                            x if outw is None else outw, d, values.stride(0), scales.stride(0),
+                                            x.stride(0), q.stride(0), sf.stride(0), HAS_VALUES=keep_rows,
+                                            HAS_WEIGHTS=weights is not None, BLOCK=_block(values, d, 128))
+    return x if keep_rows else None, q, sf, outw
 
 
 def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -260,7 +260,7 @@ def load_entropy(counts: torch.Tensor) -> torch.Tensor:
 class ExpertBalancer(nn.Module):
     """Per-MoE-layer balancing state: applies the strategy to one routing and records the load.
 
-    The MoE calls ``selection_mask`` on its selection scores before top-k, then ``forward`` on the
+    The MoE hands ``node_limit`` to its gate (which limits selection before top-k), then calls ``forward`` on the
     top-k result; ``forward`` drops over-capacity assignments (index set to -1, weight 0),
     attaches the configured losses to the returned weights, and counts the load (training only).
     The aux-loss-free bias itself belongs to the gate (it is checkpointed with it); the trainer
@@ -290,15 +290,11 @@ class ExpertBalancer(nn.Module):
             self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
-    def limits_nodes(self) -> bool:
-        """Whether selection is node-limited (``selection_mask`` restricts anything)."""
-        return self.config.max_nodes is not None and self.config.max_nodes < self.config.num_nodes
-
-    def selection_mask(self, scores: torch.Tensor) -> torch.Tensor | None:
-        """[T, E] bool of experts each token may select (node limit), or None when unrestricted."""
-        if not self.limits_nodes:
-            return None
-        return node_limited_mask(scores, self.config.num_nodes, self.config.max_nodes, self.top_k)
+    def node_limit(self) -> tuple[int, int] | None:
+        """``(num_nodes, max_nodes)`` when selection is node-limited (``node_limited_mask`` restricts anything),
+        else None."""
+        cfg = self.config
+        return (cfg.num_nodes, cfg.max_nodes) if cfg.max_nodes is not None and cfg.max_nodes < cfg.num_nodes else None
 
     def forward(self, scores: torch.Tensor, logits: torch.Tensor | None, indices: torch.Tensor,
                 weights: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

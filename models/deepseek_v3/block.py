@@ -100,11 +100,11 @@ class Block(nn.Module):
         attend = lambda y, *cast: self.attn(y, cos, sin, cache, start_pos, x_fp8=cast or None)  # noqa: E731
         return norm_consume(self.attn_norm, x, pending, attend, self.recompute_norm, self.norm_fp8)
 
-    def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any], fp8: bool
+    def ffn_input(self, x: torch.Tensor, attn_out: torch.Tensor, consumer: Callable[..., Any]
                   ) -> tuple[torch.Tensor, Any]:
         """``(h, consumer(ffn_norm(h), *cast))`` with ``h = x + attn_out`` added in ffn_norm's kernel; the cast
-        with ``fp8`` (for a consumer that takes it) where ``norm_fp8``."""
-        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, fp8 and self.norm_fp8)
+        where ``norm_fp8``."""
+        return norm_consume(self.ffn_norm, attn_out, x, consumer, self.recompute_norm, self.norm_fp8)
 
     def unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,9 +118,7 @@ class Block(nn.Module):
     def _unadded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                  start_pos: int = 0, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x, attn_out = self.attention(x, cos, sin, cache, start_pos, pending)
-        # an expert-parallel MoE's send gathers the bf16 rows (its FP8 dispatch casts them on the way)
-        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y, x_fp8=cast or None),
-                              fp8=not self.expert_parallel)
+        return self.ffn_input(x, attn_out, lambda y, *cast: self.ffn(y, x_fp8=cast or None))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:

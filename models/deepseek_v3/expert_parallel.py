@@ -41,6 +41,12 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
+- Fused kernels (``fused``, the model's ``fused_ops`` switch, where ``fused_ops.kernels_run``): the rows to send
+  with their weight columns in one gather, the regroup / ungroup / scatter-back as gathers and sums whose backward
+  is a gather (no ``index_add``); under FP8 dispatch the sender packs the wire in the gather (cast on the way, or
+  the norm's precast moved) and the receiver dequantises the landed bytes straight into the grouped layout with
+  the rows' own 1x128 cast for the grouped GEMM; the rows in the activations' dtype in sent and arrival order are
+  then stand-ins without storage (``SendPlan.wire``, ``Received.wire`` hold the bytes).
 - Dropped assignments (index -1, capacity factor) are never sent.
 - Redundant experts (EPLB): with a ``phy2log`` plan, assignment (t, j) to logical expert ``e``
   goes to replica ``t % logcnt[e]`` of ``e``, spreading a hot expert's tokens over its copies.
@@ -58,14 +64,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import accel
 import deep_gemm
+import fused_ops
 from accel.flight import Entry, FlightRecorder, FlightSite, group_ranks
 from accel.trace import TraceRecorder
 from models.deepseek_v3.permute import PermuteState, unpermute
@@ -332,6 +340,11 @@ class SendPlan:
     send_splits: list[int]  # rows sent to each rank
     num_sent: int  # assignments that travel (the rest were dropped)
     k: int  # slots per token
+    # with fused kernels (``ExpertParallel.fused``): ``assign`` the assignment of each sent row, ``rows`` the sent
+    # row of each assignment or -1 (dropped), for ``fused_ops.gather_rows`` and ``fused_ops.unpermute``
+    layout: fused_ops.Grouping | None = None
+    # FP8 dispatch with fused kernels: the rows as they travel, packed by the sender (``fused_ops.pack_rows_fp8``)
+    wire: torch.Tensor | None = None
 
 
 @dataclass
@@ -342,10 +355,17 @@ class Received:
     rows: torch.Tensor
     exchanged: Exchanged
     dim: int  # feature columns; any columns after them are the routing weights
-    source: torch.Tensor  # [M] arrival row of each grouped row (the spare zero row for padding)
+    source: torch.Tensor  # [M] arrival row of each grouped row (the spare zero row for padding; -1 when fused)
     m_indices: torch.Tensor  # [M] int32: local expert of each grouped row, -1 for pad rows
     state: PermuteState  # arrival rows <-> grouped rows
     tokens_per_expert: torch.Tensor  # [local experts] rows received per local expert (unpadded)
+    # with fused kernels: ``assign`` the arrival row of each grouped row or -1 (padding: ``source``), ``rows`` the
+    # grouped row of each arrival row and -1 for the spare row (``state.rows`` is a view of it), for
+    # ``fused_ops.regroup_rows`` / ``gather_rows``
+    layout: fused_ops.Grouping | None = None
+    # the FP8 bytes that landed when the sender packed them (``SendPlan.wire``); ``rows`` then only stands for
+    # the rows in the activations' dtype (no storage): ``regroup`` dequantises straight into the grouped layout
+    wire: torch.Tensor | None = None
 
 
 @dataclass
@@ -358,6 +378,7 @@ class Dispatched:
     weights: torch.Tensor | None  # [M] fp32 routing weight of each row (0 on pad rows), if sent
     received: Received
     plan: SendPlan
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # x_grouped's 1x128 cast when it landed as FP8 (fused)
 
 
 class ExpertParallel:
@@ -367,19 +388,21 @@ class ExpertParallel:
     ``[num physical]`` row); without it physical expert i is logical expert i.
     fp8_dispatch: send tokens as e4m3 + 1x128 scales. alignment: rows per grouped-GEMM block
     (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``). flight: the rank's flight recorder
-    (``accel.flight``), with ``layer`` the MoE layer's id its entries name.
+    (``accel.flight``), with ``layer`` the MoE layer's id its entries name. fused: the row movements (gather,
+    regroup, ungroup, scatter-back) as ``fused_ops`` kernels where they run (``fused_ops.kernels_run``; the
+    model's ``fused_ops`` switch), the same numbers as the torch path at the same rounding points.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, fp8_dispatch: bool = False,
                  phy2log: torch.Tensor | None = None, alignment: int | None = None,
                  recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None,
-                 layer: int | None = None) -> None:
+                 layer: int | None = None, fused: bool = False) -> None:
         if not dist.is_initialized():
             raise ValueError("ExpertParallel needs an initialized torch.distributed process group")
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
-        self.fp8_dispatch = fp8_dispatch
+        self.fp8_dispatch, self.fused = fp8_dispatch, fused
         self.recorder = recorder  # records every exchange on its comm track (recipes.train --trace)
         self.site = FlightSite(flight, "ep", group_ranks(group), layer) if flight is not None else None
         self.alignment = alignment or deep_gemm.get_m_alignment_for_contiguous_layout()
@@ -469,18 +492,36 @@ class ExpertParallel:
         rows = torch.empty_like(order)
         rows[order] = torch.arange(order.numel(), device=order.device)
         send_counts = counts[:self.num_physical]
+        num_sent = int(send_counts.sum())
+        layout = None
+        if self.fused and fused_ops.kernels_run(indices.device):
+            # (the sent rows feed no grouped GEMM: no m_indices)
+            layout = fused_ops.Grouping(rows=torch.where(rows < num_sent, rows, -1), assign=order[:num_sent],
+                                        m_indices=order.new_empty(0, dtype=torch.int32), tokens_per_expert=send_counts,
+                                        num_tokens=num_tokens, k=k)
         return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
-                        send_counts.view(self.world, self.local).sum(1).tolist(), int(send_counts.sum()), k)
+                        send_counts.view(self.world, self.local).sum(1).tolist(), num_sent, k, layout)
 
-    @staticmethod
-    def gather(x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, weights: torch.Tensor | None, plan: SendPlan,
+               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, SendPlan]:
         """The rows to send ``[num_sent, dim (+ weight columns)]``: each assignment's token, its routing weight as
-        extra columns (``_weight_columns``) when given."""
+        extra columns (``_weight_columns``) when given; and the plan to post them with.
+
+        With fused kernels, one kernel: the rows with their columns; under FP8 dispatch the rows as they travel
+        instead (e4m3 + scales, cast on the way, or moved from ``x_fp8``, the 1x128 cast of ``x`` its producer
+        made: no cast at all) in the returned plan's ``wire``, the returned rows then a stand-in without storage
+        for the gradient. (``x_fp8`` is not needed otherwise: the torch path casts the rows it sends.)"""
+        columns = None if weights is None else _weight_columns(weights.reshape(-1), x.dtype)
+        if plan.layout is not None and self.fp8_dispatch:
+            send, wire = fused_ops.pack_rows_fp8(x, plan.layout.assign, plan.layout.rows, plan.k, columns, x_fp8)
+            return send, replace(plan, wire=wire)
+        if plan.layout is not None:
+            return fused_ops.gather_rows(x, plan.layout.assign, plan.layout.rows, plan.k, columns), plan
         picked = plan.order[:plan.num_sent]
         rows = x.index_select(0, picked // plan.k)
         if weights is None:
-            return rows
-        return torch.cat([rows, _weight_columns(weights.reshape(-1).index_select(0, picked), x.dtype)], dim=1)
+            return rows, plan
+        return torch.cat([rows, columns.index_select(0, picked)], dim=1), plan
 
     def post_dispatch(self, send: torch.Tensor, plan: SendPlan, dim: int) -> CommHandle[Received]:
         """Send the gathered rows (``dim`` feature columns, then weight columns) to their experts' ranks; not
@@ -489,18 +530,29 @@ class ExpertParallel:
         return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, dim, lambda r: r),
                     self.site)
 
-    def regroup(self, rows: torch.Tensor, received: Received) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None)`` in the grouped layout (one gather;
-        pad rows read the spare zero row, so their weight is 0)."""
+    def regroup(self, rows: torch.Tensor, received: Received, keep_rows: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Arrived rows -> ``(x_grouped [M, dim], row weights [M] or None, x_fp8)`` in the grouped layout (one
+        gather; pad rows read the spare zero row, so their weight is 0). ``x_fp8``: when the rows landed as FP8
+        bytes (``Received.wire``), ``x_grouped``'s own 1x128 cast made in the same kernel, bit for bit what the
+        grouped GEMM would make of it (``Experts.forward(..., x_fp8=)``); else None. There, without
+        ``keep_rows`` (a GEMM that reads only that cast), ``x_grouped`` is a stand-in without storage."""
         dim = received.dim
+        if received.layout is not None:  # one kernel: the rows and the weights their columns carry
+            layout = received.layout
+            if received.wire is not None:
+                return fused_ops.regroup_rows_fp8(rows, received.wire, dim, layout.assign, layout.rows, keep_rows)
+            return (*fused_ops.regroup_rows(rows, dim, layout.assign, layout.rows), None)
         x_grouped = rows[:, :dim].index_select(0, received.source)
         if rows.shape[1] == dim:
-            return x_grouped, None
-        return x_grouped, rows[:, dim:].float().sum(1).index_select(0, received.source)
+            return x_grouped, None, None
+        return x_grouped, rows[:, dim:].float().sum(1).index_select(0, received.source), None
 
     @staticmethod
     def ungroup(y_grouped: torch.Tensor, received: Received) -> torch.Tensor:
         """Expert outputs back in arrival order (what travels back)."""
+        if received.layout is not None:
+            return fused_ops.gather_rows(y_grouped, received.layout.rows[:-1], received.layout.assign)
         return y_grouped.index_select(0, received.state.rows)
 
     def post_combine(self, y: torch.Tensor, received: Received) -> CommHandle[Returned]:
@@ -512,6 +564,8 @@ class ExpertParallel:
     def scatter_back(rows: torch.Tensor, plan: SendPlan, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Returned rows (sent order) -> ``[T, dim]``: each token's sum over its slots (dropped ones give 0),
         weighted by ``weights [T, k]`` when the rows were not scaled before ``w2``."""
+        if plan.layout is not None and weights is None:  # one kernel: dropped slots (row -1) add nothing
+            return fused_ops.unpermute(rows, plan.layout)
         pad = plan.state.rows.numel() - plan.num_sent
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
         return unpermute(rows, plan.state, weights)
@@ -532,13 +586,13 @@ class ExpertParallel:
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"dispatch: weights must be [T, k] like indices {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
-        plan = self.plan_send(indices)
-        send = self.gather(x, weights, plan)
+        send, plan = self.gather(x, weights, self.plan_send(indices))
 
         def grouped(received: Received) -> Dispatched:
             rows = arrived(send, received.rows, received.exchanged)
-            x_grouped, row_weights = self.regroup(rows, received)
-            return Dispatched(x_grouped, received.m_indices, received.tokens_per_expert, row_weights, received, plan)
+            x_grouped, row_weights, x_fp8 = self.regroup(rows, received)
+            return Dispatched(x_grouped, received.m_indices, received.tokens_per_expert, row_weights, received, plan,
+                              x_fp8)
 
         return post(self.recorder, "dispatch", lambda: self._dispatch(send.detach(), plan, x.shape[1], grouped),
                     self.site)
@@ -560,21 +614,30 @@ class ExpertParallel:
         """The exchange, staged so the wire is busy while the host works: the rows are packed while the counts
         travel, the regrouping's index plan is computed while the rows travel."""
         recv_counts, count_work = self._post_counts(plan.send_counts)
-        packed = None
-        if self.fp8_dispatch:  # e4m3 + scales, then the weight columns' bytes: one buffer, one exchange
+        packed = plan.wire  # packed by the sender's fused gather, or:
+        if self.fp8_dispatch and packed is None:  # e4m3 + scales, then the weight columns' bytes: one buffer
             packed = torch.cat([_pack_fp8(send[:, :dim]), send[:, dim:].contiguous().view(torch.uint8)], dim=1)
         count_work[0].wait()
         recv_splits = recv_counts.sum(1).tolist()
         total = sum(recv_splits)
-        rows = send.new_empty(total + 1, send.shape[1])
-        rows[total:].zero_()  # one spare zero row: the regrouping's pad rows read it; the rest is overwritten
+        if plan.wire is not None:  # the landed bytes go straight into the grouped layout: a stand-in, no storage
+            rows = send.new_zeros(()).expand(total + 1, send.shape[1])
+        else:
+            rows = send.new_empty(total + 1, send.shape[1])
+            rows[total:].zero_()  # one spare zero row: the regrouping's pad rows read it; the rest is overwritten
         wire = send if packed is None else packed
         recv = rows[:total] if packed is None else packed.new_empty(total, packed.shape[1])
         works = _all_to_all(wire, recv, recv_splits, plan.send_splits, self.group)
         source, m_indices, recv_rows, per_expert = self._grouped_plan(recv_counts, send.device)
+        layout = None
+        if plan.layout is not None:  # the fused kernels' forms of the same plan, in place of the torch path's
+            source = torch.where(m_indices >= 0, source, -1)
+            layout = fused_ops.Grouping(rows=F.pad(recv_rows, (0, 1), value=-1), assign=source, m_indices=m_indices,
+                                        tokens_per_expert=per_expert, num_tokens=total + 1, k=1)
+            recv_rows = layout.rows[:total]
 
         def landed() -> T:
-            if packed is not None:
+            if packed is not None and plan.wire is None:
                 rows[:total, :dim] = _unpack_fp8(recv, dim, send.dtype)
                 rows[:total, dim:] = recv[:, packed.shape[1] - (send.shape[1] - dim) * send.element_size():] \
                     .contiguous().view(send.dtype)
@@ -582,7 +645,7 @@ class ExpertParallel:
                                   rows.device, self.group, self.recorder, self.site)
             return then(Received(rows, exchanged, dim, source, m_indices,
                                  PermuteState(rows=recv_rows, num_tokens=total, tokens_per_expert=per_expert),
-                                 per_expert))
+                                 per_expert, layout, None if plan.wire is None else recv))
 
         return Posted(works, landed, nbytes=wire.numel() * wire.element_size())
 

@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 import deep_gemm
 import fused_ops
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, node_limited_mask
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
 from models.deepseek_v3.layers import (
     FP8_STASH,
@@ -87,9 +87,10 @@ class Gate(nn.Module):
     Logits in fp32 -> sigmoid (or softmax) scores -> selection on scores + ``e_score_correction_bias``
     (auxiliary-loss-free balancing; it never touches the gate weights) -> group-limited routing
     (group score = sum of the group's top-2 biased scores, or its max without a bias; losing groups
-    masked to -inf) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid),
-    times ``route_scale``. With ``args.fused_ops``, a sigmoid gate with its bias and no node limit runs all of that
-    after the logits as one ``fused_ops.route`` kernel (each way) where it runs.
+    masked to -inf) -> node-limited routing when asked (``balancing.node_limited_mask`` on what the group limit
+    left) -> top-k -> weights gathered from the *unbiased* scores, normalised (sigmoid), times ``route_scale``.
+    With ``args.fused_ops`` all of that after the logits runs as one kernel each way where it runs:
+    ``fused_ops.route`` (sigmoid, with the bias) or ``fused_ops.route_softmax`` (softmax, no bias).
     """
 
     def __init__(self, args: ModelArgs):
@@ -106,15 +107,20 @@ class Gate(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor, selection_mask=None) -> Routing:
-        """x ``[T, dim]`` -> ``Routing``. ``selection_mask(choice) -> [T, E] bool`` limits selection (node limit)."""
+    def forward(self, x: torch.Tensor, node_limit: tuple[int, int] | None = None) -> Routing:
+        """x ``[T, dim]`` -> ``Routing``. ``node_limit = (num_nodes, max_nodes)``: each token's experts on at most
+        ``max_nodes`` of ``num_nodes`` contiguous expert blocks (``ExpertBalancer.node_limit``)."""
         logits = _Fp32Logits.apply(x, self.weight)
         # (not on the meta device: the memory model's unfused top-k gets balanced index values; it keeps at
         # least what the fused router keeps, its scores and indices)
-        if self.fused and selection_mask is None and self.e_score_correction_bias is not None \
-                and self.score_func == "sigmoid" and fused_ops.kernels_run(logits.device) and not logits.is_meta:
-            weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, self.topk, self.n_groups,
-                                                       self.topk_groups, self.route_scale, self.norm_topk_prob)
+        if self.fused and fused_ops.kernels_run(logits.device) and not logits.is_meta:
+            nodes, max_nodes = node_limit or (1, None)
+            limits = (self.topk, self.n_groups, self.topk_groups, self.route_scale, self.norm_topk_prob, nodes,
+                      max_nodes)
+            if self.e_score_correction_bias is not None:  # sigmoid (V3)
+                weights, indices, scores = fused_ops.route(logits, self.e_score_correction_bias, *limits)
+            else:  # softmax (V2)
+                weights, indices, scores = fused_ops.route_softmax(logits, *limits)
             return Routing(weights=weights, indices=indices, scores=scores, logits=logits)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -127,9 +133,8 @@ class Gate(nn.Module):
             kept = group_scores.topk(self.topk_groups, dim=-1).indices
             losing = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
             choice = grouped.masked_fill(losing.unsqueeze(-1), float("-inf")).flatten(1)
-        allowed = None if selection_mask is None else selection_mask(choice)
-        if allowed is not None:
-            choice = choice.masked_fill(~allowed, float("-inf"))
+        if node_limit is not None:
+            choice = choice.masked_fill(~node_limited_mask(choice, *node_limit, self.topk), float("-inf"))
         indices = choice.topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
@@ -246,7 +251,7 @@ class MoE(nn.Module):
 
         seq_len: tokens per sequence (the sequence-wise balance loss); None = one sequence.
         """
-        routing = self.gate(x, self.balancer.selection_mask if self.balancer.limits_nodes else None)
+        routing = self.gate(x, self.balancer.node_limit)
         indices, weights = self.balancer(routing.scores, routing.logits, routing.indices, routing.weights, seq_len)
         return replace(routing, indices=indices, weights=weights)
 
@@ -294,12 +299,17 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x, x_fp8)
 
     # ---- expert parallelism: the pieces between the all-to-alls -----------------------------------
-    def send(self, x: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
+    def send(self, x: torch.Tensor, seq_len: int | None = None,
+             x_fp8: Precast | None = None) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
         """Before the dispatch: route ``x [T, dim]``, gather the rows to send (routing weights as extra columns)
-        and run the shared experts. Returns ``(rows to send, their plan, shared output or None)``."""
+        and run the shared experts. Returns ``(rows to send, their plan, shared output or None)``.
+
+        ``x_fp8``: ``x``'s 1x128 cast (e4m3 values, fp32 scales), made by the norm that produced ``x``: under FP8
+        dispatch with fused kernels the rows travel as a gather of it (no cast); the shared experts' ``w13``
+        reads it too."""
         routing = self.route(x, seq_len)
-        plan = self.ep.plan_send(routing.indices)
-        return self.ep.gather(x, routing.weights, plan), plan, self.shared(x)
+        send, plan = self.ep.gather(x, routing.weights, self.ep.plan_send(routing.indices), x_fp8)
+        return send, plan, self.shared(x, x_fp8)
 
     def expert_rows(self, rows: torch.Tensor, received: Received) -> torch.Tensor:
         """Between the dispatch and the combine: this rank's experts on the rows that arrived (arrival order in
@@ -307,9 +317,12 @@ class MoE(nn.Module):
         if self.training and not recomputing():
             n = received.tokens_per_expert.sum().double()
             self.received_rows = n if self.received_rows is None else self.received_rows + n
-        x_grouped, weights = self.ep.regroup(rows, received)
+        # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast; the bf16
+        # grouped rows are not even written where it reads only that cast (``takes_fp8_rows``: fp8_cache)
+        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received, keep_rows=not self.takes_fp8_rows(rows.device))
+        x_fp8 = x_fp8 if deep_gemm.takes_precast(self.experts.fp8) else None
         # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
-        return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights), received)
+        return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights, x_fp8=x_fp8), received)
 
     def combined(self, rows: torch.Tensor, plan: SendPlan, shared: torch.Tensor | None) -> torch.Tensor:
         """After the combine: each token's sum over its experts' returned rows, plus the shared experts."""
@@ -335,7 +348,7 @@ class MoE(nn.Module):
             y = self.unpermute(self.experts(x_grouped, m_indices, rows, x_fp8=rows_fp8), state)
             z = self.shared(x, x_fp8)
             return (y if z is None else y + z).view(shape)
-        send, plan, z = self.send(x, seq_len)
+        send, plan, z = self.send(x, seq_len, x_fp8)
         received = self.ep.post_dispatch(send, plan, self.dim).wait()
         y = self.expert_rows(arrived(send, received.rows, received.exchanged), received)
         back = self.ep.post_combine(y, received).wait()

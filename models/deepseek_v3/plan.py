@@ -105,8 +105,8 @@ def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str
 
     def attention(x: torch.Tensor, p: torch.Tensor | None = None) -> dict[str, Any]:
         x, attn_out = block.attention(x, cos, sin, pending=p)
-        h, (send, plan, shared) = block.ffn_input(x, attn_out, lambda y: moe.send(y.flatten(0, -2), y.shape[-2]),
-                                                  fp8=False)
+        h, (send, plan, shared) = block.ffn_input(
+            x, attn_out, lambda y, *cast: moe.send(y.flatten(0, -2), y.shape[-2], cast or None))
         return {stream: h, "send": send, "plan": plan, "shared": shared}
 
     def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
