@@ -154,12 +154,17 @@ def _plan_rank(rank, world):
         if name not in FP8_DISPATCH_OPS + ("fused_ops.permute_gather",):
             registry.get(name)._triton = None
     out = {}
-    for recompute, path in (((), "block"), ((), "stage"), (("block",), "stage")):
+    for recompute, path, fp8 in (((), "block", False), ((), "stage", False), (("block",), "stage", False),
+                                 ((), "block", True), ((), "stage", True)):
         torch.manual_seed(0)
-        args = ModelArgs.preset("debug_tiny", recompute=recompute, fused_ops=True)
+        args = ModelArgs.preset("debug_tiny", recompute=recompute, fused_ops=True, fp8=fp8)
         block = Block(args, layer_id=1)
         block.ffn = MoE(args, 1, expert_range(args, rank, world))
         block.ffn.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD, fp8_dispatch=True, fused=True)
+        precasts = []  # with FP8 GEMMs, ffn_norm hands its cast to the send (both paths), which moves it
+        send = block.ffn.send
+        block.ffn.send = lambda x, seq_len=None, x_fp8=None: precasts.append(x_fp8 is not None) or send(x, seq_len,
+                                                                                                        x_fp8)
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in block.parameters():
@@ -176,20 +181,21 @@ def _plan_rank(rank, world):
             y = block(h, cos, sin)
             (y * torch.randn(y.shape, generator=g)).sum().backward()
         assert registry.get("fused_ops.gather_dequant_fp8").last_impl == "triton"
-        out[(recompute, path)] = (y.detach(), h.grad, {n: p.grad.clone() for n, p in block.named_parameters()
+        assert precasts and set(precasts) == {fp8}, (recompute, path, fp8, precasts)  # (recompute: twice)
+        out[(recompute, path, fp8)] = (y.detach(), h.grad, {n: p.grad.clone() for n, p in block.named_parameters()
                                                        if p.grad is not None})
     return out
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # ~45 s on the 2-core box (the interpreter runs the grouped layout's padded rows)
+@pytest.mark.slow  # ~25 s on the 2-core box (the interpreter runs the grouped layout's padded rows)
 @pytest.mark.timeout(300)
 def test_fused_fp8_dispatch_through_the_overlapped_plan_and_recompute():
     """Same kernels, same order of every sum: only the schedule differs, so the results agree to fp32 rounding
     of the few reductions whose split the schedule may change (rtol 1e-5, as tests/test_model_recompute.py)."""
     for rank_out in run_distributed(_plan_rank, 2, timeout=250):
-        base = rank_out[((), "block")]
         for key, (y, gh, grads) in rank_out.items():
+            base = rank_out[((), "block", key[2])]
             torch.testing.assert_close(y, base[0], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} y: {m}")
             torch.testing.assert_close(gh, base[1], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k} dh: {m}")
             assert grads.keys() == base[2].keys(), key
