@@ -162,9 +162,12 @@ def _plan_rank(rank, world):
         block.ffn = MoE(args, 1, expert_range(args, rank, world))
         block.ffn.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD, fp8_dispatch=True, fused=True)
         precasts = []  # with FP8 GEMMs, ffn_norm hands its cast to the send (both paths), which moves it
-        send = block.ffn.send
-        block.ffn.send = lambda x, seq_len=None, x_fp8=None: precasts.append(x_fp8 is not None) or send(x, seq_len,
-                                                                                                        x_fp8)
+
+        def send(x, seq_len=None, x_fp8=None, real=block.ffn.send, seen=precasts):
+            seen.append(x_fp8 is not None)
+            return real(x, seq_len, x_fp8)
+
+        block.ffn.send = send
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in block.parameters():
