@@ -67,6 +67,10 @@ def rows(device, quick: bool) -> list[Row]:
     logits = torch.randn(TOKENS, EXPERTS, device=device)
     bias = torch.randn(EXPERTS, device=device) * 0.1
     route_idx = indices.contiguous()
+    columns = _bf16(rows_e, 2, device=device, seed=8)  # a routing weight as two bf16 columns (the EP send)
+    landed = fused_ops.grouping(torch.randint(0, 32, (rows_e, 1), device=device), 32, 128)  # 32 local experts
+    landed_q = (_bf16(rows_e, DIM, device=device, seed=9).float() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    landed_sf = torch.rand(rows_e, DIM // 128, device=device) / 448 + 1e-6
     e = 2  # bf16 bytes
     tile = 4 / 128  # one fp32 scale per 128 values
     out = [
@@ -112,6 +116,19 @@ def rows(device, quick: bool) -> list[Row]:
         Row("route (sigmoid+bias+group top-k)", f"{TOKENS}x{EXPERTS}",
             lambda: ops.route_op(logits, bias, TOPK, 8, 4, 2.5),
             lambda: ops.route_reference(logits, bias, TOPK, 8, 4, 2.5), TOKENS * EXPERTS * 8),
+        Row("route node-limited (4 of 8 nodes)", f"{TOKENS}x{EXPERTS}",
+            lambda: ops.route_op(logits, bias, TOPK, 8, 4, 2.5, True, 8, 4),
+            lambda: ops.route_reference(logits, bias, TOPK, 8, 4, 2.5, True, 8, 4), TOKENS * EXPERTS * 8),
+        Row("route softmax (V2: 160 experts, top-6)", f"{TOKENS}x160",
+            lambda: ops.route_softmax_op(logits[:, :160], 6, 8, 3, 16.0),
+            lambda: ops.route_softmax_reference(logits[:, :160], 6, 8, 3, 16.0), TOKENS * 160 * 8),
+        Row("EP send gather (+weight columns)", f"{TOKENS}x{DIM} top-{TOPK}",
+            lambda: ops.gather_rows_op(x, layout.assign, TOPK, columns),
+            lambda: ops.gather_rows_reference(x, layout.assign, TOPK, columns), TOKENS * DIM * e + m * (DIM + 2) * e),
+        Row("EP FP8 landing (dequant+regroup+quant)", f"{rows_e}x{DIM} to 32 experts",
+            lambda: ops.gather_dequant_fp8_op(landed_q, landed_sf, landed.assign, torch.bfloat16),
+            lambda: ops.gather_dequant_fp8_reference(landed_q, landed_sf, landed.assign, torch.bfloat16),
+            rows_e * DIM * (1 + tile) + landed.assign.numel() * DIM * (e + 1 + tile)),
         Row("route backward", f"{TOKENS}x{EXPERTS}",
             lambda: ops.route_backward_op(logits, route_idx, route_w, logits, 2.5),
             lambda: ops.route_backward_reference(logits, route_idx, route_w, logits, 2.5), TOKENS * EXPERTS * 12),
