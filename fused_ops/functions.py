@@ -426,6 +426,14 @@ def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,
     return _RegroupRows.apply(rows, dim, assign, inverse)
 
 
+def _logits_grad(ctx, backward_op, grad_w: torch.Tensor | None, grad_scores: torch.Tensor | None) -> torch.Tensor:
+    """A router's logits gradient from its weights' and scores' gradients (either may be None), by ``backward_op``."""
+    scores, indices = ctx.saved_tensors
+    grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
+    grad_scores = None if grad_scores is None else grad_scores.contiguous()
+    return backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
+
+
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
@@ -439,11 +447,7 @@ class _Route(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_w, _grad_indices, grad_scores):
-        scores, indices = ctx.saved_tensors
-        grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
-        grad_scores = None if grad_scores is None else grad_scores.contiguous()
-        d_logits = ops.route_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
-        return d_logits, None, None, None, None, None, None, None, None
+        return _logits_grad(ctx, ops.route_backward_op, grad_w, grad_scores), *(None,) * 8
 
 
 class _RouteSoftmax(torch.autograd.Function):
@@ -459,11 +463,7 @@ class _RouteSoftmax(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_w, _grad_indices, grad_scores):
-        scores, indices = ctx.saved_tensors
-        grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
-        grad_scores = None if grad_scores is None else grad_scores.contiguous()
-        d_logits = ops.route_softmax_backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
-        return d_logits, None, None, None, None, None, None, None
+        return _logits_grad(ctx, ops.route_softmax_backward_op, grad_w, grad_scores), *(None,) * 7
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
