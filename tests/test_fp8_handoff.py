@@ -8,8 +8,6 @@ K below one 128-block, padded like the GEMMs' own cast).
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -25,24 +23,15 @@ from models.deepseek_v3.layers import MLP
 from models.deepseek_v3.mla import MLA
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.rope import rope_cos_sin
+from tests.test_deep_gemm_precast import _count_casts as count_casts
 from tests.test_model import randomize
 from tests.tolerances import fp8_calc_diff_bound
-
-linear_mod = importlib.import_module("deep_gemm.linear")
 
 
 @pytest.fixture
 def act_casts(monkeypatch) -> list[int]:
     """Counts deep_gemm's own activation casts (forward inputs, dgrad's dy, the wgrad's re-cast)."""
-    calls = [0]
-    real = linear_mod._act_cast
-
-    def counting(x, recipe):
-        calls[0] += 1
-        return real(x, recipe)
-
-    monkeypatch.setattr(linear_mod, "_act_cast", counting)
-    return calls
+    return count_casts(monkeypatch)
 
 
 def _precast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
