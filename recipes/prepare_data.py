@@ -468,7 +468,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     scan_s = t0 - t_scan
     new_tokens = 0
-    pool = multiprocessing.get_context("fork").Pool(args.workers, _init_worker, (setup,)) if args.workers > 1 else None
+    # spawned, not forked: a fork copies whatever locks other threads of the caller hold (a test process, a
+    # notebook), and a worker can then hang on one at exit
+    pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (setup,)) if args.workers > 1 else None
     if pool is None:
         _init_worker(setup)
     bar = tqdm(total=len(refs), unit="doc", disable=args.no_progress, desc="tokenizing", file=sys.stderr)
