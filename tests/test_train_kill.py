@@ -100,10 +100,19 @@ def _after_step(run_dir: Path, step: int):
     return lambda root: any(s >= step for s, _ in _losses(run_dir))
 
 
-def _inside_shard_of(step: int):
+def _inside_shard_of(step: int, committed: int):
+    """A shard of ``step`` half-written while ``latest`` names ``committed``. Ranks write their parts on their
+    own; only rank 0 commits, after every rank's part is in. So another rank can be inside its shard of
+    ``step`` while rank 0 is still writing the previous checkpoint: wait for that one's commit as well (rank 0
+    writes its own shards of ``step`` only after it, pausing in each, so this moment always comes)."""
     def moment(root: Path) -> bool:
         staging = root / (fmt.STAGING_PREFIX + fmt.step_dirname(step))
-        return staging.is_dir() and any(p.suffix == ".safetensors" for p in staging.iterdir())
+        if not root.is_dir() or fmt.read_pointer(root, fmt.LATEST_FILE) != committed:
+            return False
+        try:
+            return any(p.suffix == ".safetensors" for p in staging.iterdir())
+        except FileNotFoundError:  # not staged yet, or committed and renamed meanwhile
+            return False
     return moment
 
 
@@ -145,7 +154,7 @@ def test_cli_kill9_mid_write_then_corrupted_newest_resumes_bit_identical(tmp_pat
     files corrupted on disk; ``--resume auto`` skips the half-written staging folder, rejects step 4 by its
     sha256, resumes from step 2 and replays steps 3.. with the very same losses as the first launch."""
     run = tmp_path / "run"
-    _launch_and_kill(run, _inside_shard_of(6), tmp_path / "run.log", "--set", "checkpoint.write_delay_s=0.5")
+    _launch_and_kill(run, _inside_shard_of(6, committed=4), tmp_path / "run.log", "--set", "checkpoint.write_delay_s=0.5")
     _corrupt_newest(run / "checkpoints", 4)
     _finish(run, resumed_from=2)
     _check_bit_identical(_losses(run))
@@ -171,7 +180,7 @@ def test_cli_kill9_trials_resume_bit_identical(tmp_path):
     # 2. mid-write: inside a shard of step 4's checkpoint (resumed from step 2); shards are written in two
     #    halves with a pause between, so the kill lands inside a file (checkpoint.* keys do not enter the
     #    config hash: the resume accepts it)
-    _launch_and_kill(run, _inside_shard_of(4), log, "--set", "checkpoint.write_delay_s=0.5")
+    _launch_and_kill(run, _inside_shard_of(4, committed=2), log, "--set", "checkpoint.write_delay_s=0.5")
     assert fmt.read_pointer(root, fmt.LATEST_FILE) == 2 and (root / (fmt.STAGING_PREFIX + "step_000000004")).is_dir()
     # 3. right after a commit: `latest` names step 4
     _launch_and_kill(run, _committed(4), log)
