@@ -80,7 +80,18 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, opts: RunOptions, world: int, checked, preemption: Preemption) -> dict[str, Any]:
+    starts_group = world > 1 and not dist.is_initialized()
     ps = init_parallel(cfg.parallel, cfg.run.timeout_s)
+    summary = _train_on(cfg, opts, world, checked, preemption, ps)
+    if starts_group:
+        # every rank is past the last barrier: tear the groups down here rather than in the interpreter's exit,
+        # where torch 2.11 + gloo sometimes aborted a rank ("terminate called without an active exception")
+        dist.destroy_process_group()
+    return summary
+
+
+def _train_on(cfg: TrainConfig, opts: RunOptions, world: int, checked, preemption: Preemption,
+              ps: ParallelState) -> dict[str, Any]:
     run_dir = _agree_run_dir(cfg, opts, ps)
     wandb_mode = resolve_wandb_mode(cfg.logging.wandb, opts.wandb) if ps.rank == 0 else "disabled"
     if ps.rank == 0:
