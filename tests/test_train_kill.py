@@ -154,7 +154,8 @@ def test_cli_kill9_mid_write_then_corrupted_newest_resumes_bit_identical(tmp_pat
     files corrupted on disk; ``--resume auto`` skips the half-written staging folder, rejects step 4 by its
     sha256, resumes from step 2 and replays steps 3.. with the very same losses as the first launch."""
     run = tmp_path / "run"
-    _launch_and_kill(run, _inside_shard_of(6, committed=4), tmp_path / "run.log", "--set", "checkpoint.write_delay_s=0.5")
+    _launch_and_kill(run, _inside_shard_of(6, committed=4), tmp_path / "run.log",
+                     "--set", "checkpoint.write_delay_s=0.5")
     _corrupt_newest(run / "checkpoints", 4)
     _finish(run, resumed_from=2)
     _check_bit_identical(_losses(run))
