@@ -152,32 +152,33 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fused: bo
 
 
 def fp8_swiglu_handoff(recomputed: bool, fused: bool, fp8: object, health, gate_up: torch.Tensor) -> bool:
-    """Whether a SwiGLU feeds its down projection through ``swiglu_cast``: its output is recomputed (so the
-    forward need not write it), the fused kernels run, the GEMM takes a precast, and no ``Fp8Health`` report
-    is being sampled (it counts the cast against the bf16 values it came from)."""
+    """Whether a SwiGLU feeds its down projection through ``swiglu_down_fp8``: its output is recomputed (so the
+    forward need not write it), the fused kernels run, the GEMM takes a precast, no ``Fp8Health`` report is
+    being sampled (it counts the cast against the bf16 values it came from), and this is not a checkpointed
+    region's rerun (``recomputing()``: the down projection must keep the real output it reads there) nor a
+    forward whose SwiGLU input has no gradient while grads are on (nothing would recompute the output)."""
     return (recomputed and fused and fused_ops.kernels_run(gate_up.device) and deep_gemm.takes_precast(fp8)
-            and (health is None or not health.active))
+            and (health is None or not health.active) and not recomputing()
+            and (gate_up.requires_grad or not torch.is_grad_enabled()))
 
 
-def swiglu_cast(gate_up: torch.Tensor, weights: torch.Tensor | None = None):
-    """``produce_consume``'s producer of an FP8 down projection whose input (the SwiGLU output) is recomputed.
+def swiglu_down_fp8(down: Callable[..., torch.Tensor], gate_up: torch.Tensor, weights: torch.Tensor | None = None,
+                    stash: Stash | None = None) -> torch.Tensor:
+    """``down(swiglu(gate_up, weights))`` where ``fp8_swiglu_handoff`` holds: the forward writes only the 1x128
+    cast that ``down`` reads (``down(x, x_fp8=cast)``), in one ``fused_ops.swiglu_fp8`` kernel.
 
-    Its first run (no graph: ``produce_consume`` keeps only ``gate_up``) makes just the 1x128 cast the GEMM reads,
-    in one ``fused_ops.swiglu_fp8`` kernel, beside an output tensor it never writes: ``produce_consume`` releases
-    that unread, and refills it from the recompute that builds the graph (``torch.is_grad_enabled()``), which
-    returns the SwiGLU output itself, as does a checkpointed region's rerun (``recomputing()``, which keeps it).
-    The down projection's weight gradient casts that output again (``deep_gemm``: the forward's cast, bit for bit,
-    as ``swiglu_fp8`` casts exactly what ``swiglu`` writes). Returns ``(out, values, scales)`` or ``out``.
-    """
-    if torch.is_grad_enabled() or recomputing():
-        return swiglu(gate_up, weights, fused=True)
-    out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype, device=gate_up.device)
-    return (out, *fused_ops.swiglu_fp8(gate_up.reshape(-1, gate_up.shape[-1]), weights))
-
-
-def fp8_down(down: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``swiglu_cast``'s consumer: ``down(x, x_fp8=(values, scales))``, or ``down(x)`` without a cast."""
-    return lambda x, *cast: down(x, x_fp8=tuple(cast) if cast else None)
+    ``down`` still takes the SwiGLU output ``x`` for its weight gradient: a tensor that nothing writes here,
+    which ``produce_consume(..., outputs=)`` releases unread and refills from the SwiGLU's recompute before
+    ``down``'s backward. ``down`` casts that output again there: the forward's cast, bit for bit, as
+    ``swiglu_fp8`` casts exactly what ``swiglu`` writes. ``stash``: how ``gate_up`` is kept (FP8 caching)."""
+    cast = fused_ops.swiglu_fp8(gate_up.reshape(-1, gate_up.shape[-1]), weights)  # not differentiable
+    unwritten = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    consume = functools.partial(down, x_fp8=cast)
+    if not torch.is_grad_enabled():  # no backward: the output is never read
+        return consume(unwritten)
+    inputs, stashes = ((gate_up,), stash) if weights is None else ((gate_up, weights), (stash, None))
+    return produce_consume(functools.partial(swiglu, fused=True), consume, *inputs, stash=stashes,
+                           outputs=(unwritten,))
 
 
 def _fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +217,6 @@ class MLP(nn.Module):
         """``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``w13`` instead of casting x again."""
         h = self.w13(x, x_fp8)
         if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.w2.fp8, self.w2.health, h):
-            return produce_consume(swiglu_cast, fp8_down(self.w2), h, stash=self.stash)
+            return swiglu_down_fp8(self.w2, h, stash=self.stash)
         return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, h,
                                enabled=self.recompute_swiglu, stash=self.stash)

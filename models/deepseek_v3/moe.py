@@ -40,11 +40,10 @@ from models.deepseek_v3.layers import (
     FP8_STASH,
     MLP,
     Precast,
-    fp8_down,
     fp8_swiglu_handoff,
     grouped_linear,
     swiglu,
-    swiglu_cast,
+    swiglu_down_fp8,
 )
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, permute_fp8, unpermute
 from models.deepseek_v3.recompute import produce_consume, recomputing
@@ -202,12 +201,11 @@ class Experts(nn.Module):
                            x_fp8=x_fp8)
         down = functools.partial(grouped_linear, weight=self.w2, m_indices=m_indices, fp8=self.fp8,
                                  health=self.health)  # no fp8_cache: its input is recomputed
-        swiglu_fn = self.swiglu
         if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.fp8, self.health, h):
-            swiglu_fn, down = swiglu_cast, fp8_down(down)  # the forward writes only the cast w2 reads
+            return swiglu_down_fp8(down, h, weights, stash=self.stash)  # the forward writes only the cast w2 reads
         if weights is None:
-            return produce_consume(swiglu_fn, down, h, enabled=self.recompute_swiglu, stash=self.stash)
-        return produce_consume(swiglu_fn, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
+            return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
+        return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
