@@ -107,7 +107,7 @@ def _inside_shard_of(step: int, committed: int):
     writes its own shards of ``step`` only after it, pausing in each, so this moment always comes)."""
     def moment(root: Path) -> bool:
         staging = root / (fmt.STAGING_PREFIX + fmt.step_dirname(step))
-        if not root.is_dir() or fmt.read_pointer(root, fmt.LATEST_FILE) != committed:
+        if not _committed(committed)(root):
             return False
         try:
             return any(p.suffix == ".safetensors" for p in staging.iterdir())

@@ -20,7 +20,7 @@ from accel.trace import TraceRecorder, write_chrome_trace
 from training.checkpoint.trainer_hooks import attach
 from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
-from training.parallel import ParallelState, init_parallel, world_from_env
+from training.parallel import ParallelState, init_parallel, shutdown, world_from_env
 from training.preempt import Preemption, save_on_stop
 from training.rundir import check_fresh, check_resume, choose_run_dir, default_run_dir, write_config
 from training.runlock import follow_launcher
@@ -86,7 +86,7 @@ def _train(cfg: TrainConfig, opts: RunOptions, world: int, checked, preemption: 
     if starts_group:
         # every rank is past the last barrier: tear the groups down here rather than in the interpreter's exit,
         # where torch 2.11 + gloo sometimes aborted a rank ("terminate called without an active exception")
-        dist.destroy_process_group()
+        shutdown()
     return summary
 
 
