@@ -78,12 +78,12 @@ class VerifySpec:
     shapes: small shapes the CPU interpreter can run; bench_shapes: realistic GPU shapes.
     compare(got, want) -> {name: (error, tolerance)} over the named result tensors (names: ``out``,
     ``out[0]``... for returned values, the reference's parameter name for in-place outputs); the
-    default is ``accel.verify.tensor_error`` (blockwise calc_diff, equal NaN/Inf positions, integers
+    default is ``accel.numerics.tensor_error`` (blockwise calc_diff, equal NaN/Inf positions, integers
     exact) against ``tolerance``.
     flops(shape) / bytes_moved(shape): for TFLOP/s and GB/s columns.
     fp8: the op's FLOPs run on FP8 tensor cores, so its roofline uses the device's FP8 peak.
     allow: PyTorch operators the Triton path may run besides allocation and views (``{"aten.copy_":
-    "reason"}``); anything else it runs is an illegal fall-back (``accel.fallback``).
+    "reason"}``); anything else it runs is an illegal fall-back (``verifier.fallback``).
     """
 
     make_case: Callable[[dict, int, torch.device], Case]
@@ -353,7 +353,7 @@ def empty(*shape: int | Sequence[int], dtype: torch.dtype, device: torch.device 
     return t
 
 
-# NaN's byte in each fp8 format: poisoning fills bytes, one fill_ that accel.fallback counts as allocation.
+# NaN's byte in each fp8 format: poisoning fills bytes, one fill_ that verifier.fallback counts as allocation.
 _FP8_NAN_BYTE = {dtype: int(torch.tensor(float("nan")).to(dtype).view(torch.uint8))
                  for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 

@@ -148,7 +148,7 @@ TRAINING_BENCH_SHAPES = [{"m": 4096, "n": n, "k": k} for n, k in NK_SHAPES[3:]]
 
 
 # The PyTorch work of the dense wrapper (deep_gemm.kernels.gemm.gemm) outside its kernel, declared for
-# accel.fallback's gate.
+# verifier.fallback's gate.
 TRITON_ALLOW = {
     "aten.copy_": "d = c + A @ B with c distinct from d: c is copied into d and the kernel accumulates onto it "
                   "(DeepGEMM's in-place contract); split-K copies its fp32 partial sums into d",

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 import accel
-from accel.verify import calc_diff  # noqa: F401 - DeepGEMM public helper, one definition toolkit-wide
+from accel.numerics import calc_diff  # noqa: F401 - DeepGEMM public helper, one definition toolkit-wide
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from accel.verify import calc_diff  # noqa: F401 - re-exported for schedule tests and users
+from accel.numerics import calc_diff  # noqa: F401 - re-exported for schedule tests and users
 
 
 def scatter(inputs: Sequence[torch.Tensor | None] | torch.Tensor, chunks: int, dim: int) -> list[tuple]:

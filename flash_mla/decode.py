@@ -12,8 +12,8 @@ import math
 import torch
 
 from accel import registry
+from accel.numerics import calc_diff
 from accel.registry import Case, VerifySpec
-from accel.verify import calc_diff
 from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
 from flash_mla.sparse import LOG2E, sparse_attention_math
@@ -197,7 +197,7 @@ def compare_decode(got, want) -> dict[str, tuple[float, float]]:
     Where |lse| < 1 the error is taken relative to 1: an absolute lse error is already the relative error
     of the softmax normaliser, and a row seeing one key has lse = its score, which may be ~0.
     """
-    if isinstance(got, dict):  # accel.verify names a returned tuple's tensors out[0], out[1]
+    if isinstance(got, dict):  # verifier.verify names a returned tuple's tensors out[0], out[1]
         got, want = (got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"])
     (out, lse), (ref_out, ref_lse) = got, want
     out_err = math.inf if not torch.isfinite(out).all() else calc_diff(out, ref_out)

@@ -404,7 +404,7 @@ def _fp8_compare(tolerance: float):
     """Values: blockwise calc_diff. FP8 outputs: dequantised (times their scales) against the reference's, so a
     1-ulp difference of the unquantised output (fp32 evaluation order) that moves a rounding counts as what it
     is; the FP8 bytes' bit-equality with DeepGEMM's cast of the same output is in tests/test_fused_ops.py."""
-    from accel.verify import tensor_error
+    from accel.numerics import tensor_error
 
     def compare(got: dict, want: dict) -> dict:
         out = {}

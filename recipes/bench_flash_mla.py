@@ -197,10 +197,10 @@ def cpu_correctness_rows() -> list[dict]:
     """Tiny shapes through the Triton interpreter, checked against the references (no performance meaning)."""
     import flash_mla
     from accel import registry
-    from accel.verify import calc_diff
     from flash_mla.attention import mla_attention_reference
     from flash_mla.decode import compare_decode, flash_mla_with_kvcache_reference, make_paged_case
     from flash_mla.sparse import flash_mla_sparse_fwd_reference
+    from verifier.verify import calc_diff
 
     rows = []
     for seqlens, s_q, h_q, fp8 in (([0, 150], 1, 16, False), ([130, 70], 2, 8, False), ([90, 40], 1, 16, True)):

@@ -154,7 +154,8 @@ def measure(row: Row, baseline: bool, peak_gbps: float | None) -> dict:
 
 def cpu_correctness_rows() -> list[dict]:
     """Each fused op through the Triton interpreter at one tiny verify shape, against its reference."""
-    from accel import registry, verify
+    from accel import registry
+    from verifier import verify
 
     registry.load_all()
     out = []

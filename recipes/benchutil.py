@@ -1,6 +1,6 @@
 """Shared output for benchmark recipes: a side-by-side terminal table, a JSON dump, the run's context.
 
-The table formatter and the context live in ``accel.report`` (the verification harness prints
+The table formatter and the context live in ``verifier.report`` (the verification harness prints
 through them too); they are re-exported here so recipes keep importing ``recipes.benchutil``.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.cli import ArgumentParser, check_output_file
-from accel.report import CPU_TIMING_NOTE, context, format_table
+from verifier.report import CPU_TIMING_NOTE, context, format_table
 
 __all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink", "spawn_gloo"]
 

@@ -8,7 +8,7 @@ sequence 4096, micro-batch 1. SimuMax uses its shipped ``deepseekv3.json`` and m
 ``b200_bf16_ceperm.json``; ours uses our shipped B200 file, whose per-shape efficiencies are that file's
 measurements (its ``sources`` say which), so the remaining gap is the models'. Where SimuMax's release
 table (``docs/b200/b200_release_v1.2_summary.md``) has a real Megatron measurement of the case, it is
-printed beside both (``training.planner.published`` holds those rows for the held-out test).
+printed beside both (``planner.published`` holds those rows for the held-out test).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 from accel.cli import BAD_INPUT, ArgumentParser, check_output_file
+from planner import Request, evaluate, load_system
+from planner.search import Layout
+from planner.system import System
 from recipes.plan import base_config
-from training.planner import Request, evaluate, load_system
-from training.planner.search import Layout
-from training.planner.system import System
 
 CASES = [  # (ep, pp, dp, micro-batches, recompute)
     (8, 1, 8, 4, "none"), (4, 2, 4, 4, "none"), (8, 1, 8, 8, "none"), (4, 2, 4, 8, "none"),

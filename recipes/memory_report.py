@@ -1,4 +1,4 @@
-"""Measured peak memory per rank next to the memory model's prediction (``training.memory.estimate``).
+"""Measured peak memory per rank next to the memory model's prediction (``planner.memory.estimate``).
 
     python -m recipes.memory_report --config recipes/configs/tiny_cpu.toml --nproc 1 --set parallel.pp=1 ...
     torchrun --nproc-per-node 8 -m recipes.memory_report --config recipes/configs/debug_gpu.toml
@@ -158,7 +158,7 @@ def measure_rank(cfg, steps: int) -> dict:
 def report(cfg, rows: list[dict]) -> list[dict]:
     """``rows`` with the prediction for each rank's pipeline rank (bytes, margin excluded) and their ratio."""
     import accel
-    from training.memory import estimate
+    from planner.memory import estimate
 
     device = None if accel.backend() == "cpu" else accel.device_name()
     est = estimate(cfg, device=device)

@@ -7,7 +7,7 @@
     python -m recipes.plan calibrate --out system.json      # on a GPU machine
 
 Enumerates the legal layouts (PP, DP, EP over DP, micro-batch size and count, schedule, recompute,
-FP8, EPLB slots), drops those that do not fit (memory from ``training.memory``, as ``recipes.train
+FP8, EPLB slots), drops those that do not fit (memory from ``planner.memory``, as ``recipes.train
 --dry-run``), times the rest with the per-operation model and ``dualpipe.simulator``, and prints them
 ranked. ``--model`` is a preset, a Hugging Face ``config.json`` or a training TOML (whose other
 settings the written config keeps); ``--set`` changes it as ``recipes.train --set`` does.
@@ -31,10 +31,9 @@ from accel.cli import (
 )
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
-from training.config import TrainConfig, load_config
-from training.planner.calibrate import main as calibrate_main
-from training.planner.costs import RECOMPUTE_POLICIES
-from training.planner.search import (
+from planner.calibrate import main as calibrate_main
+from planner.costs import RECOMPUTE_POLICIES
+from planner.search import (
     LAYOUT_KEYS,
     SEARCH_SCHEDULES,
     Evaluation,
@@ -46,7 +45,8 @@ from training.planner.search import (
     to_config,
     tokens_per_step,
 )
-from training.planner.system import System, known_systems, load_system
+from planner.system import System, known_systems, load_system
+from training.config import TrainConfig, load_config
 from training.trainer import model_args
 
 _INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb")

@@ -85,7 +85,7 @@ def dry_run(cfg, world: int, device: str | None = None) -> None:
     """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory on
     ``device`` (``--device``, e.g. H800) with a fits / does-not-fit verdict.
     Data files absent from this machine (a cluster path checked from a laptop) are reported, not fatal."""
-    from training.memory import estimate, format_estimate
+    from planner.memory import estimate, format_estimate
     from training.parallel import describe
     from training.trainer import check_static, missing_data
 

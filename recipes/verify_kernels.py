@@ -8,17 +8,17 @@
     python -m recipes.verify_kernels --bench-shapes       # plus the realistic GPU shapes (GPU only)
     python -m recipes.verify_kernels --ops toy.axpby --seed 123 --seed 456   # replay failing seeds
 
-(installed as ``dsv3-verify-kernels``). Each candidate file runs in a child process of its own (``accel.sandbox``),
+(installed as ``dsv3-verify-kernels``). Each candidate file runs in a child process of its own (``verifier.sandbox``),
 also under --candidate: a candidate that exits (``sys.exit``, ``os._exit``, any status), crashes (a segfault,
 an uncaught exception, a kill) or runs past --timeout (default 600 s; the child's whole process group is then
 killed) fails a gate with the reason in the table and the JSON; the verdict is what the harness in the child
 reported over a private channel, never the child's exit status or output. On a cpu the kernels run in the
 Triton interpreter (TRITON_INTERPRET=1 is set here when unset): correctness is checked, timings mean nothing.
 Candidate files are scored by MusaCoder's four gates (compiles, correct, no_fallback, faster), each
-reported on its own; formats and gates are described in ``accel.candidate`` and docs/foundation.md.
+reported on its own; formats and gates are described in ``verifier.candidate`` and docs/foundation.md.
 Exit status: 0 every gate measurable here passed, 1 a gate failed (or a kernel package failed to
 import), 2 bad input (unusable files or arguments; nothing to verify). Registered ops are checked by
-``accel.verify``.
+``verifier.verify``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _interpreter_on_cpu() -> None:
 
 def verify_files(args: argparse.Namespace) -> int:
     """--candidate/--reference: the four gates on one candidate, in a child process (``run_one``)."""
-    from accel import candidate
+    from verifier import candidate
 
     doc = run_one(args, Path(args.candidate), Path(args.reference))
     verdict = candidate.verdict_from_dict(doc)
@@ -125,7 +125,7 @@ def verify_files(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> NoReturn:
     """The sandboxed child: verify in this process, report each stage and the verdict to the parent."""
-    from accel import candidate, sandbox
+    from verifier import candidate, sandbox
 
     if os.isatty(0):
         raise SystemExit("error: --worker is the sandboxed child's mode, started by --candidate/--suite only")
@@ -165,10 +165,10 @@ def _worker_argv(args: argparse.Namespace, cand: Path, ref: Path) -> list[str]:
 
 
 def run_one(args: argparse.Namespace, cand: Path, ref: Path) -> dict:
-    """One candidate in its own process (``accel.sandbox``): its verdict as a dict (``Verdict.to_dict()`` plus
+    """One candidate in its own process (``verifier.sandbox``): its verdict as a dict (``Verdict.to_dict()`` plus
     ``seconds``, and ``output_tail`` when the child ended without a verdict). An exit, crash, kill or hang costs
     only this verdict, and is a failed gate: the one the harness had reached (``STAGE_GATE``)."""
-    from accel import candidate, sandbox
+    from verifier import candidate, sandbox
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     outcome = sandbox.run(_worker_argv(args, cand, ref), timeout=args.timeout, env=env)
@@ -203,7 +203,7 @@ def run_one(args: argparse.Namespace, cand: Path, ref: Path) -> dict:
 
 
 def verify_suite(args: argparse.Namespace) -> int:
-    from accel import candidate
+    from verifier import candidate
 
     try:
         pairs = suite_problems(args.suite)
@@ -225,7 +225,7 @@ def verify_suite(args: argparse.Namespace) -> int:
             if v["status"] == "fail":
                 print(f"FAIL {Path(d['candidate']).parent.name}/{Path(d['candidate']).name} {g}: {v['message']}")
     if args.json:
-        from accel.report import context
+        from verifier.report import context
 
         Path(args.json).write_text(json.dumps({"title": "kernel verification suite", "context": context(),
                                                "summary": candidate.suite_summary(verdicts), "verdicts": docs},
@@ -275,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return verify_files(args)
     if args.suite:
         return verify_suite(args)
-    from accel import registry, verify
+    from accel import registry
+    from verifier import verify
 
     problems = []
     # Only the packages the globs can select: `--ops toy.*` neither waits for nor depends on deep_gemm.
@@ -302,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [{"op": name, "impl": info["impl"], "verify_shapes": len(registry.get(name).verify.shapes)
                  if registry.get(name).verify else 0, "reason": info["reason"]}
                 for name, info in registry.report().items()]
-        print(accel.report.format_table(rows) if rows else "no kernel ops are registered")
+        print(verify.format_table(rows) if rows else "no kernel ops are registered")
         return EXIT_FAILED if problems else EXIT_OK
     if not registered:
         print("error: no kernel ops are registered: nothing to verify (the kernel packages deep_gemm and flash_mla "

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import accel
-from accel import verify
 from tests import toy_kernels
+from verifier import verify
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 

@@ -221,8 +221,8 @@ def test_fp8_selection_agrees_with_fp32_selection():
 def test_memory_model_warmup_keeps_gradients_and_moments_of_the_indexers_only():
     """The memory model of the DSA warm-up: weights as the sparse stage, gradients and AdamW moments of the
     indexer parameters alone (what ``freeze_all_but_indexers`` leaves to the optimizer), counted on the model."""
+    from planner.memory import estimate
     from tests import matrix
-    from training.memory import estimate
     from training.trainer import model_args
 
     sets = ["model.overrides.index_topk=4", "model.overrides.index_n_heads=4", "model.overrides.index_head_dim=16"]
@@ -274,8 +274,8 @@ def test_planner_dsa_terms_match_their_definitions():
     """``dsa_ops``' FLOPs against the sums they stand for: the sparse core over each causal query's min(i + 1, k)
     keys at ``2 h (576 + 512)`` per key, the indexer logits over every causal key at ``2 H_I D_I``; and the sparse
     stage is cheaper than dense attention at long sequences, not at short ones."""
-    from training.planner.costs import OpTimer, Workload, block_durations, dsa_ops, mean_keys
-    from training.planner.system import load_system
+    from planner.costs import OpTimer, Workload, block_durations, dsa_ops, mean_keys
+    from planner.system import load_system
 
     for s, k in ((7, 3), (4096, 2048), (1000, 1000), (300, 512)):
         assert mean_keys(s, k) == pytest.approx(sum(min(i + 1, k) for i in range(s)) / s, rel=1e-12)

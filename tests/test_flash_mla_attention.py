@@ -6,9 +6,9 @@ import torch
 
 import flash_mla
 from accel import registry
-from accel.verify import calc_diff
 from flash_mla.attention import mla_attention_reference
 from flash_mla.kernels.attention import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS
+from verifier.verify import calc_diff
 
 
 def _float64_attention(q, k, v, causal, scale):

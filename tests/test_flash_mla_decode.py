@@ -12,10 +12,10 @@ import torch
 
 import flash_mla
 from accel import registry
-from accel.verify import calc_diff
 from flash_mla.decode import compare_decode, flash_mla_with_kvcache_reference, make_paged_case
 from flash_mla.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8, split_fp8_cache
 from flash_mla.metadata import BLOCK_SIZE
+from verifier.verify import calc_diff
 
 
 def _case(seqlens, s_q=1, h_q=16, h_kv=1, fp8=False, seed=0, dtype=torch.bfloat16):

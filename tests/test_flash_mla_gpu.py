@@ -9,9 +9,9 @@ import torch
 import accel
 import flash_mla
 from accel import registry
-from accel.verify import calc_diff
 from flash_mla.attention import mla_attention_reference
 from flash_mla.decode import compare_decode, flash_mla_with_kvcache_reference, make_paged_case
+from verifier.verify import calc_diff
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -14,7 +14,6 @@ import torch
 import accel
 import flash_mla
 from accel import registry
-from accel.verify import calc_diff
 from flash_mla.kernels import sparse as kernels
 from flash_mla.sparse import (
     compare_sparse,
@@ -24,6 +23,7 @@ from flash_mla.sparse import (
     sparse_mla_attention_backward_reference,
     sparse_mla_attention_reference,
 )
+from verifier.verify import calc_diff
 
 LOG2E = 1.4426950408889634
 

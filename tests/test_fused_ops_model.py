@@ -19,8 +19,8 @@ from deep_gemm import calc_diff
 from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
 from models.deepseek_v3.indexer import Indexer
 from models.deepseek_v3.rope import rope_cos_sin
+from planner import memory_measure
 from tests.test_model import randomize
-from training import memory_measure
 
 FUSED_OPS = ("fused_ops.rmsnorm", "fused_ops.swiglu", "fused_ops.rope", "fused_ops.permute_gather",
              "fused_ops.unpermute_sum", "fused_ops.route", "fused_ops.rmsnorm_backward", "fused_ops.swiglu_backward",
@@ -71,7 +71,7 @@ def test_fused_model_matches_the_unfused_model(recompute, only_fused_kernels):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("recompute", [(), ("v3",)], ids=["plain", "v3"])
 def test_fused_ops_keep_no_more_activation_memory_per_token(recompute, fp8):
-    """The memory model's own measurement (``training.memory_measure``, GPU path on the meta device) of one MoE
+    """The memory model's own measurement (``planner.memory_measure``, GPU path on the meta device) of one MoE
     block: what it keeps for backward and its transient peak, with and without the fused ops."""
     args = ModelArgs.preset("debug", recompute=recompute, fp8=fp8)
     fused = memory_measure.block(args.replace(fused_ops=True), 1, 2, 64, 2, True)

@@ -26,10 +26,10 @@ INT32_LIMIT = 2**31
 
 def _decode_case(fp8: bool) -> dict:
     import flash_mla
-    from accel.verify import calc_diff
     from flash_mla.decode import compare_decode, flash_mla_with_kvcache_reference, make_paged_case
     from flash_mla.kernels.decode import flash_mla_decode_triton
     from flash_mla.metadata import BLOCK_SIZE
+    from verifier.verify import calc_diff
 
     g = torch.Generator().manual_seed(5)
     seqlens = [150, 40]
@@ -50,9 +50,9 @@ def _decode_case(fp8: bool) -> dict:
 
 
 def _attention_case() -> dict:
-    from accel.verify import calc_diff
     from flash_mla.attention import mla_attention_reference
     from flash_mla.kernels.attention import mla_attention_triton
+    from verifier.verify import calc_diff
 
     g = torch.Generator().manual_seed(7)
     lens, dqk, dv, stride = [34, 6], 48, 32, 2**26  # rows from 33 on (and the 2nd sequence's start) pass 2^31
@@ -78,9 +78,9 @@ def _attention_case() -> dict:
 
 
 def _gemm_case() -> dict:
-    from accel.verify import calc_diff
     from deep_gemm.kernels import gemm
     from deep_gemm.reference import cast_tiles, fp8_gemm_nt_reference
+    from verifier.verify import calc_diff
 
     g = torch.Generator().manual_seed(9)
     m, n, k, stride = 32, 128, 256, 2**27  # A's rows from 16 on pass 2^31 (1-byte elements)

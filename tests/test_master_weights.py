@@ -229,7 +229,7 @@ def test_memory_model_counts_bf16_weights_fp32_grads_and_sharded_masters():
     """Per rank of the 671B layout: weights 2 B/param instead of 4, gradients still 4 B/param, and the optimizer
     item grows by exactly the 4 B/param master over its ZeRO-1 shards (dense / dp, experts / (dp / ep)); the
     dry run's header says so, and every rank fits the H800 with the allocator margin included."""
-    from training.memory import estimate, format_estimate
+    from planner.memory import estimate, format_estimate
     from training.trainer import model_args
 
     path = "recipes/configs/deepseek_v3_671b.toml"

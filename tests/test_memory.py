@@ -1,4 +1,4 @@
-"""The per-rank memory model (``training.memory``) and the optimizer options it counts (BF16 moments, host EMA)."""
+"""The per-rank memory model (``planner.memory``) and the optimizer options it counts (BF16 moments, host EMA)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from training import memory_measure
+from planner import memory_measure
+from planner.memory import GiB, estimate, format_estimate
+from planner.memory_measure import LiveBytes
 from training.config import load_config
-from training.memory import GiB, estimate, format_estimate
-from training.memory_measure import LiveBytes
 from training.optim import AdamW, optimizer_spec
 from training.trainer import model_args
 

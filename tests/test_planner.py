@@ -1,4 +1,4 @@
-"""The parallel-strategy planner (training/planner, recipes/plan): time model against independent counts,
+"""The parallel-strategy planner (planner, recipes/plan): time model against independent counts,
 system files, legality and memory shared with the dry run, the CLI, and the schedule assembly against
 the real runtime (dualpipe.bench's sleep stages over gloo)."""
 
@@ -18,12 +18,8 @@ from dualpipe.ir import Action, Overlap
 from dualpipe.schedules import build
 from dualpipe.simulator import Costs, program, simulate
 from models.deepseek_v3 import ModelArgs
-from recipes import plan
-from tests.dist_utils import current_load
-from training.config import load_config
-from training.memory import estimate
-from training.planner import Request, Space, evaluate, load_system, search
-from training.planner.costs import (
+from planner import Request, Space, evaluate, load_system, search
+from planner.costs import (
     Durations,
     OpTimer,
     Workload,
@@ -31,8 +27,12 @@ from training.planner.costs import (
     attention_core,
     block_durations,
 )
-from training.planner.search import Layout, StageCosts, assemble, layouts, to_config
-from training.planner.system import SYSTEMS_DIR, known_systems, system_from_json
+from planner.memory import estimate
+from planner.search import Layout, StageCosts, assemble, layouts, to_config
+from planner.system import SYSTEMS_DIR, known_systems, system_from_json
+from recipes import plan
+from tests.dist_utils import current_load
+from training.config import load_config
 from training.trainer import model_args
 
 V3 = ModelArgs()
@@ -359,7 +359,7 @@ def test_calibrate_measure_writes_a_loadable_system_file(tmp_path):
     """The measuring code runs on any device; on the CPU with tiny shapes it must produce a valid file."""
     import torch
 
-    from training.planner.calibrate import measure
+    from planner.calibrate import measure
 
     args = ModelArgs.preset("debug_tiny")
     got = measure(load_system("H100"), args, tokens=64, seq_len=32, ep=2, device=torch.device("cpu"),

@@ -10,13 +10,13 @@ import math
 import pytest
 
 from models.deepseek_v3 import ModelArgs
+from planner import load_system
+from planner.costs import FP8_SCALE_BYTES, OpTimer, Workload, block_durations, gemm, memory_op
+from planner.memory import FP8_VALUE_BYTES, estimate
+from planner.published import RUNS, TOLERANCE, V3_STEP_MS, predict
+from planner.search import Layout, Request, expected_max_normal, straggler_factor, to_config
+from planner.system import KERNEL_CLASSES, SYSTEMS_DIR, known_systems, system_from_json
 from recipes.plan import base_config
-from training.memory import FP8_VALUE_BYTES, estimate
-from training.planner import load_system
-from training.planner.costs import FP8_SCALE_BYTES, OpTimer, Workload, block_durations, gemm, memory_op
-from training.planner.published import RUNS, TOLERANCE, V3_STEP_MS, predict
-from training.planner.search import Layout, Request, expected_max_normal, straggler_factor, to_config
-from training.planner.system import KERNEL_CLASSES, SYSTEMS_DIR, known_systems, system_from_json
 
 V3 = ModelArgs()
 # the row the model misses (it predicts it 15.2% fast; benchmarks/planner.md): strict, so a fix shows up
@@ -27,7 +27,7 @@ KNOWN_MISSES = {"deepseekv2_tp1_ep4_pp2_dp4_l4_mbc4_cef"}
     strict=True, reason="DeepSeek-V2 proxy ep4 pp2 mbc4: predicted 15.2% fast")] if r.name in KNOWN_MISSES else [])
     for r in RUNS])
 def test_published_runs_within_tolerance_with_the_shipped_files(run):
-    """Held out: no figure of a shipped file was fitted to these rows (``training.planner.published``)."""
+    """Held out: no figure of a shipped file was fitted to these rows (``planner.published``)."""
     ev = predict(run, base_config("deepseek_v3_671b", list(run.model_sets)))
     assert ev.status == "ok", ev.reason
     err = ev.step_time_s * 1e3 / run.measured_ms - 1

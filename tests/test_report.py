@@ -1,11 +1,11 @@
-"""accel.report (the table and context every report prints) and its re-export in recipes.benchutil."""
+"""verifier.report (the table and context every report prints) and its re-export in recipes.benchutil."""
 
 from __future__ import annotations
 
 import json
 
-from accel import report
 from recipes import benchutil
+from verifier import report
 
 
 def test_format_table_aligns_and_formats():

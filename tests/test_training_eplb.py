@@ -321,7 +321,7 @@ def test_recipe_eplb_without_expert_parallelism_fails_before_training(tmp_path, 
 
 def test_memory_estimate_counts_the_redundant_slots():
     """``--dry-run``'s per-rank estimate: each EP rank holds (8 + 2) / 2 = 5 expert slots instead of 4."""
-    from training.memory import estimate
+    from planner.memory import estimate
     from training.trainer import model_args
 
     off, on = _cfg(), _cfg(EPLB)

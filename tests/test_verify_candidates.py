@@ -1,4 +1,4 @@
-"""accel.candidate: the four gates on candidate files, and every reward hack of issue 16 caught by its gate.
+"""verifier.candidate: the four gates on candidate files, and every reward hack of issue 16 caught by its gate.
 
 Each cheating candidate is a small file under tests/verify_hacks/ (real @triton.jit kernels, run by the CPU
 interpreter); each test names the gate that must catch it and the message it must give. The honest
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel import candidate, fallback
-from accel.candidate import FAIL, NOT_MEASURABLE, PASS
 from recipes import verify_kernels
+from verifier import candidate, fallback
+from verifier.candidate import FAIL, NOT_MEASURABLE, PASS
 
 HACKS = Path(__file__).parent / "verify_hacks"
 AXPY, MATMUL = HACKS / "axpy_ref.py", HACKS / "matmul_ref.py"
@@ -62,7 +62,7 @@ HACK_CASES = [
     ("hack_patch_timer", AXPY, "no_fallback", r"the candidate replaced torch\.cuda\.Event, time\.perf_counter when "
                                               r"imported"),
     ("hack_patch_allclose", AXPY, "no_fallback", r"the candidate replaced torch\.allclose when imported"),
-    ("hack_patch_harness", AXPY, "no_fallback", r"the candidate replaced accel\.candidate\._compare when imported"),
+    ("hack_patch_harness", AXPY, "no_fallback", r"the candidate replaced verifier\.candidate\._compare when imported"),
     ("hack_low_precision", AXPY, "correct", r"out: \d+ of 960 elements outside atol=rtol=0\.0001"),
     # seed 0's answer against another seed's inputs: an element may fall inside the tolerance by chance
     ("hack_hardcoded", AXPY, "correct", r"out: 9\d\d of 960 elements outside atol=rtol=0\.0001"),

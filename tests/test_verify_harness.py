@@ -1,4 +1,4 @@
-"""accel.verify against deliberately broken toy kernels: each fault must be caught, the correct kernel must pass.
+"""verifier.verify against deliberately broken toy kernels: each fault must be caught, the correct kernel must pass.
 
 The toy ops (tests/toy_kernels.py) are real @triton.jit kernels run by the CPU interpreter. Edge cases of
 the checker itself (dtypes, shapes, integer outputs, NaN patterns, aliasing, custom compares) use plain
@@ -14,9 +14,10 @@ import re
 import pytest
 import torch
 
-from accel import fallback, registry, verify
+from accel import registry
 from accel.registry import Case, VerifySpec
 from tests import toy_kernels
+from verifier import fallback, verify
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The project's own registered ops under the stricter fall-back gate (accel.fallback via accel.verify):
+"""The project's own registered ops under the stricter fall-back gate (verifier.fallback via verifier.verify):
 every deep_gemm, flash_mla and fused_ops Triton path launches its kernels, runs no PyTorch compute beyond its
 VerifySpec's declared allow-list, and writes its outputs with its own launches.
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from accel import registry, verify
+from accel import registry
+from verifier import verify
 
 registry.load_all()
 OPS = verify.select_ops(["deep_gemm.*", "flash_mla.*", "fused_ops.*"])

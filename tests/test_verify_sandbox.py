@@ -1,5 +1,5 @@
 """Sandboxed kernel candidates (issue 25, item 5): ``recipes.verify_kernels`` runs every candidate in a child
-process of its own (``accel.sandbox``), under --candidate as under --suite. A candidate that exits (any
+process of its own (``verifier.sandbox``), under --candidate as under --suite. A candidate that exits (any
 status), crashes, raises past the harness, hangs (also ignoring SIGTERM, also with a grandchild) or forges a
 result fails a gate with the reason in the table and the JSON, and the command exits 1, never 0.
 
@@ -25,7 +25,7 @@ from recipes import verify_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 HACKS = REPO / "tests" / "verify_hacks"
-SANDBOX = REPO / "accel" / "sandbox.py"
+SANDBOX = REPO / "verifier" / "sandbox.py"
 
 # The honest axpy_good passes through the sandbox in test_verify_candidates.py::test_cli_exit_codes_and_json.
 CANDIDATES = {
@@ -209,7 +209,7 @@ def test_bad_json_path_and_timeout_are_refused_before_any_work(tmp_path, capsys)
         assert info.value.code == 2 and err.count("\n") == 1 and re.search(expected, err), err
 
 
-# ----------------------------------------------------------------------------- accel.sandbox on its own
+# ----------------------------------------------------------------------------- verifier.sandbox on its own
 
 
 def _child(body: str) -> list[str]:
@@ -222,7 +222,7 @@ def _child(body: str) -> list[str]:
 
 
 def _sandbox():
-    from accel import sandbox
+    from verifier import sandbox
 
     return sandbox
 

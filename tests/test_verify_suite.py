@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel import candidate, verify
 from recipes import verify_kernels
+from verifier import candidate, verify
 
 SUITE = Path(__file__).parent / "verify_suite"
 PAIRS = verify_kernels.suite_problems(SUITE)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.search import Evaluation, Layout, Request, evaluate
+from planner.system import load_system
 from training.config import TrainConfig
-from training.planner.search import Evaluation, Layout, Request, evaluate
-from training.planner.system import load_system
 
 TOLERANCE = 0.15  # |predicted - measured| / measured, the bar for a plan a user can size a job with
 

@@ -1,6 +1,6 @@
 """Plain-text tables and the run context that every report (benchmarks, kernel verification) starts with.
 
-It lives in ``accel`` because both the verification harness (``accel.verify``) and the benchmark
+It lives in ``accel`` because both the verification harness (``verifier.verify``) and the benchmark
 recipes (``recipes.benchutil``) print through it, and ``accel`` may not import ``recipes``.
 """
 

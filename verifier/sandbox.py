@@ -17,7 +17,7 @@ and printing a fake verdict on stdout or into the descriptor is ignored or flagg
 
 Limits, stated plainly: the candidate runs in the same Python process as the harness, so a deliberately
 malicious candidate can read the token from the harness's memory (or stdin's buffer) and forge a result,
-or patch the harness; the in-process integrity checks of ``accel.candidate`` catch the common patches, not
+or patch the harness; the in-process integrity checks of ``verifier.candidate`` catch the common patches, not
 all. A process that leaves the group (``setsid``, a double fork into a new session) escapes the kill. What
 is guaranteed: exits, crashes, kills and hangs are failures, never a pass, and the parent always returns.
 """

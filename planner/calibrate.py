@@ -32,8 +32,8 @@ from accel.cli import ArgumentParser, check_output_file, positive_int
 from accel.timing import do_bench
 from flash_mla import mla_attention
 from models.deepseek_v3 import ModelArgs
-from training.planner.costs import Op, attention_core, attention_ops, ffn_ops, gemm
-from training.planner.system import PASSES, System, load_system
+from planner.costs import Op, attention_core, attention_ops, ffn_ops, gemm
+from planner.system import PASSES, System, load_system
 
 
 def model_shapes(args: ModelArgs, tokens: int, seq_len: int, ep: int) -> list[Op]:

@@ -1,6 +1,6 @@
 """What the model's pieces keep for backward and their transient peaks, measured by running them.
 
-The memory model (``training.memory``) takes its activation bytes from here instead of a hand-kept list
+The memory model (``planner.memory``) takes its activation bytes from here instead of a hand-kept list
 of saved tensors: each piece (one ``Block``, its attention half, the routed experts of one expert-parallel
 rank, an MTP module's input projection, a loss head) runs forward and backward at the layout's real shapes
 on the ``meta`` device, where nothing is allocated and a V3 layer takes milliseconds. A change to the model changes the
@@ -219,7 +219,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _value(self, t: torch.Tensor) -> torch.Tensor:
         if t not in self.values:
-            raise RuntimeError(f"training.memory_measure: the model reads the value of a {t.dtype} meta tensor of "
+            raise RuntimeError(f"planner.memory_measure: the model reads the value of a {t.dtype} meta tensor of "
                                f"shape {tuple(t.shape)} on the host (item(), int(), .tolist()); only integer tensors "
                                "made from known integers (indices, the router's top-k) have values here")
         return self.values[t]

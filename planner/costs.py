@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.args import RECOMPUTE_ALIASES
-from training.planner.system import System
+from planner.system import System
 
 BF16 = 2
 # scale bytes per FP8 value of an activation: blockwise one fp32 per 1x128 tile, MXFP8 one UE8M0 byte per 1x32 block

@@ -14,7 +14,7 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
 - **activations**: the bytes each (stage, micro-batch) keeps for backward, *measured*: every block, MTP
   module and loss head of the stage runs forward and backward at the config's micro-batch shape on the
-  ``meta`` device (``training.memory_measure``: the model's own code, the GPU kernels' wrappers on an
+  ``meta`` device (``planner.memory_measure``: the model's own code, the GPU kernels' wrappers on an
   accelerator, the PyTorch references on a CPU; balanced routing), counting the storages still alive after
   its forward; summed over the (stage, micro-batch) pairs alive at once on the rank, walking each rank's
   schedule from ``dualpipe.schedules`` (1F1B: pp - rank, DualPipe: pp + 1, ...);
@@ -46,9 +46,9 @@ from dualpipe.ir import Overlap
 from dualpipe.schedules import built, min_microbatches
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
-from training import memory_measure as measure
+from planner import memory_measure as measure
+from planner.memory_measure import Measured
 from training.config import TrainConfig
-from training.memory_measure import Measured
 from training.optim import STEP_CHUNK, is_expert_param
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
 from training.trainer import model_args
@@ -275,7 +275,7 @@ def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, p: Precision, 
 def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:
     """(bytes one micro-batch keeps on each stage, the most bytes alive on top of those while one of its pieces
     runs, per-piece detail: the largest bytes one micro-batch keeps in each kind of piece), measured
-    (``training.memory_measure``) at the config's micro-batch shape; the layers' pieces keep their own input
+    (``planner.memory_measure``) at the config's micro-batch shape; the layers' pieces keep their own input
     (the block before hands it on), the last stage adds the loss heads and the MTP modules."""
     par, data = cfg.parallel, cfg.data
     seq, mb = data.seq_len, data.micro_batch
@@ -469,7 +469,7 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
     par = cfg.parallel
     slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
     parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len, p.act, p.attention == "flash", slots)
-    lines.append("measured per micro-batch, saved for backward (MiB; training.memory_measure, on meta): " + ", ".join(
+    lines.append("measured per micro-batch, saved for backward (MiB; planner.memory_measure, on meta): " + ", ".join(
         f"{k} {m.saved / 2**20:.1f}" for k, m in parts.items()) + f" (routed experts: {slots} slots of one EP rank)")
     if est.capacity_bytes is not None:
         share, fixed = ALLOCATOR_MARGIN

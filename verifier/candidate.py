@@ -22,10 +22,10 @@ The gates, each reported on its own (``Gate.status``: pass, fail, not measurable
 2. correct: on at least 5 fresh seeds, inputs unchanged, outputs of the reference's shapes and
    dtypes, every element within ``atol = rtol = tolerance`` (by output dtype: fp32 1e-4,
    bf16/fp16 1e-2, fp8 1e-1, integers exact; KernelBench's current values) and block-wise
-   ``calc_diff`` (``accel.verify.tensor_error``) <= the same tolerance. ``empty`` allocations are
+   ``calc_diff`` (``accel.numerics.tensor_error``) <= the same tolerance. ``empty`` allocations are
    NaN-poisoned, so an unwritten element fails. The first seed runs twice on the same inputs: a
    cached result keyed by pointer or shape is caught by the repeat or the next seed.
-3. no_fallback: ``accel.fallback.record_call`` around every call: no PyTorch operator beyond
+3. no_fallback: ``verifier.fallback.record_call`` around every call: no PyTorch operator beyond
    allocation, views and the allow-list; outputs written by the candidate's own Triton launches
    (none launched, an output produced by a PyTorch op, a cached tensor or an input all fail); no
    launch from another thread or onto a side stream; no registered reference called; and nothing
@@ -55,10 +55,11 @@ from typing import Any
 
 import torch
 
-from accel import fallback, registry, verify
+from accel import numerics, registry
 from accel.backend import backend, default_device, synchronize
-from accel.report import format_table
 from accel.timing import do_bench
+from verifier import fallback, verify
+from verifier.report import format_table
 
 GATES = ("compiles", "correct", "no_fallback", "faster")
 STAGES = ("reference", "compiles", "correct", "faster")  # what verify_candidate's progress callback names
@@ -389,21 +390,21 @@ def _compare(got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Te
             if bad:
                 problems.append(f"{name}: {bad} of {w.numel()} elements differ (integer outputs must match exactly)")
             continue
-        g64, w64 = verify._as_float64(g), verify._as_float64(w)
+        g64, w64 = numerics._as_float64(g), numerics._as_float64(w)
         unwritten = int((~torch.isfinite(g64) & torch.isfinite(w64)).sum())
         if unwritten:
             problems.append(f"{name}: {unwritten} of {w.numel()} elements NaN/Inf where the reference is finite "
                             "(unwritten? outputs start NaN-poisoned)")
             errors[name] = (math.inf, tol)
             continue
-        if not torch.equal(verify._nonfinite_code(g64), verify._nonfinite_code(w64)):
+        if not torch.equal(numerics._nonfinite_code(g64), numerics._nonfinite_code(w64)):
             problems.append(f"{name}: NaN/Inf in other places than the reference's")
             errors[name] = (math.inf, tol)
             continue
         both = torch.isfinite(g64) & torch.isfinite(w64)
         excess = ((g64 - w64).abs() - (tol + tol * w64.abs()))[both]
         n_bad = int((excess > 0).sum())
-        diff = verify.tensor_error(g, w)
+        diff = numerics.tensor_error(g, w)
         worst = float((g64 - w64)[both].abs().max()) if both.any() else 0.0
         errors[name] = (diff, tol)
         if n_bad:

@@ -3,7 +3,7 @@
 A layout is the ``[parallel]`` section plus the micro-batching and the memory switches of a training
 config. Each is turned into the very ``TrainConfig`` ``recipes.train`` would run (``to_config``), so
 legality is ``training.config.validate`` + ``training.trainer.check_layout`` and memory is
-``training.memory.estimate``: plan, dry run and launch agree by construction. Time: per-stage
+``planner.memory.estimate``: plan, dry run and launch agree by construction. Time: per-stage
 durations from ``costs`` fed to ``dualpipe.simulator`` for the layout's real schedule (so bubbles are
 the schedule's, not a closed form), stretched by the expected slowest node (``straggler_factor``), then
 the ZeRO-1 gradient reduce-scatter / parameter all-gather and the optimizer step, which our runtime runs
@@ -23,9 +23,7 @@ from dualpipe.ir import Overlap
 from dualpipe.schedules import SCHEDULES
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
-from training.config import TrainConfig, validate
-from training.memory import RankMemory, estimate, precision
-from training.planner.costs import (
+from planner.costs import (
     BF16,
     RECOMPUTE_POLICIES,
     Durations,
@@ -34,7 +32,9 @@ from training.planner.costs import (
     part_durations,
     recompute_kinds,
 )
-from training.planner.system import System
+from planner.memory import RankMemory, estimate, precision
+from planner.system import System
+from training.config import TrainConfig, validate
 from training.stages import num_model_stages, split_layers
 from training.trainer import check_layout
 
@@ -103,7 +103,7 @@ class Request:
     global_batch: int
     imbalance: float = 1.0  # expert load max / mean without EPLB
     # model.fp8_recipe of the FP8 GEMMs (blockwise: V3's 1x128 / 128x128; mxfp8: 1x32 UE8M0). The planner takes
-    # it here until the config carries the field; training.memory.estimate reads the same value.
+    # it here until the config carries the field; planner.memory.estimate reads the same value.
     fp8_recipe: str = "blockwise"
 
     def __post_init__(self) -> None:

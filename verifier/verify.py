@@ -10,7 +10,7 @@ For each op in ``accel.registry`` and each shape of its ``VerifySpec``, on sever
    returns through ``registry.empty`` start as NaN too. An element the kernel never writes fails.
 3. The kernel runs through the registry with Triton forced (a fall-back or ``Unsupported`` fails);
    ``registry.reference_call_count()`` before and after proves no reference of any op ran inside it,
-   and ``accel.fallback.record_call`` proves that at least one Triton kernel was launched, that no
+   and ``verifier.fallback.record_call`` proves that at least one Triton kernel was launched, that no
    PyTorch operator beyond allocation, views and ``VerifySpec.allow`` ran, and that every output was
    last written by a kernel launch.
 4. Every input tensor is compared bit for bit (NaN-aware) with the untouched original.
@@ -45,11 +45,13 @@ from typing import Any
 
 import torch
 
-from accel import fallback, registry, specs
+from accel import registry, specs
 from accel.backend import backend, default_device, device_name, synchronize
+from accel.numerics import BLOCK_GRID, _as_float64, blockwise_diff, calc_diff, tensor_error  # noqa: F401 - scored with these
 from accel.registry import Case, KernelOp
-from accel.report import CPU_TIMING_NOTE, context, format_table
 from accel.timing import do_bench
+from verifier import fallback
+from verifier.report import CPU_TIMING_NOTE, context, format_table
 
 # Repeats for do_bench: on a GPU enough runs for a stable median; on the cpu (interpreter) as few as
 # possible, since those timings only show that the timing path works.
@@ -95,84 +97,6 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
-
-
-# ----------------------------------------------------------------------------- numerics
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's similarity error ``1 - 2*sum(x*y) / sum(x*x + y*y)`` in float64 (0 = identical).
-
-    Scale-aware (2x the reference gives 0.2) and 0 for two all-zero tensors.
-    """
-    x, y = x.detach().to(torch.float64), y.detach().to(torch.float64)
-    denominator = (x * x + y * y).sum()
-    if denominator == 0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denominator)
-
-
-BLOCK_GRID = 8  # blockwise_diff tiles (leading dims flattened) x (last dim) into up to 8 x 8 blocks
-
-
-def blockwise_diff(x: torch.Tensor, y: torch.Tensor, grid: int = BLOCK_GRID) -> float:
-    """calc_diff that a wrong tile cannot hide in: the worst block's error, and never less than calc_diff.
-
-    calc_diff equals sum((x-y)^2) / sum(x^2 + y^2), so one garbage 64x64 tile in a 4096x4096 output
-    moves it by only ~2e-4, under a 1e-3 tolerance. Here each block's squared error is divided by the
-    larger of its own energy and its fair share of the whole tensor's energy (numel_block / numel),
-    so a wrong tile scores ~1/64 or more, while a block of near-zero reference values with tiny
-    absolute errors is not blown up into a false failure. For uniform errors this equals calc_diff.
-    """
-    x, y = x.detach().to(torch.float64), y.detach().to(torch.float64)
-    total = (x * x + y * y).sum()
-    if total == 0:
-        return 0.0
-    worst = calc_diff(x, y)
-    if x.dim() == 0:
-        return worst
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    rows, cols = x2.shape
-    if rows * cols == 0:
-        return worst
-    for xr, yr in zip(x2.tensor_split(min(grid, rows), 0), y2.tensor_split(min(grid, rows), 0)):
-        for xb, yb in zip(xr.tensor_split(min(grid, cols), 1), yr.tensor_split(min(grid, cols), 1)):
-            fair_share = total * xb.numel() / x2.numel()
-            energy = torch.maximum((xb * xb + yb * yb).sum(), fair_share)
-            worst = max(worst, float(((xb - yb) ** 2).sum() / energy))
-    return worst
-
-
-def _as_float64(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.element_size() == 1:  # fp8: go through fp32, the cast every backend implements
-        t = t.to(torch.float32)
-    return t.to(torch.float64)
-
-
-def _nonfinite_code(t: torch.Tensor) -> torch.Tensor:
-    """0 for NaN, +1 for +Inf, -1 for -Inf, 2 for finite: equal codes = equal non-finite pattern."""
-    return torch.where(torch.isnan(t), 0, torch.where(torch.isinf(t), torch.sign(t).to(torch.int64), 2))
-
-
-def tensor_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Error of one output: blockwise_diff over the finite elements for floats (inf when NaN/Inf
-    positions differ), the fraction of differing elements for integers and bools."""
-    if got.shape != want.shape:
-        return math.inf
-    if not (want.is_floating_point() or want.is_complex()):
-        if got.numel() == 0:
-            return 0.0
-        return float((got.detach().to(torch.int64) != want.detach().to(torch.int64)).double().mean())
-    g, w = _as_float64(got), _as_float64(want)
-    if not torch.equal(_nonfinite_code(g), _nonfinite_code(w)):
-        return math.inf
-    finite = torch.isfinite(w)
-    zero = torch.zeros((), dtype=torch.float64, device=w.device)
-    # Non-finite positions already agree; zeroing them on both sides keeps the layout for the blocks.
-    return blockwise_diff(torch.where(finite, g, zero), torch.where(finite, w, zero))
 
 
 def default_compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
