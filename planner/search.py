@@ -39,6 +39,14 @@ from training.stages import num_model_stages, split_layers
 from training.trainer import check_layout
 
 SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
+# The time terms a step is built from beyond the roofline and the simulated schedule, each switchable so that
+# ``planner.loo`` can keep a term only if it lowers the leave-one-out error against the public runs:
+# memory_latency: the system file's fixed cost per memory-bound kernel; a2a_latency: the all-to-all's fixed cost per
+# call by group size; gradient_passes: the optimizer's passes over the whole gradient buffer; straggler: the stretch
+# by the slowest node; dp_comm: the exposed ZeRO-1 / DP collectives after the pipeline.
+TIME_TERMS = ("memory_latency", "a2a_latency", "gradient_passes", "straggler", "dp_comm")
+# the terms the planner uses: those leave-one-out kept (benchmarks/planner.md, "Leave-one-out")
+DEFAULT_TERMS = frozenset(TIME_TERMS)
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
                "zero1")
 
@@ -77,6 +85,9 @@ class Evaluation:
     peak_bytes: int = 0
     ranks: list[RankMemory] = field(default_factory=list)
     sim: SimResult | None = None  # the simulated pipeline (single evaluations only; a search keeps figures)
+    # the step's parts in seconds (pipeline before stragglers, straggler factor, dp_comm, optimizer step without
+    # and with the gradient passes' share): what planner.loo recombines with terms switched off
+    parts: dict[str, float] = field(default_factory=dict)
 
     def row(self) -> dict:
         """The JSON record of this layout (``--json``)."""
@@ -105,8 +116,12 @@ class Request:
     # model.fp8_recipe of the FP8 GEMMs (blockwise: V3's 1x128 / 128x128; mxfp8: 1x32 UE8M0). The planner takes
     # it here until the config carries the field; planner.memory.estimate reads the same value.
     fp8_recipe: str = "blockwise"
+    terms: frozenset[str] = DEFAULT_TERMS  # the TIME_TERMS this request's step times include
 
     def __post_init__(self) -> None:
+        unknown = set(self.terms) - set(TIME_TERMS)
+        if unknown:
+            raise ValueError(f"time terms: unknown {sorted(unknown)}; expected some of {', '.join(TIME_TERMS)}")
         g = self.system.gpus_per_node
         if self.gpus < 1 or self.gpus % g and self.gpus > g:
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of --gpus-per-node {g} "
@@ -117,6 +132,15 @@ class Request:
         if not self.imbalance >= 1.0:
             raise ValueError(f"--expert-imbalance is the busiest expert's load over the mean, so >= 1.0; "
                              f"got {self.imbalance}")
+
+    def timing_system(self) -> System:
+        """The system file with the fixed costs of switched-off terms at zero (what the op timer sees)."""
+        s = self.system
+        if "memory_latency" not in self.terms:
+            s = dataclasses.replace(s, memory_latency_us=0.0)
+        if "a2a_latency" not in self.terms:
+            s = dataclasses.replace(s, all_to_all_latency_us={})
+        return s
 
 
 @dataclass(frozen=True)
@@ -270,7 +294,8 @@ def _ring_seconds(system: System, nbytes: float, ranks: int, span_nodes: bool, f
 GRADIENT_PASSES = 4  # zero (write), scale by 1 / dp (read + write), global norm (read): full buffer, every step
 
 
-def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory]) -> tuple[float, float]:
+def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory],
+                      passes: int = GRADIENT_PASSES) -> tuple[float, float]:
     """(DP communication, optimizer step) seconds after the pipeline, on the slowest pipeline rank.
 
     Dense gradients reduce over the stage's ``dp`` ranks, expert gradients over its ``dp / ep`` replicas
@@ -278,7 +303,7 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     all-gathers the updated parameters, without ZeRO-1 they are all-reduced; with FP32 masters
     (``optim.master_dtype``) the gradients travel in FP32, the gathered BF16 working weights in BF16. The step
     reads gradient, moments (and master) and writes parameter, moments (and master) of its shard, after
-    ``GRADIENT_PASSES`` passes over the rank's whole gradient buffer (``training.trainer.train_step``: zeroed
+    ``passes`` (``GRADIENT_PASSES``) passes over the rank's whole gradient buffer (``training.trainer.train_step``: zeroed
     before the step, scaled by 1 / dp around its reduction, read for the global norm; Megatron-Core's step
     makes the same four, as SimuMax accounts it).
     """
@@ -302,7 +327,7 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
         moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
         # read g, (master), m, v; write p, (master), m, v
         traffic = shard * (gbytes + 2 * master + 4 * moment_bytes + pbytes + (0 if master else 2 * pbytes))
-        traffic += GRADIENT_PASSES * (dense + expert) * gbytes
+        traffic += passes * (dense + expert) * gbytes
         comm = max(comm, c)
         step = max(step, traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory")))
     return comm, step
@@ -335,14 +360,20 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
         figures = pipeline_cache[key]
     makespan, busy, exposed = figures
     dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
-    makespan *= straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
+    opt_bare = optimizer_seconds(req, lay, cfg, ranks, passes=0)[1]
+    stretch = straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
+    breakdown = {"pipeline": makespan, "straggler": stretch, "dp_comm": dp_comm, "optimizer": opt_bare,
+             "optimizer_with_passes": opt}
+    makespan *= stretch if "straggler" in req.terms else 1.0
+    dp_comm *= "dp_comm" in req.terms
+    opt = opt if "gradient_passes" in req.terms else opt_bare
     step = makespan + dp_comm + opt
     flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
     tokens = req.global_batch * req.seq_len
     return Evaluation(lay, "ok", step_time_s=step, tokens_per_s=tokens / step,
                       mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),
                       bubble_fraction=(makespan - busy) / makespan, exposed_comm_s=exposed + dp_comm,
-                      peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim)
+                      peak_bytes=max(r.total_bytes for r in ranks), ranks=ranks, sim=sim, parts=breakdown)
 
 
 @functools.lru_cache(maxsize=64)
@@ -400,7 +431,7 @@ def evaluate(req: Request, lay: Layout, timer: OpTimer | None = None, block_cach
                           peak_bytes=peak, ranks=ranks)
     if not timed:
         return Evaluation(lay, "ok", peak_bytes=peak, ranks=ranks)
-    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.system, req.fp8_recipe),
+    return time_layout(req, lay, args, cfg, ranks, timer or OpTimer(req.timing_system(), req.fp8_recipe),
                        {} if block_cache is None else block_cache, pipeline_cache)
 
 
@@ -411,7 +442,7 @@ def search(req: Request, args: ModelArgs, space: Space) -> list[Evaluation]:
     parameter dtype where its BF16-moment twin fits, is only slower and larger, so it is reported as
     dominated instead of timed; a fixed ``recompute`` or ``moments`` is always timed.
     """
-    timer, cache, pipelines = OpTimer(req.system, req.fp8_recipe), {}, {}
+    timer, cache, pipelines = OpTimer(req.timing_system(), req.fp8_recipe), {}, {}
     out: list[Evaluation] = []
     fits: set[tuple] = set()
     for lay in layouts(req, args, space):
