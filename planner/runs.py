@@ -3,7 +3,9 @@
 Each record names its source (repository, file or issue, commit or date, and the figures read there), the system
 (a shipped system file) and GPU count, the model (a preset plus ``recipes.train --set`` overrides), the layout in
 Megatron's terms (TP, PP, VPP, EP, DP, CP, micro-batch, global batch, sequence length, schedule, recompute,
-precision, optimizer moments, ZeRO-1, FSDP), the routing (forced-balanced, natural, or unstated by the source) and
+precision, optimizer moments, ZeRO-1, FSDP, and whether the source's runtime overlaps one micro-batch's EP
+all-to-all with another's compute outside the schedule, as Megatron's ``overlap_moe_expert_parallel_comm`` does),
+the routing (forced-balanced, natural, or unstated by the source) and
 what was measured (step time or tokens/s per GPU) and how. A run whose layout or model the planner cannot express
 carries ``run.excluded`` with the reason; it stays on record and out of the fit. Runs sharing ``run.group`` repeat
 one layout (a resumed run, a rerun) and are left out together. The schema is in the folder's README.md;
@@ -12,9 +14,10 @@ one layout (a resumed run, a rerun) and are left out together. The schema is in 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from planner.search import Layout, Request
 from planner.system import known_systems, load_system
@@ -37,11 +40,11 @@ _SECTIONS = {
     "system": {"gpu": str, "gpus": int},
     "model": {"name": str, "preset": str, "sets": list},
     "layout": {**dict.fromkeys(_INT_KEYS, int), "schedule": str, "recompute": str, "precision": str, "moments": str,
-               "zero1": bool, "fsdp": bool},
+               "zero1": bool, "fsdp": bool, "ep_overlap": bool},
     "run": {"routing": str, "measured": str, "value": float, "how": str, "group": str, "excluded": str},
 }
-_OPTIONAL = {("source", "commit"), ("source", "date"), ("model", "preset"), ("model", "sets"), ("run", "group"),
-             ("run", "excluded")}
+_OPTIONAL = {("layout", "ep_overlap"), ("source", "commit"), ("source", "date"), ("model", "preset"),
+             ("model", "sets"), ("run", "group"), ("run", "excluded")}
 
 
 def family(gpu: str) -> str:
@@ -133,6 +136,7 @@ def run_from_toml(doc: dict, name: str, where: str) -> Run:
     if get["system", "gpus"] < 1:
         raise ValueError(f"{where}: system.gpus must be >= 1, got {get['system', 'gpus']}")
     layout = {k: get["layout", k] for k in _SECTIONS["layout"]}
+    layout["ep_overlap"] = bool(layout["ep_overlap"])
     for k in _INT_KEYS:
         if layout[k] < 1:
             raise ValueError(f"{where}: layout.{k} must be a positive integer, got {layout[k]}")

@@ -45,8 +45,9 @@ SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
 # call by group size; gradient_passes: the optimizer's passes over the whole gradient buffer; straggler: the stretch
 # by the slowest node; dp_comm: the exposed ZeRO-1 / DP collectives after the pipeline.
 TIME_TERMS = ("memory_latency", "a2a_latency", "gradient_passes", "straggler", "dp_comm")
-# the terms the planner uses: those leave-one-out kept (benchmarks/planner.md, "Leave-one-out")
-DEFAULT_TERMS = frozenset(TIME_TERMS)
+# the terms the planner uses: those leave-one-out kept (``recipes.plan_loo``, benchmarks/planner.md "Leave-one-out";
+# memory_latency went: with it the mean absolute leave-one-out error over the public runs is higher)
+DEFAULT_TERMS = frozenset(TIME_TERMS) - {"memory_latency"}
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
                "zero1")
 
@@ -85,8 +86,9 @@ class Evaluation:
     peak_bytes: int = 0
     ranks: list[RankMemory] = field(default_factory=list)
     sim: SimResult | None = None  # the simulated pipeline (single evaluations only; a search keeps figures)
-    # the step's parts in seconds (pipeline before stragglers, straggler factor, dp_comm, optimizer step without
-    # and with the gradient passes' share): what planner.loo recombines with terms switched off
+    # the step's parts in seconds (pipeline before stragglers and its exposed communication on the busiest rank,
+    # straggler factor, dp_comm, optimizer step without and with the gradient passes' share): what planner.loo
+    # recombines with terms switched off
     parts: dict[str, float] = field(default_factory=dict)
 
     def row(self) -> dict:
@@ -303,8 +305,8 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     all-gathers the updated parameters, without ZeRO-1 they are all-reduced; with FP32 masters
     (``optim.master_dtype``) the gradients travel in FP32, the gathered BF16 working weights in BF16. The step
     reads gradient, moments (and master) and writes parameter, moments (and master) of its shard, after
-    ``passes`` (``GRADIENT_PASSES``) passes over the rank's whole gradient buffer (``training.trainer.train_step``: zeroed
-    before the step, scaled by 1 / dp around its reduction, read for the global norm; Megatron-Core's step
+    ``passes`` (``GRADIENT_PASSES``) passes over the rank's whole gradient buffer (``training.trainer.train_step``:
+    zeroed before the step, scaled by 1 / dp around its reduction, read for the global norm; Megatron-Core's step
     makes the same four, as SimuMax accounts it).
     """
     s, g = req.system, req.system.gpus_per_node
@@ -362,8 +364,8 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
     opt_bare = optimizer_seconds(req, lay, cfg, ranks, passes=0)[1]
     stretch = straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
-    breakdown = {"pipeline": makespan, "straggler": stretch, "dp_comm": dp_comm, "optimizer": opt_bare,
-             "optimizer_with_passes": opt}
+    breakdown = {"pipeline": makespan, "exposed_pipeline_comm": exposed, "microbatches": lay.microbatches,
+                 "straggler": stretch, "dp_comm": dp_comm, "optimizer": opt_bare, "optimizer_with_passes": opt}
     makespan *= stretch if "straggler" in req.terms else 1.0
     dp_comm *= "dp_comm" in req.terms
     opt = opt if "gradient_passes" in req.terms else opt_bare

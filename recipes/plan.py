@@ -31,8 +31,10 @@ from accel.cli import (
 )
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
+from planner.band import band_for, load_residuals
 from planner.calibrate import main as calibrate_main
 from planner.costs import RECOMPUTE_POLICIES
+from planner.runs import family
 from planner.search import (
     LAYOUT_KEYS,
     SEARCH_SCHEDULES,
@@ -154,6 +156,24 @@ def format_table(evals: list[Evaluation], top: int) -> str:
     return "\n".join(lines)
 
 
+def print_band(req: Request, evals: list[Evaluation]) -> None:
+    """Each row's step time and tokens/s per GPU calibrated on the public runs, with the band their leave-one-out
+    residuals give (``planner.band``), and a warning when the question lies outside every run seen."""
+    best = evals[0]
+    flops_per_token = best.mfu * best.step_time_s * req.gpus * req.system.bf16_tflops * 1e12 / tokens_per_step(req)
+    band = band_for(load_residuals(), req.system.name, req.gpus, flops_per_token)
+    names = ", ".join(band.nearest[:3]) + (f" and {len(band.nearest) - 3} more" if len(band.nearest) > 3 else "")
+    print(f"calibrated on the public runs (compute scale {band.scale:.3f} for {family(req.system.name)}), band from "
+          f"the leave-one-out residuals of the {len(band.nearest)} nearest ({names}):")
+    for i, e in enumerate(evals, 1):
+        cal, lo, hi = band.step(e, req)
+        tok, tok_lo, tok_hi = band.tokens_per_gpu(e, req)
+        print(f"{i:>3} {str(e.layout):<52} step {cal:.4g} s [{lo:.4g}, {hi:.4g}]   tokens/s/GPU {tok:.4g} "
+              f"[{tok_lo:.4g}, {tok_hi:.4g}]")
+    if band.outside:
+        print(f"warning: this question lies outside every public run the planner has seen: {band.outside}")
+
+
 def check_outputs(ns: argparse.Namespace) -> None:
     """Every output path, before the search runs (a folder or a missing parent is refused by name)."""
     for option, path in (("--json", ns.json), ("--write-config", ns.write_config), ("--trace", ns.trace)):
@@ -218,6 +238,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                          "the nearest misses are listed above")
     print(format_table(evals, ns.top))
     best = fit[0]
+    print_band(req, fit[:min(ns.top, 5)])
     if ns.tokens:
         steps = ns.tokens / tokens_per_step(req)
         print(f"{ns.tokens:.3g} training tokens = {steps:,.0f} steps: {steps * best.step_time_s / 86400:.1f} days "

@@ -1,0 +1,82 @@
+"""An error band on every answer: the leave-one-out residuals of the public runs nearest to the question.
+
+``recipes.plan_loo`` writes, for each public run the planner can express, its GPU family, GPU count, size
+(training FLOPs per token) and leave-one-out ratio measured / predicted, plus the compute scale per family fitted
+on all runs (``planner.loo.residuals``). A question's nearest runs are those of its GPU family whose size is
+within ``SIZE_FACTOR`` of its own; its calibrated step is the planner's with the pipeline part scaled by the
+family's figure, and its band is that step times the smallest and largest ratio of the nearest runs. Where no
+run shares the family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it
+lies outside every run it has seen (and the band comes from the runs it falls back on).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.runs import RUNS_DIR, family
+from planner.search import Evaluation, Request, tokens_per_step
+
+RESIDUALS = RUNS_DIR / "loo.json"
+SIZE_FACTOR = 3.0  # a run is of a "similar size" within this factor of the question's training FLOPs per token
+
+
+@dataclass(frozen=True)
+class Band:
+    """Calibration and band for one question (a system, a GPU count, a model size)."""
+
+    scale: float  # the family's compute scale on the pipeline part
+    low: float  # smallest measured / predicted ratio of the nearest runs
+    high: float  # largest
+    nearest: tuple[str, ...]  # the runs the band comes from
+    outside: str  # why the question lies outside every run seen ("" when it does not)
+
+    def step(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
+        """(calibrated step, low, high) seconds of ``ev``."""
+        pipe = ev.parts["pipeline"] * (ev.parts["straggler"] if "straggler" in req.terms else 1.0)
+        cal = ev.step_time_s + (self.scale - 1.0) * pipe
+        return cal, cal * self.low, cal * self.high
+
+    def tokens_per_gpu(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
+        """(calibrated, low, high) tokens/s per GPU of ``ev`` (low from the slow end of the band)."""
+        cal, lo, hi = self.step(ev, req)
+        per = tokens_per_step(req) / req.gpus
+        return per / cal, per / hi, per / lo
+
+
+def load_residuals(path: Path = RESIDUALS) -> dict:
+    """The residuals document; ValueError naming the file when it is missing or malformed."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if not (isinstance(doc["runs"], list) and doc["runs"] and isinstance(doc["scales"], dict)):
+            raise KeyError("runs")
+    except FileNotFoundError:
+        raise ValueError(f"{str(path)!r}: no leave-one-out residuals; run python -m recipes.plan_loo") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{str(path)!r}: not a residuals file of recipes.plan_loo ({exc})") from None
+    return doc
+
+
+def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Band:
+    """The band of a question on ``gpus`` GPUs of the shipped system ``gpu`` at ``flops_per_token``."""
+    runs, fam = residuals["runs"], family(gpu)
+    same = [r for r in runs if r["family"] == fam]
+    why = []
+    if not same:
+        why.append(f"no public run on a {fam} GPU (band from all {len(runs)} runs)")
+        same = runs
+    near = [r for r in same if abs(math.log(r["flops_per_token"] / flops_per_token)) <= math.log(SIZE_FACTOR)]
+    if not near:
+        lo, hi = (min(r["flops_per_token"] for r in same), max(r["flops_per_token"] for r in same))
+        why.append(f"its size ({flops_per_token / 1e9:.3g} GFLOP per token) is beyond {SIZE_FACTOR:g}x of the runs' "
+                   f"{lo / 1e9:.3g}-{hi / 1e9:.3g}")
+        near = sorted(same, key=lambda r: abs(math.log(r["flops_per_token"] / flops_per_token)))[:3]
+    counts = [r["gpus"] for r in near]
+    if not min(counts) <= gpus <= max(counts):
+        why.append(f"{gpus} GPUs lies beyond the nearest runs' {min(counts)}-{max(counts)}")
+    ratios = [r["ratio"] for r in near]
+    scales = residuals["scales"]
+    return Band(scales.get(fam, scales["*"]), min(ratios), max(ratios), tuple(r["name"] for r in near),
+                "; ".join(why))

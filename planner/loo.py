@@ -1,0 +1,197 @@
+"""Leave-one-out against the public runs: which time terms and calibrated figures earn their place, and how far
+off the planner is on runs it never saw.
+
+For every run the planner can express (``planner.runs``) the step is evaluated once per setting of the two terms
+that act inside the op timer (``memory_latency``, ``a2a_latency``); the other terms act on the step's parts
+(``Evaluation.parts``), so a step with any set of ``TIME_TERMS`` is recombined from those four evaluations
+without timing the layout again. The one calibrated figure is a per-GPU-family ``compute scale`` on the pipeline
+part: the median over the family's runs of (measured - per-step parts) / pipeline, fitted only on the runs
+not left out (``family_scale`` is itself a term: without it the scale is 1).
+
+Leave-one-out: each run (with the runs of its ``group``: repeats of one layout) is left out in turn, the scales
+are fitted on the rest, the held-out run is predicted. ``select`` keeps a term only if dropping it does not lower
+the leave-one-out error (backward elimination on the mean absolute error, ties kept by dropping: fewer terms);
+``nested`` repeats the whole selection inside each fold, so the held-out run also plays no part in choosing the
+terms. ``table`` is the markdown ``recipes.plan_loo`` writes into ``benchmarks/planner.md``; ``residuals`` is
+what ``recipes.plan`` reads to put a band on its answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from dataclasses import dataclass
+
+from planner.runs import Run
+from planner.search import TIME_TERMS, evaluate
+from training.config import TrainConfig
+
+# candidates for leave-one-out selection: the planner's time terms; ep_overlap, which credits a run whose runtime
+# overlaps EP all-to-alls across micro-batches (``layout.ep_overlap``) with hiding its exposed pipeline
+# communication but the first micro-batch's (nothing of our runtime: it keeps the fit from blaming kernels for
+# another runtime's overlap); family_scale, the calibrated figure
+TERMS = (*TIME_TERMS, "ep_overlap", "family_scale")
+TIMER_TERMS = ("memory_latency", "a2a_latency")  # act inside the op timer: one evaluation per setting
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One run's step parts for each setting of the timer terms, and what the planner knows of the question."""
+
+    run: Run
+    by_timer: dict  # frozenset of TIMER_TERMS on -> Evaluation.parts
+    flops_per_token: float  # training FLOPs per token (the planner's count): the run's size
+
+
+def evaluate_run(run: Run, base: TrainConfig) -> Parts:
+    """The four evaluations of ``run`` (``base``: its model as a training config; memory is not checked: the run
+    fitted on its machine)."""
+    by_timer, flops = {}, math.nan
+    for on in itertools.product((False, True), repeat=len(TIMER_TERMS)):
+        timer = frozenset(t for t, o in zip(TIMER_TERMS, on) if o)
+        req = run.request(base, timer | (frozenset(TIME_TERMS) - frozenset(TIMER_TERMS)))
+        roomy = dataclasses.replace(req.system, memory_gib=1e9)  # the run fitted: time it whatever our estimate
+        ev = evaluate(dataclasses.replace(req, system=roomy), run.planner_layout())
+        if ev.status != "ok":
+            raise ValueError(f"{run.name}: the planner cannot time its layout ({ev.status}: {ev.reason}); "
+                             "mark it run.excluded with that reason")
+        by_timer[timer] = ev.parts
+        flops = ev.mfu * ev.step_time_s * run.gpus * req.system.bf16_tflops * 1e12 / (
+            run.layout["global_batch"] * run.layout["seq_len"])
+    return Parts(run, by_timer, flops)
+
+
+def split(p: Parts, terms: frozenset[str]) -> tuple[float, float]:
+    """(pipeline part incl. stragglers, per-step part) in seconds of ``p``'s step with ``terms`` on."""
+    q = p.by_timer[frozenset(terms) & frozenset(TIMER_TERMS)]
+    pipe = q["pipeline"]
+    if "ep_overlap" in terms and p.run.layout["ep_overlap"]:
+        pipe -= q["exposed_pipeline_comm"] * (1.0 - 1.0 / q["microbatches"])
+    pipe *= q["straggler"] if "straggler" in terms else 1.0
+    rest = (q["dp_comm"] if "dp_comm" in terms else 0.0) + (
+        q["optimizer_with_passes"] if "gradient_passes" in terms else q["optimizer"])
+    return pipe, rest
+
+
+def fit_scales(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
+    """Per family: median of (measured - per-step part) / pipeline part over ``parts`` (1.0 without
+    ``family_scale``); ``"*"``: the same over all of them, for families with no run."""
+    if "family_scale" not in terms or not parts:
+        return {"*": 1.0}
+    ratio = {}
+    for p in parts:
+        pipe, rest = split(p, terms)
+        ratio.setdefault(p.run.family, []).append((p.run.measured_step_s - rest) / pipe)
+    out = {f: statistics.median(v) for f, v in ratio.items()}
+    out["*"] = statistics.median(x for v in ratio.values() for x in v)
+    return out
+
+
+def predict(p: Parts, terms: frozenset[str], scales: dict[str, float]) -> float:
+    pipe, rest = split(p, terms)
+    return pipe * scales.get(p.run.family, scales["*"]) + rest
+
+
+def loo_errors(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
+    """Run name -> (predicted - measured) / measured with its group left out of the fit."""
+    out = {}
+    for p in parts:
+        train = [q for q in parts if q.run.group != p.run.group]
+        out[p.run.name] = predict(p, terms, fit_scales(train, terms)) / p.run.measured_step_s - 1
+    return out
+
+
+def score(errors: dict[str, float]) -> float:
+    return statistics.fmean(abs(e) for e in errors.values())
+
+
+def select(parts: list[Parts], start: frozenset[str] = frozenset(TERMS)) -> tuple[frozenset[str], list[tuple]]:
+    """Backward elimination: drop the term whose removal lowers the leave-one-out score most (a tie drops it),
+    until none does. Returns the kept terms and the steps ``(term, score with it, score without)``."""
+    kept, steps = frozenset(start), []
+    while kept:
+        now = score(loo_errors(parts, kept))
+        trials = sorted((score(loo_errors(parts, kept - {t})), t) for t in sorted(kept))
+        best, term = trials[0]
+        if best > now:
+            break
+        steps.append((term, now, best))
+        kept = kept - {term}
+    return kept, steps
+
+
+def nested(parts: list[Parts]) -> dict[str, float]:
+    """Leave-one-out with the term selection inside each fold: run name -> held-out error."""
+    out = {}
+    for p in parts:
+        train = [q for q in parts if q.run.group != p.run.group]
+        kept, _ = select(train)
+        out[p.run.name] = predict(p, kept, fit_scales(train, kept)) / p.run.measured_step_s - 1
+    return out
+
+
+def ablation(parts: list[Parts], kept: frozenset[str]) -> dict[str, float]:
+    """Leave-one-out score with each candidate term toggled against ``kept``."""
+    return {t: score(loo_errors(parts, kept ^ {t})) for t in TERMS}
+
+
+def residuals(parts: list[Parts], kept: frozenset[str]) -> dict:
+    """What ``recipes.plan`` needs for its band: the kept terms, the scales fitted on every run, and each run's
+    family, size, GPU count and leave-one-out ratio measured / predicted (JSON-ready)."""
+    errors = loo_errors(parts, kept)
+    return {"terms": sorted(kept), "scales": fit_scales(parts, kept),
+            "runs": [{"name": p.run.name, "gpu": p.run.gpu, "family": p.run.family, "gpus": p.run.gpus,
+                      "flops_per_token": p.flops_per_token, "ratio": 1.0 / (1.0 + errors[p.run.name])}
+                     for p in parts]}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def _summary(errors: dict[str, float]) -> tuple[float, float]:
+    a = [abs(e) for e in errors.values()]
+    return statistics.median(a), max(a)
+
+
+def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: list[tuple],
+          nested_errors: dict[str, float], target: tuple[float, float] = (0.10, 0.20)) -> str:
+    """The markdown section: per run, per family, overall; the selection steps; the runs kept out of the fit."""
+    everything = frozenset(TERMS)
+    errs, all_terms = loo_errors(parts, kept), loo_errors(parts, everything)
+    raw = {p.run.name: predict(p, frozenset(TIME_TERMS), {"*": 1.0}) / p.run.measured_step_s - 1 for p in parts}
+    lines = ["| run | GPUs | model | measured s | shipped model (no fit) | LOO, all terms | LOO, kept terms | "
+             "nested LOO |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for p in sorted(parts, key=lambda p: (p.run.family, p.run.name)):
+        r = p.run
+        lines.append(f"| {r.name} | {r.gpus} x {r.gpu} | {r.model} | {r.measured_step_s:.3f} | {_pct(raw[r.name])} | "
+                     f"{_pct(all_terms[r.name])} | {_pct(errs[r.name])} | {_pct(nested_errors[r.name])} |")
+    lines += ["", "| family | runs | median abs, kept | worst abs, kept | median abs, nested | worst abs, nested | "
+              "target met (>= 3 runs: median <= 10%, worst <= 20%) |", "|---|---:|---:|---:|---:|---:|---|"]
+    fams = sorted({p.run.family for p in parts})
+    for fam in [*fams, "all"]:
+        names = [p.run.name for p in parts if fam in ("all", p.run.family)]
+        m, w = _summary({n: errs[n] for n in names})
+        nm, nw = _summary({n: nested_errors[n] for n in names})
+        if len(names) < 3:
+            verdict = "n/a (< 3 runs)"
+        else:
+            miss = [n for n in names if abs(errs[n]) > target[1]]
+            verdict = "yes" if m <= target[0] and not miss else f"no: {', '.join(miss) or 'median'}"
+        lines.append(f"| {fam} | {len(names)} | {100 * m:.1f}% | {100 * w:.1f}% | {100 * nm:.1f}% | {100 * nw:.1f}% | "
+                     f"{verdict} |")
+    lines += ["", f"Kept terms: {', '.join(sorted(kept)) or 'none'}. Dropped, in order (mean abs LOO error with "
+              "the term -> without):"]
+    lines += [f"- {t}: {100 * a:.2f}% -> {100 * b:.2f}%" for t, a, b in steps] or ["- none"]
+    abl = ablation(parts, kept)
+    lines += ["", "Each term toggled against the kept set (mean abs LOO error): "
+              + ", ".join(f"{t} {'off' if t in kept else 'on'} {100 * v:.2f}%" for t, v in abl.items())
+              + f"; kept set {100 * score(errs):.2f}%."]
+    scales = fit_scales(parts, kept)
+    lines += ["", "Compute scale per family, fitted on every run: "
+              + ", ".join(f"{f} {v:.3f}" for f, v in sorted(scales.items()) if f != "*") + "."]
+    lines += ["", "Runs kept out of the fit (recorded, with the reason):", ""]
+    lines += [f"- {r.name} ({r.gpus} x {r.gpu}, {r.model}): {r.excluded}" for r in excluded]
+    return "\n".join(lines)
