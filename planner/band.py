@@ -4,7 +4,8 @@
 (training FLOPs per token) and leave-one-out ratio measured / predicted, plus the compute scale per family fitted
 on all runs (``planner.loo.residuals``). A question's nearest runs are those of its GPU family whose size is
 within ``SIZE_FACTOR`` of its own; its calibrated step is the planner's with the pipeline part scaled by the
-family's figure, and its band is that step times the smallest and largest ratio of the nearest runs. Where no
+family's figure, and its band is that step times the smallest and largest ratio of the nearest runs (of every
+run, too, when fewer than ``MIN_NEAREST`` are near: a spread of two or three runs says little). Where no
 run shares the family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it
 lies outside every run it has seen (and the band comes from the runs it falls back on).
 """
@@ -21,6 +22,7 @@ from planner.search import Evaluation, Request, tokens_per_step
 
 RESIDUALS = RUNS_DIR / "loo.json"
 SIZE_FACTOR = 3.0  # a run is of a "similar size" within this factor of the question's training FLOPs per token
+MIN_NEAREST = 5  # with fewer nearest runs their spread says little: the band also spans every run's residual
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Band:
     high: float  # largest
     nearest: tuple[str, ...]  # the runs the band comes from
     outside: str  # why the question lies outside every run seen ("" when it does not)
+    widened: bool  # fewer than MIN_NEAREST nearest runs: the band spans every run's residual too
 
     def step(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
         """(calibrated step, low, high) seconds of ``ev``."""
@@ -76,7 +79,7 @@ def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Ba
     counts = [r["gpus"] for r in near]
     if not min(counts) <= gpus <= max(counts):
         why.append(f"{gpus} GPUs lies beyond the nearest runs' {min(counts)}-{max(counts)}")
-    ratios = [r["ratio"] for r in near]
+    ratios = [r["ratio"] for r in (near if len(near) >= MIN_NEAREST else near + runs)]
     scales = residuals["scales"]
     return Band(scales.get(fam, scales["*"]), min(ratios), max(ratios), tuple(r["name"] for r in near),
-                "; ".join(why))
+                "; ".join(why), len(near) < MIN_NEAREST)

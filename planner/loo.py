@@ -24,6 +24,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from planner.band import band_for
 from planner.runs import Run
 from planner.search import TIME_TERMS, evaluate
 from training.config import TrainConfig
@@ -137,6 +138,18 @@ def ablation(parts: list[Parts], kept: frozenset[str]) -> dict[str, float]:
     return {t: score(loo_errors(parts, kept ^ {t})) for t in TERMS}
 
 
+def band_holds(parts: list[Parts], kept: frozenset[str]) -> dict[str, tuple[float, float, float]]:
+    """Does the band hold for a run it never saw? Per run: its group left out, the residuals and scales are
+    rebuilt from the others (``residuals``), the run is predicted and banded as ``recipes.plan`` would
+    (``planner.band``). Run name -> (measured / predicted, band low, band high)."""
+    out = {}
+    for p in parts:
+        train = [q for q in parts if q.run.group != p.run.group]
+        band = band_for(residuals(train, kept), p.run.gpu, p.run.gpus, p.flops_per_token)
+        out[p.run.name] = (p.run.measured_step_s / predict(p, kept, fit_scales(train, kept)), band.low, band.high)
+    return out
+
+
 def residuals(parts: list[Parts], kept: frozenset[str]) -> dict:
     """What ``recipes.plan`` needs for its band: the kept terms, the scales fitted on every run, and each run's
     family, size, GPU count and leave-one-out ratio measured / predicted (JSON-ready)."""
@@ -162,12 +175,16 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
     everything = frozenset(TERMS)
     errs, all_terms = loo_errors(parts, kept), loo_errors(parts, everything)
     raw = {p.run.name: predict(p, frozenset(TIME_TERMS), {"*": 1.0}) / p.run.measured_step_s - 1 for p in parts}
+    held = band_holds(parts, kept)
     lines = ["| run | GPUs | model | measured s | shipped model (no fit) | LOO, all terms | LOO, kept terms | "
-             "nested LOO |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "nested LOO | measured / LOO prediction in its LOO band |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for p in sorted(parts, key=lambda p: (p.run.family, p.run.name)):
         r = p.run
+        ratio, lo, hi = held[r.name]
+        inside = "yes" if lo <= ratio <= hi else "**no**"
         lines.append(f"| {r.name} | {r.gpus} x {r.gpu} | {r.model} | {r.measured_step_s:.3f} | {_pct(raw[r.name])} | "
-                     f"{_pct(all_terms[r.name])} | {_pct(errs[r.name])} | {_pct(nested_errors[r.name])} |")
+                     f"{_pct(all_terms[r.name])} | {_pct(errs[r.name])} | {_pct(nested_errors[r.name])} | "
+                     f"{inside}: {ratio:.3f} in [{lo:.3f}, {hi:.3f}] |")
     lines += ["", "| family | runs | median abs, kept | worst abs, kept | median abs, nested | worst abs, nested | "
               "target met (>= 3 runs: median <= 10%, worst <= 20%) |", "|---|---:|---:|---:|---:|---:|---|"]
     fams = sorted({p.run.family for p in parts})
@@ -182,6 +199,9 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
             verdict = "yes" if m <= target[0] and not miss else f"no: {', '.join(miss) or 'median'}"
         lines.append(f"| {fam} | {len(names)} | {100 * m:.1f}% | {100 * w:.1f}% | {100 * nm:.1f}% | {100 * nw:.1f}% | "
                      f"{verdict} |")
+    covered = sum(lo <= x <= hi for x, lo, hi in held.values())
+    lines += ["", f"The band held for {covered} of {len(held)} runs it never saw (each run's group left out of the "
+              "scales, the residuals and the band)."]
     lines += ["", f"Kept terms: {', '.join(sorted(kept)) or 'none'}. Dropped, in order (mean abs LOO error with "
               "the term -> without):"]
     lines += [f"- {t}: {100 * a:.2f}% -> {100 * b:.2f}%" for t, a, b in steps] or ["- none"]

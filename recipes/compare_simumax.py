@@ -8,7 +8,7 @@ sequence 4096, micro-batch 1. SimuMax uses its shipped ``deepseekv3.json`` and m
 ``b200_bf16_ceperm.json``; ours uses our shipped B200 file, whose per-shape efficiencies are that file's
 measurements (its ``sources`` say which), so the remaining gap is the models'. Where SimuMax's release
 table (``docs/b200/b200_release_v1.2_summary.md``) has a real Megatron measurement of the case, it is
-printed beside both (``planner.published`` holds those rows for the held-out test).
+printed beside both (``benchmarks/planner_runs`` holds those rows for the leave-one-out test).
 """
 
 from __future__ import annotations

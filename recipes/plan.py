@@ -164,7 +164,8 @@ def print_band(req: Request, evals: list[Evaluation]) -> None:
     band = band_for(load_residuals(), req.system.name, req.gpus, flops_per_token)
     names = ", ".join(band.nearest[:3]) + (f" and {len(band.nearest) - 3} more" if len(band.nearest) > 3 else "")
     print(f"calibrated on the public runs (compute scale {band.scale:.3f} for {family(req.system.name)}), band from "
-          f"the leave-one-out residuals of the {len(band.nearest)} nearest ({names}):")
+          f"the leave-one-out residuals of the {len(band.nearest)} nearest ({names})"
+          + (", widened to every run's as they are few" if band.widened else "") + ":")
     for i, e in enumerate(evals, 1):
         cal, lo, hi = band.step(e, req)
         tok, tok_lo, tok_hi = band.tokens_per_gpu(e, req)
