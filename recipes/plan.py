@@ -169,8 +169,8 @@ def print_band(req: Request, evals: list[Evaluation]) -> None:
     for i, e in enumerate(evals, 1):
         cal, lo, hi = band.step(e, req)
         tok, tok_lo, tok_hi = band.tokens_per_gpu(e, req)
-        print(f"{i:>3} {str(e.layout):<52} step {cal:.4g} s [{lo:.4g}, {hi:.4g}]   tokens/s/GPU {tok:.4g} "
-              f"[{tok_lo:.4g}, {tok_hi:.4g}]")
+        print(f"{i:>3} {str(e.layout):<52} step {cal:.4g} s (band {lo:.4g} to {hi:.4g})   tokens/s/GPU {tok:.4g} "
+              f"(band {tok_lo:.4g} to {tok_hi:.4g})")
     if band.outside:
         print(f"warning: this question lies outside every public run the planner has seen: {band.outside}")
 

@@ -154,7 +154,7 @@ def _plan(capsys, *argv: str) -> str:
 
 
 def _band_rows(out: str) -> list[tuple[float, float, float, float, float, float]]:
-    pat = r"step (\S+) s \[(\S+), (\S+)\]\s+tokens/s/GPU (\S+) \[(\S+), (\S+)\]"
+    pat = r"step (\S+) s \(band (\S+) to (\S+)\)\s+tokens/s/GPU (\S+) \(band (\S+) to (\S+)\)"
     return [tuple(float(x) for x in m) for m in re.findall(pat, out)]
 
 
