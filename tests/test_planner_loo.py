@@ -38,7 +38,7 @@ def test_shipped_records_cover_the_issue_bar():
     runs = load_runs()
     assert len(runs) >= 20
     fit = [r for r in runs if not r.excluded]
-    assert {r.gpu for r in runs} >= {"H100", "H800", "B200", "GB200", "GB300"}
+    assert {r.gpu for r in runs} >= {"H100", "H800", "B200", "B300", "GB200", "GB300"}
     assert len({r.family for r in runs}) >= 3 and len({r.model for r in runs}) >= 4
     assert len({r.model for r in fit}) >= 3 and len({r.family for r in fit}) >= 2
     for r in runs:  # every record names where its figure was read
@@ -47,7 +47,7 @@ def test_shipped_records_cover_the_issue_bar():
     # a record's step is the figure its source prints, converted only where the source gives tokens/s/GPU
     moon = next(r for r in runs if r.name == GOOD.stem)
     assert moon.measured_step_s == 11.63635 and "11636.35" in moon.source["reads"]
-    mb = next(r for r in runs if r.name == "megatron-bridge-perf-v3-256xgb300-bf16")
+    mb = next(r for r in runs if r.name == "megatron-bridge-perf-25.11-v3-256xgb300-bf16")
     assert math.isclose(mb.measured_step_s, 4096 * 4096 / (3848 * 256), rel_tol=1e-12)
 
 
