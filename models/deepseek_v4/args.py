@@ -86,6 +86,8 @@ class ModelArgs:
         checks = [
             (self.head_dim % 2 == 0 and 0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
              f"rope_head_dim={self.rope_head_dim} must be even and <= head_dim={self.head_dim}"),
+            (self.rope_head_dim <= self.index_head_dim or 4 not in self.compress_ratios,
+             f"index_head_dim={self.index_head_dim} must hold the rope_head_dim={self.rope_head_dim} RoPE dims"),
             (self.n_heads * self.head_dim % self.o_groups == 0,
              f"o_groups={self.o_groups} must divide n_heads * head_dim={self.n_heads * self.head_dim}"),
             (0 < self.n_activated_experts <= self.n_routed_experts,
