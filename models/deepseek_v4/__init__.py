@@ -7,6 +7,7 @@ Public names follow DeepSeek's ``inference/model.py``::
 """
 
 from models.deepseek_v4.args import ModelArgs
+from models.deepseek_v4.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from models.deepseek_v4.model import Block, MoE, Transformer
 
-__all__ = ["Block", "ModelArgs", "MoE", "Transformer"]
+__all__ = ["Block", "ModelArgs", "MoE", "Transformer", "load_hf_checkpoint", "save_hf_checkpoint"]

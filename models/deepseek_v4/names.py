@@ -80,3 +80,57 @@ def release_expert_names(ours: str, n_experts: int) -> list[tuple[str, ...]] | N
             prefix = ours[: -len(ours_leaf)]
             return [tuple(f"{prefix}.ffn.experts.{e}.{leaf}.weight" for leaf in leaves) for e in range(n_experts)]
     return None
+
+
+# DeepSeek's released names -> transformers' (the renames transformers applies on load, in order); they leave
+# transformers' own names unchanged, and also read what transformers' ``save_pretrained`` writes (release-style
+# leaves under ``model.``, with the attention's ``kv_norm`` written as ``attn.norm``).
+_RELEASE_TO_HF = [(re.compile(p), r) for p, r in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"),
+    (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)]
+_HF_TO_OURS = {v: k for k, v in _TOP.items()} | {f"model.layers.N.{v}": f"layers.N.{k}" for k, v in _LAYER.items()}
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$")
+_RELEASE_EXPERT = re.compile(r"^(mtp\.\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_PART = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+
+
+def our_name(key: str) -> tuple[str, int | None, int] | None:
+    """Where checkpoint tensor ``key`` (transformers', released or ``save_pretrained``'s spelling) goes:
+    ``(our tensor, expert, part)`` -- expert None for a whole tensor; part 0/1 = w1/w3 rows of ``w13`` -- or
+    None when it is not a V4 tensor."""
+    if key.startswith("mtp."):  # MTP keeps the release's names in every layout
+        m = _RELEASE_EXPERT.match(key)
+        if m:
+            which, part = _PART[m.group(3)]
+            return f"{m.group(1)}.ffn.experts.{which}", int(m.group(2)), part
+        m = re.match(r"^(mtp\.\d+)\.(hc_head_\w+)$", key)
+        return (f"{m.group(1)}.hc_head.{m.group(2)}", None, 0) if m else (key, None, 0)
+    bare = key.removeprefix("model.")
+    for pattern, repl in _RELEASE_TO_HF:
+        bare = pattern.sub(repl, bare)
+    hf = bare if bare.startswith("lm_head.") else f"model.{bare}"
+    m = _HF_EXPERT.match(hf)
+    if m:
+        which, part = _PART[m.group(3)]
+        return f"layers.{m.group(1)}.ffn.experts.{which}", int(m.group(2)), part
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
+    ours = _HF_TO_OURS.get(f"model.layers.N.{m.group(2)}" if m else hf)
+    if ours is None:
+        return None
+    return (ours.replace("layers.N.", f"layers.{m.group(1)}.") if m else ours), None, 0
