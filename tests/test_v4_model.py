@@ -1,0 +1,69 @@
+"""DeepSeek-V4 model properties transformers cannot check: the presets' sizes against DeepSeek's published
+figures, causality of every branch (window, CSA's compressed entries and top-k, HCA, MTP), and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.deepseek_v4 import ModelArgs, Transformer
+
+
+def _counts(args: ModelArgs) -> tuple[float, float]:
+    """(total, activated per token) parameters of the main model (MTP excluded), in billions."""
+    with torch.device("meta"):
+        model = Transformer(args.replace(n_mtp_layers=0))
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".ffn.experts." in n)
+    active = total - routed + routed * args.n_activated_experts / args.n_routed_experts
+    return total / 1e9, active / 1e9
+
+
+@pytest.mark.parametrize("name,total,active", [("deepseek_v4_flash", 284, 13), ("deepseek_v4_pro", 1600, 49)])
+def test_presets_have_the_published_sizes(name, total, active):
+    """DeepSeek's figures: V4-Flash 284B / 13B activated, V4-Pro 1.6T / 49B, rounded as published."""
+    got_total, got_active = _counts(ModelArgs.preset(name))
+    assert abs(got_total - total) <= 0.02 * total, got_total
+    assert abs(got_active - active) <= 0.1 * active, got_active
+
+
+def _random_model(seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs.preset("debug_v4", init_std=0.1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("attn_sink", "ape", "_base")):
+                p.normal_(0, 0.5)
+    return model
+
+
+@torch.no_grad()
+def test_no_position_sees_the_future():
+    """Logits at positions < t do not move when tokens >= t change: the window, CSA's compressed entries and
+    their top-k selection, HCA's entries and MTP all wait until a window has closed."""
+    model = _random_model(0)
+    assert set(model.args.compress_ratios) == {0, 4, 128}
+    s = 300
+    tokens = torch.randint(0, model.args.vocab_size, (2, s))
+    logits, (mtp,) = model(tokens, return_mtp=True)
+    for t in (1, 127, 128, 130, 257):  # around CSA's and HCA's window ends
+        other = tokens.clone()
+        other[:, t:] = torch.randint(0, model.args.vocab_size, (2, s - t))
+        logits2, (mtp2,) = model(other, return_mtp=True)
+        # the same rows through the same shapes: equal up to fp32 rounding of reordered reductions
+        assert torch.allclose(logits2[:, :t], logits[:, :t], rtol=1e-5, atol=1e-6), t
+        assert torch.allclose(mtp2[:, : t - 1], mtp[:, : t - 1], rtol=1e-5, atol=1e-6), t  # MTP reads token i+1
+        assert not torch.allclose(logits2[:, t:], logits[:, t:])
+    assert mtp.shape == (2, s - 1, model.args.vocab_size) and torch.isfinite(mtp).all()
+
+
+def test_bad_input_is_named():
+    model = _random_model(1)
+    with pytest.raises(ValueError, match="tokens must be an integer"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model(torch.zeros(1, model.args.max_seq_len + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="index_head_dim"):
+        ModelArgs.preset("debug_v4", index_head_dim=8)
+    with pytest.raises(ValueError, match="compress_ratios has 2 entries"):
+        ModelArgs.preset("debug_v4", compress_ratios=(0, 4))
