@@ -10,12 +10,13 @@ from models.deepseek_v4 import ModelArgs, Transformer
 
 
 def _counts(args: ModelArgs) -> tuple[float, float]:
-    """(total, activated per token) parameters of the main model (MTP excluded), in billions."""
+    """(total, activated per token) parameters of the main model (MTP excluded; activated: the routed experts
+    a token uses, and no embedding table, a lookup), in billions."""
     with torch.device("meta"):
         model = Transformer(args.replace(n_mtp_layers=0))
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for n, p in model.named_parameters() if ".ffn.experts." in n)
-    active = total - routed + routed * args.n_activated_experts / args.n_routed_experts
+    active = total - routed + routed * args.n_activated_experts / args.n_routed_experts - model.embed.weight.numel()
     return total / 1e9, active / 1e9
 
 
@@ -24,7 +25,7 @@ def test_presets_have_the_published_sizes(name, total, active):
     """DeepSeek's figures: V4-Flash 284B / 13B activated, V4-Pro 1.6T / 49B, rounded as published."""
     got_total, got_active = _counts(ModelArgs.preset(name))
     assert abs(got_total - total) <= 0.02 * total, got_total
-    assert abs(got_active - active) <= 0.1 * active, got_active
+    assert abs(got_active - active) <= 0.05 * active, got_active
 
 
 def _random_model(seed: int) -> Transformer:
