@@ -195,3 +195,9 @@ def test_config_round_trip_and_v3_points_to_v4(tmp_path):
         V3Args.from_hf_config(tmp_path)
     with pytest.raises(ValueError, match=r"compress_ratios.*\[2\]"):
         ModelArgs.from_hf_config({**released, "compress_ratios": [0, 2, 0, 0]})
+    with pytest.raises(ValueError, match=r"hidden_act='gelu'; DeepSeek-V4 has 'silu'"):
+        ModelArgs.from_hf_config({**released, "hidden_act": "gelu"})
+    # fields the model does not use travel through a round trip; a file's quantisation does not
+    args = ModelArgs.from_hf_config({**released, "pad_token_id": 7, "quantization_config": {"fmt": "e4m3"}})
+    cfg = args.to_hf_config()
+    assert cfg["pad_token_id"] == 7 and "quantization_config" not in cfg

@@ -58,6 +58,22 @@ def test_no_position_sees_the_future():
     assert mtp.shape == (2, s - 1, model.args.vocab_size) and torch.isfinite(mtp).all()
 
 
+@torch.no_grad()
+def test_bf16_runs_with_fp32_routing_and_mhc():
+    """A bfloat16 model runs (router scores, mHC weights, the compressor's softmax in fp32) and stays near fp32 at
+    the typical token. A sanity bound, not a precision claim: bf16 rounds to 2^-9 relative, the debug model's
+    path has ~50 roundings (4 layers x norms, projections, attention, MoE, mHC) and gains of a few, which
+    measures 1-8% per token; at some tokens a discrete choice (expert or indexer top-k) flips, hence the
+    median. 0.15 catches a wrong dtype path (a bf16 router or Sinkhorn flipping most tokens)."""
+    model = _random_model(2)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 160))
+    ref = model(tokens)
+    out = model.to(torch.bfloat16)(tokens)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    per_token = (out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert per_token.median().item() < 0.15, per_token.median()
+
+
 def test_bad_input_is_named():
     model = _random_model(1)
     with pytest.raises(ValueError, match="tokens must be an integer"):

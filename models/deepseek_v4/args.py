@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ class ModelArgs:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     init_std: float = 0.02
+    # config.json fields this model does not use (tokenizer ids, generation defaults ...), kept for round trips
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
@@ -180,6 +182,11 @@ class ModelArgs:
                       beta_fast=yarn.get("beta_fast") or 32, beta_slow=yarn.get("beta_slow") or 1)
         else:
             kw.update(rope_factor=1.0, original_seq_len=0)
+        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                          ("norm_topk_prob", True)):
+            if cfg.get(key, want) != want:
+                raise ValueError(f"{key}={cfg[key]!r}; DeepSeek-V4 has {want!r}")
+        kw["extra"] = {k: v for k, v in cfg.items() if k not in _HF_READ and not k.startswith("_")}
         kv_heads = cfg.get("num_key_value_heads", 1)
         if kv_heads != 1:
             raise ValueError(f"num_key_value_heads={kv_heads}; DeepSeek-V4 has one shared K = V head")
@@ -189,7 +196,7 @@ class ModelArgs:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers' ``DeepseekV4Config`` reads (its own spelling)."""
-        cfg: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+        cfg: dict[str, Any] = {**self.extra, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
         cfg.update({theirs: getattr(self, ours) for ours, theirs in _HF_FIELDS.items()})
         cfg.update(num_key_value_heads=1, partial_rotary_factor=self.rope_head_dim / self.head_dim,
                    layer_types=[_LAYER_TYPES[r] for r in self.compress_ratios[: self.n_layers]],
@@ -210,6 +217,15 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
+# what from_hf_config reads or rewrites (the rest of a config.json travels in ``extra``); the quantisation
+# fields describe a file, not the model, and are written by save_hf_checkpoint when it quantises
+_HF_READ_BASE = {
+    "architectures", "model_type", "layer_types", "compress_rates", "compress_ratios", "mlp_layer_types",
+    "num_hash_layers", "qk_rope_head_dim", "partial_rotary_factor", "rope_parameters", "rope_scaling",
+    "num_key_value_heads", "hidden_act", "attention_bias", "mlp_bias", "norm_topk_prob", "quantization_config",
+    "expert_dtype", "torch_dtype", "dtype", "compress_rate_csa", "compress_rate_hca", "transformers_version",
+}
+
 _DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 # our field -> HF config.json key (the names both spellings share)
@@ -227,6 +243,8 @@ _HF_FIELDS = {
     "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
     "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "init_std": "initializer_range",
 }
+
+_HF_READ = _HF_READ_BASE | set(_HF_FIELDS.values())
 
 
 def _alternating(n: int, head: tuple[int, ...], first: int, second: int) -> tuple[int, ...]:

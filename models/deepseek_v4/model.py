@@ -265,12 +265,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``x [t, dim]``, ``weights`` / ``indices [t, k]`` -> ``sum_k weights * expert_k(x)``."""
-        y = torch.zeros_like(x)
+        y = torch.zeros_like(x, dtype=torch.float32)  # summed in fp32, rounded once (MoE.forward)
         for e in indices.unique().tolist():
             token, slot = torch.where(indices == e)
             gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
-            out = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weights[token, slot, None]
-            y = y.index_add(0, token, out.to(y.dtype))
+            out = F.linear(swiglu(gate, up, self.limit), self.w2[e]).float() * weights[token, slot, None]
+            y = y.index_add(0, token, out)
         return y
 
 
@@ -321,8 +321,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(0, 1)
         weights, indices = self.gate(flat, tokens)
-        y = self.experts(flat, weights, indices).view_as(x)
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        y = self.experts(flat, weights, indices).view(x.shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- mHC
@@ -352,9 +354,10 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Spread the sublayer output ``y [b, s, dim]`` over the streams and mix the old ones, comb transposed:
-    ``h'_j = post_j y + sum_i comb[i, j] h_i``."""
-    dtype = h.dtype
-    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    ``h'_j = post_j y + sum_i comb[i, j] h_i``, in fp32 with one rounding to the streams' dtype (as DeepSeek's
+    reference; transformers rounds post and comb first)."""
+    mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), h.float())
+    return mixed.to(h.dtype)
 
 
 class HCHead(nn.Module):
