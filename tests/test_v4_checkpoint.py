@@ -53,7 +53,8 @@ def test_saved_checkpoint_loads_in_transformers_and_here(tmp_path, layout):
     model = _model()
     tokens = torch.randint(0, model.args.vocab_size, (2, 150))  # 150 tokens: CSA selects, HCA closes a window
     ref = model(tokens)
-    save_hf_checkpoint(model, tmp_path, layout=layout)
+    save_hf_checkpoint(model, tmp_path, layout=layout, max_shard_bytes=200_000)  # several shards
+    assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
     hf = DeepseekV4ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float()
     # the same weights and the same fp32 operations: logits agree to fp32 summation-order rounding
     assert ((hf(tokens).logits - ref).norm() / ref.norm()).item() < 1e-5
