@@ -152,8 +152,10 @@ class Indexer(nn.Module):
         return scores.masked_fill(~compressed_visible(q.shape[1], k.shape[1], self.ratio, q.device), float("-inf"))
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k."""
-        scores = self.scores(*self.parts(x, qr, angles))
+        """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k. A selection
+        carries no gradient: the indexer learns from ``indexer_loss``."""
+        with torch.no_grad():
+            scores = self.scores(*self.parts(x, qr, angles))
         n = scores.shape[-1]
         if n == 0:
             return scores.new_zeros(scores.shape, dtype=torch.bool)
