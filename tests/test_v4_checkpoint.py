@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.deepseek_v3 import ModelArgs as V3Args
 from models.deepseek_v4 import ModelArgs, Transformer
 from models.deepseek_v4.checkpoint import FP8_LINEARS, load_hf_checkpoint, save_hf_checkpoint
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers >= 5.25 ships DeepSeek-V4")
-from transformers import DeepseekV4ForCausalLM  # noqa: E402
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
 
 def _args(**kw) -> ModelArgs:
@@ -174,10 +175,6 @@ def test_bad_checkpoints_are_named(tmp_path):
 
 
 def test_config_round_trip_and_v3_points_to_v4(tmp_path):
-    from transformers import DeepseekV4Config
-
-    from models.deepseek_v3 import ModelArgs as V3Args
-
     for name in ("deepseek_v4_flash", "deepseek_v4_pro", "debug_v4"):
         args = ModelArgs.preset(name)
         assert ModelArgs.from_hf_config(args.to_hf_config()) == args

@@ -9,6 +9,7 @@ import torch
 from models.deepseek_v4 import ModelArgs, Transformer, save_hf_checkpoint
 from models.deepseek_v4.generate import generate
 from recipes import generate as generate_cli
+from training.data import build_tokenizer
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers >= 5.25 ships DeepSeek-V4")
 from transformers import DeepseekV4ForCausalLM  # noqa: E402
@@ -63,5 +64,4 @@ def test_generate_cli_runs_a_v4_checkpoint(v4_dir, capsys):
     expected = generate(model, ids, 4)[0, 5:].tolist()
     out = capsys.readouterr().out
     assert out.startswith("hello") and len(out.rstrip("\n").encode("utf-8", "surrogateescape")) >= 5
-    from training.data import build_tokenizer
     assert out.rstrip("\n") == "hello" + build_tokenizer("byte", "--tokenizer").decode(expected)
