@@ -3,7 +3,8 @@ lightning indexer's losses (V3.2's warm-up and sparse stages) against a float64 
 
 Tiny configs with window-only, CSA and HCA layers, hash-routed and scored MoE and 4 hyper-connection streams;
 sequences of 260-300 tokens, so HCA (ratio 128) closes two windows and CSA's indexer picks 3 of up to 75
-compressed entries (top-k selection acts).
+compressed entries (top-k selection acts). 16 indexer heads: no entry scores exactly 0 on every head, so no
+ties, whose order ``torch.topk`` (transformers) leaves open and we fix (``select_topk``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 CONFIGS = {
     "csa_hca_window": dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, q_lora_rank=16, head_dim=32, rope_head_dim=8,
                            o_groups=2, o_lora_rank=8, window_size=8, compress_ratios=(0, 4, 128, 4),
-                           index_n_heads=8, index_head_dim=16, index_topk=3, n_routed_experts=6,
+                           index_n_heads=16, index_head_dim=16, index_topk=3, n_routed_experts=6,
                            n_activated_experts=2, moe_inter_dim=16, n_hash_layers=2),
     "hca_first": dict(vocab_size=61, dim=48, n_layers=3, n_heads=2, q_lora_rank=24, head_dim=64, rope_head_dim=16,
-                      o_groups=2, o_lora_rank=12, window_size=16, compress_ratios=(4, 0, 128), index_n_heads=8,
+                      o_groups=2, o_lora_rank=12, window_size=16, compress_ratios=(4, 0, 128), index_n_heads=16,
                       index_head_dim=24, index_topk=5, n_routed_experts=5, n_activated_experts=3, moe_inter_dim=24,
                       n_hash_layers=1),
 }

@@ -264,7 +264,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # reach HCA's 128-token windows.
     "debug_v4": dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, q_lora_rank=32, head_dim=32,
                      rope_head_dim=16, o_groups=2, o_lora_rank=16, window_size=16,
-                     compress_ratios=(0, 4, 128, 4, 0), index_n_heads=4, index_head_dim=16, index_topk=8,
+                     compress_ratios=(0, 4, 128, 4, 0), index_n_heads=16, index_head_dim=16, index_topk=8,
                      n_routed_experts=8, n_activated_experts=2, moe_inter_dim=32, n_hash_layers=1,
                      max_seq_len=4096, original_seq_len=1024, rope_factor=4.0),
 }

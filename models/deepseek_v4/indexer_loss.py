@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from models.deepseek_v4.model import Attention, apply_rope, compressed_visible, rms_scale, window_visible
+from models.deepseek_v4.model import Attention, apply_rope, compressed_visible, rms_scale, select_topk, window_visible
 
 
 def indexer_loss(attn: Attention, x: torch.Tensor, angles: torch.Tensor, sparse: bool) -> torch.Tensor:
@@ -36,9 +36,8 @@ def indexer_loss(attn: Attention, x: torch.Tensor, angles: torch.Tensor, sparse:
     n = scores.shape[-1]
     visible = compressed_visible(s, n, attn.ratio, x.device).expand(b, s, n)
     rows = visible.any(dim=-1)  # queries with at least one closed window
-    if sparse and n:
-        idx = scores.detach().topk(min(attn.indexer.topk, n), dim=-1).indices
-        candidates = torch.zeros_like(visible).scatter_(-1, idx, True) & visible
+    if sparse:
+        candidates = select_topk(scores.detach(), attn.indexer.topk) & visible
     else:
         candidates = visible
     with torch.no_grad():

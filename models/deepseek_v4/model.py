@@ -156,12 +156,21 @@ class Indexer(nn.Module):
         carries no gradient: the indexer learns from ``indexer_loss``."""
         with torch.no_grad():
             scores = self.scores(*self.parts(x, qr, angles))
-        n = scores.shape[-1]
-        if n == 0:
-            return scores.new_zeros(scores.shape, dtype=torch.bool)
-        idx = scores.topk(min(self.topk, n), dim=-1).indices
-        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
-        return chosen & scores.isfinite()
+        return select_topk(scores, self.topk)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` highest finite scores along the last dim, equal scores taken earliest entry first.
+
+    Ties are common at small sizes (an entry whose every head's ReLU is 0 scores exactly 0); breaking them by
+    position keeps a query's choice independent of how many entries the sequence has, so a prefix scores the
+    same alone as inside a longer sequence (``torch.topk`` leaves the order of ties unspecified)."""
+    n = scores.shape[-1]
+    if n == 0:
+        return scores.new_zeros(scores.shape, dtype=torch.bool)
+    idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, n)]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+    return chosen & scores.isfinite()
 
 
 def compressed_visible(s: int, n: int, ratio: int, device: torch.device | str | None = None) -> torch.Tensor:
