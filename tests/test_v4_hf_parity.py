@@ -23,6 +23,8 @@ from models.deepseek_v4.names import hf_name
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers >= 5.25 ships DeepSeek-V4")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
+from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4  # noqa: E402
 
 CONFIGS = {
     "csa_hca_window": dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, q_lora_rank=16, head_dim=32, rope_head_dim=8,
@@ -68,7 +70,7 @@ def _hf_twin(model: Transformer) -> DeepseekV4ForCausalLM:
     hf = DeepseekV4ForCausalLM(cfg).float()
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
-    state = {hf_name(n): t.detach().clone() for n, t in tensors.items()}
+    state = {hf_name(n): t.detach().clone() for n, t in tensors.items() if not n.startswith("mtp.")}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     return hf
@@ -209,3 +211,58 @@ def test_indexer_loss_and_gradient_match_float64(sparse):
             assert _rel(ours[n].grad, p.grad) < 1e-4, (n, _rel(ours[n].grad, p.grad))
         else:  # the main attention is not trained by the indexer's loss
             assert ours[n].grad is None, n
+
+
+# ---------------------------------------------------------------------------------------------------- MTP
+@pytest.mark.timeout(240)
+def test_mtp_matches_transformers_building_blocks():
+    """transformers has no MTP; its V4 pieces make one: depth 1 at position i is
+    ``head(norm(hc_head(block(e_proj(enorm(embed(t[i+1]))) + h_proj(hnorm(h_i))))))`` with ``h`` the main model's
+    last streams (captured from transformers' last decoder layer) and ``block`` a transformers decoder layer
+    (window-only attention, scored MoE) holding our MTP block's weights."""
+    args = _args("csa_hca_window").replace(n_mtp_layers=1)
+    model = _model(args, seed=5)
+    with torch.no_grad():
+        model.mtp[0].ffn.gate.bias.normal_(0, 0.1)
+    hf = _hf_twin(model)
+    n = args.n_layers
+    cfg = DeepseekV4Config(**{k: v for k, v in args.replace(n_layers=n + 1, n_mtp_layers=0).to_hf_config().items()
+                              if k not in ("architectures", "compress_ratios")})
+    cfg._attn_implementation = "eager"
+    block = hf_v4.DeepseekV4DecoderLayer(cfg, n).float()
+    head = hf_v4.DeepseekV4HyperHead(cfg).float()
+    norms = {k: hf_v4.DeepseekV4RMSNorm(args.dim, args.norm_eps).float() for k in ("enorm", "hnorm", "norm")}
+    ours = dict(model.mtp[0].named_parameters())
+    ours.update(model.mtp[0].named_buffers())
+    block_state = {}
+    for name, t in ours.items():
+        if name.split(".")[0] in ("e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head"):
+            continue  # MTP's own pieces, used directly below
+        block_state[hf_name(f"layers.{n}.{name}").removeprefix(f"model.layers.{n}.")] = t.detach().clone()
+    assert not block.load_state_dict(block_state, strict=False).missing_keys
+    head.load_state_dict({"hc_fn": ours["hc_head.hc_head_fn"], "hc_base": ours["hc_head.hc_head_base"],
+                          "hc_scale": ours["hc_head.hc_head_scale"]})
+    for k, module in norms.items():
+        module.weight.data.copy_(ours[f"{k}.weight"])
+    b, s = 2, 280
+    tokens = torch.randint(0, args.vocab_size, (b, s))
+    captured = {}
+    hook = hf.model.layers[-1].register_forward_hook(lambda mod, inp, out: captured.setdefault("h", out))
+    with torch.no_grad():
+        main = hf(tokens).logits
+        hook.remove()
+        h = captured["h"][:, :-1]
+        nxt = tokens[:, 1:]
+        x = F.linear(norms["enorm"](hf.model.embed_tokens(nxt)), ours["e_proj.weight"]).unsqueeze(2) + F.linear(
+            norms["hnorm"](h), ours["h_proj.weight"])
+        pos = torch.arange(s - 1).unsqueeze(0)
+        rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+        emb = {kind: rotary(x, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x[:, :, 0], attention_mask=None, cache=None,
+                                                 position_ids=pos)
+        y = block(x, position_embeddings=emb, position_ids=pos, attention_mask=mask, input_ids=nxt)
+        theirs = hf.lm_head(norms["norm"](head(y)))
+        logits, (mtp,) = model(tokens, return_mtp=True)
+    assert _rel(logits, main) < 1e-4
+    # the same fp32 operations as the main model's parity: 1e-4 (see above)
+    assert _rel(mtp, theirs) < 1e-4, _rel(mtp, theirs)
