@@ -64,6 +64,10 @@ def test_saved_checkpoint_loads_in_transformers_and_here(tmp_path, layout):
     theirs = load_hf_checkpoint(None, tmp_path / "by_transformers")
     assert theirs.args.n_mtp_layers == 0
     assert ((theirs(tokens) - ref).norm() / ref.norm()).item() < 1e-5
+    half = load_hf_checkpoint(None, tmp_path, dtype=torch.bfloat16)  # mHC, sinks, ape, router bias stay fp32
+    assert half.embed.weight.dtype == torch.bfloat16 and half.layers[1].attn.compressor.ape.dtype == torch.float32
+    assert half.layers[0].hc_attn_fn.dtype == half.layers[1].ffn.gate.bias.dtype == torch.float32
+    assert torch.isfinite(half(tokens)).all()
     again = load_hf_checkpoint(None, tmp_path)
     assert again.args.n_mtp_layers == 1  # MTP travels in both layouts (transformers skips it)
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):

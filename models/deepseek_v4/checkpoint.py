@@ -162,8 +162,9 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
     """Load a V4 checkpoint folder (either layout) into a model and return it.
 
     ``model_or_args``: a ``Transformer`` (filled in place), a ``ModelArgs`` or None (read ``config.json``); a
-    model built here lives on ``device`` in ``dtype`` (default fp32), and has no MTP layers when the
-    checkpoint holds none (transformers' own saves). ``strict``: unknown keys are an error.
+    model built here lives on ``device`` in ``dtype`` (default fp32; ``FP32_TENSORS`` stay fp32, as released),
+    and has no MTP layers when the checkpoint holds none (transformers' own saves). ``strict``: unknown keys
+    are an error.
     """
     path = Path(path)
     weight_map = _read_index(path)
@@ -179,10 +180,10 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
         model.to_empty(device=device)
         if dtype is not None:
             model.to(dtype)
-        for module in model.modules():  # the router bias and the hash table keep their dtypes
-            if getattr(module, "bias", None) is not None and isinstance(module.bias, torch.Tensor) \
-                    and not isinstance(module.bias, torch.nn.Parameter):
-                module.bias = module.bias.float()
+            with torch.no_grad():  # mHC parameters, sinks, position biases and the router bias stay fp32
+                for name, t in _tensors(model).items():
+                    if FP32_TENSORS.search(name) and t.is_floating_point():
+                        t.data = t.data.float()
     tensors = _tensors(model)
     scales = {k for k in weight_map
               if k.endswith("_scale_inv") or (k.endswith(".scale") and k[: -len(".scale")] + ".weight" in weight_map)}
