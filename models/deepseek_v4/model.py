@@ -191,7 +191,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
-        self.n_heads, self.head_dim, self.rd = args.n_heads, args.head_dim, args.rope_head_dim
+        self.n_heads, self.head_dim = args.n_heads, args.head_dim
         self.window, self.eps, self.o_groups = args.window_size, args.norm_eps, args.o_groups
         self.ratio = args.compress_ratios[layer_id]
         self.softmax_scale = self.head_dim ** -0.5
