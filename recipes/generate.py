@@ -1,4 +1,4 @@
-"""Generate text from an HF-format DeepSeek-V3 checkpoint with the MLA latent KV cache.
+"""Generate text from an HF-format DeepSeek-V3 checkpoint with the MLA latent KV cache (or a DeepSeek-V4 one).
 
     python -m recipes.generate --checkpoint DIR --prompt "def fib(n):" --max-new-tokens 64
     python -m recipes.generate --checkpoint DIR --prompt "..." --temperature 0.8 --top-k 50 --seed 0
@@ -6,7 +6,9 @@
 
 The tokenizer is byte-level (ids 0..255, as the debug models train with) unless ``--tokenizer``
 names a ``tokenizer.json``. Runs on the default device (GPU when there is one); decode attention
-goes through ``flash_mla.flash_mla_with_kvcache`` for bf16 models, a plain fp32 path otherwise.
+goes through ``flash_mla.flash_mla_with_kvcache`` for bf16 models, a plain fp32 path otherwise. A
+checkpoint whose ``config.json`` says ``"model_type": "deepseek_v4"`` (either V4 layout) runs through
+``models.deepseek_v4``, which recomputes the whole prefix per token (no V4 KV cache yet).
 
 Exit status: 0 after generating; 2 (``accel.cli.BAD_INPUT``) for bad input, with one line ``error: ...``
 on stderr naming the argument or file: a missing checkpoint folder, an unreadable or corrupt
@@ -18,6 +20,7 @@ model's ``max_seq_len``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -27,8 +30,9 @@ import torch
 
 import accel
 from accel.cli import BAD_INPUT, OK, ArgumentParser
-from models.deepseek_v3 import load_hf_checkpoint
-from models.deepseek_v3.generate import generate
+from models import deepseek_v3, deepseek_v4
+from models.deepseek_v3.generate import generate as generate_v3
+from models.deepseek_v4.generate import generate as generate_v4
 from training.data import build_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -86,7 +90,10 @@ def run(opts: argparse.Namespace) -> int:
             raise ValueError("--prompt must not be empty")
         prompts.append((text, ids))
     t0 = time.perf_counter()
-    model = load_hf_checkpoint(None, opts.checkpoint, device=device, dtype=dtype)
+    v4 = is_v4(Path(opts.checkpoint))
+    load = deepseek_v4.load_hf_checkpoint if v4 else deepseek_v3.load_hf_checkpoint
+    generate = generate_v4 if v4 else generate_v3
+    model = load(None, opts.checkpoint, device=device, dtype=dtype)
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.args.vocab_size}")
@@ -109,6 +116,15 @@ def run(opts: argparse.Namespace) -> int:
         print(text + tokenizer.decode(out[0, prompt.shape[1]:].tolist()))
         print(f"[{new} tokens in {elapsed:.2f}s, {new / elapsed:.1f} tokens/s]", file=sys.stderr)
     return OK
+
+
+def is_v4(folder: Path) -> bool:
+    """True when ``folder/config.json`` names DeepSeek-V4 (an unreadable file is left to the loader to name)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "deepseek_v4"
 
 
 def _short(text: str, width: int = 30) -> str:

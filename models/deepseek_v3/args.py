@@ -239,6 +239,9 @@ class ModelArgs:
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any], overrides: dict[str, Any]) -> ModelArgs:
+        if cfg.get("model_type") == "deepseek_v4" or "hc_mult" in cfg:
+            raise ValueError("from_hf_config: this is a DeepSeek-V4 config; read it with "
+                             "models.deepseek_v4.ModelArgs.from_hf_config")
         kw: dict[str, Any] = {}
         for ours, theirs in _HF_FIELDS.items():
             if cfg.get(theirs) is not None:

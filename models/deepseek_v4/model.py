@@ -1,0 +1,518 @@
+"""The DeepSeek-V4 Transformer, in the style of DeepSeek's ``inference/model.py``: each module's forward is the math.
+
+Attention (``Attention``): a low-rank query with a weightless per-head RMSNorm, one shared 512-wide head that
+is both K and V, interleaved RoPE on the last ``rope_head_dim`` dims (and the inverse rotation on the output),
+a learned sink logit per head, a ``window_size`` sliding window on every layer, plus per layer either nothing,
+CSA (``Compressor`` with ratio 4 over overlapping windows and an ``Indexer`` choosing the top-k compressed
+entries) or HCA (``Compressor`` with ratio 128, every causally visible entry), and a grouped low-rank output
+projection. The residual is ``hc_mult`` streams (mHC): ``hc_pre`` collapses them for a sublayer and
+``hc_post`` spreads its output back and mixes the streams by a Sinkhorn-projected matrix. Every FFN is a
+``MoE`` (the first ``n_hash_layers`` route by token id). ``MTPBlock`` predicts one more token ahead.
+
+This is the training form: a whole sequence from position 0, attention computed densely under masks
+(window, compressed-entry causality, the indexer's selection). Parameter names are the released
+checkpoint's, except the routed experts, held as ``[E, ...]`` tensors (``Experts``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.deepseek_v4.args import ModelArgs
+
+__all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
+           "Transformer", "hc_post", "hc_pre"]
+
+
+# ---------------------------------------------------------------------------------------------------- basics
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The weightless RMSNorm (V4's per-head query norm and the mHC input norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def inv_freq(args: ModelArgs, compressed: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies ``[rope_head_dim / 2]``: theta ``rope_theta`` for window-only layers;
+    ``compress_rope_theta`` with YaRN's ramp (no cos/sin scaling) for compressed layers, their compressors
+    and indexers. Same formula as V3's ``rope.inv_freq`` (could be shared once V3's settles)."""
+    dim = args.rope_head_dim
+    base = args.compress_rope_theta if compressed else args.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if not (compressed and args.yarn):
+        return freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(args.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(args.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    return freqs / args.rope_factor * ramp + freqs * (1 - ramp)
+
+
+def rope_angles(args: ModelArgs, positions: torch.Tensor, compressed: bool) -> torch.Tensor:
+    """Rotation angles ``[len(positions), rope_head_dim / 2]`` (fp32)."""
+    return positions.float().unsqueeze(-1) * inv_freq(args, compressed, positions.device)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the last ``2 * angles.shape[-1]`` dims of ``x [b, s, (h,) d]`` by
+    ``angles [s, rd/2]`` (``inverse``: by minus the angles); the leading dims pass through. fp32 math."""
+    rd = 2 * angles.shape[-1]
+    shape = (1, angles.shape[0]) + (1,) * (x.dim() - 3) + (angles.shape[-1],)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    if inverse:
+        sin = -sin
+    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+class Compressor(nn.Module):
+    """Gated pooling of every ``ratio`` tokens into one compressed entry (RMSNormed, RoPE at position i * ratio).
+
+    ``overlap`` (CSA, ratio 4): each token projects two series, ``wkv``'s first ``head_dim`` features (Ca, for
+    the next window) and its last (Cb, for its own); entry i pools window i-1's Ca with window i's Cb, 2 * ratio
+    tokens with stride ratio. The pooling weights are a softmax over those tokens of ``wgate(x) + ape``.
+    """
+
+    def __init__(self, args: ModelArgs, ratio: int, head_dim: int):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        coff = 2 if self.overlap else 1
+        self.wkv = nn.Linear(args.dim, coff * head_dim, bias=False)
+        self.wgate = nn.Linear(args.dim, coff * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
+        self.norm = RMSNorm(head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, dim]`` -> compressed entries ``[b, s // ratio, head_dim]``; ``angles`` are the compressed
+        rope angles of positions ``0..s-1``."""
+        b, s, _ = x.shape
+        m, d = self.ratio, self.head_dim
+        n = s // m
+        if n == 0:
+            return x.new_zeros(b, 0, d)
+        kv = self.wkv(x[:, : n * m]).unflatten(1, (n, m))
+        score = self.wgate(x[:, : n * m]).unflatten(1, (n, m)) + self.ape
+        if self.overlap:
+            kv = torch.cat([F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0)), kv[:, :, :, d:]], dim=2)
+            first = F.pad(score[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            score = torch.cat([first, score[:, :, :, d:]], dim=2)
+        pooled = (kv * score.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+        return apply_rope(self.norm(pooled), angles[: n * m : m])
+
+
+class Indexer(nn.Module):
+    """Lightning indexer over CSA's compressed entries: ``I[t, w] = sum_h wt[t, h] ReLU(q[t, h] . k[w])`` with
+    ``q = wq_b(q residual)`` (RoPE at t), ``k`` its own compressor's entries, ``wt = weights_proj(x)`` scaled by
+    ``(index_head_dim * index_n_heads) ** -0.5``; entry w is visible to query t when ``w < (t + 1) // ratio``."""
+
+    def __init__(self, args: ModelArgs, ratio: int = 4):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ratio = (args.index_n_heads, args.index_head_dim,
+                                                              args.index_topk, ratio)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+        self.compressor = Compressor(args, ratio, self.head_dim)
+
+    def parts(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[b, s, h, d]``, compressed keys ``[b, n, d]`` and head weights ``[b, s, h]`` (fp32)."""
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), angles)
+        k = self.compressor(x, angles)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, k, w
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[b, s, n]`` (fp32), -inf where the entry is not yet visible."""
+        logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1))  # [b, s, h, n]
+        scores = (F.relu(logits) * self.head_dim ** -0.5 * w.unsqueeze(-1)).sum(dim=2)
+        return scores.masked_fill(~compressed_visible(q.shape[1], k.shape[1], self.ratio, q.device), float("-inf"))
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k. A selection
+        carries no gradient: the indexer learns from ``indexer_loss``."""
+        with torch.no_grad():
+            scores = self.scores(*self.parts(x, qr, angles))
+        return select_topk(scores, self.topk)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` highest finite scores along the last dim, equal scores taken earliest entry first.
+
+    Ties are common at small sizes (an entry whose every head's ReLU is 0 scores exactly 0); breaking them by
+    position keeps a query's choice independent of how many entries the sequence has, so a prefix scores the
+    same alone as inside a longer sequence (``torch.topk`` leaves the order of ties unspecified)."""
+    n = scores.shape[-1]
+    if n == 0:
+        return scores.new_zeros(scores.shape, dtype=torch.bool)
+    idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, n)]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+    return chosen & scores.isfinite()
+
+
+def compressed_visible(s: int, n: int, ratio: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[s, n]`` True where query t may see compressed entry w: its window has closed, ``w < (t + 1) // ratio``."""
+    t = torch.arange(s, device=device).unsqueeze(1)
+    return torch.arange(n, device=device) < (t + 1) // ratio
+
+
+def window_visible(s: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[s, s]`` True where query t sees token u: ``t - window < u <= t``."""
+    t = torch.arange(s, device=device).unsqueeze(1)
+    u = torch.arange(s, device=device)
+    return (u <= t) & (u > t - window)
+
+
+class Attention(nn.Module):
+    """V4 attention: sliding window + (optionally) compressed entries, one shared K = V head, sinks."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.n_heads, self.head_dim = args.n_heads, args.head_dim
+        self.window, self.eps, self.o_groups = args.window_size, args.norm_eps, args.o_groups
+        self.ratio = args.compress_ratios[layer_id]
+        self.softmax_scale = self.head_dim ** -0.5
+        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
+        # block-diagonal: group g maps heads [g*H/G, (g+1)*H/G) to rows [g*o_lora_rank, (g+1)*o_lora_rank)
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // args.o_groups, args.o_groups * args.o_lora_rank,
+                              bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.compressor = Compressor(args, self.ratio, self.head_dim) if self.ratio else None
+        self.indexer = Indexer(args, self.ratio) if self.ratio == 4 else None
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, dim]`` at positions ``0..s-1``; ``angles`` the rope angles of this layer's kind."""
+        b, s, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(rms_scale(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps), angles)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), angles)  # [b, s, d]: keys and values
+        visible = window_visible(s, self.window, x.device).expand(b, s, s)
+        if self.compressor is not None:
+            ckv = self.compressor(x, angles)
+            if self.indexer is not None:
+                chosen = self.indexer(x, qr, angles)
+            else:
+                chosen = compressed_visible(s, ckv.shape[1], self.ratio, x.device).expand(b, -1, -1)
+            kv = torch.cat([kv, ckv], dim=1)
+            visible = torch.cat([visible, chosen], dim=-1)
+        o = sink_attention(q, kv, visible, self.attn_sink, self.softmax_scale)
+        o = apply_rope(o, angles, inverse=True)
+        # grouped low-rank output: o_g [b, s, H*d/G] times wo_a's block g, then wo_b over all groups
+        wo_a = self.wo_a.weight.view(self.o_groups, -1, self.wo_a.in_features)
+        o = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, self.o_groups, -1), wo_a)
+        return self.wo_b(o.flatten(2))
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``softmax([q.k * scale | sink])`` over the visible keys, the sink column dropped, times ``kv``.
+    ``q [b, s, h, d]``, ``kv [b, n, d]``, ``visible [b, s, n]`` -> ``[b, s, h, d]``."""
+    logits = torch.einsum("bshd,bnd->bhsn", q, kv) * scale
+    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    sinks = sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhsn,bnd->bshd", probs.to(kv.dtype), kv)
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (no clamp when limit is 0)."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class Expert(nn.Module):
+    """The shared expert: a clamped SwiGLU FFN (``w1`` gate, ``w3`` up, ``w2`` down)."""
+
+    def __init__(self, dim: int, inter_dim: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Experts(nn.Module):
+    """The routed experts as grouped weights: ``w13 [E, 2 * inter, dim]`` (gate rows, then up rows) and
+    ``w2 [E, dim, inter]`` -- V3's ``Experts`` layout (shareable once V3's module settles)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``x [t, dim]``, ``weights`` / ``indices [t, k]`` -> ``sum_k weights * expert_k(x)``."""
+        y = torch.zeros_like(x, dtype=torch.float32)  # summed in fp32, rounded once (MoE.forward)
+        for e in indices.unique().tolist():
+            token, slot = torch.where(indices == e)
+            gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
+            out = F.linear(swiglu(gate, up, self.limit), self.w2[e]).float() * weights[token, slot, None]
+            y = y.index_add(0, token, out)
+        return y
+
+
+class Gate(nn.Module):
+    """Router: fp32 scores ``sqrt(softplus(x W^T))`` (or sigmoid / softmax); top-k of scores + ``bias`` (not
+    trained by gradients), or for a hash layer the token's fixed experts ``tid2eid[token]``; weights are the
+    chosen unbiased scores, normalised, times ``route_scale``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
+        self.hash = layer_id < args.n_hash_layers
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.long))
+            self.bias = None
+        else:
+            self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash:
+            indices = self.tid2eid[tokens.flatten()]
+        else:
+            indices = (scores + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.score_func != "softmax":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, indices
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k per token) plus the shared expert."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.gate = Gate(args, layer_id)
+        self.experts = Experts(args.n_routed_experts, args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+                               if args.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        weights, indices = self.gate(flat, tokens)
+        y = self.experts(flat, weights, indices).view(x.shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- mHC
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mHC unit's logits: the weightless-RMSNormed flattened streams ``[b, s, hc * dim]`` times ``fn^T`` (fp32)."""
+    return F.linear(rms_scale(h.flatten(2).float(), eps), fn.float())
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+           hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse streams ``h [b, s, hc, dim]`` for a sublayer: returns ``(x [b, s, dim], post [b, s, hc],
+    comb [b, s, hc, hc])`` with ``x = sum_i pre_i h_i``, ``pre = sigmoid + hc_eps``, ``post = 2 sigmoid``, and
+    ``comb`` = softmax + hc_eps, then alternately column- and row-normalised (Sinkhorn, ``iters`` column steps)."""
+    hc = h.shape[2]
+    pre, post, comb = hc_mixes(h, fn, norm_eps).split([hc, hc, hc * hc], dim=-1)
+    base = base.float()
+    pre = torch.sigmoid(pre * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(post * scale[1] + base[hc:2 * hc])
+    comb = (comb.unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)).softmax(dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    x = (pre.unsqueeze(-1) * h).sum(dim=2).to(h.dtype)
+    return x, post, comb
+
+
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Spread the sublayer output ``y [b, s, dim]`` over the streams and mix the old ones, comb transposed:
+    ``h'_j = post_j y + sum_i comb[i, j] h_i``, in fp32 with one rounding to the streams' dtype (as DeepSeek's
+    reference; transformers rounds post and comb first)."""
+    mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), h.float())
+    return mixed.to(h.dtype)
+
+
+class HCHead(nn.Module):
+    """Collapse the streams before the final norm: ``sum_i (sigmoid(mix_i * scale + base_i) + eps) h_i``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm_eps, self.hc_eps = args.norm_eps, args.hc_eps
+        self.hc_head_fn = nn.Parameter(torch.empty(args.hc_mult, args.hc_mult * args.dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(args.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mixes = hc_mixes(h, self.hc_head_fn, self.norm_eps)
+        pre = torch.sigmoid(mixes * self.hc_head_scale.float() + self.hc_head_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * h).sum(dim=2).to(h.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- blocks
+class Block(nn.Module):
+    """Attention and MoE, each between an mHC collapse and spread of the ``hc_mult`` residual streams."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.norm_eps, self.hc_eps, self.iters = args.norm_eps, args.hc_eps, args.hc_sinkhorn_iters
+        self.compressed = args.compress_ratios[layer_id] > 0
+        self.attn = Attention(args, layer_id)
+        self.ffn = MoE(args, layer_id)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        self.hc_attn_fn = nn.Parameter(torch.empty(mix, width))
+        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, width))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """``h [b, s, hc, dim]``; ``angles[compressed]`` the rope angles of positions ``0..s-1``."""
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.norm_eps,
+                               self.hc_eps, self.iters)
+        h = hc_post(self.attn(self.attn_norm(x), angles[self.compressed]), h, post, comb)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.norm_eps,
+                               self.hc_eps, self.iters)
+        return hc_post(self.ffn(self.ffn_norm(x), tokens), h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction: ``e_proj(enorm(embed(t_{i+k}))) + h_proj(hnorm(h_i))`` through a full V4 block,
+    collapsed by its own ``hc_head`` and normed by its own ``norm``; the embedding and head are the model's."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__(args, layer_id)
+        self.e_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.h_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.hc_head = HCHead(args)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, angles: dict[bool, torch.Tensor],
+                tokens: torch.Tensor) -> torch.Tensor:
+        """Streams ``h [b, s, hc, dim]`` and the next tokens' embeddings ``emb [b, s, dim]`` -> new streams."""
+        x = self.e_proj(self.enorm(emb)).unsqueeze(2) + self.h_proj(self.hnorm(h))
+        return super().forward(x, angles, tokens)
+
+
+# ---------------------------------------------------------------------------------------------------- model
+class Transformer(nn.Module):
+    """DeepSeek-V4 causal LM. ``forward(tokens)`` -> logits ``[b, s, vocab]``; ``return_mtp`` adds the MTP
+    logits (depth k's ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.hc_head = HCHead(args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        self.mtp = nn.ModuleList(MTPBlock(args, args.n_layers + k) for k in range(args.n_mtp_layers))
+        if not self.embed.weight.is_meta:
+            self.init_weights()
+
+    def angles(self, s: int, device: torch.device | str) -> dict[bool, torch.Tensor]:
+        """Rope angles of positions ``0..s-1`` for window-only (False) and compressed (True) layers."""
+        if s > self.args.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds max_seq_len={self.args.max_seq_len}")
+        pos = torch.arange(s, device=device)
+        return {False: rope_angles(self.args, pos, False), True: rope_angles(self.args, pos, True)}
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual streams ``[b, s, hc, dim]`` after the last layer."""
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer [batch, seq] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        angles = self.angles(tokens.shape[1], tokens.device)
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
+        for layer in self.layers:
+            h = layer(h, angles, tokens)
+        return h
+
+    def final(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams -> logits: ``head(norm(hc_head(h)))``."""
+        return self.head(self.norm(self.hc_head(h)))
+
+    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """MTP logits per depth from the main model's last streams ``h``."""
+        out = []
+        for k, block in enumerate(self.mtp, start=1):
+            s = tokens.shape[1] - k
+            if s <= 0:
+                break
+            nxt = tokens[:, k:]
+            h = block(h[:, :s], self.embed(nxt), self.angles(s, tokens.device), nxt)
+            out.append(self.head(block.norm(block.hc_head(h))))
+        return out
+
+    def forward(self, tokens: torch.Tensor, return_mtp: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.hidden(tokens)
+        logits = self.final(h)
+        return (logits, self.mtp_logits(h, tokens)) if return_mtp else logits
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, init_std) for linears, embeddings, experts, routers and mHC projections; norms and mHC
+        scales 1; mHC biases, sinks and position biases 0; hash tables a fixed pseudo-random assignment."""
+        std = self.args.init_std
+        gen = torch.Generator().manual_seed(0)  # a fixed table: every process builds the same one
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("_scale") or (leaf == "weight" and "norm" in name.rsplit(".", 2)[-2]):
+                p.fill_(1.0)
+            elif leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
+        for module in self.modules():
+            if isinstance(module, Gate) and module.hash:
+                vocab, n_exp = module.tid2eid.shape[0], module.weight.shape[0]
+                table = torch.rand(vocab, n_exp, generator=gen).argsort(dim=-1)[:, : module.topk]
+                module.tid2eid.copy_(table)
+            elif isinstance(module, Gate):
+                module.bias.zero_()
