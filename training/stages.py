@@ -47,15 +47,15 @@ def num_model_stages(schedule: str, pp: int, vpp: int = 1) -> int:
 
 
 def chunk_layers(args: ModelArgs, pp: int, vpp: int) -> list[tuple[int, int]]:
-    """Trunk layers ``[start, end)`` of each of the ``pp x vpp`` model chunks of interleaved 1F1B: equal chunks, as
-    Megatron-Core's virtual pipeline cuts them (each MTP depth counted as one layer of the last chunk). ValueError
-    when the layers do not divide evenly."""
+    """Trunk layers ``[start, end)`` of each of the ``pp x vpp`` model chunks of interleaved 1F1B, chunk ``c`` on
+    pipeline rank ``c % pp``: as even as ``split_layers`` makes them (sizes differ by at most one layer, as
+    Megatron-Bridge lays out DeepSeek-V3's 61 layers over 16 chunks). ValueError naming ``parallel.vpp`` when some
+    chunk would hold no layer."""
     chunks = pp * vpp
-    units = args.n_layers + args.n_mtp_layers
-    if units % chunks:
-        raise ValueError(f"model has {args.n_layers} layers + {args.n_mtp_layers} MTP, not divisible into parallel.pp "
-                         f"x parallel.vpp = {pp} x {vpp} = {chunks} equal model chunks; change "
-                         "model.overrides.n_layers or parallel.vpp")
+    if chunks > args.n_layers + args.n_mtp_layers:
+        raise ValueError(f"model has {args.n_layers} layers + {args.n_mtp_layers} MTP, too few for parallel.pp x "
+                         f"parallel.vpp = {pp} x {vpp} = {chunks} model chunks of at least one layer; lower "
+                         "parallel.vpp or raise model.overrides.n_layers")
     return split_layers(args, chunks)
 
 
