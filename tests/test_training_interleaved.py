@@ -9,9 +9,25 @@ import pytest
 from recipes.train import main as train_main
 from tests.test_training import DEMO, SINGLE, _train
 from tests.test_training_recompute import REL
+from training.config import load_config
+from training.stages import chunk_layers, stage_ids
+from training.trainer import model_args
 
 NO_MTP = ["model.overrides.n_mtp_layers=0", "model.fp8=false"]
 VPP = ["parallel.schedule=interleaved1f1b", "parallel.vpp=2"]
+
+
+def test_chunks_cover_the_layers_round_robin_over_ranks():
+    """DeepSeek-V3's 61 layers (no MTP) over pp 4 x vpp 4: 16 consecutive chunks of 4 or 3 layers covering every
+    layer once, chunk c on rank c % 4 (Megatron-Bridge's VP4 runs cut them likewise, unevenly)."""
+    args = model_args(load_config("recipes/configs/deepseek_v3_671b.toml", ["model.overrides.n_mtp_layers=0"]))
+    chunks = chunk_layers(args, 4, 4)
+    assert len(chunks) == 16 and chunks[0][0] == 0 and chunks[-1][1] == 61
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert sorted({hi - lo for lo, hi in chunks}) == [3, 4]
+    assert [stage_ids("interleaved1f1b", 4, r, 4) for r in range(4)] == [[r, r + 4, r + 8, r + 12] for r in range(4)]
+    with pytest.raises(ValueError, match="too few for parallel.pp x parallel.vpp = 8 x 8 = 64 model chunks"):
+        chunk_layers(args, 8, 8)
 
 
 @pytest.mark.parametrize("extra,message", [
