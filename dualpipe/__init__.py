@@ -1,4 +1,4 @@
-"""dualpipe: DualPipe, DualPipeV, ZeroBubble and 1F1B pipeline parallelism on one schedule IR.
+"""dualpipe: DualPipe, DualPipeV, ZeroBubble, 1F1B and interleaved 1F1B pipeline parallelism on one schedule IR.
 
 Public surface as deepseek-ai/DualPipe (``DualPipe``, ``DualPipeV``, ``WeightGradStore``),
 plus ``Pipeline`` (runner for any schedule), the IR, validator, simulator and calculator.

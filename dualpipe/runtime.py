@@ -55,8 +55,10 @@ class Pipeline(nn.Module):
 
     Args:
         modules: this rank's stage modules in the order of ``schedule``'s layout
-            (``layout.stages_of(rank)``: one for 1f1b/zb1p, two for zbv/dualpipe/dualpipev).
+            (``layout.stages_of(rank)``: one for 1f1b/zb1p, two for zbv/dualpipe/dualpipev, ``vpp`` model chunks
+            for interleaved1f1b).
         schedule: schedule name.
+        vpp: model chunks per rank (``interleaved1f1b`` only).
         batch_dim: dimension along which inputs and labels are split into micro-batches.
         process_group: group of the pipeline ranks (default: the world).
         rank_mapping: ``rank_mapping[group_rank]`` is the pipeline rank of that group member.
@@ -68,12 +70,11 @@ class Pipeline(nn.Module):
 
     def __init__(self, modules: Sequence[nn.Module], schedule: str, batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT, free_sent_outputs: bool = True) -> None:
+                 p2p_timeout: float = DEFAULT_P2P_TIMEOUT, free_sent_outputs: bool = True, vpp: int = 1) -> None:
         super().__init__()
         self.free_sent_outputs = free_sent_outputs
-        if schedule not in schedules.SCHEDULES:
-            raise ValueError(f"schedule must be one of {schedules.SCHEDULES}, got {schedule!r}")
-        self.schedule_name = schedule
+        schedules.check_vpp(schedule, vpp)
+        self.schedule_name, self.vpp = schedule, vpp
         self.module = nn.ModuleList(modules)
         self.batch_dim = batch_dim
         self.group = process_group
@@ -112,7 +113,7 @@ class Pipeline(nn.Module):
     def _plan(self, num_chunks: int, forward_only: bool) -> tuple[Schedule, list]:
         key = (num_chunks, forward_only)
         if key not in self._cache:
-            sched = schedules.build(self.schedule_name, self.num_ranks, num_chunks)
+            sched = schedules.build(self.schedule_name, self.num_ranks, num_chunks, self.vpp)
             validate(sched)
             if forward_only:
                 sched = _forward_only(sched)
@@ -360,7 +361,7 @@ class Pipeline(nn.Module):
     def _checked_schedule(self, num_chunks: int) -> Schedule:
         if not isinstance(num_chunks, int) or isinstance(num_chunks, bool):
             raise ValueError(f"num_chunks must be an int, got {num_chunks!r}")
-        schedules.check_sizes(self.schedule_name, self.num_ranks, num_chunks)
+        schedules.check_sizes(self.schedule_name, self.num_ranks, num_chunks, self.vpp)
         return self.schedule(num_chunks)
 
     def _result(self, mbs: Sequence[int], here: bool, losses: dict, outs: dict, criterion: Callable | None,

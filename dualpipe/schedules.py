@@ -1,6 +1,8 @@
-"""Schedule generators: 1F1B, ZB1P (ZB-H1), ZB-V, DualPipe and DualPipeV as ``Schedule`` IR.
+"""Schedule generators: 1F1B, interleaved 1F1B (Megatron's virtual pipeline stages), ZB1P (ZB-H1),
+ZB-V, DualPipe and DualPipeV as ``Schedule`` IR.
 
-``build(name, num_ranks, num_microbatches)`` is the one entry point. DualPipe and DualPipeV
+``build(name, num_ranks, num_microbatches, vpp=1)`` is the one entry point (``vpp``, the model chunks
+per rank, only for ``interleaved1f1b``). DualPipe and DualPipeV
 follow the eight-phase structure of deepseek-ai/DualPipe (warm-up forwards, zero-bubble
 I/W pairs, the overlapped F&B main loop, zero-bubble cool-down), so the runtime executing this
 IR performs the same computation in the same order as upstream. ZB-V is produced by a greedy
@@ -14,13 +16,21 @@ from collections import deque
 
 from dualpipe.ir import Action, Chain, Item, Layout, Overlap, Schedule
 
-SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+SCHEDULES = ("1f1b", "interleaved1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
 
 
 # -- layouts --------------------------------------------------------------------------------
 def linear_layout(num_ranks: int, num_microbatches: int) -> Layout:
     """One stage per rank, stage ``r`` on rank ``r`` (1F1B, ZB1P)."""
     return Layout(num_ranks, tuple(range(num_ranks)), (Chain(tuple(range(num_ranks)), tuple(range(num_microbatches))),))
+
+
+def interleaved_layout(num_ranks: int, num_microbatches: int, vpp: int) -> Layout:
+    """``PP x vpp`` stages in one chain, stage ``s`` on rank ``s % PP``: rank ``r`` holds model chunks
+    ``r, r + PP, r + 2 PP, ...`` (Megatron-Core's virtual pipeline placement)."""
+    n = num_ranks * vpp
+    chain = Chain(tuple(range(n)), tuple(range(num_microbatches)))
+    return Layout(num_ranks, tuple(s % num_ranks for s in range(n)), (chain,))
 
 
 def v_layout(num_ranks: int, num_microbatches: int) -> Layout:
@@ -44,24 +54,39 @@ _LAYOUTS = {"1f1b": linear_layout, "zb1p": linear_layout, "zbv": v_layout, "dual
 
 
 @functools.lru_cache(maxsize=256)
-def layout(name: str, num_ranks: int) -> Layout:
+def layout(name: str, num_ranks: int, vpp: int = 1) -> Layout:
     """Where ``name`` puts its stages over ``num_ranks`` ranks and which model part each runs: the facts a
     trainer builds its stages from (the chains carry no micro-batches here; ``build(...).layout`` has them)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    check_vpp(name, vpp)
+    if name == "interleaved1f1b":
+        return interleaved_layout(num_ranks, 0, vpp)
     return _LAYOUTS[name](num_ranks, 0)
 
 
 def min_microbatches(name: str, num_ranks: int) -> int:
-    """The fewest micro-batches ``name`` schedules over ``num_ranks`` ranks (DualPipe README rules)."""
-    return 2 * num_ranks if name in ("dualpipe", "dualpipev") else 1
+    """The fewest micro-batches ``name`` schedules over ``num_ranks`` ranks (DualPipe README rules; Megatron-Core's
+    for interleaved 1F1B: at least one group of ``PP``)."""
+    if name in ("dualpipe", "dualpipev"):
+        return 2 * num_ranks
+    return num_ranks if name == "interleaved1f1b" else 1
 
 
 # -- checks ---------------------------------------------------------------------------------
-def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
-    """ValueError unless ``name`` can schedule ``num_microbatches`` over ``num_ranks``."""
+def check_vpp(name: str, vpp: int) -> None:
+    """ValueError unless ``vpp`` (model chunks per rank) suits ``name``: >= 2 for interleaved 1F1B, else 1."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise ValueError(f"vpp (model chunks per rank) must be a positive int, got {vpp!r}")
+    if name == "interleaved1f1b" and vpp < 2:
+        raise ValueError(f"interleaved1f1b needs vpp >= 2 model chunks per rank, got {vpp} (vpp 1 is plain 1f1b)")
+    if name != "interleaved1f1b" and vpp != 1:
+        raise ValueError(f"vpp={vpp} needs schedule interleaved1f1b; {name} holds a fixed number of stages per rank")
+
+
+def check_sizes(name: str, num_ranks: int, num_microbatches: int, vpp: int = 1) -> None:
+    """ValueError unless ``name`` can schedule ``num_microbatches`` over ``num_ranks`` (with ``vpp`` chunks each)."""
+    check_vpp(name, vpp)
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -74,18 +99,24 @@ def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
             raise ValueError(f"DualPipe needs num_chunks even and >= 2 x ranks = {least}, got {num_microbatches}")
     if name == "dualpipev" and num_microbatches < least:
         raise ValueError(f"DualPipeV needs num_chunks >= 2 x ranks = {least}, got {num_microbatches}")
+    if name == "interleaved1f1b" and num_microbatches % num_ranks:
+        raise ValueError(f"interleaved1f1b runs micro-batches in groups of ranks ({num_ranks}): num_chunks must be a "
+                         f"multiple of {num_ranks}, got {num_microbatches}")
 
 
-def build(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
-    """The ``name`` schedule (one of ``SCHEDULES``) for ``num_ranks`` ranks and ``num_microbatches``."""
-    check_sizes(name, num_ranks, num_microbatches)
+def build(name: str, num_ranks: int, num_microbatches: int, vpp: int = 1) -> Schedule:
+    """The ``name`` schedule (one of ``SCHEDULES``) for ``num_ranks`` ranks and ``num_microbatches``; ``vpp`` model
+    chunks per rank for ``interleaved1f1b``."""
+    check_sizes(name, num_ranks, num_microbatches, vpp)
+    if name == "interleaved1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, vpp)
     return _BUILDERS[name](num_ranks, num_microbatches)
 
 
 @functools.lru_cache(maxsize=256)
-def built(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+def built(name: str, num_ranks: int, num_microbatches: int, vpp: int = 1) -> Schedule:
     """``build``, memoised (a Schedule is immutable): planners and memory estimates ask for the same ones often."""
-    return build(name, num_ranks, num_microbatches)
+    return build(name, num_ranks, num_microbatches, vpp)
 
 
 # -- 1F1B and ZB-H1 -------------------------------------------------------------------------
@@ -100,6 +131,32 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
         items += [Action("B", r, m) for m in range(num_microbatches - warm, num_microbatches)]
         actions.append(tuple(items))
     return Schedule("1f1b", linear_layout(num_ranks, num_microbatches), tuple(actions))
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, vpp: int) -> Schedule:
+    """Megatron-Core's interleaved 1F1B over ``vpp`` model chunks per rank (``interleaved_layout``).
+
+    A rank walks its ``N x vpp`` (micro-batch, chunk) forwards in groups of ``PP`` micro-batches: chunk 0 of
+    micro-batches ``0..PP-1``, chunk 1 of the same, ..., then the next group. Its backwards follow the same table
+    with the chunks reversed. Rank ``r`` runs ``2 (PP - r - 1) + (vpp - 1) PP`` forwards as warm-up, then one
+    forward and one backward in turn, then the remaining backwards. The bubble is ``1/vpp`` of 1F1B's,
+    ``(PP-1)(F+B)/vpp``, at ``vpp`` times the point-to-point messages.
+    """
+    p = num_ranks
+    table = [(mb, chunk) for g in range(0, num_microbatches, p) for chunk in range(vpp)
+             for mb in range(g, min(g + p, num_microbatches))]
+    total = len(table)
+    actions = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (vpp - 1) * p, total)
+        fwd = [Action("F", chunk * p + r, mb) for mb, chunk in table]
+        bwd = [Action("B", (vpp - 1 - chunk) * p + r, mb) for mb, chunk in table]
+        items: list[Item] = fwd[:warm]
+        for k in range(total - warm):
+            items += [fwd[warm + k], bwd[k]]
+        items += bwd[total - warm:]
+        actions.append(tuple(items))
+    return Schedule("interleaved1f1b", interleaved_layout(p, num_microbatches, vpp), tuple(actions))
 
 
 def zb1p(num_ranks: int, num_microbatches: int) -> Schedule:

@@ -1,6 +1,6 @@
 """CLI: simulate a schedule and print its bubble table next to the closed form.
 
-    python -m dualpipe.simulate --schedule dualpipe --ranks 8 --microbatches 20 \\
+    python -m dualpipe.simulate --schedule dualpipe --ranks 8 --microbatches 20 [--vpp 2] \\
         [--csv out.csv] [--trace out.json] [--png out.png] [--F 1 --B 2 --W 1 --FB 3 --p2p 0]
 """
 
@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", choices=SCHEDULES, default="dualpipe", help="pipeline schedule to simulate")
     p.add_argument("--ranks", type=positive_int, default=8, help="pipeline ranks (devices)")
     p.add_argument("--microbatches", type=positive_int, default=20, help="micro-batches per step")
+    p.add_argument("--vpp", type=positive_int, default=1,
+                   help="model chunks per rank (interleaved1f1b only, >= 2; costs are then one chunk's)")
     p.add_argument("--F", type=nonnegative_float, default=1.0, help="forward cost")
     p.add_argument("--B", type=nonnegative_float, default=2.0, help="full backward cost")
     p.add_argument("--W", type=nonnegative_float, default=1.0, help="weight-gradient cost (I = B - W)")
@@ -35,14 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         for option, path in (("--csv", args.csv), ("--trace", args.trace), ("--png", args.png)):
             if path:
                 check_output_file(path, option)
-        sched = build(args.schedule, args.ranks, args.microbatches)
+        sched = build(args.schedule, args.ranks, args.microbatches, args.vpp)
         costs = Costs(F=args.F, B=args.B, W=args.W, FB=args.FB, p2p=args.p2p)
     except ValueError as exc:
         p.error(str(exc))
     validate(sched)
     result = simulate(sched, costs)
-    cf = closed_form(args.schedule, args.ranks, costs)
-    print(f"{args.schedule}: {args.ranks} ranks, {args.microbatches} micro-batches, costs {costs}")
+    cf = closed_form(args.schedule, args.ranks, costs, args.vpp)
+    print(f"{args.schedule}: {args.ranks} ranks{f' x {args.vpp} chunks' if args.vpp > 1 else ''}, "
+          f"{args.microbatches} micro-batches, costs {costs}")
     print(f"makespan {result.makespan:.4g}; closed-form bubble "
           f"{'n/a' if cf is None else f'{cf.bubble:.4g}'}, parameters "
           f"{'n/a' if cf is None else f'{cf.parameters}x'}, activations {'n/a' if cf is None else cf.activations}")

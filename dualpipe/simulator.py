@@ -172,9 +172,9 @@ def compile_schedule(schedule: Schedule) -> Program:
 
 
 @functools.lru_cache(maxsize=256)
-def program(name: str, num_ranks: int, num_microbatches: int) -> Program:
+def program(name: str, num_ranks: int, num_microbatches: int, vpp: int = 1) -> Program:
     """The compiled ``name`` schedule (``schedules.build``), memoised: searches time one schedule many times."""
-    return compile_schedule(built(name, num_ranks, num_microbatches))
+    return compile_schedule(built(name, num_ranks, num_microbatches, vpp))
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:

@@ -17,7 +17,8 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   ``meta`` device (``planner.memory_measure``: the model's own code, the GPU kernels' wrappers on an
   accelerator, the PyTorch references on a CPU; balanced routing), counting the storages still alive after
   its forward; summed over the (stage, micro-batch) pairs alive at once on the rank, walking each rank's
-  schedule from ``dualpipe.schedules`` (1F1B: pp - rank, DualPipe: pp + 1, ...);
+  schedule from ``dualpipe.schedules`` (1F1B: pp - rank, DualPipe: pp + 1, interleaved 1F1B: rank 0 holds
+  2 (pp - 1) + (vpp - 1) pp + 1 chunk activations of 1/vpp of its share each, ...);
 - **transient**: the most bytes alive on top of those while one piece runs (measured the same way: a GEMM's
   backward buffers, what recompute rebuilds, the loss head's chunked logits and its fp32 weight gradient),
   or the optimizer step's temporaries (``_optimizer_step_transient``: three fp32 tensors of the largest
@@ -119,7 +120,7 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int
     """(dense, expert) parameter counts of each global stage for one EP rank (EPLB's redundant slots
     included: ``(E + redundant) / ep`` slots per rank instead of ``E / ep``)."""
     par = cfg.parallel
-    num = num_model_stages(par.schedule, par.pp)
+    num = num_model_stages(par.schedule, par.pp, par.vpp)
     counts = _module_param_counts(args, par.ep)
     scale = (args.n_routed_experts + cfg.eplb.redundant_experts) / args.n_routed_experts if cfg.eplb.enabled else 1
     out = []
@@ -140,7 +141,7 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int
 def stage_indexer_counts(args: ModelArgs, cfg: TrainConfig) -> list[int]:
     """Parameters of each global stage's lightning indexers (DeepSeek-V3.2): what trains in the DSA warm-up."""
     per_layer = sum(p.numel() for p in _indexer_params(args))
-    mtp_stage = num_model_stages(cfg.parallel.schedule, cfg.parallel.pp) - 1
+    mtp_stage = num_model_stages(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.vpp) - 1
     return [per_layer * ((hi - lo) + (args.n_mtp_layers if s == mtp_stage else 0))
             for s, (lo, hi) in enumerate(split_layers(args, mtp_stage + 1))]
 
@@ -279,7 +280,7 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
     (the block before hands it on), the last stage adds the loss heads and the MTP modules."""
     par, data = cfg.parallel, cfg.data
     seq, mb = data.seq_len, data.micro_batch
-    num = num_model_stages(par.schedule, par.pp)
+    num = num_model_stages(par.schedule, par.pp, par.vpp)
     slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
     layers: dict[tuple, Measured] = {}  # layers alike (kind, recompute) measure alike
 
@@ -314,7 +315,7 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[
         return [per_stage[0]], [1]
     chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
     peaks, counts = [], []
-    for states in _live_states(par.schedule, par.pp, chunks, len(per_stage)):
+    for states in _live_states(par.schedule, par.pp, chunks, len(per_stage), par.vpp):
         peak = n_at_peak = 0
         for state in states:
             live = sum(c * per_stage[s] for s, c in state)
@@ -326,12 +327,13 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[
 
 
 @functools.lru_cache(maxsize=256)
-def _live_states(schedule: str, pp: int, chunks: int, num: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+def _live_states(schedule: str, pp: int, chunks: int, num: int, vpp: int = 1
+                 ) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
     """Per rank, the distinct (model stage, live count) states right after each forward, in order of first
     appearance: the peak of any per-stage sizes is among them. Memoised: a planner asks for thousands of
     layouts of the same few schedules."""
     out = []
-    for items in built(schedule, pp, chunks).actions:  # a rank runs its items in order: no timing needed
+    for items in built(schedule, pp, chunks, vpp).actions:  # a rank runs its items in order: no timing needed
         live: dict[int, int] = {}
         seen: dict[tuple[tuple[int, int], ...], None] = {}
         for item in items:
@@ -366,7 +368,7 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "
         dispatch = FP8_VALUE_BYTES[recipe] if args.fp8 else p.act
         rows = tokens * args.n_activated_experts
         out += rows * d * (2 * dispatch + p.act)
-        if par.overlap and _has_overlapped_chunks(par.schedule, par.pp):
+        if par.overlap and _has_overlapped_chunks(par.schedule, par.pp, par.vpp):
             out *= 2
     if par.pp > 1:
         directions = par.layout.num_stages // par.pp  # chains through a rank: two for a V or mirrored pipeline
@@ -375,11 +377,11 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "
 
 
 @functools.lru_cache(maxsize=64)
-def _has_overlapped_chunks(schedule: str, pp: int) -> bool:
+def _has_overlapped_chunks(schedule: str, pp: int, vpp: int = 1) -> bool:
     """Whether the schedule pairs a forward with a backward (two micro-batches' exchanges in flight at once)."""
     if schedule == "none":
         return False
-    sched = built(schedule, pp, min_microbatches(schedule, pp))
+    sched = built(schedule, pp, min_microbatches(schedule, pp), vpp)
     return any(isinstance(item, Overlap) for items in sched.actions for item in items)
 
 
@@ -415,7 +417,7 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     ranks = []
     indexers = stage_indexer_counts(args, cfg) if args.dsa_warmup else None
     for r in range(par.pp):
-        mine = stage_ids(par.schedule, par.pp, r)
+        mine = stage_ids(par.schedule, par.pp, r, par.vpp)
         dense = sum(counts[s][0] for s in mine)
         expert = sum(counts[s][1] for s in mine)
         # the DSA warm-up trains the indexers only: nothing else has a gradient or optimizer state

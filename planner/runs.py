@@ -29,6 +29,7 @@ MEASURED = ("step_time_ms", "tokens_per_s_per_gpu")
 PRECISION = {"bf16": None, "fp8-blockwise": "blockwise", "mxfp8": "mxfp8"}  # -> the planner's FP8 recipe
 MOMENTS = {"fp32": "param", "bf16": "bfloat16"}  # -> Layout.moments (param = the FP32 masters' dtype)
 SCHEDULES = ("none", "1f1b", "interleaved-1f1b", "zb1p", "zbv", "dualpipe", "dualpipev")
+PLANNER_SCHEDULE = {"interleaved-1f1b": "interleaved1f1b"}  # Megatron's name -> the schedule IR's
 RECOMPUTE = ("none", "v3", "block", "other")
 # GPU families: the nearest runs of a question are those of its family (same architecture generation)
 FAMILIES = {"A100": "Ampere", "H100": "Hopper", "H800": "Hopper", "H200": "Hopper", "B200": "Blackwell",
@@ -85,9 +86,10 @@ class Run:
     def planner_layout(self) -> Layout:
         """The run's layout in the planner's terms (only for runs that are not excluded)."""
         lay = self.layout
-        return Layout(lay["pp"], lay["dp"], lay["ep"], lay["schedule"], lay["micro_batch"],
-                      lay["global_batch"] // (lay["dp"] * lay["micro_batch"]), lay["recompute"],
-                      fp8=lay["precision"] != "bf16", moments=MOMENTS[lay["moments"]], zero1=lay["zero1"])
+        return Layout(lay["pp"], lay["dp"], lay["ep"], PLANNER_SCHEDULE.get(lay["schedule"], lay["schedule"]),
+                      lay["micro_batch"], lay["global_batch"] // (lay["dp"] * lay["micro_batch"]), lay["recompute"],
+                      fp8=lay["precision"] != "bf16", moments=MOMENTS[lay["moments"]], zero1=lay["zero1"],
+                      vpp=lay["vpp"])
 
     def request(self, base: TrainConfig, terms: frozenset[str] | None = None) -> Request:
         """The planner's question for this run (``base``: its model as a training config)."""
@@ -163,9 +165,11 @@ def run_from_toml(doc: dict, name: str, where: str) -> Run:
     excluded = get["run", "excluded"] or ""
     if not excluded and get["model", "preset"] is None:
         raise ValueError(f"{where}: model.preset is needed unless run.excluded says why the planner cannot model it")
-    if not excluded and (layout["tp"] > 1 or layout["cp"] > 1 or layout["vpp"] > 1 or layout["fsdp"]
-                         or layout["schedule"] == "interleaved-1f1b" or layout["recompute"] == "other"):
-        raise ValueError(f"{where}: the layout uses TP, CP, VPP, FSDP or another recompute, which the planner "
+    if (layout["vpp"] > 1) != (layout["schedule"] == "interleaved-1f1b"):
+        raise ValueError(f"{where}: layout.vpp {layout['vpp']} with layout.schedule {layout['schedule']!r}: virtual "
+                         "pipeline stages (vpp > 1) go with interleaved-1f1b and only with it")
+    if not excluded and (layout["tp"] > 1 or layout["cp"] > 1 or layout["fsdp"] or layout["recompute"] == "other"):
+        raise ValueError(f"{where}: the layout uses TP, CP, FSDP or another recompute, which the planner "
                          "does not model: run.excluded must say so")
     return Run(name, {k: v for (s, k), v in get.items() if s == "source" and v is not None}, gpu,
                get["system", "gpus"], get["model", "name"], get["model", "preset"], tuple(sets), layout,

@@ -46,10 +46,10 @@ SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
 # by the slowest node; dp_comm: the exposed ZeRO-1 / DP collectives after the pipeline.
 TIME_TERMS = ("memory_latency", "a2a_latency", "gradient_passes", "straggler", "dp_comm")
 # the terms the planner uses: those leave-one-out kept (``recipes.plan_loo``, benchmarks/planner.md "Leave-one-out";
-# memory_latency went: with it the mean absolute leave-one-out error over the public runs is higher)
-DEFAULT_TERMS = frozenset(TIME_TERMS) - {"memory_latency"}
+# with the interleaved-1F1B runs in the fit every term lowers the mean absolute leave-one-out error, so none went)
+DEFAULT_TERMS = frozenset(TIME_TERMS)
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
-               "zero1")
+               "zero1", "vpp")
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,11 @@ class Layout:
     moments: str = "bfloat16"  # optim.moments_dtype: bfloat16 (V3) | param (the master weights' dtype)
     eplb: int = 0  # EPLB redundant expert slots per MoE layer (0 = EPLB off)
     zero1: bool = True
+    vpp: int = 1  # model chunks per pipeline rank (interleaved1f1b: >= 2)
 
     def __str__(self) -> str:
-        return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule} mb{self.micro_batch}x{self.microbatches} "
+        return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule}{f' vpp{self.vpp}' if self.vpp > 1 else ''} "
+                f"mb{self.micro_batch}x{self.microbatches} "
                 f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{'' if self.moments == 'bfloat16' else ' m32'}"
                 f"{f' eplb+{self.eplb}' if self.eplb else ''}"
                 f"{'' if self.zero1 else ' no-zero1'}")
@@ -151,6 +153,7 @@ class Space:
 
     micro_batch: tuple[int, ...] = (1, 2, 4)
     schedules: tuple[str, ...] = SEARCH_SCHEDULES
+    vpp: tuple[int, ...] = (2, 4, 8)  # model chunks per rank tried with interleaved1f1b (Megatron-Bridge runs 4, 8)
     recompute: tuple[str, ...] = ("none", "v3", "block")
     fp8: tuple[bool, ...] = (True, False)
     moments: tuple[str, ...] = ("bfloat16", "param")
@@ -163,7 +166,7 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     """The training config of ``lay``: the base config with [parallel], batch, FP8, recompute and EPLB set."""
     cfg = copy.deepcopy(req.base)
     cfg.parallel = dataclasses.replace(cfg.parallel, pp=lay.pp, dp=lay.dp, ep=lay.ep, schedule=lay.schedule,
-                                       zero1=lay.zero1)
+                                       vpp=lay.vpp, zero1=lay.zero1)
     cfg.data = dataclasses.replace(cfg.data, seq_len=req.seq_len, micro_batch=lay.micro_batch,
                                    global_batch=lay.dp * lay.micro_batch * lay.microbatches)
     cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
@@ -197,7 +200,10 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
             continue
         scheds = ("none",) if pp == 1 else space.schedules
         for ep in (e for e in _divisors(dp) if experts % e == 0):
-            for schedule in scheds:
+            vpps = (fx["vpp"],) if "vpp" in fx else space.vpp
+            for schedule, vpp in ((s, v) for s in scheds for v in (vpps if s == "interleaved1f1b" else (1,))):
+                if pp * vpp > units:
+                    continue
                 for mb in space.micro_batch if "micro_batch" not in fx else (fx["micro_batch"],):
                     if req.global_batch % (dp * mb):
                         continue
@@ -207,7 +213,8 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
                                 for moments in space.moments:
                                     for eplb in space.eplb:
                                         for z in space.zero1:
-                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z)
+                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z,
+                                                         vpp)
                                             if all(getattr(lay, k) == v for k, v in fx.items()):
                                                 yield lay
 
@@ -273,13 +280,15 @@ class StageCosts:
 
 
 def assemble(schedule: str, pp: int, microbatches: int, parts: list[Durations], p2p: float,
-             sm_fraction: float, overhead: float = 0.0, send: float = 0.0, recv: float = 0.0) -> SimResult:
+             sm_fraction: float, overhead: float = 0.0, send: float = 0.0, recv: float = 0.0, vpp: int = 1
+             ) -> SimResult:
     """The pipeline part of a step: ``schedule`` over ``pp`` ranks timed by ``dualpipe.simulator`` with the
     per-stage durations ``parts`` (model stage order), ``p2p`` seconds per activation/gradient message in flight
     and the runtime's host seconds per pass (``overhead``) and per message posted (``send``) and taken (``recv``).
-    ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch."""
+    ``none`` (no pipeline) is gradient accumulation: one rank running F, B per micro-batch; ``vpp`` the model chunks
+    per rank of ``interleaved1f1b`` (``parts`` then has ``pp x vpp`` entries)."""
     name = "1f1b" if schedule == "none" else schedule
-    prog = program(name, pp, microbatches)
+    prog = program(name, pp, microbatches, vpp)
     return prog.run(StageCosts(parts, list(prog.schedule.layout.parts), p2p, sm_fraction, overhead, send, recv))
 
 
@@ -341,18 +350,18 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     figures by everything the simulation sees (layouts differing only in optimizer settings share them); without
     it the evaluation keeps the simulated timeline (for ``--trace``)."""
     s = req.system
-    num = num_model_stages(lay.schedule, lay.pp)
+    num = num_model_stages(lay.schedule, lay.pp, lay.vpp)
     ranges = split_layers(args, num)
     work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, recompute_kinds(lay.recompute),
                     cfg.balance.max_nodes, _imbalance(req, args, lay))
     parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
     link = s.inter_node if lay.dp >= s.gpus_per_node else s.intra_node
     p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
-    key = (lay.schedule, lay.pp, lay.microbatches, tuple(parts), p2p)
+    key = (lay.schedule, lay.pp, lay.vpp, lay.microbatches, tuple(parts), p2p)
     sim = None
     if pipeline_cache is None or key not in pipeline_cache:
         sim = assemble(lay.schedule, lay.pp, lay.microbatches, parts, p2p, s.comm_sm_fraction,
-                       s.action_overhead_us * 1e-6, s.send_overhead_us * 1e-6, s.recv_overhead_us * 1e-6)
+                       s.action_overhead_us * 1e-6, s.send_overhead_us * 1e-6, s.recv_overhead_us * 1e-6, lay.vpp)
         busiest = max(range(lay.pp), key=sim.busy)
         figures = (sim.makespan, sim.busy(busiest), sum(sim.costs.exposed(iv.item) for iv in sim.timeline[busiest]))
         if pipeline_cache is not None:

@@ -51,7 +51,7 @@ from planner.system import System, known_systems, load_system
 from training.config import TrainConfig, load_config
 from training.trainer import model_args
 
-_INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb")
+_INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb", "vpp")
 _BOOL_KEYS = ("fp8", "zero1")
 _STR_KEYS = {"schedule": ("none", *SEARCH_SCHEDULES), "recompute": tuple(RECOMPUTE_POLICIES),
              "moments": ("bfloat16", "param")}

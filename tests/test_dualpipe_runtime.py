@@ -106,11 +106,12 @@ def reference(model: nn.ModuleList, x: torch.Tensor, y: torch.Tensor, chunks: in
 
 
 # -- one schedule, one rank ----------------------------------------------------------------------------
-def _check_schedule(rank: int, world: int, name: str, chunks: int, seed: int, cls: type[nn.Module] = ToyStage) -> dict:
+def _check_schedule(rank: int, world: int, name: str, chunks: int, seed: int, cls: type[nn.Module] = ToyStage,
+                    vpp: int = 1) -> dict:
     """Train one step and run one inference step of ``name``; return what the parent asserts on."""
-    sched = build(name, world, chunks)
+    sched = build(name, world, chunks, vpp)
     lay = sched.layout
-    num_parts = world if name in ("1f1b", "zb1p", "dualpipe") else 2 * world
+    num_parts = world * vpp if name in ("1f1b", "zb1p", "dualpipe", "interleaved1f1b") else 2 * world
     model = make_model(num_parts, seed, cls)
     x, y = make_batch(num_parts, 3 * chunks, seed)
     ref_loss, ref_out, ref_grads = reference(model, x, y, chunks)
@@ -130,7 +131,7 @@ def _check_schedule(rank: int, world: int, name: str, chunks: int, seed: int, cl
         pipe = DualPipeV(tuple(mods))
         ins, labs, expect = (x,), (y,), (slice(0, chunks) if rank == 0 else None)
     else:
-        pipe = Pipeline(mods, name)
+        pipe = Pipeline(mods, name, vpp=vpp)
         first, last = lay.stage_rank[0], lay.stage_rank[lay.num_stages - 1]
         ins = (x,) if rank == first else (None,)
         labs = (y,) if rank == last else (None,)
@@ -163,6 +164,9 @@ def _all_schedules(rank: int, world: int) -> dict:
     names = ["1f1b", "zb1p", "zbv", "dualpipev"] + (["dualpipe"] if world % 2 == 0 else [])
     for i, name in enumerate(names):
         out[name] = _check_schedule(rank, world, name, 2 * world + 2, seed=10 * world + i)
+    # interleaved 1F1B (micro-batches a multiple of the ranks): 3 model chunks a rank, and 2 with other sizes
+    out["interleaved1f1b"] = _check_schedule(rank, world, "interleaved1f1b", 2 * world, 7 * world, vpp=3)
+    out["interleaved1f1b-vpp2"] = _check_schedule(rank, world, "interleaved1f1b", 3 * world, 7 * world + 1, vpp=2)
     if world > 1:
         out["dualpipev-overlap"] = _check_schedule(rank, world, "dualpipev", 2 * world + 2, 99, OverlapStage)
     extras = {1: _bad_inputs, 2: _two_pipelines, 4: _odd_dualpipe}

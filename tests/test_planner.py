@@ -248,7 +248,7 @@ def test_nothing_fits_lists_the_nearest_misses(capsys):
     (["--gpu", "Z100", "--gpus", "8"], "unknown GPU 'Z100'"),
     (["--gpus", "8", "--fix", "tp=2"], "unknown layout key 'tp'"),
     (["--gpus", "8", "--fix", "pp=two"], "--fix pp: expected a positive integer"),
-    (["--gpus", "8", "--fix", "schedule=gpipe"], "--fix schedule: expected one of none, 1f1b, zb1p"),
+    (["--gpus", "8", "--fix", "schedule=gpipe"], "--fix schedule: expected one of none, 1f1b, interleaved1f1b, zb1p"),
     (["--gpus", "8", "--fix", "recompute=full"], "--fix recompute: expected one of none, v3, block, got 'full'"),
     (["--gpus", "8", "--fix", "ep=3"], "no layout of 8 GPUs matches: global batch 32 must be dp x micro_batch"),
     (["--gpus", "8", "--global-batch", "7"], "no layout of 8 GPUs matches: global batch 7"),

@@ -57,7 +57,8 @@ def test_shipped_records_cover_the_issue_bar():
     (lambda d: d["layout"].__setitem__("pp", 0), r"layout\.pp must be a positive integer, got 0"),
     (lambda d: d["layout"].__setitem__("dp", 8), r"tp x pp x cp x dp = 8 != system\.gpus 16"),
     (lambda d: d["layout"].__setitem__("tp", 2) or d["layout"].__setitem__("dp", 8),
-     r"uses TP, CP, VPP, FSDP or another recompute.*run\.excluded must say so"),
+     r"uses TP, CP, FSDP or another recompute.*run\.excluded must say so"),
+    (lambda d: d["layout"].__setitem__("vpp", 2), r"layout\.vpp 2 with layout\.schedule 'none': virtual pipeline"),
     (lambda d: d["layout"].__setitem__("precision", "fp4"), r"layout\.precision must be one of bf16, fp8-blockwise"),
     (lambda d: d["layout"].__setitem__("global_batch", 1000), r"global_batch 1000 is not a multiple of dp x"),
     (lambda d: d["system"].__setitem__("gpu", "H300"), r"system\.gpu must be one of .*got 'H300'"),
@@ -138,8 +139,10 @@ def test_loo_table_and_residuals_regenerate_identically(tmp_path):
     assert json.dumps(res, indent=1, sort_keys=True) + "\n" == (RUNS_DIR / "loo.json").read_text()
     # the planner ships the time terms leave-one-out kept
     assert DEFAULT_TERMS == frozenset(res["terms"]) & frozenset(TIME_TERMS)
-    # the issue's target on the family with >= 3 runs where it is met, and the table says so
-    assert "| Blackwell | 12 |" in text and re.search(r"\| Blackwell \| 12 \|.*\| yes \|", text)
+    # the issue's target per family with >= 3 runs, and where it is missed the table names the runs: on Blackwell the
+    # two GB200 interleaved-1F1B runs (predicted ~35% slow on held-out data: the per-GPU compute, as under 1F1B)
+    assert re.search(r"\| Blackwell \| 14 \|.*\| no: megatron-bridge-perf-25.11-v3-256xgb200-bf16, "
+                     r"megatron-bridge-perf-25.11-v3-256xgb200-mxfp8 \|", text)
     copy = tmp_path / "planner.md"
     shutil.copy(ROOT / "benchmarks" / "planner.md", copy)
     copy.write_text(plan_loo.splice(copy.read_text(), text, "x"))

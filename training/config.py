@@ -34,7 +34,7 @@ else:  # pragma: no cover - python 3.10
 from deep_gemm.linear import FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
-from dualpipe.schedules import check_sizes
+from dualpipe.schedules import check_sizes, check_vpp
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -44,10 +44,11 @@ SCHEDULES = ("none", *schedules.SCHEDULES)
 FP8_SHADOW_ACTIONS = ("bf16", "warn")
 
 
-def pipeline_layout(schedule: str, pp: int) -> Layout:
-    """Where ``parallel.schedule`` puts the model's parts (stages) on ``pp`` pipeline ranks: the schedule IR's
-    layout (``dualpipe.schedules.layout``); ``none`` is one rank holding the whole model."""
-    return schedules.layout("1f1b" if schedule == "none" else schedule, pp)
+def pipeline_layout(schedule: str, pp: int, vpp: int = 1) -> Layout:
+    """Where ``parallel.schedule`` puts the model's parts (stages) on ``pp`` pipeline ranks (``vpp`` model chunks
+    each under ``interleaved1f1b``): the schedule IR's layout (``dualpipe.schedules.layout``); ``none`` is one rank
+    holding the whole model."""
+    return schedules.layout("1f1b" if schedule == "none" else schedule, pp, vpp)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    schedule: str = "none"  # none (no pipeline) | 1f1b | zb1p | zbv | dualpipe | dualpipev
+    schedule: str = "none"  # none (no pipeline) | 1f1b | interleaved1f1b | zb1p | zbv | dualpipe | dualpipev
+    vpp: int = 1  # model chunks per pipeline rank (Megatron's virtual pipeline size): >= 2 with interleaved1f1b only
     overlap: bool = True  # use the stage's overlapped_forward_backward where the schedule pairs F and B
     zero1: bool = True  # shard optimizer states over data-parallel ranks (ZeroRedundancyOptimizer)
 
@@ -103,7 +105,7 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return pipeline_layout(self.schedule, self.pp)
+        return pipeline_layout(self.schedule, self.pp, self.vpp)
 
     @property
     def num_stages(self) -> int:
@@ -380,7 +382,7 @@ def check_microbatches(par: ParallelConfig, num_chunks: int, where: str) -> None
     if par.schedule == "none":
         return
     try:
-        check_sizes(par.schedule, par.pp, num_chunks)
+        check_sizes(par.schedule, par.pp, num_chunks, par.vpp)
     except ValueError as exc:
         raise ValueError(f"{where}: {num_chunks} micro-batches per step (global_batch / (dp x micro_batch)) do not "
                          f"suit parallel.schedule={par.schedule!r} with parallel.pp={par.pp}: {exc}; change "
@@ -439,6 +441,10 @@ def validate(cfg: TrainConfig) -> None:
                          f"{', '.join(SCHEDULES[1:])}")
     if p.schedule == "dualpipe" and p.pp % 2:
         raise ValueError(f"parallel.schedule='dualpipe' needs an even parallel.pp, got {p.pp}")
+    try:
+        check_vpp("1f1b" if p.schedule == "none" else p.schedule, p.vpp)
+    except ValueError as exc:
+        raise ValueError(f"parallel.vpp={p.vpp} with parallel.schedule={p.schedule!r}: {exc}") from None
     if d.seq_len < 2:
         raise ValueError(f"data.seq_len must be >= 2, got {d.seq_len}")
     if d.micro_batch < 1:

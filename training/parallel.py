@@ -59,7 +59,8 @@ def layout(par: ParallelConfig) -> dict[str, list[list[int]]]:
 def describe(par: ParallelConfig) -> str:
     """The layout as text: one line per rank with its coordinates (dry runs print this)."""
     lines = [f"world {par.world_size} = pp {par.pp} x dp {par.dp}; ep {par.ep} spans dp ranks "
-             f"({par.dp // par.ep} replicas of each expert shard); schedule {par.schedule}, "
+             f"({par.dp // par.ep} replicas of each expert shard); schedule {par.schedule}"
+             f"{f' x vpp {par.vpp}' if par.vpp > 1 else ''}, "
              f"{par.num_stages} stages"]
     for r in range(par.world_size):
         c = coords(r, par)

@@ -1,6 +1,6 @@
 """The pipeline schedule of a training step: ``dualpipe``'s runtime driving this rank's DeepSeek-V3 stages.
 
-``dualpipe.runtime.Pipeline`` executes the schedule IR (1F1B, ZB1P, ZBV, DualPipe, DualPipeV) over
+``dualpipe.runtime.Pipeline`` executes the schedule IR (1F1B, interleaved 1F1B, ZB1P, ZBV, DualPipe, DualPipeV) over
 the stage modules, with P2P between the ranks of the ``pp`` group; the last stage's criterion is the
 step's ``training.loss.StageLoss`` (head, MTP and the losses), fed the token windows as labels. For
 ``dualpipe`` the mirrored stage replicas' gradients are summed across the two ranks that hold them.
@@ -32,7 +32,7 @@ class PipelineRunner:
             self.pipe = DualPipe(tuple(stages), process_group=ps.group("pp"), p2p_timeout=cfg.run.timeout_s)
         else:
             self.pipe = Pipeline(stages, schedule=self.schedule, process_group=ps.group("pp"),
-                                 p2p_timeout=cfg.run.timeout_s)
+                                 p2p_timeout=cfg.run.timeout_s, vpp=cfg.parallel.vpp)
         # parallel.overlap=false runs every paired F&B as F then B (the baseline of bench_overlap)
         self.pipe.overlapped_forward_backward = self.pipe.overlapped_forward_backward and cfg.parallel.overlap
         self.pipe.recorder = recorder

@@ -13,7 +13,8 @@ checkpoints of any layout line up.
 Which stages a pipeline rank holds (``stage_ids``): one (``1f1b``, ``zb1p``), two in a V
 (``dualpipev``, ``zbv``: stage ``r`` and ``2 pp - 1 - r``, so the embedding and the head/MTP share
 rank 0 as in V3), or two mirrored (``dualpipe``: stage ``r`` and ``pp - 1 - r``, each held twice in
-the world). MTP needs the embedding beside the head, so it is refused for ``1f1b``/``zb1p`` at pp > 1.
+the world), or ``vpp`` model chunks (``interleaved1f1b``: stages ``r, r + pp, ...`` of ``pp x vpp`` equal
+chunks, ``chunk_layers``). MTP needs the embedding beside the head, so it is refused for ``1f1b``/``zb1p`` at pp > 1.
 
 Initialisation does not depend on the layout: every tensor is drawn from a generator seeded by
 (seed, parameter name[, global expert id]), so a 1-process and a PP x EP run start identical.
@@ -35,14 +36,27 @@ from models.deepseek_v3.rope import rope_cos_sin
 from training.config import pipeline_layout
 
 
-def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
+def stage_ids(schedule: str, pp: int, pp_rank: int, vpp: int = 1) -> list[int]:
     """The global stage numbers pipeline rank ``pp_rank`` holds, in local order (the schedule layout's parts)."""
-    return list(pipeline_layout(schedule, pp).parts_of(pp_rank))
+    return list(pipeline_layout(schedule, pp, vpp).parts_of(pp_rank))
 
 
-def num_model_stages(schedule: str, pp: int) -> int:
+def num_model_stages(schedule: str, pp: int, vpp: int = 1) -> int:
     """How many stages the schedule cuts the model into (the schedule layout's parts)."""
-    return pipeline_layout(schedule, pp).num_parts
+    return pipeline_layout(schedule, pp, vpp).num_parts
+
+
+def chunk_layers(args: ModelArgs, pp: int, vpp: int) -> list[tuple[int, int]]:
+    """Trunk layers ``[start, end)`` of each of the ``pp x vpp`` model chunks of interleaved 1F1B, chunk ``c`` on
+    pipeline rank ``c % pp``: as even as ``split_layers`` makes them (sizes differ by at most one layer, as
+    Megatron-Bridge lays out DeepSeek-V3's 61 layers over 16 chunks). ValueError naming ``parallel.vpp`` when some
+    chunk would hold no layer."""
+    chunks = pp * vpp
+    if chunks > args.n_layers + args.n_mtp_layers:
+        raise ValueError(f"model has {args.n_layers} layers + {args.n_mtp_layers} MTP, too few for parallel.pp x "
+                         f"parallel.vpp = {pp} x {vpp} = {chunks} model chunks of at least one layer; lower "
+                         "parallel.vpp or raise model.overrides.n_layers")
+    return split_layers(args, chunks)
 
 
 def split_layers(args: ModelArgs, num_stages: int) -> list[tuple[int, int]]:
@@ -201,19 +215,19 @@ def _output_grads(loss: torch.Tensor | None, grads: list) -> dict[str, torch.Ten
 
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int, physical_experts: Sequence[int] | None = None
-                 ) -> tuple[Transformer, list[DeepSeekV3Stage]]:
+                 device: torch.device, dtype: torch.dtype, seed: int, physical_experts: Sequence[int] | None = None,
+                 vpp: int = 1) -> tuple[Transformer, list[DeepSeekV3Stage]]:
     """This rank's stages, materialised on ``device`` in ``dtype``; the rest of the model stays on meta.
 
     physical_experts: under EPLB, the logical expert of each physical slot this rank hosts in every
     MoE layer (replicas start as exact copies: experts are initialised per logical id).
     """
-    num_stages = num_model_stages(schedule, pp)
-    if args.n_mtp_layers and not pipeline_layout(schedule, pp).same_rank(0, num_stages - 1):
+    num_stages = num_model_stages(schedule, pp, vpp)
+    if args.n_mtp_layers and not pipeline_layout(schedule, pp, vpp).same_rank(0, num_stages - 1):
         raise ValueError(f"MTP (model n_mtp_layers={args.n_mtp_layers}) needs the embedding on the last stage's "
                          f"rank: use parallel.schedule dualpipev, zbv or dualpipe, or set "
                          "model.overrides.n_mtp_layers=0")
-    ranges = split_layers(args, num_stages)
+    ranges = chunk_layers(args, pp, vpp) if vpp > 1 else split_layers(args, num_stages)
     experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
     with torch.device("meta"):
         model = Transformer(args, expert_ids=experts)
@@ -221,7 +235,7 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.experts = Experts(args, physical_experts, recompute_swiglu=m.experts.recompute_swiglu)
-    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s]) for s in stage_ids(schedule, pp, pp_rank)]
+    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s]) for s in stage_ids(schedule, pp, pp_rank, vpp)]
     owned: dict[str, nn.Module] = {}
     for st in stages:
         owned.update(st.owned_modules())

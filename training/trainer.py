@@ -57,7 +57,15 @@ from training.metrics import MetricsLogger, NullLogger, fp8_health_metrics, mode
 from training.optim import LRScheduler, Optimizers, clip_grad_norm, reduce_gradients
 from training.parallel import ParallelState
 from training.pipeline import PipelineRunner
-from training.stages import DeepSeekV3Stage, build_stages, expert_range, num_model_stages, split_layers, stage_ids
+from training.stages import (
+    DeepSeekV3Stage,
+    build_stages,
+    chunk_layers,
+    expert_range,
+    num_model_stages,
+    split_layers,
+    stage_ids,
+)
 
 if TYPE_CHECKING:  # the loop only calls them; training.run makes them
     from training.preempt import Preemption, Stop
@@ -103,7 +111,10 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
-    split_layers(args, num_model_stages(par.schedule, par.pp))
+    if par.vpp > 1:
+        chunk_layers(args, par.pp, par.vpp)
+    else:
+        split_layers(args, num_model_stages(par.schedule, par.pp))
     if par.ep > 1:
         expert_range(args, 0, par.ep)
     if args.n_mtp_layers and not par.layout.same_rank(0, par.layout.num_parts - 1):
@@ -181,7 +192,7 @@ class Trainer:
             physical = local_physical_experts(initial_plan(cfg, self.args), c.ep_rank, cfg.parallel.ep).tolist()
         self.model, self.stages = build_stages(self.args, cfg.parallel.schedule, cfg.parallel.pp, c.pp_rank,
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
-                                               physical_experts=physical)
+                                               physical_experts=physical, vpp=cfg.parallel.vpp)
         self.modules = nn.ModuleList(self.stages)
         if cfg.model.init_from:
             init_from_hf(self.model, cfg.model.init_from)
@@ -222,7 +233,8 @@ class Trainer:
     def _holds_loss(self) -> bool:
         """Whether this rank computes the loss (holds the last stage of the first replica)."""
         par = self.cfg.parallel
-        return (num_model_stages(par.schedule, par.pp) - 1) in stage_ids(par.schedule, par.pp, self.ps.coords.pp_rank)
+        return (num_model_stages(par.schedule, par.pp, par.vpp) - 1) in stage_ids(par.schedule, par.pp,
+                                                                                    self.ps.coords.pp_rank, par.vpp)
 
     @property
     def loss_stage(self) -> DeepSeekV3Stage | None:
@@ -300,7 +312,7 @@ class Trainer:
         """Global information the checkpoint manager stores beside the shards."""
         par = self.cfg.parallel
         return {"tokens_seen": self.tokens_seen, "config": numerics_dict(self.cfg), "full_config": self.cfg.to_dict(),
-                "layout": {"pp": par.pp, "dp": par.dp, "ep": par.ep, "schedule": par.schedule,
+                "layout": {"pp": par.pp, "dp": par.dp, "ep": par.ep, "schedule": par.schedule, "vpp": par.vpp,
                            "world_size": self.ps.world_size}}
 
     # ---- one step ---------------------------------------------------------------------------------
