@@ -30,7 +30,8 @@ OK, FAILED, BAD_INPUT, SAVE_FAILED, FAULT_STOP, LOCKED = 0, 1, 2, 3, 4, 5
 def check_output_file(path: str | os.PathLike, option: str) -> Path:
     """``path`` as a file this process can create or replace; ValueError naming ``option`` otherwise.
 
-    Refused: an existing folder, a missing or non-folder parent, a parent this user cannot write to."""
+    Refused: an existing folder, a missing or non-folder parent, a parent this user cannot write to, a path that
+    cannot be created there (tried: the file is created and removed at once)."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{option} {str(path)!r} is a folder; expected a file path")
@@ -39,8 +40,15 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{option} {str(path)!r} exists and is not writable")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{option} {str(path)!r} exists and is not writable")
+        return p
+    try:  # permission bits do not tell (root, /proc, a read-only mount): create the file and remove it again
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(p)
+    except OSError as exc:
+        raise ValueError(f"{option} {str(path)!r}: cannot create it ({exc.strerror})") from None
     return p
 
 

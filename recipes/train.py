@@ -44,7 +44,7 @@ from accel.cli import (
     positive_int,
 )
 from training.checkpoint import format as fmt
-from training.config import load_config
+from training.config import TrainConfig, load_config
 from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
 from training.rundir import check_fresh, check_resume, choose_run_dir
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.dry_run:
             dry_run(cfg, nproc, ns.device)
             return 0
-        check_paths(ns)
+        check_paths(ns, cfg)
         from training.run import RunOptions, run_training
 
         opts = RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace, break_lock=ns.break_lock)
@@ -148,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
 
 
-def check_paths(ns: argparse.Namespace) -> None:
-    """The run's output paths and ``--resume``, before any work: ValueError naming the option."""
+def check_paths(ns: argparse.Namespace, cfg: TrainConfig) -> None:
+    """The run's output paths and ``--resume`` (a checkpoint of ``cfg``), before any work: ValueError naming the
+    option."""
     if ns.trace:
         check_output_file(ns.trace, "--trace")
     if ns.run_dir:
         check_output_dir(ns.run_dir, "--run-dir")
-    check_resume(ns.resume)
+    check_resume(ns.resume, cfg)
 
 
 def launch_locked(cfg, nproc: int, argv: list[str], ns: argparse.Namespace) -> int:

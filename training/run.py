@@ -63,7 +63,7 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     with Preemption(cfg.run.max_minutes) as preemption:
         rank, world = world_from_env()
         checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
-        check_resume(opts.resume)
+        check_resume(opts.resume, cfg)  # a checkpoint of this config, before the run folder is made
         lock = None
         if rank == 0:
             opts = dataclasses.replace(opts, run_dir=str(choose_run_dir(cfg, opts.run_dir, opts.resume)))
