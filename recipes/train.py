@@ -38,12 +38,14 @@ from accel.cli import (
     BAD_INPUT,
     FAULT_STOP,
     LOCKED,
+    SAVE_FAILED,
     ArgumentParser,
     check_output_dir,
     check_output_file,
     positive_int,
 )
 from training.checkpoint import format as fmt
+from training.checkpoint.writer import CheckpointWriteError
 from training.config import TrainConfig, load_config
 from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         return launch_locked(cfg, nproc, argv, ns)
+    except CheckpointWriteError as exc:  # a full disk, a read-only folder: the last committed checkpoint is intact
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return SAVE_FAILED
     except RunFolderLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return LOCKED

@@ -32,7 +32,7 @@ from training.checkpoint.manager import CheckpointManager, read_checkpoint, read
 from training.checkpoint.reshard import read_resharded
 from training.checkpoint.resume import local_param_groups, restart_count
 from training.checkpoint.rng import restore_rng_state
-from training.checkpoint.writer import paused_writer
+from training.checkpoint.writer import CheckpointWriteError, paused_writer
 from training.config import ParallelConfig, TrainConfig
 from training.fault import FaultPolicy, FaultTolerance, FaultToleranceError, Verdict
 from training.metrics import NullLogger
@@ -130,6 +130,10 @@ class CheckpointHooks:
         return False  # no optimizer update from a faulty step
 
     def _step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        with self._write_failure():
+            self._step_end_checked(trainer, metrics)
+
+    def _step_end_checked(self, trainer, metrics: dict[str, Any]) -> None:
         self.manager.poll()
         while self._early_events and self._logger() is not None:
             self._log_event(self._early_events.pop(0))
@@ -171,6 +175,27 @@ class CheckpointHooks:
             self.trainer.logger.close({"steps": self.trainer.step, "stopped": str(fault)})
             raise
 
+    @contextlib.contextmanager
+    def _write_failure(self) -> Iterator[None]:
+        """A failed checkpoint write (a full disk, a folder made read-only) stops the run with a
+        ``CheckpointWriteError`` saying what failed, where, and which committed checkpoint is intact: the writer's
+        staging folder and atomic rename leave the last committed one as it was (``recipes.train`` prints it as
+        one line, exit status 3). The metrics logger is closed first (progress bar, wandb; nothing more is written
+        to the run folder), so the error's line is the last."""
+        try:
+            yield
+        except CheckpointWriteError as exc:
+            try:
+                self.trainer.logger.close()
+            except Exception as close_error:  # noqa: BLE001 - the failed save is what the user must see
+                log.warning("while stopping on a failed save: %s", close_error)
+            root, latest = self.manager.root, self.manager.latest_step()
+            intact = (f"the last committed checkpoint, {fmt.step_dirname(latest)} in {root}, is intact: free space "
+                      "or make the folder writable, then --resume auto" if latest is not None else
+                      f"no checkpoint had been committed in {root}: free space or make the folder writable and "
+                      "start again")
+            raise CheckpointWriteError(f"{exc}; {intact}") from exc
+
     def _checked_state(self) -> tuple[dict[str, Any], Verdict]:
         """The state to save and, with the guard on, every rank's verdict on its finiteness (a fault when not)."""
         state = self.trainer.state_dict()
@@ -201,10 +226,13 @@ class CheckpointHooks:
                 raise FaultToleranceError(f"step {verdict.step}: {verdict.reason}; not saved: rolled back to the "
                                           f"stable checkpoint of step {verdict.rollback_step} (--resume auto "
                                           "continues from there)")
-        return time.perf_counter() - t0 + self._save(state, sync)
+        with self._write_failure():
+            return time.perf_counter() - t0 + self._save(state, sync)
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the write in flight; ``CheckpointWriteError`` (as ``_write_failure`` says it) when it failed."""
+        with self._write_failure():
+            self.manager.close()
 
     def _logger(self):
         """The trainer's metrics logger once ``fit`` started it (rank 0), else None."""
