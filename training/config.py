@@ -43,8 +43,8 @@ MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
 FP8_SHADOW_ACTIONS = ("bf16", "warn")
 INT64 = 1 << 63
-# run.steps at most 10^9 - 1: checkpoint folders are named step_NNNNNNNNN with nine digits, so that their names
-# sort as their steps do; no run takes that many optimizer steps (V3: 14.8T tokens in about 10^5 steps)
+# run.steps at most 10^9 - 1: checkpoint folders are named step_NNNNNNNNN with nine digits, so that a listing sorts
+# them by step; no run comes near (V3's 14.8T tokens: 235,000 steps, recipes/configs/deepseek_v3_671b.toml)
 MAX_STEPS = 10**9 - 1
 
 
