@@ -11,7 +11,7 @@ Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
 | 0 | ``OK`` | finished; or stopped early (SIGTERM, SIGINT, time budget) with a committed checkpoint of the last step |
 | 1 | ``FAILED`` | an error the run could not handle (a rank died, a collective timed out, a gate failed) |
 | 2 | ``BAD_INPUT`` | an argument, config value or input file is wrong; nothing was started |
-| 3 | ``SAVE_FAILED`` | stopped early (signal or time budget) but the final checkpoint could not be written |
+| 3 | ``SAVE_FAILED`` | a checkpoint could not be written (interval, final, on a stop); the last committed is intact |
 | 4 | ``FAULT_STOP`` | the NaN / loss-spike guard stopped the run (nothing good to roll back to, or retries exhausted) |
 | 5 | ``LOCKED`` | the run folder belongs to another job (its holder is named) |
 """

@@ -19,8 +19,8 @@ failed); ``run.max_minutes`` does the same before a wall-clock limit. ``--resume
 bit-exactly. Under ``--nproc`` the launcher forwards the signal to its workers and waits for their save.
 
 Exit statuses (``accel.cli``): 0 done (or stopped early with a committed checkpoint), 1 failed, 2 bad input
-(one line; nothing started), 3 stopped early but the save failed, 4 stopped by the NaN guard, 5 run folder
-locked.
+(one line; nothing started or written), 3 a checkpoint could not be written (a full disk, a read-only folder;
+one line naming the committed checkpoint left intact), 4 stopped by the NaN guard, 5 run folder locked.
 """
 
 from __future__ import annotations
