@@ -17,7 +17,7 @@ has completed for ``run.watchdog_s`` seconds. Each rank's current operation is t
 Following "waits on" from any waiting rank ends at ranks that wait on no one (in compute, outside any
 recorded operation, stuck before posting, or without a dump): the one among them that stopped earliest
 is named as the rank that stopped first. Exit status 0 with a diagnosis, 2 (one line) when RUN_DIR
-holds no dumps.
+holds no dumps or a damaged one (not JSON, a field missing or of the wrong type: the file and field are named).
 """
 
 from __future__ import annotations
