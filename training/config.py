@@ -169,7 +169,7 @@ class LoggingConfig:
     progress: bool = True
     log_every: int = 1
     eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # held-out batches of the validation loss (0 = none)
     plot: bool = True
     # FP8 health (deep_gemm.health, with model.fp8): every N steps each FP8 GEMM's e4m3 underflow, subnormals and
     # tile amax range go to metrics.jsonl (per layer) and wandb (maxima); 0 = off. A warning names the layer and
@@ -507,9 +507,9 @@ def validate(cfg: TrainConfig) -> None:
     lg, ck = cfg.logging, cfg.checkpoint
     if lg.log_every < 1:
         raise ValueError(f"logging.log_every must be >= 1 (steps between logged lines), got {lg.log_every}")
-    if lg.eval_every < 0 or lg.eval_batches < 1:
-        raise ValueError(f"logging.eval_every must be >= 0 (0 = only at the end) and logging.eval_batches >= 1, "
-                         f"got {lg.eval_every} and {lg.eval_batches}")
+    if lg.eval_every < 0 or lg.eval_batches < 0:
+        raise ValueError(f"logging.eval_every must be >= 0 (0 = only at the end) and logging.eval_batches >= 0 "
+                         f"(0 = no validation loss), got {lg.eval_every} and {lg.eval_batches}")
     if ck.interval < 0 or ck.keep_last < 1 or ck.keep_every < 0:
         raise ValueError(f"checkpoint.interval must be >= 0, checkpoint.keep_last >= 1 and checkpoint.keep_every >= 0 "
                          f"(0 = none), got {ck.interval}, {ck.keep_last} and {ck.keep_every}")
