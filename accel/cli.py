@@ -11,7 +11,7 @@ Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
 | 0 | ``OK`` | finished; or stopped early (SIGTERM, SIGINT, time budget) with a committed checkpoint of the last step |
 | 1 | ``FAILED`` | an error the run could not handle (a rank died, a collective timed out, a gate failed) |
 | 2 | ``BAD_INPUT`` | an argument, config value or input file is wrong; nothing was started |
-| 3 | ``SAVE_FAILED`` | stopped early (signal or time budget) but the final checkpoint could not be written |
+| 3 | ``SAVE_FAILED`` | a checkpoint could not be written (interval, final, on a stop); the last committed is intact |
 | 4 | ``FAULT_STOP`` | the NaN / loss-spike guard stopped the run (nothing good to roll back to, or retries exhausted) |
 | 5 | ``LOCKED`` | the run folder belongs to another job (its holder is named) |
 """
@@ -30,7 +30,8 @@ OK, FAILED, BAD_INPUT, SAVE_FAILED, FAULT_STOP, LOCKED = 0, 1, 2, 3, 4, 5
 def check_output_file(path: str | os.PathLike, option: str) -> Path:
     """``path`` as a file this process can create or replace; ValueError naming ``option`` otherwise.
 
-    Refused: an existing folder, a missing or non-folder parent, a parent this user cannot write to."""
+    Refused: an existing folder, a missing or non-folder parent, a parent this user cannot write to, a path that
+    cannot be created there (tried: the file is created and removed at once)."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{option} {str(path)!r} is a folder; expected a file path")
@@ -39,8 +40,15 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{option} {str(path)!r} exists and is not writable")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{option} {str(path)!r} exists and is not writable")
+        return p
+    try:  # permission bits do not tell (root, /proc, a read-only mount): create the file and remove it again
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(p)
+    except OSError as exc:
+        raise ValueError(f"{option} {str(path)!r}: cannot create it ({exc.strerror})") from None
     return p
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,14 +115,14 @@ def _get(table: dict, key: str, where: str, kind: type | tuple[type, ...] = (int
 
 
 def _positive(value: float, what: str, upper: float | None = None) -> float:
-    if not value > 0 or (upper is not None and value > upper):
+    if not 0 < value < math.inf or (upper is not None and value > upper):
         bound = f"in (0, {upper}]" if upper is not None else "> 0"
         raise ValueError(f"{what} must be {bound}, got {value!r}")
     return float(value)
 
 
 def _non_negative(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(f"{what} must be a number >= 0, got {value!r}")
     return float(value)
 
@@ -159,7 +160,7 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
     eff = _get(doc, "efficiency", where, dict)
     links = _get(doc, "links", where, dict)
     coll = _get(doc, "collective_efficiency", where, dict)
-    fp8 = float(_get(gpu, "fp8_tflops", f"{where} [gpu]"))
+    fp8 = _non_negative(_get(gpu, "fp8_tflops", f"{where} [gpu]"), f"{where}: gpu.fp8_tflops")  # 0: no FP8 path
     sources = _get(doc, "sources", where, dict)
     efficiency = {}
     for k in KERNEL_CLASSES:
@@ -182,7 +183,13 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
         t = _get(links, k, f"{where} [links]", dict)
         bandwidth = _get(t, "bandwidth_gb_s", f"{where} [links.{k}]")
         link[k] = Link(_positive(bandwidth, f"{where}: links.{k}.bandwidth_gb_s"),
-                       float(_get(t, "latency_us", f"{where} [links.{k}]")))
+                       _non_negative(_get(t, "latency_us", f"{where} [links.{k}]"), f"{where}: links.{k}.latency_us"))
+    comm_sm = _number(_get(doc, "comm_sm_fraction", where), f"{where}: comm_sm_fraction")
+    if not 0 <= comm_sm < 1:  # the computation that overlaps the all-to-all keeps 1 - fraction of the SMs
+        raise ValueError(f"{where}: comm_sm_fraction must be in [0, 1), got {comm_sm!r}")
+    gpus_per_node = _get(doc, "gpus_per_node", where, int)
+    if isinstance(gpus_per_node, bool) or gpus_per_node < 1:
+        raise ValueError(f"{where}: gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
     return System(
         name=str(_get(doc, "name", where, str)),
         calibrated=bool(_get(doc, "calibrated", where, bool)),
@@ -194,8 +201,8 @@ def system_from_json(doc: dict, where: str = "system file") -> System:
         intra_node=link["intra_node"], inter_node=link["inter_node"],
         collective_efficiency={k: _positive(_get(coll, k, f"{where} [collective_efficiency]"),
                                             f"{where}: collective_efficiency.{k}", 2.0) for k in COLLECTIVES},
-        comm_sm_fraction=float(_get(doc, "comm_sm_fraction", where)),
-        gpus_per_node=int(_get(doc, "gpus_per_node", where, int)),
+        comm_sm_fraction=comm_sm,
+        gpus_per_node=gpus_per_node,
         shape_efficiency=shapes,
         sources=dict(sources),
         all_to_all_latency_us={int(n): _non_negative(v, f"{where}: all_to_all_latency_us.{n}") for n, v in a2a.items()},

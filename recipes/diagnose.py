@@ -17,7 +17,7 @@ has completed for ``run.watchdog_s`` seconds. Each rank's current operation is t
 Following "waits on" from any waiting rank ends at ranks that wait on no one (in compute, outside any
 recorded operation, stuck before posting, or without a dump): the one among them that stopped earliest
 is named as the rank that stopped first. Exit status 0 with a diagnosis, 2 (one line) when RUN_DIR
-holds no dumps.
+holds no dumps or a damaged one (not JSON, a field missing or of the wrong type: the file and field are named).
 """
 
 from __future__ import annotations
@@ -50,14 +50,53 @@ def load_dumps(run_dir: str | Path) -> tuple[dict[int, dict[str, Any]], list[str
     for f in files:
         try:
             d = json.loads(f.read_text())
-            int(d["rank"]), list(d["entries"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             raise ValueError(f"{f}: not a flight-recorder dump ({exc})") from None
-        dumps[int(d["rank"])] = d
-    newest = max(d.get("created", 0.0) for d in dumps.values())
+        problem = dump_problem(d)
+        if problem:
+            raise ValueError(f"{f}: not a flight-recorder dump ({problem}); a damaged dump cannot be diagnosed")
+        dumps[d["rank"]] = d
+    newest = max(d["created"] for d in dumps.values())
     notes = [f"ignored {f.name}: an earlier job's dump" for r, d in sorted(dumps.items())
-             for f in [root / "flight" / f"rank_{r}.json"] if newest - d.get("created", 0.0) > SAME_JOB_S]
-    return {r: d for r, d in dumps.items() if newest - d.get("created", 0.0) <= SAME_JOB_S}, notes
+             for f in [root / "flight" / f"rank_{r}.json"] if newest - d["created"] > SAME_JOB_S]
+    return {r: d for r, d in dumps.items() if newest - d["created"] <= SAME_JOB_S}, notes
+
+
+_INT, _NUM, _STR, _NONE = (int,), (int, float), (str,), (type(None),)
+# what the diagnosis reads of a dump (``accel.flight.FlightRecorder.snapshot``), with the types it relies on
+DUMP_FIELDS = {"rank": _INT, "created": _NUM, "time": _NUM, "last_progress": _NUM, "entries": (list,),
+               "world_size": _INT + _NONE, "step": _INT + _NONE}
+ENTRY_FIELDS = {"seq": _INT + _NONE, "kind": _STR, "name": _STR, "step": _INT + _NONE, "mb": _INT + _NONE,
+                "context": _STR + _NONE, "peer": _INT + _NONE, "group": _STR + _NONE, "ranks": (list,) + _NONE,
+                "coll_seq": _INT + _NONE, "layer": _INT + _NONE, "start": _NUM, "parts": _INT,
+                "wait": _NUM + _NONE, "end": _NUM + _NONE}
+
+
+def _type_problem(table: dict[str, Any], fields: dict[str, tuple[type, ...]], where: str) -> str:
+    for key, kinds in fields.items():
+        if key not in table:
+            return f"{where}missing '{key}'"
+        value = table[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            expected = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            return f"{where}'{key}' is {value!r}, expected {expected}"
+    return ""
+
+
+def dump_problem(d: object) -> str:
+    """What is wrong with a parsed dump (a missing field, a wrong type), or "" when the diagnosis can read it."""
+    if not isinstance(d, dict):
+        return f"expected a JSON object, got {type(d).__name__}"
+    problem = _type_problem(d, DUMP_FIELDS, "")
+    if problem or d["rank"] < 0 or (d["world_size"] is not None and d["world_size"] <= d["rank"]):
+        return problem or f"'rank' {d['rank']} is not in [0, world_size={d['world_size']})"
+    for i, e in enumerate(d["entries"]):
+        if not isinstance(e, dict):
+            return f"entries[{i}] is {e!r}, expected an object"
+        problem = _type_problem(e, ENTRY_FIELDS, f"entries[{i}]: ")
+        if problem:
+            return problem
+    return ""
 
 
 def _group_key(e: dict[str, Any]) -> tuple[str, tuple[int, ...]]:

@@ -53,6 +53,15 @@ def mean(records: list[dict], key: str, part: slice) -> float:
     return sum(values) / len(values)
 
 
+def load_option(option: str, path: str, overrides: list[str] = ()):
+    """``load_config`` of the config file given as ``option``; its errors name that option, not ``--config``."""
+    try:
+        return load_config(path, list(overrides))
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(option + text[len("--config"):] if text.startswith("--config") else text) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m recipes.dsa", description=__doc__.split("\n")[0])
     ap.add_argument("--v3", default=None, help="HF folder of the DeepSeek-V3 model to start from (default: train "
@@ -71,16 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     out = Path(ns.out).absolute()
     sets = QUIET + ns.overrides
-    sparse_optim = {k: v for k, v in vars(load_config(ns.sparse_config).optim).items() if k in ("lr", "min_lr",
-                                                                                                "warmup_steps")}
-    dense_sets = sets + [f"run.steps={ns.sparse_steps}"] + [f"optim.{k}={v}" for k, v in sparse_optim.items()]
     try:
+        sparse_optim = {k: v for k, v in vars(load_option("--sparse-config", ns.sparse_config).optim).items()
+                        if k in ("lr", "min_lr", "warmup_steps")}
+        dense_sets = sets + [f"run.steps={ns.sparse_steps}"] + [f"optim.{k}={v}" for k, v in sparse_optim.items()]
         check_output_dir(str(out), "--out", must_be_empty=True)
         if ns.v3 is not None and not (Path(ns.v3) / "config.json").is_file():
             raise ValueError(f"--v3 {ns.v3}: no config.json there; expected an HF checkpoint folder")
-        for config, extra in ((ns.warmup_config, [f"run.steps={ns.warmup_steps}"]),
-                              (ns.sparse_config, [f"run.steps={ns.sparse_steps}"]), (ns.base_config, dense_sets)):
-            cfg = load_config(config, sets + extra)
+        for option, config, extra in (("--warmup-config", ns.warmup_config, [f"run.steps={ns.warmup_steps}"]),
+                                      ("--sparse-config", ns.sparse_config, [f"run.steps={ns.sparse_steps}"]),
+                                      ("--base-config", ns.base_config, dense_sets)):
+            cfg = load_option(option, config, sets + extra)
             check_static(cfg, cfg.run.nproc)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

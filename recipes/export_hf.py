@@ -46,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from accel.cli import BAD_INPUT, FAILED, OK, ArgumentParser, check_output_dir
 from models.deepseek_v3 import Transformer
@@ -284,12 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         out = output_folder(folder, ns.out, ns.overwrite)
     except (ValueError, fmt.CheckpointError, OSError) as exc:
         return _fail(BAD_INPUT, str(exc))
+    earlier = out.is_dir() and any(out.iterdir())
     try:
         write_export(folder, out, dtype, ns.fp8)
     except (ValueError, fmt.CheckpointError) as exc:  # an incomplete checkpoint, a config this code cannot build
         return _fail(BAD_INPUT, str(exc))
-    except OSError as exc:  # the files were verified readable: this is the write (disk full, permissions)
-        return _fail(FAILED, f"the export to {out} failed ({exc}); {out} was left as it was")
+    except (OSError, SafetensorError) as exc:  # the files were verified readable: this is the write (disk full,
+        # permissions); safetensors reports its own write errors as SafetensorError
+        kept = f"the earlier export in {out} is intact" if earlier else f"nothing was written to {out}"
+        return _fail(FAILED, f"the export to {out} failed ({type(exc).__name__}: {exc}); {kept}")
     print(f"exported step {step_of(folder)} (checkpoint {folder}) as an HF checkpoint to {out}")
     return OK
 

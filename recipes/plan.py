@@ -51,6 +51,9 @@ from planner.system import System, known_systems, load_system
 from training.config import TrainConfig, load_config
 from training.trainer import model_args
 
+# 2^20 GPUs: far beyond any cluster built, and a search the planner completes; the layout enumeration walks the
+# GPU count's divisors, which for counts like 2^40 would not finish
+MAX_GPUS = 1 << 20
 _INT_KEYS = ("pp", "dp", "ep", "micro_batch", "microbatches", "eplb", "vpp")
 _BOOL_KEYS = ("fp8", "zero1")
 _STR_KEYS = {"schedule": ("none", *SEARCH_SCHEDULES), "recompute": tuple(RECOMPUTE_POLICIES),
@@ -190,6 +193,9 @@ def run_plan(ns: argparse.Namespace) -> int:
     gpus = ns.gpus if ns.gpus is not None else (fixed["pp"] * fixed["dp"] if {"pp", "dp"} <= set(fixed) else None)
     if gpus is None:
         raise ValueError("--gpus is required (or --fix both pp and dp)")
+    if gpus > MAX_GPUS:
+        raise ValueError(f"--gpus {gpus}: the planner searches clusters of up to {MAX_GPUS:,} GPUs (its layout "
+                         "enumeration grows with the GPU count's divisors); plan a share of the cluster")
     seq_len = ns.seq_len if ns.seq_len is not None else base.data.seq_len
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2 (a sequence predicts its next token), got {seq_len}")
@@ -281,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
                     help="training tokens, for the predicted run length")
     ap.add_argument("--fp8-recipe", choices=("blockwise", "mxfp8"), default=None,
                     help="FP8 GEMM recipe of fp8 layouts (default: the config's model.fp8_recipe, else blockwise)")
-    ap.add_argument("--expert-imbalance", type=float, default=1.0,
+    ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                     help="expert load max/mean without EPLB (1.0 = balanced routing)")
     ap.add_argument("--micro-batches", type=_int_list, default=[1, 2, 4],
                     help="micro-batch sizes to search (comma-separated)")

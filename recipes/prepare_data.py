@@ -270,9 +270,14 @@ def _read_documents(refs: np.ndarray) -> tuple[list[str | None], list[str]]:
                 continue
             f = handles.get(src) or handles.setdefault(src, open(s.sources[src], "rb"))
             f.seek(a)
-            raw = f.read(b - a).decode("utf-8", errors="replace")
-            if s.kinds[src] == "text":
-                texts[k] = raw
+            data = f.read(b - a)
+            if s.kinds[src] == "text":  # checked as UTF-8 by the scan
+                texts[k] = data.decode("utf-8", errors="replace")
+                continue
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append(f"{where}: not UTF-8 (byte {data[exc.start]:#04x} at column {exc.start + 1})")
                 continue
             try:
                 obj = json.loads(raw)
@@ -453,6 +458,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     while not created.parent.exists():
         created = created.parent
     created = None if out.exists() else created
+    fresh = not (out / PLAN_FILE).is_file()  # not a resumed run: a refusal below leaves the folder as it found it
     check_out_folder(out, identity)
     perm = np.random.default_rng(args.seed).permutation(len(refs))
     total_bytes = sum(s.bytes for s in sources)
@@ -511,6 +517,10 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
                 raise
             records.append(writer.finish(shard_bad))
             bad_count += shard_bad
+    except ValueError:  # --strict and a bad line: a refused run leaves nothing (a resumed one its earlier shards)
+        if fresh:
+            discard(out, created)
+        raise
     finally:
         bar.close()
         if pool is not None:

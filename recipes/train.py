@@ -19,8 +19,8 @@ failed); ``run.max_minutes`` does the same before a wall-clock limit. ``--resume
 bit-exactly. Under ``--nproc`` the launcher forwards the signal to its workers and waits for their save.
 
 Exit statuses (``accel.cli``): 0 done (or stopped early with a committed checkpoint), 1 failed, 2 bad input
-(one line; nothing started), 3 stopped early but the save failed, 4 stopped by the NaN guard, 5 run folder
-locked.
+(one line; nothing started or written), 3 a checkpoint could not be written (a full disk, a read-only folder;
+one line naming the committed checkpoint left intact), 4 stopped by the NaN guard, 5 run folder locked.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ from accel.cli import (
     BAD_INPUT,
     FAULT_STOP,
     LOCKED,
+    SAVE_FAILED,
     ArgumentParser,
     check_output_dir,
     check_output_file,
     positive_int,
 )
 from training.checkpoint import format as fmt
-from training.config import load_config
+from training.checkpoint.writer import CheckpointWriteError
+from training.config import TrainConfig, load_config
 from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
 from training.rundir import check_fresh, check_resume, choose_run_dir
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.dry_run:
             dry_run(cfg, nproc, ns.device)
             return 0
-        check_paths(ns)
+        check_paths(ns, cfg)
         from training.run import RunOptions, run_training
 
         opts = RunOptions(ns.run_dir, ns.resume, ns.wandb, trace=ns.trace, break_lock=ns.break_lock)
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_static(cfg, nproc)  # the dry run's checks: bad input fails here, before any process starts
         return launch_locked(cfg, nproc, argv, ns)
+    except CheckpointWriteError as exc:  # a full disk, a read-only folder: the last committed checkpoint is intact
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return SAVE_FAILED
     except RunFolderLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return LOCKED
@@ -148,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
 
 
-def check_paths(ns: argparse.Namespace) -> None:
-    """The run's output paths and ``--resume``, before any work: ValueError naming the option."""
+def check_paths(ns: argparse.Namespace, cfg: TrainConfig) -> None:
+    """The run's output paths and ``--resume`` (a checkpoint of ``cfg``), before any work: ValueError naming the
+    option."""
     if ns.trace:
         check_output_file(ns.trace, "--trace")
     if ns.run_dir:
         check_output_dir(ns.run_dir, "--run-dir")
-    check_resume(ns.resume)
+    check_resume(ns.resume, cfg)
 
 
 def launch_locked(cfg, nproc: int, argv: list[str], ns: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -86,6 +87,8 @@ def _parse_shapes(text: str | None) -> dict[str, float]:
             shapes[name.strip()] = None
         if shapes[name.strip()] is None:
             raise ValueError(f"--shapes {item!r}: expected NAME=NUMBER")
+        if not 0 < shapes[name.strip()] < math.inf:  # a size of 0 is an empty problem: it would verify nothing
+            raise ValueError(f"--shapes {item!r}: expected a size, a finite number > 0")
     return shapes
 
 
@@ -114,13 +117,19 @@ def verify_files(args: argparse.Namespace) -> int:
 
     doc = run_one(args, Path(args.candidate), Path(args.reference))
     verdict = candidate.verdict_from_dict(doc)
-    if doc.get("output_tail"):
-        print("candidate process output (last lines):\n  " + "\n  ".join(doc["output_tail"]), file=sys.stderr)
-    print(candidate.format_verdict(verdict))
+    print(candidate.format_verdict(verdict), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json}", flush=True)
+    if doc.get("output_tail"):  # after the verdict, quoted line by line: never taken for the verifier's own
+        print(format_output_tail(doc["output_tail"]), file=sys.stderr)
     return verdict.exit_code
+
+
+def format_output_tail(lines: list[str]) -> str:
+    """The candidate process's last output lines, under a heading and each behind ``| ``."""
+    return (f"candidate process output (its last {len(lines)} lines, not the verifier's):\n"
+            + "\n".join(f"  | {line}" for line in lines))
 
 
 def run_worker(args: argparse.Namespace) -> NoReturn:

@@ -42,6 +42,10 @@ MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
 FP8_SHADOW_ACTIONS = ("bf16", "warn")
+INT64 = 1 << 63
+# run.steps at most 10^9 - 1: checkpoint folders are named step_NNNNNNNNN with nine digits, so that a listing sorts
+# them by step; no run comes near (V3's 14.8T tokens: 235,000 steps, recipes/configs/deepseek_v3_671b.toml)
+MAX_STEPS = 10**9 - 1
 
 
 def pipeline_layout(schedule: str, pp: int, vpp: int = 1) -> Layout:
@@ -167,7 +171,7 @@ class LoggingConfig:
     progress: bool = True
     log_every: int = 1
     eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # held-out batches of the validation loss (0 = none)
     plot: bool = True
     # FP8 health (deep_gemm.health, with model.fp8): every N steps each FP8 GEMM's e4m3 underflow, subnormals and
     # tile amax range go to metrics.jsonl (per layer) and wandb (maxima); 0 = off. A warning names the layer and
@@ -278,6 +282,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config key '{key}': expected an integer, got {value!r}")
+        if not -INT64 <= value < INT64:  # checkpoints, metrics and torch tensors hold 64-bit integers
+            raise ValueError(f"config key '{key}': expected a 64-bit integer, got {value}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -417,8 +423,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.timeout_s must be > 0, got {r.timeout_s}")
     if r.sample_temperature < 0:
         raise ValueError(f"run.sample_temperature must be >= 0 (0 = greedy), got {r.sample_temperature}")
-    if r.steps < 1:
-        raise ValueError(f"run.steps must be >= 1, got {r.steps}")
+    if not 1 <= r.steps <= MAX_STEPS:
+        raise ValueError(f"run.steps must be in [1, {MAX_STEPS}] (checkpoint folders number steps with nine "
+                         f"digits), got {r.steps}")
+    if r.sample_tokens < 0:
+        raise ValueError(f"run.sample_tokens must be >= 0 (0 = no sample), got {r.sample_tokens}")
+    if r.threads < 0:
+        raise ValueError(f"run.threads must be >= 0 (0 = cores / local processes), got {r.threads}")
     if r.nproc < 1:
         raise ValueError(f"run.nproc must be >= 1, got {r.nproc}")
     if not (r.watchdog_s == 0 or 0 < r.watchdog_s < r.timeout_s):
@@ -499,8 +510,15 @@ def validate(cfg: TrainConfig) -> None:
                          f"got optim.name={o.name!r}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
-    if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep_last < 1:
-        raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
+    lg, ck = cfg.logging, cfg.checkpoint
+    if lg.log_every < 1:
+        raise ValueError(f"logging.log_every must be >= 1 (steps between logged lines), got {lg.log_every}")
+    if lg.eval_every < 0 or lg.eval_batches < 0:
+        raise ValueError(f"logging.eval_every must be >= 0 (0 = only at the end) and logging.eval_batches >= 0 "
+                         f"(0 = no validation loss), got {lg.eval_every} and {lg.eval_batches}")
+    if ck.interval < 0 or ck.keep_last < 1 or ck.keep_every < 0:
+        raise ValueError(f"checkpoint.interval must be >= 0, checkpoint.keep_last >= 1 and checkpoint.keep_every >= 0 "
+                         f"(0 = none), got {ck.interval}, {ck.keep_last} and {ck.keep_every}")
     if cfg.checkpoint.write_delay_s < 0:
         raise ValueError(f"checkpoint.write_delay_s must be >= 0, got {cfg.checkpoint.write_delay_s}")
     for key in ("mtp_lambda", "mtp_lambda_late"):

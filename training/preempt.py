@@ -15,9 +15,9 @@ exits 0, and ``--resume auto`` continues as if nothing had happened.
 - The time budget: with ``run.max_minutes`` > 0 a rank asks to stop when elapsed + the expected next step
   + the expected save would pass the budget (same all-reduce: one rank's verdict stops all).
 - :func:`save_on_stop` commits a synchronous checkpoint of the last completed step through the run's
-  ``CheckpointHooks`` (also when only ``checkpoint.interval`` or nothing is configured), after the write
-  in flight, and returns the exit status (``accel.cli.OK``, or ``SAVE_FAILED`` on any rank's failure) and
-  the one line rank 0 prints.
+  ``CheckpointHooks`` (made on demand when only ``checkpoint.interval`` or nothing is configured), after the
+  write in flight, and returns the exit status (``accel.cli.OK``, or ``SAVE_FAILED`` on any rank's failure)
+  and the one line rank 0 prints. It takes the hooks, the step and the process groups, not the trainer.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,7 @@ from accel import cli
 from training.checkpoint import format as fmt
 from training.checkpoint.trainer_hooks import CheckpointHooks
 from training.fault import FaultToleranceError
-
-if TYPE_CHECKING:  # the run's trainer, which imports this module only for its types
-    from training.trainer import Trainer
+from training.parallel import ParallelState
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TIME_BUDGET = 1  # agreement code of the budget; signals use their numbers (2, 15): MAX reports a signal first
@@ -128,27 +125,27 @@ class Preemption:
         return Stop(step, code) if code else None
 
 
-def save_on_stop(trainer: Trainer, hooks: CheckpointHooks | None, stop: Stop, max_minutes: float = 0.0
-                 ) -> tuple[CheckpointHooks | None, int, str]:
-    """Commit a synchronous checkpoint of ``trainer.step`` (every rank calls this); returns (hooks, exit status,
-    the line to print). ``hooks`` None (checkpointing off) gets hooks made here under ``run_dir/checkpoints``.
+def save_on_stop(hooks: Callable[[], CheckpointHooks], step: int, ps: ParallelState, stop: Stop,
+                 max_minutes: float = 0.0) -> tuple[CheckpointHooks | None, int, str]:
+    """Commit a synchronous checkpoint of ``step``, the step every rank stopped after (every rank calls this);
+    returns (the hooks, exit status, the line to print). ``hooks()`` gives the run's hooks, or makes them when
+    checkpointing is off (a failure to make them is a failed save like any other; the hooks are then None).
 
     A step already saved (the interval save of this very step, still in flight) is waited for, not written
     again. The ranks agree on the outcome with one gather, so all exit with the same status."""
-    ps = trainer.ps
     error = None
+    made = None
     try:
-        if hooks is None:
-            hooks = CheckpointHooks(trainer, Path(trainer.run_dir) / "checkpoints")
-        saved = hooks.saved_step == trainer.step
+        made = hooks()
+        saved = made.saved_step == step
         try:
-            hooks.manager.wait()  # the async write in flight; its failure does not stop this save
+            made.manager.wait()  # the async write in flight; its failure does not stop this save
         except fmt.CheckpointError:
             saved = False
         if not saved:
-            hooks.save(sync=True)
-        if ps.rank == 0 and hooks.manager.latest_step() != trainer.step:
-            error = f"'latest' names step {hooks.manager.latest_step()} after saving step {trainer.step}"
+            made.save(sync=True)
+        if ps.rank == 0 and made.manager.latest_step() != step:
+            error = f"'latest' names step {made.manager.latest_step()} after saving step {step}"
     except FaultToleranceError:  # a non-finite state (every rank agreed): the guard's stop, status 4, not 3
         raise
     except Exception as exc:  # report it in one line: a full disk, a dead rank, a timeout
@@ -167,7 +164,7 @@ def save_on_stop(trainer: Trainer, hooks: CheckpointHooks | None, stop: Stop, ma
         rank, why = failed[0]
         why = " ".join(why.split())
         where = f"rank {rank}: " if ps.world_size > 1 and f"rank {rank}:" not in why else ""
-        return hooks, cli.SAVE_FAILED, f"{head}: checkpoint not saved ({where}{why})"
-    root = hooks.manager.root
-    return hooks, cli.OK, (f"{head}: checkpoint {fmt.step_dirname(trainer.step)} committed in {root}; "
-                           "resume with --resume auto")
+        return made, cli.SAVE_FAILED, f"{head}: checkpoint not saved ({where}{why})"
+    root = made.manager.root
+    return made, cli.OK, (f"{head}: checkpoint {fmt.step_dirname(step)} committed in {root}; "
+                          "resume with --resume auto")

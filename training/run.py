@@ -17,7 +17,7 @@ import torch.distributed as dist
 from accel import cli
 from accel.flight import FlightWatchdog
 from accel.trace import TraceRecorder, write_chrome_trace
-from training.checkpoint.trainer_hooks import attach
+from training.checkpoint.trainer_hooks import CheckpointHooks, attach
 from training.config import TrainConfig
 from training.metrics import format_summary, resolve_wandb_mode
 from training.parallel import ParallelState, init_parallel, shutdown, world_from_env
@@ -63,7 +63,7 @@ def run_training(cfg: TrainConfig, opts: RunOptions) -> dict[str, Any]:
     with Preemption(cfg.run.max_minutes) as preemption:
         rank, world = world_from_env()
         checked = check_static(cfg, world)  # before any process group: bad input fails here with a ValueError
-        check_resume(opts.resume)
+        check_resume(opts.resume, cfg)  # a checkpoint of this config, before the run folder is made
         lock = None
         if rank == 0:
             opts = dataclasses.replace(opts, run_dir=str(choose_run_dir(cfg, opts.run_dir, opts.resume)))
@@ -112,7 +112,9 @@ def _train_on(cfg: TrainConfig, opts: RunOptions, world: int, checked, preemptio
         watchdog.stop()
     manager, stop_line = None, None
     if trainer.stopped is not None:  # SIGTERM / SIGINT / time budget: a committed checkpoint of this step
-        hooks, status, stop_line = save_on_stop(trainer, hooks, trainer.stopped, cfg.run.max_minutes)
+        run_hooks = hooks  # checkpointing off: hooks made for this save only
+        hooks, status, stop_line = save_on_stop(lambda: run_hooks or CheckpointHooks(trainer, run_dir / "checkpoints"),
+                                                trainer.step, ps, trainer.stopped, cfg.run.max_minutes)
         summary["stopped"] = {"cause": trainer.stopped.cause, "step": trainer.stopped.step, "exit_status": status}
     if hooks is not None:
         if cfg.checkpoint.final and trainer.stopped is None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.checkpoint import format as fmt
+from training.checkpoint.manager import check_resumable
 from training.config import TrainConfig, load_config, numerics_dict
 
 CONFIG_FILE = "config.toml"
@@ -24,8 +25,10 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.run.runs_root) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
 
 
-def check_resume(resume: str | None) -> None:
-    """``--resume`` is ``auto`` or a checkpoint folder (one with ``metadata.json``); ValueError otherwise."""
+def check_resume(resume: str | None, cfg: TrainConfig | None = None) -> None:
+    """``--resume`` is ``auto`` or a checkpoint folder (one with ``metadata.json``); ValueError otherwise. With
+    ``cfg``, a folder must also be a committed checkpoint of this config's numerics (``check_resumable``): all
+    checked before a launch creates its run folder."""
     if resume is None or resume == "auto":
         return
     path = Path(resume).expanduser()
@@ -33,6 +36,8 @@ def check_resume(resume: str | None) -> None:
     if not path.exists():
         raise ValueError(f"--resume {resume!r}: no such folder; {expected}")
     if path.is_dir() and (path / fmt.METADATA_FILE).is_file():
+        if cfg is not None:
+            check_resumable(path, numerics_dict(cfg))
         return
     hint = ""
     if path.is_dir() and (path / "checkpoints").is_dir():

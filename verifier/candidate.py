@@ -311,7 +311,13 @@ def apply_shapes(module: ModuleType, shapes: Mapping[str, Any] | None) -> None:
             sizes = sorted(k for k, v in vars(module).items() if isinstance(v, int) and not k.startswith("_"))
             raise BadInput(f"--shapes {name}={value}: the reference has no module-level number {name!r}; "
                            f"it has: {', '.join(sizes) or 'none'}")
-        setattr(module, name, type(getattr(module, name))(value))
+        kind = type(getattr(module, name))
+        if kind is int and not (float(value).is_integer() and value >= 1):
+            raise BadInput(f"--shapes {name}={value:g}: {name} is an integer size of the reference, expected an "
+                           "integer >= 1 (a size of 0 makes an empty problem, which verifies nothing)")
+        if not math.isfinite(value):
+            raise BadInput(f"--shapes {name}={value}: expected a finite number")
+        setattr(module, name, kind(value))
 
 
 def load_problem(reference: str | Path | ModuleType, shapes: Mapping[str, Any] | None = None) -> Problem:

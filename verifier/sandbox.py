@@ -3,11 +3,11 @@
 The parent (``run``) starts the child in its own session (so its process group holds everything the child
 spawns), waits at most ``timeout`` seconds, then kills that whole group with SIGKILL (no grace period: a
 child that ignores SIGTERM dies all the same). Whatever happened, every process left in the group is killed
-once the child is gone.
+once the child is gone. The child dies with the parent (``die_with_parent``), SIGKILL of the parent included.
 
 The result does not come from the child's exit status or its stdout. The harness in the child (``Reporter``)
 sends JSON messages over a result channel the parent opened: an unlinked temporary file, passed as an
-inherited descriptor. The descriptor number and a random token reach the child on its stdin, which the
+inherited descriptor. The descriptor number, a random token and the parent's pid reach the child on its stdin, which the
 harness reads (and replaces by /dev/null) before it imports anything of the candidate's; neither appears in
 argv or the environment, and the descriptor is not inherited by processes the candidate starts. Every
 message carries the token and the harness's pid; the parent accepts only messages with both right, and
@@ -25,6 +25,7 @@ is guaranteed: exits, crashes, kills and hangs are failures, never a pass, and t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hmac
 import json
 import os
@@ -167,7 +168,7 @@ def run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = 
             try:
                 with _group_dies_with_us(proc.pid):
                     with contextlib.suppress(OSError):  # the child may be gone already
-                        proc.stdin.write(f"{child_fd} {token}\n".encode())
+                        proc.stdin.write(f"{child_fd} {token} {os.getpid()}\n".encode())
                     with contextlib.suppress(OSError):
                         proc.stdin.close()
                     try:
@@ -190,6 +191,37 @@ def run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = 
     return outcome
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+WATCH_PARENT_S = 0.5  # the watchdog's poll where the kernel cannot signal a parent's death
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (the verifier that started it) exits, however it exits: SIGKILL included,
+    which the parent cannot forward (``timeout=`` in ``subprocess.run``, a CI time limit, a generation harness).
+    The child has a session of its own, so nothing else would stop a candidate that loops forever.
+
+    On Linux the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``), which works while the
+    candidate holds the interpreter in C code; elsewhere a daemon thread polls the parent's pid, as the
+    ``--nproc`` launcher's workers do (``training.runlock``), and kills this process group. Either way a parent
+    already gone when this runs ends the child at once."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it died before the request took effect
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_PARENT_S)
+        _kill_group(os.getpgid(0))
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, name="sandbox-parent-watch", daemon=True).start()
+
+
 class Reporter:
     """The child's end: reads its channel and token from stdin, then sends messages the parent can trust."""
 
@@ -206,11 +238,12 @@ class Reporter:
                 break
             line += chunk
         try:
-            fd_text, token = line.decode().split()
-            fd = int(fd_text)
+            fd_text, token, parent_text = line.decode().split()
+            fd, parent = int(fd_text), int(parent_text)
             os.fstat(fd)
         except (ValueError, OSError):
             raise SystemExit("error: no result channel on stdin (this mode is started by the sandbox only)") from None
+        die_with_parent(parent)
         os.set_inheritable(fd, False)  # processes the candidate starts do not get it
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)

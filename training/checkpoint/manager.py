@@ -343,6 +343,38 @@ def read_checkpoint(folder: str | Path, rank: int, *, expect_config: Any = None,
                             rng=extra.get("rng"), saved_rank=rank)
 
 
+def check_resumable(folder: str | Path, config: dict[str, Any]) -> None:
+    """ValueError naming ``folder`` unless it is a committed checkpoint a run of ``config`` (``numerics_dict``) can
+    resume: readable metadata of this format, every rank's files present at their recorded sizes, and the same
+    numerics (the parallel layout may differ: resuming reshards). Reads only metadata and file sizes, so a launch
+    checks its ``--resume`` before it creates anything."""
+    folder = Path(folder)
+    try:
+        metadata = read_metadata(folder)
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("ranks"), list) or not metadata["ranks"]:
+            raise fmt.CheckpointCorruptError(f"{folder / fmt.METADATA_FILE} lacks the list of saved ranks",
+                                             folder / fmt.METADATA_FILE)
+        if metadata.get("format_version") != fmt.FORMAT_VERSION:
+            raise fmt.CheckpointCorruptError(f"{folder / fmt.METADATA_FILE}: format_version "
+                                             f"{metadata.get('format_version')!r}, expected {fmt.FORMAT_VERSION}",
+                                             folder / fmt.METADATA_FILE)
+        for record in metadata["ranks"]:
+            for name, entry in sorted(record["files"].items()):
+                size = (folder / name).stat().st_size if (folder / name).is_file() else None
+                if size != entry["bytes"]:
+                    raise fmt.CheckpointCorruptError(f"{folder / name} is missing or not {entry['bytes']} bytes "
+                                                     "as the metadata records", folder / name)
+        saved = fmt.decode_tree(metadata.get("config"), {}) if "config" in metadata else None
+        if isinstance(saved, dict) and "parallel" in saved:
+            config = {**config, "parallel": saved["parallel"]}  # the layout may change on resume, nothing else
+        check_config(metadata, config, folder)
+    except (fmt.CheckpointError, fmt.CheckpointMismatchError) as exc:
+        raise ValueError(f"--resume {str(folder)!r}: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--resume {str(folder)!r}: {folder / fmt.METADATA_FILE} is not checkpoint metadata "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
 def check_config(metadata: dict[str, Any], config: Any, folder: Path) -> None:
     """Raise CheckpointMismatchError when ``config`` does not hash like the checkpoint's config."""
     want = fmt.config_hash(config)

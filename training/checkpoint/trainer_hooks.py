@@ -1,6 +1,8 @@
 """Checkpointing and fault tolerance for ``training.trainer.Trainer``, through its hooks.
 
-``attach(trainer, cfg, run_dir, resume)`` is all ``training.run`` calls. It
+``attach(trainer, cfg, run_dir, resume)`` is all ``training.run`` calls. The trainer is taken as a
+:class:`Checkpointable`: the attributes and methods these hooks use, and nothing else (this module does not import
+``training.trainer``). It
 
 - resumes (``"auto"``: the newest valid checkpoint, with fallback; or a folder), also under any other
   valid layout (pp, dp, ep, schedule, EPLB, ZeRO-1): optimizer states are saved by parameter name (ZeRO-1
@@ -23,28 +25,61 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from torch import nn
+
+from models.deepseek_v3 import ModelArgs
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import CheckpointManager, read_checkpoint, read_metadata
 from training.checkpoint.reshard import read_resharded
 from training.checkpoint.resume import local_param_groups, restart_count
 from training.checkpoint.rng import restore_rng_state
-from training.checkpoint.writer import paused_writer
+from training.checkpoint.writer import CheckpointWriteError, paused_writer
 from training.config import ParallelConfig, TrainConfig
+from training.data import ResumableSampler
 from training.fault import FaultPolicy, FaultTolerance, FaultToleranceError, Verdict
-from training.metrics import NullLogger
+from training.metrics import MetricsLogger, NullLogger
+from training.optim import Optimizers
+from training.parallel import ParallelState
 from training.runlock import owns
-
-if TYPE_CHECKING:  # hooks of the trainer, which does not import them
-    from training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(trainer: Trainer, folder: Path) -> int:
+Hook = Callable[[Any, dict[str, Any]], Any]
+
+
+class Checkpointable(Protocol):
+    """What checkpointing and the fault guard use of a trainer (``training.trainer.Trainer`` is one): its config,
+    process groups and model parts (to read a checkpoint saved under another layout), the step, its state and the
+    checkpoint's global information, the data sampler (a rollback skips the offending batches), the metrics logger
+    (events), and the two hook lists the hooks register in."""
+
+    cfg: TrainConfig
+    ps: ParallelState
+    args: ModelArgs
+    stages: list[nn.Module]
+    optimizer: Optimizers
+    eplb: Any  # training.eplb.EplbRuntime, or None without EPLB: only whether it is on is read
+    sampler: ResumableSampler
+    logger: MetricsLogger | NullLogger
+    step: int
+    after_backward_hooks: list[Hook]
+    step_end_hooks: list[Hook]
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def checkpoint_meta(self) -> dict[str, Any]: ...
+
+    def param_names(self) -> dict[int, str]: ...
+
+
+def load_checkpoint(trainer: Checkpointable, folder: Path) -> int:
     """Load ``folder`` into ``trainer`` (``Trainer.load_state_dict``); returns the step. Under the layout that
     wrote it this is the rank's own files (bit-exact, RNG included); under any other valid layout
     ``reshard.read_resharded`` reads what each rank now owns by global name and expert id."""
@@ -77,7 +112,7 @@ def load_checkpoint(trainer: Trainer, folder: Path) -> int:
 class CheckpointHooks:
     """The manager, the fault guard and the two trainer hooks of one run."""
 
-    def __init__(self, trainer: Trainer, root: str | Path, resume: str | None = None) -> None:
+    def __init__(self, trainer: Checkpointable, root: str | Path, resume: str | None = None) -> None:
         cfg = trainer.cfg
         ck = cfg.checkpoint
         self.trainer, self.cfg = trainer, cfg
@@ -118,7 +153,7 @@ class CheckpointHooks:
             self.fault.on_resume(step)
 
     # ------------------------------------------------------------------------------------------ hooks
-    def _after_backward(self, trainer, metrics: dict[str, Any]) -> bool:
+    def _after_backward(self, trainer: Checkpointable, metrics: dict[str, Any]) -> bool:
         if self.fault is None:
             return True
         with self._stopping():
@@ -129,7 +164,11 @@ class CheckpointHooks:
         self._pending = verdict
         return False  # no optimizer update from a faulty step
 
-    def _step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def _step_end(self, trainer: Checkpointable, metrics: dict[str, Any]) -> None:
+        with self._write_failure():
+            self._step_end_checked(trainer, metrics)
+
+    def _step_end_checked(self, trainer: Checkpointable, metrics: dict[str, Any]) -> None:
         self.manager.poll()
         while self._early_events and self._logger() is not None:
             self._log_event(self._early_events.pop(0))
@@ -171,6 +210,27 @@ class CheckpointHooks:
             self.trainer.logger.close({"steps": self.trainer.step, "stopped": str(fault)})
             raise
 
+    @contextlib.contextmanager
+    def _write_failure(self) -> Iterator[None]:
+        """A failed checkpoint write (a full disk, a folder made read-only) stops the run with a
+        ``CheckpointWriteError`` saying what failed, where, and which committed checkpoint is intact: the writer's
+        staging folder and atomic rename leave the last committed one as it was (``recipes.train`` prints it as
+        one line, exit status 3). The metrics logger is closed first (progress bar, wandb; nothing more is written
+        to the run folder), so the error's line is the last."""
+        try:
+            yield
+        except CheckpointWriteError as exc:
+            try:
+                self.trainer.logger.close()
+            except Exception as close_error:  # noqa: BLE001 - the failed save is what the user must see
+                log.warning("while stopping on a failed save: %s", close_error)
+            root, latest = self.manager.root, self.manager.latest_step()
+            intact = (f"the last committed checkpoint, {fmt.step_dirname(latest)} in {root}, is intact: free space "
+                      "or make the folder writable, then --resume auto" if latest is not None else
+                      f"no checkpoint had been committed in {root}: free space or make the folder writable and "
+                      "start again")
+            raise CheckpointWriteError(f"{exc}; {intact}") from exc
+
     def _checked_state(self) -> tuple[dict[str, Any], Verdict]:
         """The state to save and, with the guard on, every rank's verdict on its finiteness (a fault when not)."""
         state = self.trainer.state_dict()
@@ -201,10 +261,13 @@ class CheckpointHooks:
                 raise FaultToleranceError(f"step {verdict.step}: {verdict.reason}; not saved: rolled back to the "
                                           f"stable checkpoint of step {verdict.rollback_step} (--resume auto "
                                           "continues from there)")
-        return time.perf_counter() - t0 + self._save(state, sync)
+        with self._write_failure():
+            return time.perf_counter() - t0 + self._save(state, sync)
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the write in flight; ``CheckpointWriteError`` (as ``_write_failure`` says it) when it failed."""
+        with self._write_failure():
+            self.manager.close()
 
     def _logger(self):
         """The trainer's metrics logger once ``fit`` started it (rank 0), else None."""
@@ -221,7 +284,7 @@ class CheckpointHooks:
             logger.log(int(record.get("step", self.trainer.step)), record)
 
 
-def attach(trainer: Trainer, cfg: TrainConfig, run_dir: str | Path, resume: str | None = None
+def attach(trainer: Checkpointable, cfg: TrainConfig, run_dir: str | Path, resume: str | None = None
            ) -> CheckpointHooks | None:
     """Checkpointing (and fault tolerance) for ``trainer`` under ``run_dir/checkpoints``; None when off."""
     ck = cfg.checkpoint
