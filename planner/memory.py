@@ -48,7 +48,7 @@ from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
 from planner import memory_measure as measure
 from planner.memory_measure import Measured
-from training.config import TrainConfig
+from training.config import TrainConfig, schedule_of
 from training.optim import STEP_CHUNK, is_expert_param
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
 from training.trainer import model_args
@@ -312,7 +312,7 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
-    chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
+    chunks = max(schedule_of(cfg).batch_sizes()) // (par.dp * cfg.data.micro_batch)
     peaks, counts = [], []
     for states in _live_states(par.schedule, par.pp, chunks, len(per_stage)):
         peak = n_at_peak = 0

@@ -147,11 +147,12 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
         cfg.model = dataclasses.replace(cfg.model, fp8_recipe=req.fp8_recipe)
     cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
     cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
-    if cfg.data.batch_ramp_start:
+    if cfg.data.batch_ramp_start or cfg.schedule.global_batch:
         try:
             validate(cfg)
         except ValueError:  # the base's ramp does not suit this layout: plan for the full batch only
             cfg.data = dataclasses.replace(cfg.data, batch_ramp_start=0, batch_ramp_steps=0)
+            cfg.schedule = dataclasses.replace(cfg.schedule, global_batch=[])
     return cfg
 
 

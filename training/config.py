@@ -1,7 +1,7 @@
 """Training configuration: TOML files, ``--set key=value`` overrides, validation that names the key.
 
-A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``,
-``[data]``, ``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
+A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``, ``[data]``,
+``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``, ``[schedule]``). Loading
 rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
 nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
 any process group exists. ``numerics_dict`` is everything that changes the numerics; checkpoints
@@ -36,6 +36,7 @@ from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
+from training.schedule import Schedule, parse_curve
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
@@ -211,6 +212,28 @@ class FaultConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    """Stage lists (``[[schedule.lr]]`` ...; ``training/schedule.py`` describes a stage) for the scheduled
+    quantities. An empty list keeps that quantity's older keys: ``optim.lr``, ``optim.warmup_steps`` and
+    ``optim.min_lr`` (warm-up, then cosine over ``run.steps``); ``data.global_batch`` with
+    ``data.batch_ramp_start`` / ``data.batch_ramp_steps``; ``model.mtp_lambda`` / ``model.mtp_lambda_late`` /
+    ``model.mtp_lambda_switch_step``; ``balance.gamma`` / ``balance.gamma_stop_step``. A stage list replaces those
+    keys, and giving both is an error."""
+
+    lr: list[dict[str, Any]] = field(default_factory=list)
+    global_batch: list[dict[str, Any]] = field(default_factory=list)  # sequences; at most data.global_batch
+    mtp_lambda: list[dict[str, Any]] = field(default_factory=list)
+    bias_update_speed: list[dict[str, Any]] = field(default_factory=list)  # the aux-loss-free bias update gamma
+
+
+# the older keys each stage list replaces (giving both is refused when the config is loaded)
+SCHEDULE_REPLACES = {"lr": ("optim.lr", "optim.min_lr", "optim.warmup_steps"),
+                     "global_batch": ("data.batch_ramp_start", "data.batch_ramp_steps"),
+                     "mtp_lambda": ("model.mtp_lambda", "model.mtp_lambda_late", "model.mtp_lambda_switch_step"),
+                     "bias_update_speed": ("balance.gamma", "balance.gamma_stop_step")}
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -222,16 +245,12 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     # -- derived quantities --------------------------------------------------------------------
     def global_batch_at(self, step: int) -> int:
-        """Sequences in the optimizer step ``step`` (0-based), following the batch-size ramp."""
-        d = self.data
-        if d.batch_ramp_start <= 0 or d.batch_ramp_steps <= 0 or step >= d.batch_ramp_steps:
-            return d.global_batch
-        unit = self.parallel.dp * d.micro_batch * min_microbatches(self.parallel)
-        raw = d.batch_ramp_start + (d.global_batch - d.batch_ramp_start) * step / d.batch_ramp_steps
-        return max(unit, int(raw) // unit * unit)
+        """Sequences in the optimizer step ``step`` (0-based) of a run that followed the schedule from step 0."""
+        return schedule_of(self).batch_at(step)
 
     def microbatches_at(self, step: int) -> int:
         """Micro-batches per data-parallel rank in optimizer step ``step`` (the pipeline's num_chunks)."""
@@ -265,6 +284,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ValueError(f"config key '{key}': expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key '{key}': expected a list, got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"config key '{key}': expected a table, got {value!r}")
@@ -363,9 +387,57 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except ValueError as exc:
             raise ValueError(f"--config {str(path)!r}: {exc}") from None
     table = apply_overrides(table, list(overrides))
+    check_schedule_keys(table)
     cfg = _build(TrainConfig, table, "")
     validate(cfg)
     return cfg
+
+
+def check_schedule_keys(table: dict[str, Any]) -> None:
+    """ValueError when a ``[[schedule.X]]`` stage list and a key it replaces (``SCHEDULE_REPLACES``) are both set."""
+    stages = table.get("schedule", {})
+    if not isinstance(stages, dict):
+        return  # _build names the wrong type
+    for quantity, keys in SCHEDULE_REPLACES.items():
+        if not stages.get(quantity):
+            continue
+        for dotted in keys:
+            section, key = dotted.split(".")
+            if isinstance(table.get(section), dict) and key in table[section]:
+                raise ValueError(f"config key '{dotted}' and schedule.{quantity} both set: the stage list replaces "
+                                 f"{', '.join(keys)}; state the schedule in one place")
+
+
+def schedule_of(cfg: TrainConfig) -> Schedule:
+    """The run's ``training.schedule.Schedule``: the ``[schedule]`` stage lists, or for each empty one the curve
+    its older keys define (``ScheduleConfig``); a ValueError naming the key for a bad stage."""
+    o, d, m, b, p, sc = cfg.optim, cfg.data, cfg.model, cfg.balance, cfg.parallel, cfg.schedule
+    unit = p.dp * d.micro_batch
+    min_batch = unit * min_microbatches(p)
+    lr = sc.lr
+    if not lr:  # linear warm-up: lr / warmup at step 0, lr at step warmup - 1; then cosine to min_lr at run.steps
+        w = o.warmup_steps
+        lr = [{"shape": "linear", "from": o.lr / w, "value": o.lr, "steps": w - 1}] if w > 1 else []
+        lr += [{"value": o.lr, "until_steps": w}] if w >= 1 else []
+        if cfg.run.steps > w:
+            lr += [{"shape": "cosine", "from": o.lr, "value": o.min_lr, "until_steps": cfg.run.steps},
+                   {"value": o.min_lr}]
+        else:
+            lr += [{"value": o.lr}]
+    batch = sc.global_batch
+    if not batch:
+        batch = [{"value": d.global_batch}]
+        if d.batch_ramp_start > 0 and d.batch_ramp_steps > 0:
+            batch = [{"shape": "linear", "from": d.batch_ramp_start, "value": d.global_batch,
+                      "steps": d.batch_ramp_steps}, *batch]
+    mtp = sc.mtp_lambda or ([{"value": m.mtp_lambda, "until_steps": m.mtp_lambda_switch_step},
+                             {"value": m.mtp_lambda_late}] if m.mtp_lambda_switch_step else [{"value": m.mtp_lambda}])
+    bias = sc.bias_update_speed or ([{"value": b.gamma, "until_steps": b.gamma_stop_step}, {"value": 0.0}]
+                                    if b.gamma_stop_step else [{"value": b.gamma}])
+    return Schedule(parse_curve("schedule.lr", lr), parse_curve("schedule.global_batch", batch, 1, d.global_batch),
+                    parse_curve("schedule.mtp_lambda", mtp), parse_curve("schedule.bias_update_speed", bias),
+                    seq_len=d.seq_len, batch_multiple=unit * (2 if p.schedule == "dualpipe" else 1),
+                    min_batch=min_batch)
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -507,6 +579,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "
                          f"got {cfg.logging.fp8_health_every} and {cfg.logging.fp8_underflow_warn}")
     validate_eplb(cfg)
+    validate_schedule(cfg)
+
+
+def validate_schedule(cfg: TrainConfig) -> None:
+    """The ``[schedule]`` stage lists (``training.schedule.parse_curve`` names a bad stage) and a batch ramp that
+    starts where the pipeline schedule can run."""
+    p, d = cfg.parallel, cfg.data
+    sched = schedule_of(cfg)
+    smallest = p.dp * d.micro_batch * min_microbatches(p)
+    if cfg.schedule.global_batch and min(sched.global_batch.values()) < smallest:
+        raise ValueError(f"schedule.global_batch: {min(sched.global_batch.values()):g} sequences is below {smallest}, "
+                         f"the smallest batch parallel.schedule='{p.schedule}' can run at parallel.dp={p.dp} "
+                         f"(data.micro_batch={d.micro_batch}); start the ramp there")
 
 
 def validate_fault(f: FaultConfig) -> None:
