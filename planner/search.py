@@ -40,7 +40,8 @@ from training.trainer import check_layout
 
 SEARCH_SCHEDULES = SCHEDULES  # every pipeline schedule the IR builds
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
-               "zero1")
+               "zero1", "cp")
+CP_MIN_LOCAL = 4096  # context parallelism is searched while each rank keeps at least this many tokens of a sequence
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,11 @@ class Layout:
     moments: str = "bfloat16"  # optim.moments_dtype: bfloat16 (V3) | param (the master weights' dtype)
     eplb: int = 0  # EPLB redundant expert slots per MoE layer (0 = EPLB off)
     zero1: bool = True
+    cp: int = 1  # context-parallel ranks per sequence; EP and ZeRO-1 span the cp x dp ranks of a stage
 
     def __str__(self) -> str:
-        return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule} mb{self.micro_batch}x{self.microbatches} "
+        cp = f"cp{self.cp} " if self.cp > 1 else ""
+        return (f"pp{self.pp} {cp}dp{self.dp} ep{self.ep} {self.schedule} mb{self.micro_batch}x{self.microbatches} "
                 f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{'' if self.moments == 'bfloat16' else ' m32'}"
                 f"{f' eplb+{self.eplb}' if self.eplb else ''}"
                 f"{'' if self.zero1 else ' no-zero1'}")
@@ -130,6 +133,7 @@ class Space:
     moments: tuple[str, ...] = ("bfloat16", "param")
     eplb: tuple[int, ...] = (0,)
     zero1: tuple[bool, ...] = (True,)
+    cp: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # each used where seq_len / cp >= CP_MIN_LOCAL (or fixed)
     fixed: dict = field(default_factory=dict)
 
 
@@ -137,10 +141,10 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     """The training config of ``lay``: the base config with [parallel], batch, FP8, recompute and EPLB set."""
     cfg = copy.deepcopy(req.base)
     cfg.parallel = dataclasses.replace(cfg.parallel, pp=lay.pp, dp=lay.dp, ep=lay.ep, schedule=lay.schedule,
-                                       zero1=lay.zero1)
+                                       zero1=lay.zero1, cp=lay.cp)
     cfg.data = dataclasses.replace(cfg.data, seq_len=req.seq_len, micro_batch=lay.micro_batch,
                                    global_batch=lay.dp * lay.micro_batch * lay.microbatches)
-    cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
+    cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.cp * lay.dp)
     recompute = list(RECOMPUTE_POLICIES[lay.recompute])
     cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
     if hasattr(cfg.model, "fp8_recipe"):  # the config field of the MXFP8 work; until it lands the request carries it
@@ -166,12 +170,13 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
     units = args.n_layers + args.n_mtp_layers
     experts = args.n_routed_experts if args.has_moe else 1
     fp8s = space.fp8 if req.system.fp8_tflops > 0 else (False,)
-    for pp in _divisors(req.gpus):
-        dp = req.gpus // pp
+    stage_ranks = [(p, c) for p in _divisors(req.gpus) for c in _cp_sizes(req, space, req.gpus // p)]
+    for pp, cp in stage_ranks:
+        dp = req.gpus // (pp * cp)
         if pp > units or fx.get("pp", pp) != pp or fx.get("dp", dp) != dp:
             continue
         scheds = ("none",) if pp == 1 else space.schedules
-        for ep in (e for e in _divisors(dp) if experts % e == 0):
+        for ep in (e for e in _divisors(cp * dp) if experts % e == 0):  # EP spans the cp x dp ranks of a stage
             for schedule in scheds:
                 for mb in space.micro_batch if "micro_batch" not in fx else (fx["micro_batch"],):
                     if req.global_batch % (dp * mb):
@@ -182,9 +187,18 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
                                 for moments in space.moments:
                                     for eplb in space.eplb:
                                         for z in space.zero1:
-                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z)
+                                            lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z, cp)
                                             if all(getattr(lay, k) == v for k, v in fx.items()):
                                                 yield lay
+
+
+def _cp_sizes(req: Request, space: Space, ranks: int) -> list[int]:
+    """The context-parallel sizes to try with ``ranks`` GPUs per pipeline stage: those of ``space`` dividing
+    them whose 2 x cp chunks split the sequence evenly and leave each rank >= ``CP_MIN_LOCAL`` tokens (a fixed
+    cp is tried as given)."""
+    sizes = (space.fixed["cp"],) if "cp" in space.fixed else space.cp
+    return [cp for cp in sizes if ranks % cp == 0 and req.seq_len % (2 * cp if cp > 1 else 1) == 0
+            and (cp == 1 or "cp" in space.fixed or req.seq_len // cp >= CP_MIN_LOCAL)]
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -286,18 +300,19 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     s, g = req.system, req.system.gpus_per_node
     p = precision(cfg, accelerator=True)
     pbytes, master, gbytes = p.param, p.master, p.grad  # gradients accumulate in the masters' dtype, if any
-    edp = lay.dp // lay.ep
+    ranks_dp = lay.cp * lay.dp  # gradients reduce over the cp x dp ranks of a stage (every one holds a share)
+    edp = ranks_dp // lay.ep
     comm = step = 0.0
     for r in ranks:
         dense, expert = r.params - r.expert_params, r.expert_params
-        spans_dp, spans_edp = lay.dp > g, (edp > 1 and lay.ep * edp > g)
+        spans_dp, spans_edp = ranks_dp > g, (edp > 1 and lay.ep * edp > g)
         if lay.zero1:  # reduce-scatter the gradients, all-gather the updated working weights
-            c = sum(_ring_seconds(s, n * b, lay.dp, spans_dp, 1.0) for n, b in ((dense, gbytes), (dense, pbytes)))
+            c = sum(_ring_seconds(s, n * b, ranks_dp, spans_dp, 1.0) for n, b in ((dense, gbytes), (dense, pbytes)))
             c += sum(_ring_seconds(s, n * b, edp, spans_edp, 1.0) for n, b in ((expert, gbytes), (expert, pbytes)))
-            shard = dense / lay.dp + expert / edp
+            shard = dense / ranks_dp + expert / edp
         else:
-            c = _ring_seconds(s, dense * gbytes, lay.dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
-                                                                                       spans_edp, 2.0)
+            c = _ring_seconds(s, dense * gbytes, ranks_dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
+                                                                                         spans_edp, 2.0)
             shard = dense + expert
         # as the memory model stores them: the optimizer item holds both moments (and the masters, if any)
         moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
@@ -318,9 +333,9 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     num = num_model_stages(lay.schedule, lay.pp)
     ranges = split_layers(args, num)
     work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, recompute_kinds(lay.recompute),
-                    cfg.balance.max_nodes, _imbalance(req, args, lay))
+                    cfg.balance.max_nodes, _imbalance(req, args, lay), lay.cp)
     parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
-    link = s.inter_node if lay.dp >= s.gpus_per_node else s.intra_node
+    link = s.inter_node if lay.cp * lay.dp >= s.gpus_per_node else s.intra_node
     p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
     key = (lay.schedule, lay.pp, lay.microbatches, tuple(parts), p2p)
     sim = None
@@ -338,7 +353,7 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
     makespan *= straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
     step = makespan + dp_comm + opt
-    flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
+    flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp * lay.cp
     tokens = req.global_batch * req.seq_len
     return Evaluation(lay, "ok", step_time_s=step, tokens_per_s=tokens / step,
                       mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),

@@ -101,7 +101,14 @@ def dry_run(cfg, world: int, device: str | None = None, schedule_json: str | Non
         check_output_file(schedule_json, "--schedule-json")
     args, corpus = check_static(cfg, world, allow_missing_data=True)
     schedule = schedule_of(cfg)
-    print(describe(cfg.parallel))
+    par = cfg.parallel
+    if par.cp > 1:  # (the per-rank coordinates come with the context-parallel runtime)
+        print(f"world {par.world_size} = pp {par.pp} x cp {par.cp} x dp {par.dp}; ep {par.ep} spans the cp x dp ranks "
+              f"of a stage ({par.cp * par.dp // par.ep} replicas of each expert shard); schedule {par.schedule}, "
+              f"{par.num_stages} stages; each sequence of {cfg.data.seq_len} tokens split over {par.cp} ranks "
+              f"({cfg.data.seq_len // par.cp} each, as chunks r and {2 * par.cp - 1}-r of {2 * par.cp})")
+    else:
+        print(describe(par))
     unit = cfg.parallel.dp * cfg.data.micro_batch
     first, *rest = schedule.batch_sizes()
     last = rest[-1] if rest else first
@@ -113,6 +120,8 @@ def dry_run(cfg, world: int, device: str | None = None, schedule_json: str | Non
         end = rows[-1]
         print(f"schedule: {len(rows)} rows to {schedule_json}; step {end['step']} starts after {end['tokens']:.4g} "
               f"tokens (the run ends at {end['tokens'] + end['global_batch'] * cfg.data.seq_len:.4g})")
+    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+        print(f"model.init_from={cfg.model.init_from!r} not on this machine; a launch checks it where it runs")
     if corpus is None:
         print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
     else:
@@ -140,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.dry_run:
             dry_run(cfg, nproc, ns.device, ns.schedule_json)
             return 0
+        if cfg.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is planned but not yet executable "
+                             "(the planner, the memory model and --dry-run know it; the trainer does not run it yet); "
+                             "use --dry-run, or parallel.cp=1")
         check_paths(ns)
         from training.run import RunOptions, run_training
 

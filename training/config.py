@@ -8,9 +8,10 @@ any process group exists. ``numerics_dict`` is everything that changes the numer
 store it with its hash (``training.checkpoint.format.config_hash``), so a resume under a different
 model or data setup is refused.
 
-Layout rule (as DeepSeek-V3): world = pp x dp; expert parallelism spans ``ep`` data-parallel ranks
-of the same pipeline stage, so ``ep`` divides ``dp`` and there are ``dp / ep`` replicas of each
-expert shard.
+Layout rule (as DeepSeek-V3): world = pp x cp x dp; expert parallelism spans ``ep`` of the cp x dp ranks
+of the same pipeline stage (as Megatron-Core), so ``ep`` divides ``cp x dp`` and there are ``cp x dp / ep``
+replicas of each expert shard. ``cp`` (context parallelism: ranks sharing each sequence) is 1 unless a long-context
+config sets it; the planner, the memory model and the dry run know it, the trainer does not run it yet.
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    # context parallelism: ranks sharing each sequence (2 x cp chunks, rank r holding r and 2cp-1-r); planned and
+    # dry-run, not yet executed by the trainer (recipes.train refuses cp > 1 outside --dry-run)
+    cp: int = 1
     schedule: str = "none"  # none (no pipeline) | 1f1b | zb1p | zbv | dualpipe | dualpipev
     overlap: bool = True  # use the stage's overlapped_forward_backward where the schedule pairs F and B
     zero1: bool = True  # shard optimizer states over data-parallel ranks (ZeroRedundancyOptimizer)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.cp * self.dp
 
     @property
     def layout(self) -> Layout:
@@ -498,14 +502,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
     if r.max_minutes < 0:  # (check_finite above has refused nan and inf)
         raise ValueError(f"run.max_minutes must be a finite number >= 0 (0 = no time budget), got {r.max_minutes}")
-    for key in ("pp", "dp", "ep"):
+    for key in ("pp", "dp", "ep", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.schedule not in SCHEDULES:
         raise ValueError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
-    if p.dp % p.ep:
+    if p.cp == 1 and p.dp % p.ep:
         raise ValueError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp}: expert parallelism spans "
                          "data-parallel ranks of the same pipeline stage")
+    if (p.cp * p.dp) % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide parallel.cp x parallel.dp = {p.cp} x {p.dp} = {p.cp * p.dp}: "
+                         "expert parallelism spans the context- and data-parallel ranks of a pipeline stage")
     if p.pp > 1 and p.schedule == "none":
         raise ValueError(f"parallel.pp={p.pp} needs a pipeline schedule: set parallel.schedule to one of "
                          f"{', '.join(SCHEDULES[1:])}")
@@ -513,6 +520,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.schedule='dualpipe' needs an even parallel.pp, got {p.pp}")
     if d.seq_len < 2:
         raise ValueError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if p.cp > 1 and d.seq_len % p.cp:
+        raise ValueError(f"parallel.cp={p.cp} must divide data.seq_len={d.seq_len}: the context-parallel ranks "
+                         "share each sequence")
+    if p.cp > 1 and d.seq_len % (2 * p.cp):
+        raise ValueError(f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp}: each sequence "
+                         f"is cut into 2 x cp chunks, context-parallel rank r holding chunks r and 2cp-1-r (balanced "
+                         "causal work)")
     if d.micro_batch < 1:
         raise ValueError(f"data.micro_batch must be >= 1, got {d.micro_batch}")
     unit = p.dp * d.micro_batch
@@ -634,7 +648,14 @@ def validate_eplb(cfg: TrainConfig) -> None:
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:
-    """ValueError unless the launch's world size is the config's pp x dp."""
+    """ValueError unless the launch's world size is the config's pp x cp x dp."""
+    if p.cp > 1 and world_size % (p.pp * p.cp):
+        raise ValueError(f"parallel.cp={p.cp} x parallel.pp={p.pp} = {p.pp * p.cp} does not divide the world size "
+                         f"{world_size}: every pipeline stage needs whole context-parallel groups; change --nproc / "
+                         "run.nproc or the [parallel] section")
+    if p.cp > 1 and world_size != p.world_size:
+        raise ValueError(f"world size {world_size} != parallel.pp x parallel.cp x parallel.dp = {p.pp} x {p.cp} x "
+                         f"{p.dp} = {p.world_size}; change --nproc / run.nproc or the [parallel] section")
     if world_size != p.world_size:
         raise ValueError(f"world size {world_size} != parallel.pp x parallel.dp = {p.pp} x {p.dp} = {p.world_size} "
                          f"(parallel.ep={p.ep} spans data-parallel ranks, it does not multiply the world); "

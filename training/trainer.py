@@ -95,7 +95,7 @@ def max_global_batch(cfg: TrainConfig) -> int:
     return max(schedule_of(cfg).batch_sizes())
 
 
-def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
+def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_init: bool = False) -> ModelArgs:
     """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
     arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
     balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
@@ -116,7 +116,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
-    if cfg.model.init_from and not (Path(cfg.model.init_from) / "config.json").is_file():
+    init_missing = cfg.model.init_from and not Path(cfg.model.init_from).exists()
+    if cfg.model.init_from and not (allow_missing_init and init_missing) \
+            and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
     if cfg.model.init_from and cfg.eplb.enabled:
@@ -133,7 +135,7 @@ def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_da
     ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
     ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
     and corpus is None. When they are present, the corpus is checked exactly as at launch."""
-    args = check_layout(cfg, world)
+    args = check_layout(cfg, world, allow_missing_init=allow_missing_data)  # (a dry run plans from a laptop)
     if allow_missing_data and missing_data(cfg.data):
         return args, None
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
