@@ -30,6 +30,10 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   communicator's buffers and library workspaces, none of which ``max_memory_allocated`` sees (an
   assumption, not measured: no GPU run has calibrated it).
 
+Under context parallelism (``parallel.cp``) every piece is measured at the local length ``seq_len / cp``, each MLA
+block adds the whole sequence's all-gathered latent (and DSA's indexer keys) and its exchange buffers
+(``context_parallel_extra``, ``_comm_bytes``), and ZeRO-1 and EP span the cp x dp ranks of a stage.
+
 The host holds the parameter EMA (``optim.ema_decay``) apart from the device. MoE rows assume
 balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the grouped GEMM's alignment).
 """

@@ -146,7 +146,8 @@ def test_bad_stages_are_one_line_errors(stages, needle, capsys):
 
 
 def test_stage_list_and_the_keys_it_replaces_are_refused_together(capsys):
-    code = train_main(["--config", DEMO, "--dry-run", "--set", "schedule.mtp_lambda=[{value = 0.1}]"])
+    code = train_main(["--config", DEMO, "--dry-run", "--set", "schedule.mtp_lambda=[{value = 0.1}]",
+                       "--set", "model.mtp_lambda=0.2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "model.mtp_lambda' and schedule.mtp_lambda both set" in err and "\n" not in err
 
@@ -228,3 +229,16 @@ def test_run_follows_the_schedule_and_resumes_it_exactly(tmp_path):
     resumed = _run(config, tmp_path / "part", RUN, resume=True)
     keys = ("loss", "total_loss", "lr", "global_batch", "mtp_lambda", "bias_update_speed", "tokens_seen")
     assert [[r[k] for k in keys] for r in part + resumed[-3:]] == [[r[k] for k in keys] for r in full]
+
+
+def test_written_config_reads_back_with_the_same_schedule(tmp_path):
+    """A run folder's config.toml (``TrainConfig.to_toml``: every key, the stage lists as inline tables) loads
+    again, with the same schedule (what a resume without --run-dir compares)."""
+    cfg = load_config(V3)
+    path = tmp_path / "config.toml"
+    path.write_text(cfg.to_toml())
+    again = load_config(path)
+    assert again.schedule == cfg.schedule and again.to_dict() == cfg.to_dict()
+    s, t = schedule_of(cfg), schedule_of(again)
+    assert [t.at(n, n * 10**8) for n in range(0, 240_000, 9_973)] == [s.at(n, n * 10**8) for n in range(0, 240_000,
+                                                                                                          9_973)]

@@ -398,16 +398,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 
 def check_schedule_keys(table: dict[str, Any]) -> None:
-    """ValueError when a ``[[schedule.X]]`` stage list and a key it replaces (``SCHEDULE_REPLACES``) are both set."""
+    """ValueError when a ``[[schedule.X]]`` stage list and a key it replaces (``SCHEDULE_REPLACES``) are both set to
+    something (a key at its default value, as a written-out config holds every key, is not a second statement)."""
     stages = table.get("schedule", {})
     if not isinstance(stages, dict):
         return  # _build names the wrong type
+    classes = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    hints = {name: typing.get_type_hints(TrainConfig)[name] for name in classes}
     for quantity, keys in SCHEDULE_REPLACES.items():
         if not stages.get(quantity):
             continue
         for dotted in keys:
             section, key = dotted.split(".")
-            if isinstance(table.get(section), dict) and key in table[section]:
+            values = table.get(section)
+            if isinstance(values, dict) and key in values and values[key] != getattr(hints[section](), key):
                 raise ValueError(f"config key '{dotted}' and schedule.{quantity} both set: the stage list replaces "
                                  f"{', '.join(keys)}; state the schedule in one place")
 
