@@ -28,7 +28,6 @@ from typing import Any
 SHAPES = ("constant", "linear", "cosine")
 LENGTHS = {"steps": "steps", "tokens": "tokens", "until_steps": "steps", "until_tokens": "tokens"}
 STAGE_KEYS = ("shape", "value", "from", *LENGTHS)
-QUANTITIES = ("lr", "global_batch", "mtp_lambda", "bias_update_speed")
 
 
 @dataclass(frozen=True)
