@@ -28,6 +28,11 @@ fixed all-to-all cost for its group size. Inside a node the volume is ``tokens x
 dim`` over NVLink; across nodes each token crosses InfiniBand once per distinct remote node it is
 routed to (node-limited routing caps that at ``max_nodes``) and is forwarded over NVLink inside the
 node, both at once, as DeepSeek's dispatch does.
+Context parallelism (``Workload.cp``): each rank computes its ``seq_len / cp`` positions (2 x cp chunks, rank r
+holding r and 2cp-1-r, so every rank has the same causal work) against the whole sequence's keys; per MLA layer
+the latent (576 values per token) is all-gathered forward and its gradient reduce-scattered backward, behind
+the query projections (``context_parallel_seconds``), and dense attention up-projects the gathered latent to
+per-head keys and values (``context_parallel_ops``).
 """
 
 from __future__ import annotations
@@ -306,16 +311,21 @@ class Workload:
     recompute: tuple[str, ...]
     max_nodes: int | None = None
     imbalance: float = 1.0
+    cp: int = 1  # context-parallel ranks sharing each sequence: each computes seq_len / cp of its positions
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens of one micro-batch on this rank (its share of each sequence under context parallelism)."""
+        return self.micro_batch * self.seq_len // self.cp
 
 
 # Where each op of a MoE block runs relative to its exchanges (``MoE.steps``): before the dispatch is posted,
 # while it travels (the shared experts), between dispatch and combine (the routed experts), after the combine.
 _PHASE = {"shared_w13": "hidden", "shared_swiglu": "hidden", "shared_w2": "hidden", "experts_w13": "mid",
           "experts_swiglu": "mid", "experts_w2": "mid", "unpermute": "post"}
+
+
+_QUERY_PROJECTIONS = ("wq_a", "q_norm", "wq_b", "wq")  # what the context-parallel latent exchange hides behind
 
 
 def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload) -> Durations:
@@ -327,9 +337,10 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     core = dsa_ops(args, w.tokens, w.seq_len, fp8) if args.index_topk else [attention_core(args, w.tokens, w.seq_len)]
     ops = [op for op in attention_ops(args, w.tokens, fp8) if not (args.sparse and op.name == "wkv_b")]
     ops += core + [gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
+    ops += context_parallel_ops(args, w, fp8)
     ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
     full_block = "block" in w.recompute
-    f = i = wg = flops = 0.0
+    f = i = wg = flops = q_f = q_b = 0.0
     phase_f, phase_b = dict.fromkeys(("pre", "hidden", "mid", "post"), 0.0), dict.fromkeys(("pre", "hidden", "mid",
                                                                                              "post"), 0.0)
     for op in ops:
@@ -341,6 +352,15 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
         phase = _PHASE.get(op.name, "pre")
         phase_f[phase] += of
         phase_b[phase] += oi + ow - (of if full_block else 0.0)  # a block's re-run forward runs before its backward
+        if op.name in _QUERY_PROJECTIONS:
+            q_f, q_b = q_f + of, q_b + oi + ow
+    # context parallelism: the latent's all-gather (forward) and its gradient's reduce-scatter (backward) run
+    # behind the query projections, which do not need them; what they do not cover waits in the layer
+    cp_comm = context_parallel_seconds(timer, args, w)
+    cp_f, cp_b = max(0.0, cp_comm - q_f), max(0.0, cp_comm - q_b) + (cp_comm if full_block else 0.0)
+    f, i = f + cp_f, i + cp_b
+    phase_f["pre"] += cp_f
+    phase_b["pre"] += cp_b
     if not (args.is_moe_layer(layer_id) and w.ep > 1):
         return Durations(f, i, wg, flops=flops)
     dispatch = 1 + FP8_SCALE_BYTES[timer.recipe] if fp8 else BF16
@@ -351,6 +371,34 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     head_b = phase_f["pre"] if full_block else phase_b["post"]
     return Durations(f, i, wg, comm_f, comm + (comm_f if full_block else 0.0), flops, head_f=phase_f["pre"],
                      tail_f=phase_f["post"], head_b=head_b, tail_b=phase_b["pre"] + phase_b["hidden"])
+
+
+def context_parallel_ops(args: ModelArgs, w: Workload, fp8: bool) -> list[Op]:
+    """The work context parallelism adds to an MLA block on one rank: the per-head keys and values of the other
+    ranks' positions, up-projected from the all-gathered latent (``wkv_b`` on ``(cp - 1) / cp`` of the sequence,
+    re-run in backward with V3's MLA up-projection recompute); none for DSA's sparse attention, which reads the
+    selected latent rows (absorbed form). The attention core needs nothing more: ``tokens`` local queries over
+    the whole sequence's causal keys is the whole sequence's core / cp (the balanced 2 x cp chunk split)."""
+    if w.cp <= 1 or args.sparse:
+        return []
+    remote = w.micro_batch * w.seq_len * (w.cp - 1) / w.cp
+    return [gemm("wkv_b_gathered", remote, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
+                 args.kv_lora_rank, fp8, recompute_kind="mla_up")]
+
+
+def context_parallel_seconds(timer: OpTimer, args: ModelArgs, w: Workload) -> float:
+    """One ring all-gather of the whole sequence's latent (``kv_lora_rank + qk_rope_head_dim`` = 576 values per
+    token, BF16; with DSA also the indexer keys) over the ``cp`` ranks of a sequence, forward; its gradient's
+    reduce-scatter backward moves the same bytes. The cp ranks of a sequence are adjacent (one node while cp <=
+    GPUs per node)."""
+    if w.cp <= 1:
+        return 0.0
+    s = timer.system
+    link = s.intra_node if w.cp <= s.gpus_per_node else s.inter_node
+    per_token = args.kv_lora_rank + args.qk_rope_head_dim + (args.index_head_dim if args.index_topk else 0)
+    nbytes = w.micro_batch * w.seq_len * (w.cp - 1) / w.cp * per_token * BF16
+    return (w.cp - 1) * link.latency_us * 1e-6 + nbytes / (link.bandwidth_gb_s * 1e9
+                                                           * s.collective_efficiency["ring"])
 
 
 def ops_durations(timer: OpTimer, ops: list[Op]) -> Durations:

@@ -31,6 +31,10 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   communicator's buffers and library workspaces, none of which ``max_memory_allocated`` sees (an
   assumption, not measured: no GPU run has calibrated it).
 
+Under context parallelism (``parallel.cp``) every piece is measured at the local length ``seq_len / cp``, each MLA
+block adds the whole sequence's all-gathered latent (and DSA's indexer keys) and its exchange buffers
+(``context_parallel_extra``, ``_comm_bytes``), and ZeRO-1 and EP span the cp x dp ranks of a stage.
+
 The host holds the parameter EMA (``optim.ema_decay``) apart from the device. MoE rows assume
 balanced routing (each expert ``T k / E`` rows per micro-batch, padded to the grouped GEMM's alignment).
 """
@@ -49,7 +53,7 @@ from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
 from planner import memory_measure as measure
 from planner.memory_measure import Measured
-from training.config import TrainConfig
+from training.config import TrainConfig, schedule_of
 from training.optim import STEP_CHUNK, is_expert_param
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
 from training.trainer import model_args
@@ -249,9 +253,33 @@ def _device(device: str | None) -> tuple[str, int | None, bool]:
     return spec.name, int(spec.memory_gib * GiB) if spec.memory_gib else None, True
 
 
-def _layer(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, p: Precision, slots: int) -> Measured:
-    """One block as ``memory_measure`` measured it (all routed experts on the rank), with its routed experts
-    swapped for one expert-parallel rank's ``slots`` (their rows and weight-gradient buffers differ)."""
+def context_parallel_extra(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, cp: int, act: float) -> Measured:
+    """What one MLA block holds under context parallelism ``cp`` besides the block at its local length ``seq / cp``
+    (``seq``: the whole sequence). Saved for backward: the all-gathered latent of the whole sequence
+    (``kv_lora_rank + qk_rope_head_dim`` = 576 values per token for V3) and, with DSA, the all-gathered indexer
+    keys (``index_head_dim`` per token); a block recomputed whole keeps neither (it gathers them again).
+    Transient: the gathered latent's gradient before its reduce-scatter, and for dense attention (V3, DSA's
+    warm-up) the per-head keys and values up-projected from the gathered latent for the whole sequence and their
+    gradients (``n_heads x (qk_head_dim + v_head_dim)`` per token, one block at a time, rebuilt in backward);
+    DSA's sparse attention reads the selected latent rows instead. 0 without CP."""
+    if cp <= 1:
+        return Measured(0, 0)
+    tokens = micro_batch * seq
+    latent = tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * act
+    keys = tokens * args.index_head_dim * act if args.index_topk else 0
+    transient = latent
+    if not args.sparse:
+        transient += 2 * tokens * args.n_heads * (args.qk_head_dim + args.v_head_dim) * act
+    if args.recomputes("block", layer_id):
+        return Measured(0, int(transient + latent + keys))
+    return Measured(int(latent + keys), int(transient))
+
+
+def _layer(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, p: Precision, slots: int,
+           cp: int = 1) -> Measured:
+    """One block as ``memory_measure`` measured it (all routed experts on the rank) at the local length ``seq``,
+    with its routed experts swapped for one expert-parallel rank's ``slots`` (their rows and weight-gradient
+    buffers differ), plus what context parallelism ``cp`` adds (``context_parallel_extra``)."""
     accelerator = p.attention == "flash"
     m = measure.block(args, layer_id, micro_batch, seq, p.act, accelerator)
     e = args.n_routed_experts
@@ -261,25 +289,27 @@ def _layer(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, p: Precis
         if args.recomputes("block", layer_id):  # a recomputed block keeps only its input: the rest is transient
             out, into = Measured(0, out.saved + out.transient), Measured(0, into.saved + into.transient)
         m = m.swap(out, into)
-    return m
+    extra = context_parallel_extra(args, layer_id, micro_batch, seq * cp, cp, p.act)
+    return Measured(m.saved + extra.saved, m.transient + extra.transient)
 
 
-def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, p: Precision, slots: int) -> Measured:
+def _mtp(args: ModelArgs, depth: int, micro_batch: int, seq: int, p: Precision, slots: int, cp: int = 1) -> Measured:
     """MTP depth ``depth + 1``: its input projection, its block and its loss head, on ``seq`` positions
     (depth k really runs on ``seq - k``: at most ``k / seq`` less), its experts swapped as ``_layer``'s."""
     accelerator, layer_id = p.attention == "flash", args.n_layers + depth
     return (measure.mtp_projection(args, depth, micro_batch, seq, p.act, accelerator)
-            .then(_layer(args, layer_id, micro_batch, seq, p, slots))
+            .then(_layer(args, layer_id, micro_batch, seq, p, slots, cp))
             .then(measure.head(args, args.recomputes("norm", layer_id), micro_batch, seq, p.act, accelerator)))
 
 
 def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> tuple[list[int], list[int], dict]:
     """(bytes one micro-batch keeps on each stage, the most bytes alive on top of those while one of its pieces
     runs, per-piece detail: the largest bytes one micro-batch keeps in each kind of piece), measured
-    (``planner.memory_measure``) at the config's micro-batch shape; the layers' pieces keep their own input
+    (``planner.memory_measure``) at the config's micro-batch shape, at the local length ``seq_len / cp`` under
+    context parallelism (plus ``context_parallel_extra`` per block); the layers' pieces keep their own input
     (the block before hands it on), the last stage adds the loss heads and the MTP modules."""
     par, data = cfg.parallel, cfg.data
-    seq, mb = data.seq_len, data.micro_batch
+    seq, mb, cp = data.seq_len // par.cp, data.micro_batch, par.cp
     num = num_model_stages(par.schedule, par.pp, par.vpp)
     slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
     layers: dict[tuple, Measured] = {}  # layers alike (kind, recompute) measure alike
@@ -287,7 +317,7 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
     def layer(i: int) -> Measured:
         key = (args.is_moe_layer(i), *(args.recomputes(k, i) for k in RECOMPUTE_KINDS))
         if key not in layers:
-            layers[key] = _layer(args, i, mb, seq, p, slots)
+            layers[key] = _layer(args, i, mb, seq, p, slots, cp)
         return layers[key]
 
     accelerator = p.attention == "flash"
@@ -298,7 +328,7 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
         if s == num - 1:
             recompute_norm = "norm" in args.recompute_kinds  # the main head's (``lm_losses_from_hidden``)
             pieces.append(("loss head", measure.head(args, recompute_norm, mb, seq, p.act, accelerator)))
-            pieces += [(f"MTP depth {k + 1} (module + head)", _mtp(args, k, mb, seq, p, slots))
+            pieces += [(f"MTP depth {k + 1} (module + head)", _mtp(args, k, mb, seq, p, slots, cp))
                        for k in range(args.n_mtp_layers)]
         saved.append(sum(m.saved for _, m in pieces))
         work.append(max((m.transient for _, m in pieces), default=0))
@@ -313,7 +343,7 @@ def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[
     par = cfg.parallel
     if par.schedule == "none":
         return [per_stage[0]], [1]
-    chunks = max(cfg.microbatches_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
+    chunks = max(schedule_of(cfg).batch_sizes()) // (par.dp * cfg.data.micro_batch)
     peaks, counts = [], []
     for states in _live_states(par.schedule, par.pp, chunks, len(per_stage), par.vpp):
         peak = n_at_peak = 0
@@ -359,9 +389,11 @@ def recipe_of(cfg: TrainConfig, override: str | None = None) -> str:
 
 def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "blockwise") -> int:
     """Expert all-to-all buffers of one micro-batch in flight (dispatch send + receive, combine receive;
-    two at once under DualPipe's overlap) and pipeline P2P buffers (a send and a receive per direction)."""
+    two at once under DualPipe's overlap), pipeline P2P buffers (a send and a receive per direction), both of the
+    local tokens under context parallelism, and its all-gather / reduce-scatter buffers (the whole sequence's
+    latent, and DSA's indexer keys: one forward and one backward in flight)."""
     par, data = cfg.parallel, cfg.data
-    tokens = data.seq_len * data.micro_batch
+    tokens = data.seq_len // par.cp * data.micro_batch
     d = args.dim
     out = 0.0
     if par.ep > 1 and args.has_moe:
@@ -373,6 +405,9 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "
     if par.pp > 1:
         directions = par.layout.num_stages // par.pp  # chains through a rank: two for a V or mirrored pipeline
         out += 2 * directions * tokens * d * p.act
+    if par.cp > 1:
+        per_token = args.kv_lora_rank + args.qk_rope_head_dim + (args.index_head_dim if args.index_topk else 0)
+        out += 2 * data.seq_len * data.micro_batch * per_token * p.act
     return int(out)
 
 
@@ -412,8 +447,8 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     peaks, live = _live_activation_peak(cfg, saved)
     comm = _comm_bytes(args, cfg, p, recipe_of(cfg, override=fp8_recipe))
     step_transient = _optimizer_step_transient(args, cfg, p)
-    shard_dense = par.dp if par.zero1 else 1
-    shard_expert = (par.dp // par.ep) if par.zero1 else 1
+    shard_dense = par.cp * par.dp if par.zero1 else 1  # ZeRO-1 and EP span the cp x dp ranks of a stage
+    shard_expert = (par.cp * par.dp // par.ep) if par.zero1 else 1
     ranks = []
     indexers = stage_indexer_counts(args, cfg) if args.dsa_warmup else None
     for r in range(par.pp):
@@ -457,7 +492,9 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
              f"per-rank memory ({weights}, AdamW moments {moments} ZeRO-1 "
              f"{'on' if cfg.parallel.zero1 else 'off'}, activations {act}, recompute {list(args.recompute) or 'none'}, "
              f"fp8 {args.fp8} (activation caching {args.fp8_cache}), "
-             f"micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} tokens; GiB):",
+             f"micro-batch {cfg.data.micro_batch} x {cfg.data.seq_len} tokens"
+             + (f", {cfg.data.seq_len // cfg.parallel.cp} per rank over cp {cfg.parallel.cp}" if cfg.parallel.cp > 1
+                else "") + "; GiB):",
              f"{'pp rank':>7} {'stages':>7} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'live mb':>7} "
              f"{'act':>7} {'transnt':>7} {'comm':>6} {'margin':>7} {'total':>7}"]
     for e in est.ranks:
@@ -470,7 +507,8 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
         lines.append(f"host (not on the device): parameter EMA {est.ranks[0].host['ema'] / GiB:.2f} GiB per rank")
     par = cfg.parallel
     slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
-    parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len, p.act, p.attention == "flash", slots)
+    parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len // par.cp, p.act, p.attention == "flash",
+                           slots)
     lines.append("measured per micro-batch, saved for backward (MiB; planner.memory_measure, on meta): " + ", ".join(
         f"{k} {m.saved / 2**20:.1f}" for k, m in parts.items()) + f" (routed experts: {slots} slots of one EP rank)")
     if est.capacity_bytes is not None:

@@ -49,7 +49,8 @@ TIME_TERMS = ("memory_latency", "a2a_latency", "gradient_passes", "straggler", "
 # with the interleaved-1F1B runs in the fit every term lowers the mean absolute leave-one-out error, so none went)
 DEFAULT_TERMS = frozenset(TIME_TERMS)
 LAYOUT_KEYS = ("pp", "dp", "ep", "schedule", "micro_batch", "microbatches", "recompute", "fp8", "moments", "eplb",
-               "zero1", "vpp")
+               "zero1", "vpp", "cp")
+CP_MIN_LOCAL = 4096  # context parallelism is searched while each rank keeps at least this many tokens of a sequence
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,11 @@ class Layout:
     eplb: int = 0  # EPLB redundant expert slots per MoE layer (0 = EPLB off)
     zero1: bool = True
     vpp: int = 1  # model chunks per pipeline rank (interleaved1f1b: >= 2)
+    cp: int = 1  # context-parallel ranks per sequence; EP and ZeRO-1 span the cp x dp ranks of a stage
 
     def __str__(self) -> str:
-        return (f"pp{self.pp} dp{self.dp} ep{self.ep} {self.schedule}{f' vpp{self.vpp}' if self.vpp > 1 else ''} "
+        cp = f"cp{self.cp} " if self.cp > 1 else ""
+        return (f"pp{self.pp} {cp}dp{self.dp} ep{self.ep} {self.schedule}{f' vpp{self.vpp}' if self.vpp > 1 else ''} "
                 f"mb{self.micro_batch}x{self.microbatches} "
                 f"rc={self.recompute} {'fp8' if self.fp8 else 'bf16'}{'' if self.moments == 'bfloat16' else ' m32'}"
                 f"{f' eplb+{self.eplb}' if self.eplb else ''}"
@@ -159,6 +162,7 @@ class Space:
     moments: tuple[str, ...] = ("bfloat16", "param")
     eplb: tuple[int, ...] = (0,)
     zero1: tuple[bool, ...] = (True,)
+    cp: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # each used where seq_len / cp >= CP_MIN_LOCAL (or fixed)
     fixed: dict = field(default_factory=dict)
 
 
@@ -166,21 +170,22 @@ def to_config(req: Request, lay: Layout) -> TrainConfig:
     """The training config of ``lay``: the base config with [parallel], batch, FP8, recompute and EPLB set."""
     cfg = copy.deepcopy(req.base)
     cfg.parallel = dataclasses.replace(cfg.parallel, pp=lay.pp, dp=lay.dp, ep=lay.ep, schedule=lay.schedule,
-                                       vpp=lay.vpp, zero1=lay.zero1)
+                                       vpp=lay.vpp, zero1=lay.zero1, cp=lay.cp)
     cfg.data = dataclasses.replace(cfg.data, seq_len=req.seq_len, micro_batch=lay.micro_batch,
                                    global_batch=lay.dp * lay.micro_batch * lay.microbatches)
-    cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.dp)
+    cfg.run = dataclasses.replace(cfg.run, nproc=lay.pp * lay.cp * lay.dp)
     recompute = list(RECOMPUTE_POLICIES[lay.recompute])
     cfg.model = dataclasses.replace(cfg.model, fp8=lay.fp8, overrides={**cfg.model.overrides, "recompute": recompute})
     if hasattr(cfg.model, "fp8_recipe"):  # the config field of the MXFP8 work; until it lands the request carries it
         cfg.model = dataclasses.replace(cfg.model, fp8_recipe=req.fp8_recipe)
     cfg.eplb = dataclasses.replace(cfg.eplb, enabled=lay.eplb > 0, redundant_experts=lay.eplb)
     cfg.optim = dataclasses.replace(cfg.optim, moments_dtype=lay.moments)
-    if cfg.data.batch_ramp_start:
+    if cfg.data.batch_ramp_start or cfg.schedule.global_batch:
         try:
             validate(cfg)
         except ValueError:  # the base's ramp does not suit this layout: plan for the full batch only
             cfg.data = dataclasses.replace(cfg.data, batch_ramp_start=0, batch_ramp_steps=0)
+            cfg.schedule = dataclasses.replace(cfg.schedule, global_batch=[])
     return cfg
 
 
@@ -194,12 +199,13 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
     units = args.n_layers + args.n_mtp_layers
     experts = args.n_routed_experts if args.has_moe else 1
     fp8s = space.fp8 if req.system.fp8_tflops > 0 else (False,)
-    for pp in _divisors(req.gpus):
-        dp = req.gpus // pp
+    stage_ranks = [(p, c) for p in _divisors(req.gpus) for c in _cp_sizes(req, space, req.gpus // p)]
+    for pp, cp in stage_ranks:
+        dp = req.gpus // (pp * cp)
         if pp > units or fx.get("pp", pp) != pp or fx.get("dp", dp) != dp:
             continue
         scheds = ("none",) if pp == 1 else space.schedules
-        for ep in (e for e in _divisors(dp) if experts % e == 0):
+        for ep in (e for e in _divisors(cp * dp) if experts % e == 0):  # EP spans the cp x dp ranks of a stage
             vpps = (fx["vpp"],) if "vpp" in fx else space.vpp
             for schedule, vpp in ((s, v) for s in scheds for v in (vpps if s == "interleaved1f1b" else (1,))):
                 if pp * vpp > units:
@@ -214,9 +220,18 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
                                     for eplb in space.eplb:
                                         for z in space.zero1:
                                             lay = Layout(pp, dp, ep, schedule, mb, nmb, rc, fp8, moments, eplb, z,
-                                                         vpp)
+                                                         vpp, cp)
                                             if all(getattr(lay, k) == v for k, v in fx.items()):
                                                 yield lay
+
+
+def _cp_sizes(req: Request, space: Space, ranks: int) -> list[int]:
+    """The context-parallel sizes to try with ``ranks`` GPUs per pipeline stage: those of ``space`` dividing
+    them whose 2 x cp chunks split the sequence evenly and leave each rank >= ``CP_MIN_LOCAL`` tokens (a fixed
+    cp is tried as given)."""
+    sizes = (space.fixed["cp"],) if "cp" in space.fixed else space.cp
+    return [cp for cp in sizes if ranks % cp == 0 and req.seq_len % (2 * cp if cp > 1 else 1) == 0
+            and (cp == 1 or "cp" in space.fixed or req.seq_len // cp >= CP_MIN_LOCAL)]
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -321,18 +336,19 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     s, g = req.system, req.system.gpus_per_node
     p = precision(cfg, accelerator=True)
     pbytes, master, gbytes = p.param, p.master, p.grad  # gradients accumulate in the masters' dtype, if any
-    edp = lay.dp // lay.ep
+    ranks_dp = lay.cp * lay.dp  # gradients reduce over the cp x dp ranks of a stage (every one holds a share)
+    edp = ranks_dp // lay.ep
     comm = step = 0.0
     for r in ranks:
         dense, expert = r.params - r.expert_params, r.expert_params
-        spans_dp, spans_edp = lay.dp > g, (edp > 1 and lay.ep * edp > g)
+        spans_dp, spans_edp = ranks_dp > g, (edp > 1 and lay.ep * edp > g)
         if lay.zero1:  # reduce-scatter the gradients, all-gather the updated working weights
-            c = sum(_ring_seconds(s, n * b, lay.dp, spans_dp, 1.0) for n, b in ((dense, gbytes), (dense, pbytes)))
+            c = sum(_ring_seconds(s, n * b, ranks_dp, spans_dp, 1.0) for n, b in ((dense, gbytes), (dense, pbytes)))
             c += sum(_ring_seconds(s, n * b, edp, spans_edp, 1.0) for n, b in ((expert, gbytes), (expert, pbytes)))
-            shard = dense / lay.dp + expert / edp
+            shard = dense / ranks_dp + expert / edp
         else:
-            c = _ring_seconds(s, dense * gbytes, lay.dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
-                                                                                       spans_edp, 2.0)
+            c = _ring_seconds(s, dense * gbytes, ranks_dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
+                                                                                         spans_edp, 2.0)
             shard = dense + expert
         # as the memory model stores them: the optimizer item holds both moments (and the masters, if any)
         moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
@@ -353,9 +369,9 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     num = num_model_stages(lay.schedule, lay.pp, lay.vpp)
     ranges = split_layers(args, num)
     work = Workload(lay.micro_batch, req.seq_len, lay.ep, lay.fp8, recompute_kinds(lay.recompute),
-                    cfg.balance.max_nodes, _imbalance(req, args, lay))
+                    cfg.balance.max_nodes, _imbalance(req, args, lay), lay.cp)
     parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
-    link = s.inter_node if lay.dp >= s.gpus_per_node else s.intra_node
+    link = s.inter_node if lay.cp * lay.dp >= s.gpus_per_node else s.intra_node
     p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
     key = (lay.schedule, lay.pp, lay.vpp, lay.microbatches, tuple(parts), p2p)
     sim = None
@@ -379,7 +395,7 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     dp_comm *= "dp_comm" in req.terms
     opt = opt if "gradient_passes" in req.terms else opt_bare
     step = makespan + dp_comm + opt
-    flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp
+    flops = sum(d.flops for d in parts) * lay.microbatches * lay.dp * lay.cp
     tokens = req.global_batch * req.seq_len
     return Evaluation(lay, "ok", step_time_s=step, tokens_per_s=tokens / step,
                       mfu=flops / (step * req.gpus * s.bf16_tflops * 1e12),

@@ -190,7 +190,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     system = _system(ns)
     fixed = parse_fix(ns.fix)
     base = base_config(ns.model, ns.overrides)
-    gpus = ns.gpus if ns.gpus is not None else (fixed["pp"] * fixed["dp"] if {"pp", "dp"} <= set(fixed) else None)
+    gpus = ns.gpus if ns.gpus is not None else (fixed["pp"] * fixed.get("cp", 1) * fixed["dp"]
+                                                if {"pp", "dp"} <= set(fixed) else None)
     if gpus is None:
         raise ValueError("--gpus is required (or --fix both pp and dp)")
     if gpus > MAX_GPUS:

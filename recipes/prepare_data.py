@@ -17,6 +17,14 @@ Output ``DIR``:
 - ``prepare.json`` (written first): what the folder is being made from; a second run with the same inputs
   and options resumes (finished shards are kept), other inputs are refused.
 
+Fill-in-the-Middle (``--fim-rate 0.1``, as DeepSeek-V3 pretrains): each document, before packing, is with that
+probability cut at two uniformly drawn character positions into prefix, middle and suffix and stored as
+``<｜fim▁begin｜>`` prefix ``<｜fim▁hole｜>`` suffix ``<｜fim▁end｜>`` middle, then the end-of-document token
+(PSM; ``--fim-mode spm``: ``<｜fim▁begin｜><｜fim▁hole｜>`` suffix ``<｜fim▁end｜>`` prefix middle). The three
+parts are tokenized separately; the sentinels are the tokenizer's own tokens (``--fim-tokens BEGIN HOLE END``
+to name others). Whether and where a document is cut depends only on ``--seed`` and the document's place in
+its source, so the output is the same for any ``--workers``.
+
 Documents are shuffled deterministically (``--seed``) across and within shards: the document list is
 permuted and cut into shards of about ``--shard-mb`` MB of source text, so the output depends on the
 inputs and options, not on ``--workers``. Workers tokenize chunks of documents in parallel; the main
@@ -71,6 +79,8 @@ CHUNK_DOCS = 512  # documents per worker task: small enough for a smooth progres
 # End-of-document tokens of common tokenizers (DeepSeek-V3's first), tried when tokenizer_config.json is absent
 EOD_CANDIDATES = ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 BAD_EXAMPLES = 20  # bad lines listed by file and line in the manifest (all are counted)
+FIM_TOKENS = ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")  # DeepSeek-V3's: before prefix, hole, before middle
+FIM_MODES = ("psm", "spm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,6 +96,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234, help="seed of the document shuffle")
     ap.add_argument("--shard-mb", type=positive_float, default=256.0, help="source megabytes per shard")
     ap.add_argument("--eod", default=None, help="end-of-document token (default: the tokenizer's end-of-sentence)")
+    ap.add_argument("--fim-rate", type=float, default=0.0,
+                    help="share of documents turned into Fill-in-the-Middle examples, in [0, 1] (V3: 0.1)")
+    ap.add_argument("--fim-mode", choices=FIM_MODES, default="psm",
+                    help="FIM order: psm (prefix, suffix, middle: V3's) or spm (suffix, prefix, middle)")
+    ap.add_argument("--fim-tokens", nargs=3, default=list(FIM_TOKENS), metavar=("BEGIN", "HOLE", "END"),
+                    help="the tokenizer's FIM sentinel tokens (default: DeepSeek's " + " ".join(FIM_TOKENS) + ")")
     ap.add_argument("--strict", action="store_true", help="a bad JSONL line is fatal (default: count and skip)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
@@ -233,6 +249,10 @@ class WorkerSetup:
     eod: int
     strict: bool
     dtype: str
+    fim_rate: float = 0.0
+    fim_mode: str = "psm"
+    fim_ids: tuple[int, int, int] = (-1, -1, -1)  # begin, hole, end
+    seed: int = 0
 
 
 _SETUP: WorkerSetup | None = None
@@ -298,14 +318,45 @@ def _read_documents(refs: np.ndarray) -> tuple[list[str | None], list[str]]:
     return texts, bad
 
 
-def tokenize_chunk(refs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(tokens, per-document token counts, bad lines) of the documents ``refs`` in their given order; every
-    document's tokens are followed by the end-of-document id. Empty documents are dropped."""
+def fim_split(text: str, seed: int, ref: np.ndarray, rate: float) -> tuple[str, str, str] | None:
+    """(prefix, middle, suffix) of ``text`` when the document ``ref`` (its source, start, end) is drawn for FIM
+    (probability ``rate``), else None. The draw is seeded by ``seed`` and ``ref`` alone: the same for any chunking
+    or worker count. The two cut points are uniform over the text's character positions (ends included)."""
+    rng = np.random.default_rng([seed, *(int(x) for x in ref[:3])])
+    if not rng.random() < rate:
+        return None
+    i, j = sorted(int(x) for x in rng.integers(0, len(text) + 1, size=2))
+    return text[:i], text[i:j], text[j:]
+
+
+def _encode(texts: list[str], refs: np.ndarray) -> tuple[list[list[int]], int]:
+    """Each text's ids, FIM-transformed where drawn (``fim_split``); also how many were."""
+    s = _SETUP
+    if not s.fim_rate:
+        return _TOKENIZER.encode_batch(texts), 0
+    splits = [fim_split(t, s.seed, ref, s.fim_rate) for t, ref in zip(texts, refs)]
+    pieces = [p for t, split in zip(texts, splits) for p in (split if split is not None else (t,))]
+    ids = iter(_TOKENIZER.encode_batch(pieces))
+    begin, hole, end = s.fim_ids
+    out = []
+    for split in splits:
+        if split is None:
+            out.append(next(ids))
+            continue
+        prefix, middle, suffix = next(ids), next(ids), next(ids)
+        out.append([begin, *prefix, hole, *suffix, end, *middle] if s.fim_mode == "psm"
+                   else [begin, hole, *suffix, end, *prefix, *middle])
+    return out, sum(split is not None for split in splits)
+
+
+def tokenize_chunk(refs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str], int]:
+    """(tokens, per-document token counts, bad lines, FIM documents) of the documents ``refs`` in their given
+    order; every document's tokens are followed by the end-of-document id. Empty documents are dropped."""
     texts, bad = _read_documents(refs)
     if isinstance(_TOKENIZER, ByteTokenizer):  # NUL is the byte tokenizer's end-of-document: keep it out of text
         texts = [t.replace("\x00", "") if t is not None else None for t in texts]
-    kept = [t for t in texts if t]
-    ids = _TOKENIZER.encode_batch(kept) if kept else []
+    keep = [k for k, t in enumerate(texts) if t]
+    ids, fim = _encode([texts[k] for k in keep], refs[keep]) if keep else ([], 0)
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=_SETUP.dtype)
     pos = 0
@@ -313,7 +364,7 @@ def tokenize_chunk(refs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str]]
         tokens[pos:pos + len(x)] = x
         tokens[pos + len(x)] = _SETUP.eod
         pos += len(x) + 1
-    return tokens, lengths, bad
+    return tokens, lengths, bad, fim
 
 
 # ---- the main process ----------------------------------------------------------------------------------
@@ -337,11 +388,34 @@ def eod_id(spec: str, tokenizer, eod: str | None) -> int:
     raise ValueError(f"--eod: {what} ({spec!r}); pass --eod TOKEN with a token of its vocabulary")
 
 
-def plan_identity(args: argparse.Namespace, sources: list[Source], tok_hash: str, eod: int) -> dict[str, Any]:
+def fim_ids(args: argparse.Namespace, tokenizer) -> tuple[int, int, int]:
+    """The ids of ``--fim-tokens`` when ``--fim-rate`` > 0 ((-1, -1, -1) otherwise); ValueError for a rate outside
+    [0, 1] or a sentinel the tokenizer lacks."""
+    if not 0.0 <= args.fim_rate <= 1.0:  # (also refuses nan)
+        raise ValueError(f"--fim-rate must be in [0, 1] (the share of documents made FIM examples), got "
+                         f"{args.fim_rate}")
+    if not args.fim_rate:
+        return -1, -1, -1
+    if isinstance(tokenizer, ByteTokenizer):
+        raise ValueError("--fim-rate needs FIM sentinel tokens (--fim-tokens), and the byte tokenizer has none; use "
+                         "a tokenizer.json that has them (DeepSeek-V3's: " + " ".join(FIM_TOKENS) + ")")
+    ids = [tokenizer.token_to_id(t) for t in args.fim_tokens]
+    missing = [t for t, i in zip(args.fim_tokens, ids) if i is None]
+    if missing:
+        raise ValueError(f"--fim-tokens: {', '.join(map(repr, missing))} not in the tokenizer ({args.tokenizer!r}); "
+                         "name its fill-in-the-middle sentinels (BEGIN HOLE END) with --fim-tokens")
+    return tuple(int(i) for i in ids)
+
+
+def plan_identity(args: argparse.Namespace, sources: list[Source], tok_hash: str, eod: int,
+                  fim: tuple[int, int, int] = (-1, -1, -1)) -> dict[str, Any]:
     """Everything the output depends on: a rerun with the same identity resumes, another one is refused."""
-    return {"format": PREPARED_FORMAT, "tokenizer_hash": tok_hash, "eod_id": eod, "text_field": args.text_field,
-            "seed": args.seed, "shard_mb": args.shard_mb, "max_tokens": int(args.max_tokens),
-            "sources": [{"path": str(s.path), "sha256": s.sha256} for s in sources]}
+    identity = {"format": PREPARED_FORMAT, "tokenizer_hash": tok_hash, "eod_id": eod, "text_field": args.text_field,
+                "seed": args.seed, "shard_mb": args.shard_mb, "max_tokens": int(args.max_tokens),
+                "sources": [{"path": str(s.path), "sha256": s.sha256} for s in sources]}
+    if args.fim_rate:  # (a FIM-free plan keeps the identity earlier folders were made with)
+        identity["fim"] = {"rate": args.fim_rate, "mode": args.fim_mode, "ids": list(fim)}
+    return identity
 
 
 def check_out_folder(out: Path, identity: dict[str, Any]) -> None:
@@ -447,13 +521,14 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--tokenizer {args.tokenizer!r}: not a readable Hugging Face tokenizer.json ({exc})"
                          ) from None
     eod = eod_id(args.tokenizer, tokenizer, args.eod)
+    fim = fim_ids(args, tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     sources = find_sources(args.input)
     t_scan = time.perf_counter()
     refs = scan(sources, args.text_field)
     if len(refs) == 0:
         raise ValueError(f"--input {' '.join(args.input)}: no documents found")
-    identity = plan_identity(args, sources, tok_hash, eod)
+    identity = plan_identity(args, sources, tok_hash, eod, fim)
     created = out  # the outermost folder this run creates (None: --out exists)
     while not created.parent.exists():
         created = created.parent
@@ -465,11 +540,11 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     num_shards = max(1, min(len(refs), int(np.ceil(total_bytes / (args.shard_mb * 1e6)))))
     shards = np.array_split(perm, num_shards)
     setup = WorkerSetup(args.tokenizer, [str(s.path) for s in sources], [s.kind for s in sources],
-                        args.text_field, eod, args.strict, dtype.name)
+                        args.text_field, eod, args.strict, dtype.name, args.fim_rate, args.fim_mode, fim, args.seed)
     limit = int(args.max_tokens) or None
     records: list[dict[str, Any]] = []
     bad_examples: list[str] = []
-    bad_count = 0
+    bad_count = fim_count = 0
     written = 0
     t0 = time.perf_counter()
     scan_s = t0 - t_scan
@@ -496,8 +571,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 chunks = [refs[members[i:i + CHUNK_DOCS]] for i in range(0, len(members), CHUNK_DOCS)]
                 results = pool.imap(tokenize_chunk, chunks) if pool is not None else map(tokenize_chunk, chunks)
-                for chunk, (tokens, lengths, bad) in zip(chunks, results):
+                for chunk, (tokens, lengths, bad, fim_docs) in zip(chunks, results):
                     shard_bad += len(bad)
+                    fim_count += fim_docs
                     bad_examples += bad[:max(0, BAD_EXAMPLES - len(bad_examples))]
                     if limit is not None and written + len(tokens) > limit:  # the cut: exactly `limit` tokens
                         keep = limit - written
@@ -544,6 +620,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         "sources": [{"path": str(s.path), "kind": s.kind, "bytes": s.bytes, "sha256": s.sha256,
                      "documents": s.documents} for s in sources],
         "bad_lines": {"count": bad_count, "examples": bad_examples},
+        "fim": {"rate": args.fim_rate, "mode": args.fim_mode, "token_ids": list(fim), "documents_this_run": fim_count},
         "throughput": {"workers": args.workers, "seconds": round(elapsed, 3), "scan_seconds": round(scan_s, 3),
                        "tokens_this_run": new_tokens,
                        "tokens_per_s_per_worker": round(new_tokens / max(elapsed, 1e-9) / args.workers, 1)},

@@ -26,6 +26,7 @@ one line naming the committed checkpoint left intact), 4 stopped by the NaN guar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -46,7 +47,7 @@ from accel.cli import (
 )
 from training.checkpoint import format as fmt
 from training.checkpoint.writer import CheckpointWriteError
-from training.config import TrainConfig, load_config
+from training.config import TrainConfig, load_config, schedule_of
 from training.fault import FaultToleranceError
 from training.launch import relaunch, strip_option, under_torchrun
 from training.rundir import check_fresh, check_resume, choose_run_dir
@@ -69,6 +70,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="take over a run folder whose lock another host left with a stale heartbeat (the error "
                          "of a refused launch says when); a live job on this host is never taken over")
     ap.add_argument("--dry-run", action="store_true", help="print layout and per-rank memory; allocate nothing")
+    ap.add_argument("--schedule-json", default=None, metavar="FILE",
+                    help="with --dry-run: write the run's schedule to FILE, a JSON list of rows {step, tokens, lr, "
+                         "global_batch, mtp_lambda, bias_update_speed} at every step where one changes and at least "
+                         "every 1000 steps")
     ap.add_argument("--device", default=None, metavar="NAME",
                     help="device the dry run checks memory against, e.g. H800 (accel.specs names) or cpu")
     ap.add_argument("--trace", default=None, metavar="FILE",
@@ -76,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                     help="wandb mode (default: WANDB_MODE, else logging.wandb = offline)")
     ns = ap.parse_args(argv)
+    if ns.schedule_json is not None and not ns.dry_run:
+        ap.error("--schedule-json writes the schedule a --dry-run plans; add --dry-run")
     if ns.device is not None and not ns.dry_run:
         ap.error("--device is the device --dry-run checks memory against; a run uses the device it runs on")
     if ns.device is not None and ns.device.lower() != "cpu" and specs.lookup(ns.device) is None:
@@ -83,19 +90,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def dry_run(cfg, world: int, device: str | None = None) -> None:
+def dry_run(cfg, world: int, device: str | None = None, schedule_json: str | None = None) -> None:
     """The launch's own checks (``check_static``), then the plan: layout, micro-batches, per-rank memory on
-    ``device`` (``--device``, e.g. H800) with a fits / does-not-fit verdict.
+    ``device`` (``--device``, e.g. H800) with a fits / does-not-fit verdict; ``schedule_json``: a file the
+    schedule's rows (``training.schedule.Schedule.rows``) are written to.
     Data files absent from this machine (a cluster path checked from a laptop) are reported, not fatal."""
     from planner.memory import estimate, format_estimate
     from training.parallel import describe
     from training.trainer import check_static, missing_data
 
+    if schedule_json is not None:
+        check_output_file(schedule_json, "--schedule-json")
     args, corpus = check_static(cfg, world, allow_missing_data=True)
-    print(describe(cfg.parallel))
-    print(f"micro-batches per step: {cfg.microbatches_at(0)} at step 0, {cfg.microbatches_at(cfg.run.steps - 1)} "
-          f"at the end (global batch {cfg.global_batch_at(0)} -> {cfg.global_batch_at(cfg.run.steps - 1)} sequences "
-          f"of {cfg.data.seq_len} tokens)")
+    schedule = schedule_of(cfg)
+    par = cfg.parallel
+    if par.cp > 1:  # (the per-rank coordinates come with the context-parallel runtime)
+        print(f"world {par.world_size} = pp {par.pp} x cp {par.cp} x dp {par.dp}; ep {par.ep} spans the cp x dp ranks "
+              f"of a stage ({par.cp * par.dp // par.ep} replicas of each expert shard); schedule {par.schedule}, "
+              f"{par.num_stages} stages; each sequence of {cfg.data.seq_len} tokens split over {par.cp} ranks "
+              f"({cfg.data.seq_len // par.cp} each, as chunks r and {2 * par.cp - 1}-r of {2 * par.cp})")
+    else:
+        print(describe(par))
+    unit = cfg.parallel.dp * cfg.data.micro_batch
+    first, *rest = schedule.batch_sizes()
+    last = rest[-1] if rest else first
+    print(f"micro-batches per step: {first // unit} to {last // unit} (global batch {first} -> {last} sequences of "
+          f"{cfg.data.seq_len} tokens)")
+    if schedule_json is not None:
+        rows = schedule.rows(cfg.run.steps)
+        Path(schedule_json).write_text(json.dumps(rows) + "\n", encoding="utf-8")
+        end = rows[-1]
+        print(f"schedule: {len(rows)} rows to {schedule_json}; step {end['step']} starts after {end['tokens']:.4g} "
+              f"tokens (the run ends at {end['tokens'] + end['global_batch'] * cfg.data.seq_len:.4g})")
+    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+        print(f"model.init_from={cfg.model.init_from!r} not on this machine; a launch checks it where it runs")
     if corpus is None:
         print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
     else:
@@ -121,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(ns.config, ns.overrides)
         nproc = ns.nproc if ns.nproc is not None else cfg.run.nproc
         if ns.dry_run:
-            dry_run(cfg, nproc, ns.device)
+            dry_run(cfg, nproc, ns.device, ns.schedule_json)
             return 0
+        if cfg.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is planned but not yet executable "
+                             "(the planner, the memory model and --dry-run know it; the trainer does not run it yet); "
+                             "use --dry-run, or parallel.cp=1")
         check_paths(ns, cfg)
         from training.run import RunOptions, run_training
 

@@ -36,9 +36,8 @@ def test_671b_config_is_v3_layout():
     cfg = load_config("recipes/configs/deepseek_v3_671b.toml")
     p, o = cfg.parallel, cfg.optim
     assert (p.pp, p.ep, p.schedule, p.zero1) == (16, 64, "dualpipe", True)
-    assert cfg.model.fp8 and cfg.model.mtp_lambda == 0.3 and cfg.model.mtp_lambda_late == 0.1
-    assert (o.lr, o.min_lr, o.betas, o.weight_decay, o.clip_grad) == (2.2e-4, 2.2e-5, (0.9, 0.95), 0.1, 1.0)
-    assert cfg.global_batch_at(cfg.run.steps - 1) == 15360
+    assert cfg.model.fp8 and (o.betas, o.weight_decay, o.clip_grad) == ((0.9, 0.95), 0.1, 1.0)
+    assert cfg.global_batch_at(cfg.run.steps - 1) == 15360  # (its schedules: tests/test_schedule.py)
 
 
 def test_overrides_parse_as_toml_values():

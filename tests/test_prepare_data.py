@@ -271,3 +271,107 @@ def test_jsonl_to_prepare_data_to_recipes_train(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 3 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 0.3
+
+
+# ---- Fill-in-the-Middle ------------------------------------------------------------------------------------
+
+def _char_tokenizer(path: Path, texts: list[str], fim: tuple[str, ...] = ("<｜fim▁begin｜>", "<｜fim▁hole｜>",
+                                                                          "<｜fim▁end｜>")) -> Path:
+    """A character-level tokenizer.json built here: every character of ``texts`` a token, plus </s> and the FIM
+    sentinels ``fim`` as special tokens (so ids decode back to the exact text)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1}
+    for ch in sorted(set("".join(texts))):
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.add_special_tokens(["</s>", *fim])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def _texts_of(out: Path, tok: Path) -> list[list[str]]:
+    """Each stored document as its tokens' strings (EOD dropped)."""
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(tok))
+    return [[ref.id_to_token(i) for i in doc[:-1]] for doc in _documents(out)]
+
+
+def test_fim_psm_spm_rate_and_reproducible_over_workers(tmp_path):
+    """--fim-rate 0.1: about 10% of documents (binomial over 401: 40 +- 6; [16, 64] is 4 sigma) become
+    begin prefix hole suffix end middle, whose parts put back in order are the document; the rest are
+    unchanged; the same bytes with 1 or 3 workers; SPM stores begin hole suffix end prefix middle."""
+    pytest.importorskip("tokenizers")
+    texts = _corpus(tmp_path / "in")
+    tok = _char_tokenizer(tmp_path / "tok" / "tokenizer.json", texts)
+    begin, hole, end = "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"
+    runs = {}
+    for name, extra in (("psm1", ["--workers", "1"]), ("psm3", ["--workers", "3"]),
+                        ("spm", ["--workers", "1", "--fim-mode", "spm"])):
+        assert _run([tmp_path / "in"], tmp_path / name, str(tok), "--fim-rate", "0.1", *extra) == 0
+        runs[name] = _texts_of(tmp_path / name, tok)
+    shards = [json.loads((tmp_path / n / "manifest.json").read_text())["shards"] for n in ("psm1", "psm3")]
+    assert runs["psm1"] == runs["psm3"] and shards[0] == shards[1]  # (file hashes included)
+    originals = sorted(texts)
+    restored, fim_docs = [], 0
+    for doc in runs["psm1"]:
+        if doc and doc[0] == begin:
+            fim_docs += 1
+            h, e = doc.index(hole), doc.index(end)
+            assert doc.count(begin) == doc.count(hole) == doc.count(end) == 1 and 0 < h < e
+            prefix, suffix, middle = doc[1:h], doc[h + 1:e], doc[e + 1:]
+            restored.append("".join(prefix + middle + suffix))
+        else:
+            assert begin not in doc and hole not in doc and end not in doc
+            restored.append("".join(doc))
+    assert sorted(restored) == originals and 16 <= fim_docs <= 64, fim_docs
+    manifest = json.loads((tmp_path / "psm1" / "manifest.json").read_text())
+    assert manifest["fim"]["documents_this_run"] == fim_docs and manifest["fim"]["mode"] == "psm"
+    # SPM: the same documents cut at the same points (the draw depends on the seed and the document only)
+    spm = {}
+    for doc in runs["spm"]:
+        if doc and doc[0] == begin:
+            assert doc[1] == hole
+            e = doc.index(end)
+            spm["".join(doc[2:e]) + "|" + "".join(doc[e + 1:])] = doc
+    psm = {"".join(d[d.index(hole) + 1:d.index(end)]) + "|" + "".join(d[1:d.index(hole)] + d[d.index(end) + 1:])
+           for d in runs["psm1"] if d and d[0] == begin}
+    assert set(spm) == psm
+    # another seed cuts other documents
+    assert _run([tmp_path / "in"], tmp_path / "seed", str(tok), "--fim-rate", "0.1", "--seed", "7") == 0
+    assert manifest["shards"] != json.loads((tmp_path / "seed" / "manifest.json").read_text())["shards"]
+
+
+def test_fim_rate_one_and_zero(tmp_path):
+    """Rate 1: every document is a FIM example; rate 0 (the default): the output is the FIM-free one, bytewise."""
+    pytest.importorskip("tokenizers")
+    texts = _corpus(tmp_path / "in", docs=40)
+    tok = _char_tokenizer(tmp_path / "tok" / "tokenizer.json", texts)
+    assert _run([tmp_path / "in"], tmp_path / "all", str(tok), "--fim-rate", "1") == 0
+    assert all(doc[0] == "<｜fim▁begin｜>" for doc in _texts_of(tmp_path / "all", tok))
+    assert _run([tmp_path / "in"], tmp_path / "none", str(tok), "--fim-rate", "0") == 0
+    assert _run([tmp_path / "in"], tmp_path / "plain", str(tok)) == 0
+    shas = [[s["sha256"] for s in json.loads((tmp_path / n / "manifest.json").read_text())["shards"]]
+            for n in ("none", "plain")]
+    assert shas[0] == shas[1]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--fim-rate", "1.5"], "--fim-rate must be in [0, 1]"),
+    (["--fim-rate", "-0.1"], "--fim-rate must be in [0, 1]"),
+    (["--fim-rate", "nan"], "--fim-rate must be in [0, 1]"),
+    (["--fim-rate", "0.1", "--fim-tokens", "<a>", "<b>", "<c>"], "--fim-tokens: '<a>', '<b>', '<c>' not in the"),
+    (["--fim-rate", "0.1", "--tokenizer-is-byte"], "the byte tokenizer has none"),
+])
+def test_fim_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, extra, needle):
+    pytest.importorskip("tokenizers")
+    texts = _corpus(tmp_path / "in", docs=10)
+    tok = "byte" if "--tokenizer-is-byte" in extra else str(_char_tokenizer(tmp_path / "tok" / "t.json", texts))
+    extra = [e for e in extra if e != "--tokenizer-is-byte"]
+    assert _run([tmp_path / "in"], tmp_path / "out", tok, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()

@@ -1,16 +1,17 @@
 """Training configuration: TOML files, ``--set key=value`` overrides, validation that names the key.
 
-A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``,
-``[data]``, ``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``). Loading
+A config is a tree of dataclasses, one per TOML table (``[run]``, ``[model]``, ``[parallel]``, ``[data]``,
+``[optim]``, ``[balance]``, ``[eplb]``, ``[logging]``, ``[checkpoint]``, ``[fault]``, ``[schedule]``). Loading
 rejects unknown keys and wrong types with a ``ValueError`` that names the dotted key (and the
 nearest known key, for typos), so a bad config fails on the laptop that launches the job, before
 any process group exists. ``numerics_dict`` is everything that changes the numerics; checkpoints
 store it with its hash (``training.checkpoint.format.config_hash``), so a resume under a different
 model or data setup is refused.
 
-Layout rule (as DeepSeek-V3): world = pp x dp; expert parallelism spans ``ep`` data-parallel ranks
-of the same pipeline stage, so ``ep`` divides ``dp`` and there are ``dp / ep`` replicas of each
-expert shard.
+Layout rule (as DeepSeek-V3): world = pp x cp x dp; expert parallelism spans ``ep`` of the cp x dp ranks
+of the same pipeline stage (as Megatron-Core), so ``ep`` divides ``cp x dp`` and there are ``cp x dp / ep``
+replicas of each expert shard. ``cp`` (context parallelism: ranks sharing each sequence) is 1 unless a long-context
+config sets it; the planner, the memory model and the dry run know it, the trainer does not run it yet.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes, check_vpp
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
+from training.schedule import Schedule, parse_curve
 
 OPTIMIZERS = ("adamw", "sgd")
 MOMENT_DTYPES = ("param", "bfloat16")
@@ -98,6 +100,9 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    # context parallelism: ranks sharing each sequence (2 x cp chunks, rank r holding r and 2cp-1-r); planned and
+    # dry-run, not yet executed by the trainer (recipes.train refuses cp > 1 outside --dry-run)
+    cp: int = 1
     schedule: str = "none"  # none (no pipeline) | 1f1b | interleaved1f1b | zb1p | zbv | dualpipe | dualpipev
     vpp: int = 1  # model chunks per pipeline rank (Megatron's virtual pipeline size): >= 2 with interleaved1f1b only
     overlap: bool = True  # use the stage's overlapped_forward_backward where the schedule pairs F and B
@@ -105,7 +110,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.cp * self.dp
 
     @property
     def layout(self) -> Layout:
@@ -217,6 +222,28 @@ class FaultConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    """Stage lists (``[[schedule.lr]]`` ...; ``training/schedule.py`` describes a stage) for the scheduled
+    quantities. An empty list keeps that quantity's older keys: ``optim.lr``, ``optim.warmup_steps`` and
+    ``optim.min_lr`` (warm-up, then cosine over ``run.steps``); ``data.global_batch`` with
+    ``data.batch_ramp_start`` / ``data.batch_ramp_steps``; ``model.mtp_lambda`` / ``model.mtp_lambda_late`` /
+    ``model.mtp_lambda_switch_step``; ``balance.gamma`` / ``balance.gamma_stop_step``. A stage list replaces those
+    keys, and giving both is an error."""
+
+    lr: list[dict[str, Any]] = field(default_factory=list)
+    global_batch: list[dict[str, Any]] = field(default_factory=list)  # sequences; at most data.global_batch
+    mtp_lambda: list[dict[str, Any]] = field(default_factory=list)
+    bias_update_speed: list[dict[str, Any]] = field(default_factory=list)  # the aux-loss-free bias update gamma
+
+
+# the older keys each stage list replaces (giving both is refused when the config is loaded)
+SCHEDULE_REPLACES = {"lr": ("optim.lr", "optim.min_lr", "optim.warmup_steps"),
+                     "global_batch": ("data.batch_ramp_start", "data.batch_ramp_steps"),
+                     "mtp_lambda": ("model.mtp_lambda", "model.mtp_lambda_late", "model.mtp_lambda_switch_step"),
+                     "bias_update_speed": ("balance.gamma", "balance.gamma_stop_step")}
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -228,16 +255,12 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     # -- derived quantities --------------------------------------------------------------------
     def global_batch_at(self, step: int) -> int:
-        """Sequences in the optimizer step ``step`` (0-based), following the batch-size ramp."""
-        d = self.data
-        if d.batch_ramp_start <= 0 or d.batch_ramp_steps <= 0 or step >= d.batch_ramp_steps:
-            return d.global_batch
-        unit = self.parallel.dp * d.micro_batch * min_microbatches(self.parallel)
-        raw = d.batch_ramp_start + (d.global_batch - d.batch_ramp_start) * step / d.batch_ramp_steps
-        return max(unit, int(raw) // unit * unit)
+        """Sequences in the optimizer step ``step`` (0-based) of a run that followed the schedule from step 0."""
+        return schedule_of(self).batch_at(step)
 
     def microbatches_at(self, step: int) -> int:
         """Micro-batches per data-parallel rank in optimizer step ``step`` (the pipeline's num_chunks)."""
@@ -271,6 +294,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ValueError(f"config key '{key}': expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key '{key}': expected a list, got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"config key '{key}': expected a table, got {value!r}")
@@ -371,9 +399,61 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except ValueError as exc:
             raise ValueError(f"--config {str(path)!r}: {exc}") from None
     table = apply_overrides(table, list(overrides))
+    check_schedule_keys(table)
     cfg = _build(TrainConfig, table, "")
     validate(cfg)
     return cfg
+
+
+def check_schedule_keys(table: dict[str, Any]) -> None:
+    """ValueError when a ``[[schedule.X]]`` stage list and a key it replaces (``SCHEDULE_REPLACES``) are both set to
+    something (a key at its default value, as a written-out config holds every key, is not a second statement)."""
+    stages = table.get("schedule", {})
+    if not isinstance(stages, dict):
+        return  # _build names the wrong type
+    classes = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    hints = {name: typing.get_type_hints(TrainConfig)[name] for name in classes}
+    for quantity, keys in SCHEDULE_REPLACES.items():
+        if not stages.get(quantity):
+            continue
+        for dotted in keys:
+            section, key = dotted.split(".")
+            values = table.get(section)
+            if isinstance(values, dict) and key in values and values[key] != getattr(hints[section](), key):
+                raise ValueError(f"config key '{dotted}' and schedule.{quantity} both set: the stage list replaces "
+                                 f"{', '.join(keys)}; state the schedule in one place")
+
+
+def schedule_of(cfg: TrainConfig) -> Schedule:
+    """The run's ``training.schedule.Schedule``: the ``[schedule]`` stage lists, or for each empty one the curve
+    its older keys define (``ScheduleConfig``); a ValueError naming the key for a bad stage."""
+    o, d, m, b, p, sc = cfg.optim, cfg.data, cfg.model, cfg.balance, cfg.parallel, cfg.schedule
+    unit = p.dp * d.micro_batch
+    min_batch = unit * min_microbatches(p)
+    lr = sc.lr
+    if not lr:  # linear warm-up: lr / warmup at step 0, lr at step warmup - 1; then cosine to min_lr at run.steps
+        w = o.warmup_steps
+        lr = [{"shape": "linear", "from": o.lr / w, "value": o.lr, "steps": w - 1}] if w > 1 else []
+        lr += [{"value": o.lr, "until_steps": w}] if w >= 1 else []
+        if cfg.run.steps > w:
+            lr += [{"shape": "cosine", "from": o.lr, "value": o.min_lr, "until_steps": cfg.run.steps},
+                   {"value": o.min_lr}]
+        else:
+            lr += [{"value": o.lr}]
+    batch = sc.global_batch
+    if not batch:
+        batch = [{"value": d.global_batch}]
+        if d.batch_ramp_start > 0 and d.batch_ramp_steps > 0:
+            batch = [{"shape": "linear", "from": d.batch_ramp_start, "value": d.global_batch,
+                      "steps": d.batch_ramp_steps}, *batch]
+    mtp = sc.mtp_lambda or ([{"value": m.mtp_lambda, "until_steps": m.mtp_lambda_switch_step},
+                             {"value": m.mtp_lambda_late}] if m.mtp_lambda_switch_step else [{"value": m.mtp_lambda}])
+    bias = sc.bias_update_speed or ([{"value": b.gamma, "until_steps": b.gamma_stop_step}, {"value": 0.0}]
+                                    if b.gamma_stop_step else [{"value": b.gamma}])
+    return Schedule(parse_curve("schedule.lr", lr), parse_curve("schedule.global_batch", batch, 1, d.global_batch),
+                    parse_curve("schedule.mtp_lambda", mtp), parse_curve("schedule.bias_update_speed", bias),
+                    seq_len=d.seq_len, batch_multiple=unit * (2 if p.schedule == "dualpipe" else 1),
+                    min_batch=min_batch)
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -439,14 +519,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
     if r.max_minutes < 0:  # (check_finite above has refused nan and inf)
         raise ValueError(f"run.max_minutes must be a finite number >= 0 (0 = no time budget), got {r.max_minutes}")
-    for key in ("pp", "dp", "ep"):
+    for key in ("pp", "dp", "ep", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.schedule not in SCHEDULES:
         raise ValueError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
-    if p.dp % p.ep:
+    if p.cp == 1 and p.dp % p.ep:
         raise ValueError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp}: expert parallelism spans "
                          "data-parallel ranks of the same pipeline stage")
+    if (p.cp * p.dp) % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide parallel.cp x parallel.dp = {p.cp} x {p.dp} = {p.cp * p.dp}: "
+                         "expert parallelism spans the context- and data-parallel ranks of a pipeline stage")
     if p.pp > 1 and p.schedule == "none":
         raise ValueError(f"parallel.pp={p.pp} needs a pipeline schedule: set parallel.schedule to one of "
                          f"{', '.join(SCHEDULES[1:])}")
@@ -458,6 +541,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.vpp={p.vpp} with parallel.schedule={p.schedule!r}: {exc}") from None
     if d.seq_len < 2:
         raise ValueError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if p.cp > 1 and d.seq_len % p.cp:
+        raise ValueError(f"parallel.cp={p.cp} must divide data.seq_len={d.seq_len}: the context-parallel ranks "
+                         "share each sequence")
+    if p.cp > 1 and d.seq_len % (2 * p.cp):
+        raise ValueError(f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp}: each sequence "
+                         f"is cut into 2 x cp chunks, context-parallel rank r holding chunks r and 2cp-1-r (balanced "
+                         "causal work)")
     if d.micro_batch < 1:
         raise ValueError(f"data.micro_batch must be >= 1, got {d.micro_batch}")
     unit = p.dp * d.micro_batch
@@ -531,6 +621,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "
                          f"got {cfg.logging.fp8_health_every} and {cfg.logging.fp8_underflow_warn}")
     validate_eplb(cfg)
+    validate_schedule(cfg)
+
+
+def validate_schedule(cfg: TrainConfig) -> None:
+    """The ``[schedule]`` stage lists (``training.schedule.parse_curve`` names a bad stage) and a batch ramp that
+    starts where the pipeline schedule can run."""
+    p, d = cfg.parallel, cfg.data
+    sched = schedule_of(cfg)
+    smallest = p.dp * d.micro_batch * min_microbatches(p)
+    if cfg.schedule.global_batch and min(sched.global_batch.values()) < smallest:
+        raise ValueError(f"schedule.global_batch: {min(sched.global_batch.values()):g} sequences is below {smallest}, "
+                         f"the smallest batch parallel.schedule='{p.schedule}' can run at parallel.dp={p.dp} "
+                         f"(data.micro_batch={d.micro_batch}); start the ramp there")
 
 
 def validate_fault(f: FaultConfig) -> None:
@@ -573,7 +676,14 @@ def validate_eplb(cfg: TrainConfig) -> None:
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:
-    """ValueError unless the launch's world size is the config's pp x dp."""
+    """ValueError unless the launch's world size is the config's pp x cp x dp."""
+    if p.cp > 1 and world_size % (p.pp * p.cp):
+        raise ValueError(f"parallel.cp={p.cp} x parallel.pp={p.pp} = {p.pp * p.cp} does not divide the world size "
+                         f"{world_size}: every pipeline stage needs whole context-parallel groups; change --nproc / "
+                         "run.nproc or the [parallel] section")
+    if p.cp > 1 and world_size != p.world_size:
+        raise ValueError(f"world size {world_size} != parallel.pp x parallel.cp x parallel.dp = {p.pp} x {p.cp} x "
+                         f"{p.dp} = {p.world_size}; change --nproc / run.nproc or the [parallel] section")
     if world_size != p.world_size:
         raise ValueError(f"world size {world_size} != parallel.pp x parallel.dp = {p.pp} x {p.dp} = {p.world_size} "
                          f"(parallel.ep={p.ep} spans data-parallel ranks, it does not multiply the world); "

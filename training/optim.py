@@ -19,14 +19,15 @@
 - Gradients: dense ones are averaged over ``dp``; expert ones are summed over ``edp`` and divided
   by ``dp`` (their all-to-all backward already summed the contributions of the ``ep`` ranks).
 - Clipping at 1.0 on the global norm: every parameter counted exactly once over the whole world.
-- LR: linear warm-up, then cosine to ``min_lr`` (the V3 report's shape), as a ``LambdaLR``.
+- LR: the run's schedule (``training.schedule``: stages by steps or tokens seen; by default linear warm-up, then
+  cosine to ``min_lr``), set on every param group before each step.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -37,6 +38,7 @@ import accel
 from accel import grads
 from accel.flight import FlightRecorder, record_collective
 from training.config import OptimConfig
+from training.schedule import Schedule
 
 STEP_CHUNK = 1 << 24  # elements ``AdamW`` updates at once: its fp32 temporaries stay at 3 x 64 MiB
 
@@ -297,40 +299,38 @@ def split_zero(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer,
     return optimizer, None
 
 
-def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """Multiplier of ``cfg.lr`` at each step: linear warm-up from lr/warmup, then cosine to min_lr."""
-    floor = cfg.min_lr / cfg.lr
-
-    def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        decay_steps = max(1, total_steps - cfg.warmup_steps)
-        t = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return f
+def lr_lambda(schedule: Schedule) -> Callable[[int, int], float]:
+    """The LR of the step that starts after ``step`` steps and ``tokens`` tokens: the schedule's LR curve
+    (``training.schedule``; the config's stages, or warm-up then cosine from ``optim``'s keys)."""
+    return schedule.lr.at
 
 
 class LRScheduler:
-    """Warm-up + cosine on every optimizer (one ``LambdaLR`` each, stepped together)."""
+    """Sets every optimizer's LR (ZeRO-1's outer param groups, synced inward at its step) to the schedule's value
+    for the step about to run. The position (step, tokens seen) is the trainer's state, so a resumed run
+    continues the schedule exactly; ``state_dict`` keeps the last point for reference."""
 
-    def __init__(self, optimizers: Optimizers, cfg: OptimConfig, total_steps: int):
-        fn = lr_lambda(cfg, total_steps)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizers.optimizers]
+    def __init__(self, optimizers: Optimizers, schedule: Schedule):
+        self.optimizers, self.fn = optimizers, lr_lambda(schedule)
+        self.last = {"step": 0, "tokens": 0, "lr": self.fn(0, 0)}
 
-    def step(self) -> None:
-        for s in self.schedulers:
-            s.step()
+    def step(self, step: int, tokens: int) -> float:
+        """Set the LR of step ``step`` (``tokens`` tokens seen before it) on every param group; return it."""
+        lr = self.fn(step, tokens)
+        for group in self.optimizers.param_groups:
+            group["lr"] = lr
+        self.last = {"step": step, "tokens": tokens, "lr": lr}
+        return lr
 
     def get_last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0] if self.schedulers else 0.0
+        return self.last["lr"]
 
-    def state_dict(self) -> list[dict]:
-        return [s.state_dict() for s in self.schedulers]
+    def state_dict(self) -> dict:
+        return dict(self.last)
 
-    def load_state_dict(self, states: list[dict]) -> None:
-        for s, st in zip(self.schedulers, states):
-            s.load_state_dict(st)
+    def load_state_dict(self, state: dict | list) -> None:
+        if isinstance(state, dict) and "lr" in state:  # (older checkpoints hold LambdaLR states: nothing to take)
+            self.last = {k: state[k] for k in ("step", "tokens", "lr")}
 
 
 def _flat_all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float,

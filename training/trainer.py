@@ -46,7 +46,7 @@ from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
-from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict
+from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict, schedule_of
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
@@ -100,10 +100,10 @@ def set_cpu_threads(threads: int) -> None:
 
 
 def max_global_batch(cfg: TrainConfig) -> int:
-    return max(cfg.global_batch_at(s) for s in {0, cfg.data.batch_ramp_steps, cfg.run.steps - 1})
+    return max(schedule_of(cfg).batch_sizes())
 
 
-def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
+def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_init: bool = False) -> ModelArgs:
     """The checks of ``check_static`` that need no data: world size (when ``world`` is given), model
     arguments, pipeline split, combinations refused by construction, micro-batches of every ramp step,
     balancing and EPLB. The planner's legality test (it asks for thousands of layouts)."""
@@ -122,12 +122,14 @@ def check_layout(cfg: TrainConfig, world: int | None = None) -> ModelArgs:
                          f"and parallel.pp={par.pp}: MTP shares the embedding, which this schedule puts on another "
                          "rank than the last stage; use parallel.schedule dualpipev / zbv / dualpipe, or set "
                          "model.overrides.n_mtp_layers=0")
-    for step in sorted({0, cfg.data.batch_ramp_steps // 2, cfg.data.batch_ramp_steps, cfg.run.steps - 1}):
-        check_microbatches(par, cfg.microbatches_at(step), f"data.global_batch at step {step}")
+    for batch in schedule_of(cfg).batch_sizes():  # every batch in between is a multiple that suits the schedule too
+        check_microbatches(par, batch // (par.dp * cfg.data.micro_batch), f"a global batch of {batch} sequences")
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
-    if cfg.model.init_from and not (Path(cfg.model.init_from) / "config.json").is_file():
+    init_missing = cfg.model.init_from and not Path(cfg.model.init_from).exists()
+    if cfg.model.init_from and not (allow_missing_init and init_missing) \
+            and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
     if cfg.model.init_from and cfg.eplb.enabled:
@@ -144,7 +146,7 @@ def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_da
     ``allow_missing_data``: a dry run plans a cluster job from a laptop, where ``data.source`` and
     ``data.tokenizer`` need not exist; they are then reported (``missing_data``) instead of failing,
     and corpus is None. When they are present, the corpus is checked exactly as at launch."""
-    args = check_layout(cfg, world)
+    args = check_layout(cfg, world, allow_missing_init=allow_missing_data)  # (a dry run plans from a laptop)
     if allow_missing_data and missing_data(cfg.data):
         return args, None
     corpus = load_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer), min_windows=max_global_batch(cfg))
@@ -202,7 +204,8 @@ class Trainer:
         self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight)
                          if cfg.parallel.schedule != "none" else None)
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
-        self.lr_scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.run.steps)
+        self.schedule = schedule_of(cfg)  # LR, batch, MTP weight and bias speed by steps and tokens seen
+        self.lr_scheduler = LRScheduler(self.optimizer, self.schedule)
         self.eplb = EplbRuntime(self.stages, cfg, self.args, ps.group("ep"), ps.group("dp"), self.optimizer.optimizers,
                                 mirror_group=ps.group("pp") if cfg.parallel.layout.copies > 1 else None
                                 ) if cfg.eplb.enabled else None
@@ -316,18 +319,14 @@ class Trainer:
                            "world_size": self.ps.world_size}}
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _mtp_lambda(self) -> float:
-        m = self.cfg.model
-        return m.mtp_lambda_late if m.mtp_lambda_switch_step and self.step >= m.mtp_lambda_switch_step else m.mtp_lambda
-
-    def _forward_backward(self, windows: torch.Tensor, chunks: int) -> StageLoss | None:
+    def _forward_backward(self, windows: torch.Tensor, chunks: int, mtp_lambda: float) -> StageLoss | None:
         """Run every micro-batch's forward and backward; the gradients end as the micro-batches' mean.
 
         Returns the step's criterion (its ``parts``: each micro-batch's losses) on ranks holding the loss.
         """
         last = self.loss_stage
         inject = self._nan_injection_due()
-        criterion = StageLoss(last, self._mtp_lambda(), inject) if last is not None else None
+        criterion = StageLoss(last, mtp_lambda, inject) if last is not None else None
         if self.pipeline is not None:
             self.pipeline.step(windows, chunks, criterion)
         else:
@@ -376,15 +375,17 @@ class Trainer:
         cfg, step = self.cfg, self.step
         self.flight.step = step
         t0 = time.perf_counter()
-        global_batch = cfg.global_batch_at(step)
-        chunks = cfg.microbatches_at(step)
+        point = self.schedule.at(step, self.tokens_seen)  # the step's values, by steps and tokens seen before it
+        lr = self.lr_scheduler.step(step, self.tokens_seen)
+        global_batch = point.global_batch
+        chunks = global_batch // (cfg.parallel.dp * cfg.data.micro_batch)
         ids = self.sampler.next_batch(global_batch)
         windows = torch.stack([self.corpus.window(i) for i in ids]).to(self.device)
         self.optimizer.zero_grad()
         if self.fp8_health is not None:
             self.fp8_health.active = (step + 1) % cfg.logging.fp8_health_every == 0
         with unchecked_scale_values():  # FP8: a NaN must reach the loss / gradient norm, where the guard sees it
-            criterion = self._forward_backward(windows, chunks)
+            criterion = self._forward_backward(windows, chunks, point.mtp_lambda)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp, self.flight)
         grad_sync_s = None
         if self.eplb is not None:  # replicas of one expert take the same (summed) step
@@ -399,8 +400,9 @@ class Trainer:
                  for name in ("total", "main", "mtp")}
         loss, main, mtp = (self._global_mean(v or 0.0, 0 if v is None else 1) for v in parts.values())
         metrics: dict[str, Any] = {"loss": main, "total_loss": loss, "grad_norm": grad_norm,
-                                   "lr": self.lr_scheduler.get_last_lr(), "global_batch": global_batch,
-                                   "microbatches": chunks}
+                                   "lr": lr, "global_batch": global_batch,
+                                   "microbatches": chunks, "mtp_lambda": point.mtp_lambda,
+                                   "bias_update_speed": point.bias_update_speed}
         if not math.isnan(mtp):
             metrics["mtp_loss"] = mtp
         if grad_sync_s is not None:
@@ -409,12 +411,11 @@ class Trainer:
         apply = all(hook(self, metrics) is not False for hook in self.after_backward_hooks)
         if apply:
             self.optimizer.step()
-            self._update_expert_biases()
+            update_biases(self.stages, cfg, self.ps, self.args, gamma=point.bias_update_speed, device=self.device)
         else:
             metrics["skipped"] = 1
         if self.eplb is not None:  # between steps: re-plan from the measured loads, move experts and moments
             metrics.update(self.eplb.after_step(step + 1))
-        self.lr_scheduler.step()
         metrics.update(self._load_metrics())
         if self.args.index_topk:
             metrics.update(indexer_metrics(self.stages, self.ps, self.device))
@@ -507,11 +508,6 @@ class Trainer:
             if module is not None:
                 module.register_forward_hook(scale_error)
                 break
-
-    def _update_expert_biases(self) -> None:
-        bal = self.cfg.balance
-        update_biases(self.stages, self.cfg, self.ps, self.args, gamma=bal.gamma if not (
-            bal.gamma_stop_step and self.step >= bal.gamma_stop_step) else 0.0, device=self.device)
 
     def _load_metrics(self) -> dict[str, Any]:
         return load_metrics(self.stages, self.cfg, self.ps, self.args, self.device)

@@ -190,9 +190,10 @@ class CheckpointHooks:
 
     def _rollback(self, verdict: Verdict) -> None:
         trainer = self.trainer
-        step = load_checkpoint(trainer, self.manager.root / fmt.step_dirname(verdict.rollback_step))
-        for i in range(verdict.skip_batches):  # the offending data window: read and dropped
-            trainer.sampler.next_batch(self.cfg.global_batch_at(step + i))
+        load_checkpoint(trainer, self.manager.root / fmt.step_dirname(verdict.rollback_step))
+        # the offending data window, read and dropped: the batches the schedule gave the steps after the restored one
+        for _, point in zip(range(verdict.skip_batches), trainer.schedule.walk(trainer.step, trainer.tokens_seen)):
+            trainer.sampler.next_batch(point.global_batch)
         self.fault.rolled_back(verdict)
 
     @contextlib.contextmanager
