@@ -37,7 +37,8 @@ from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "muon", "sgd")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
 MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
@@ -133,7 +134,16 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_grad: float = 1.0  # 0 = no clipping
-    name: str = "adamw"  # adamw | sgd (momentum = betas[0]; one moment)
+    name: str = "adamw"  # adamw | muon (hidden matrices; AdamW for the rest) | sgd (momentum = betas[0]; one moment)
+    # Muon's group (optim.name = "muon"); lr, weight_decay, betas, eps above are the AdamW group's (docs/muon.md)
+    muon_lr: float = 2.2e-4
+    muon_weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # match_rms_adamw: step x update_rms x sqrt(max(rows, cols)) (Moonlight 0.2; V4 reports 0.18) | original
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_update_rms: float = 0.2
     moments_dtype: str = "param"  # param (the master weights' dtype) | bfloat16 (V3: AdamW moments in BF16)
     # param: the parameters are the master weights | float32: with run.dtype = "bfloat16", BF16 working weights,
     # an FP32 master copy in the (ZeRO-1 sharded) optimizer state and FP32 gradient accumulation (V3)
@@ -472,10 +482,23 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     if o.name not in OPTIMIZERS:
         raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {o.name!r}")
+    if o.muon_lr <= 0:
+        raise ValueError(f"optim.muon_lr (Muon's LR) must be > 0, got {o.muon_lr}")
+    if o.muon_weight_decay < 0:
+        raise ValueError(f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ValueError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if not 1 <= o.muon_ns_steps < 100:
+        raise ValueError(f"optim.muon_ns_steps (Newton-Schulz iterations) must be in [1, 100), got {o.muon_ns_steps}")
+    if o.muon_adjust_lr not in MUON_ADJUST_LR:
+        raise ValueError(f"optim.muon_adjust_lr must be one of {', '.join(MUON_ADJUST_LR)}, got {o.muon_adjust_lr!r}")
+    if o.muon_update_rms <= 0:
+        raise ValueError(f"optim.muon_update_rms must be > 0 (Moonlight 0.2, V4 0.18), got {o.muon_update_rms}")
     if o.moments_dtype not in MOMENT_DTYPES:
         raise ValueError(f"optim.moments_dtype must be one of {', '.join(MOMENT_DTYPES)}, got {o.moments_dtype!r}")
-    if o.moments_dtype == "bfloat16" and o.name != "adamw":
-        raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' (the optimizer with BF16 moments); "
+    if o.moments_dtype == "bfloat16" and o.name == "sgd":
+        raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' or 'muon' (the optimizers with BF16 "
+                         f"moments); "
                          f"optim.name={o.name!r} cannot take them (choices for it: {', '.join(OPTIMIZERS)})")
     if o.master_dtype not in MASTER_DTYPES:
         raise ValueError(f"optim.master_dtype must be one of {', '.join(MASTER_DTYPES)}, got {o.master_dtype!r}")
@@ -483,13 +506,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.master_dtype='float32' keeps an FP32 master copy of BF16 working weights: it needs "
                          f"run.dtype='bfloat16', got run.dtype={r.dtype!r} (with float32 the parameters are already "
                          f"the master weights; choices for optim.master_dtype: {', '.join(MASTER_DTYPES)})")
-    if o.master_dtype == "float32" and o.name != "adamw":
-        raise ValueError(f"optim.master_dtype='float32' needs optim.name='adamw' (the optimizer that keeps the master "
-                         f"copy); optim.name={o.name!r} cannot (choices for it: {', '.join(OPTIMIZERS)})")
+    if o.master_dtype == "float32" and o.name == "sgd":
+        raise ValueError(f"optim.master_dtype='float32' needs optim.name='adamw' or 'muon' (the optimizers that keep "
+                         f"the master copy); optim.name={o.name!r} cannot (choices for it: {', '.join(OPTIMIZERS)})")
     if not 0.0 <= o.ema_decay < 1.0:
         raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
-    if o.ema_decay and o.name != "adamw":
-        raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' (the EMA lives in its per-parameter state); "
+    if o.ema_decay and o.name == "sgd":
+        raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' or 'muon' (the EMA lives in their "
+                         f"per-parameter state); "
                          f"got optim.name={o.name!r}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
