@@ -8,14 +8,21 @@ tolerance is zero: the results must be the same bits. Grouped expert weights ``[
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from planner.costs import muon_flops_per_param, newton_schulz_flops
+from planner.memory import estimate
 from training.config import load_config, validate
-from training.optim import Muon, Optimizers, muon_matrices, newton_schulz, uses_muon
+from training.optim import Muon, Optimizers, is_expert_param, muon_matrices, newton_schulz, uses_muon
+from training.trainer import model_args
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 
@@ -160,3 +167,43 @@ def test_muon_lr_scale_is_moonlights_rule():
     opt.step()
     scale = -p.detach()[:16].diagonal() / 0.1
     assert torch.allclose(scale, torch.full((16,), 0.18 * math.sqrt(64)), rtol=0.35)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_memory_model_counts_the_states_the_optimizer_makes(name):
+    """``planner.memory``'s optimizer item for one process equals the bytes of the states the real optimizer holds
+    after a step on the same model: Muon one momentum buffer per hidden matrix and AdamW's two moments for the
+    rest, so it needs less than AdamW by one buffer of the matrices."""
+    sets = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="none"', "model.fp8=false",
+            f'optim.name="{name}"']
+    cfg = load_config(ROOT / "recipes/configs/tiny_cpu.toml", sets)
+    model = Transformer(model_args(cfg))
+    opt = Optimizers([model], cfg.optim, None, None, zero1=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    held = sum(t.numel() * t.element_size() for o in opt.optimizers for s in o.state.values()
+               for k, t in s.items() if k != "step")
+    assert estimate(cfg).ranks[0].items["optimizer"] == held
+    if name == "muon":
+        matrices = sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p))
+        adamw = estimate(load_config(ROOT / "recipes/configs/tiny_cpu.toml", sets[:-1]))
+        assert adamw.ranks[0].items["optimizer"] - held == matrices * 4
+
+
+def test_planner_newton_schulz_flops_equal_the_counted_step():
+    """``planner.costs``' Newton-Schulz FLOPs for a model equal what PyTorch's FLOP counter sees in one real Muon
+    step of it (the AdamW part has no matrix products), per matrix split included."""
+    args = ModelArgs.preset("debug_dsa", n_layers=2, n_dense_layers=1)
+    model = Transformer(args)
+    cfg = load_config(None, ['optim.name="muon"']).optim
+    opt = Optimizers([model], cfg, None, None, zero1=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        opt.step()
+    dense = sum(p.numel() for n, p in model.named_parameters() if not is_expert_param(n))
+    expert = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    per_dense, per_expert = muon_flops_per_param(args, 1, cfg.muon_ns_steps)
+    assert counter.get_total_flops() == pytest.approx(per_dense * dense + per_expert * expert, rel=1e-12)
+    assert newton_schulz_flops(96, 32, 5) == newton_schulz_flops(32, 96, 5) == 5 * (4 * 32 * 32 * 96 + 2 * 32**3)
