@@ -157,6 +157,7 @@ def test_zbv_and_v3_layout_muon_equal_one_process(tmp_path):
     _close(_train(tmp_path / "zbv", ZBV, 3), _train(tmp_path / "one", ONE, 3))
     v3 = "recipes/configs/v3_layout_cpu.toml"
     v3_extra = ["model.overrides.n_mtp_layers=1", "data.global_batch=16", "data.seq_len=16"]
-    eight = _train(tmp_path / "v3", [], 3, config=v3, extra=v3_extra)
+    v3_layout = ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.schedule=dualpipe", "parallel.zero1=true"]
+    eight = _train(tmp_path / "v3", v3_layout, 3, config=v3, extra=v3_extra)
     single = _train(tmp_path / "v3_one", ONE, 3, config=v3, extra=v3_extra)
     _close(eight, single)

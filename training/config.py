@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
-from deep_gemm.linear import FP8_RECIPES
+from deep_gemm.linear import EXPERT_WEIGHT_FORMATS, FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes
@@ -80,6 +80,9 @@ class ModelConfig:
     # with fp8: "blockwise" (DeepSeek-V3: 1x128 activations, 128x128 weights, fp32 scales) or "mxfp8" (1x32 blocks
     # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
     fp8_recipe: str = "blockwise"
+    # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
+    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; needs fp8 = false)
+    expert_weight_format: str = "bf16"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
@@ -526,6 +529,14 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"model.{key} must be >= 0, got {getattr(cfg.model, key)}")
     if cfg.model.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"model.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.model.fp8_recipe!r}")
+    fmt = cfg.model.expert_weight_format
+    if fmt not in EXPERT_WEIGHT_FORMATS:
+        raise ValueError(f"model.expert_weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt == "fp8" and not cfg.model.fp8:
+        raise ValueError("model.expert_weight_format='fp8' is V3's FP8 expert GEMM: it needs model.fp8=true")
+    if fmt == "mxfp4_qat" and cfg.model.fp8:
+        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false: the FP8 grouped GEMM cannot "
+                         "take MXFP4 weights yet")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "

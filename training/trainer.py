@@ -72,6 +72,7 @@ def model_args(cfg: TrainConfig) -> ModelArgs:
         fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
         return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "fused_ops": cfg.model.fused_ops,
+                                                     "expert_weight_format": cfg.model.expert_weight_format,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None
