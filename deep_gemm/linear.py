@@ -390,6 +390,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
             runs = _row_runs(m_indices)
             w = mxfp4_fake_quant(weight) if mxfp4 else weight  # QAT: the GEMM sees the MXFP4 weight
+            if mxfp4 and health is not None:
+                health.observe_mxfp4(weight, "fwd", "w", weight)
             out = _segment_mm(x, w.to(x.dtype).transpose(1, 2), runs, n)
             ctx.save_for_backward(x, m_indices)
             ctx.runs = runs

@@ -150,3 +150,27 @@ def mxfp4_health(w: torch.Tensor) -> dict[str, float]:
     return {"underflow": float(flushed.sum() / nonzero.sum().clamp(min=1)),
             "floor_blocks": float(((exponents == E8M0_MIN) & live).sum() / live.sum().clamp(min=1)),
             "nan_blocks": float((exponents == NAN_EXPONENT).sum())}
+
+
+def mxfp4_cast_counts(x: torch.Tensor) -> torch.Tensor:
+    """``deep_gemm.health.cast_counts``'s float64 ``[values, underflow, subnormal, blocks, floored, hidden, sum log2
+    amax, min, max]`` for the MXFP4 cast of ``x`` (leading dims folded): nonzero values, those that became 0,
+    those left on E2M1's one subnormal (0.5 x 2^e: one bit of precision), 32-blocks holding a nonzero value,
+    blocks at E8M0's floor (exponent -127 while the amax wants less), the zeros among those, and the blocks'
+    log2 amax."""
+    codes, exponents = quantize_mxfp4(x)
+    blocks, _ = _blocks(x)
+    nonzero = (x != 0).reshape(-1)
+    magnitude = (codes & 7).reshape(-1)
+    flushed = nonzero & (magnitude == 0)
+    amax = blocks.abs().amax(dim=-1).reshape(-1).double()
+    live = amax > 0
+    # at the floor when the shared exponent floor(log2 amax) - 2 would be below -127
+    floored = live & (torch.frexp(amax)[1] - 1 - E2M1_EMAX < E8M0_MIN)
+    pad = blocks.shape[-1] * blocks.shape[-2] - x.shape[-1]
+    per_block = torch.nn.functional.pad(flushed.reshape(*x.shape), (0, pad)).reshape(-1, MX_BLOCK).sum(-1)
+    log2 = torch.log2(amax[live])
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 1)).sum().double(),
+                        live.sum().double(), floored.sum().double(), (per_block * floored).sum().double(), log2.sum(),
+                        log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.deepseek_v3 import ModelArgs, Transformer
 from planner.costs import muon_flops_per_param, newton_schulz_flops
 from planner.memory import estimate
+from recipes import fp8_vs_bf16
 from training.config import load_config, validate
 from training.optim import Muon, Optimizers, is_expert_param, muon_matrices, newton_schulz, uses_muon
 from training.trainer import model_args
@@ -207,3 +208,20 @@ def test_planner_newton_schulz_flops_equal_the_counted_step():
     per_dense, per_expert = muon_flops_per_param(args, 1, cfg.muon_ns_steps)
     assert counter.get_total_flops() == pytest.approx(per_dense * dense + per_expert * expert, rel=1e-12)
     assert newton_schulz_flops(96, 32, 5) == newton_schulz_flops(32, 96, 5) == 5 * (4 * 32 * 32 * 96 + 2 * 32**3)
+
+
+def test_verdict_recipe_variants_change_one_key_each():
+    """``recipes.fp8_vs_bf16 --recipes muon,mxfp4_qat``: each variant is the baseline plus its own key (Muon at the
+    config's AdamW LR and decay, as Moonlight's RMS match intends), FP8 off, the same seed; a bad name is refused."""
+    config = str(ROOT / "recipes/configs/tiny_cpu.toml")
+    base = load_config(config, fp8_vs_bf16.variant(1, 5, 7, "bf16", [], config))
+    muon = load_config(config, fp8_vs_bf16.variant(1, 5, 7, "muon", [], config))
+    fp4 = load_config(config, fp8_vs_bf16.variant(1, 5, 7, "mxfp4_qat", [], config))
+    assert (base.optim.name, base.model.fp8, base.model.expert_weight_format) == ("adamw", False, "bf16")
+    assert (muon.optim.name, muon.optim.muon_lr, muon.optim.muon_weight_decay) == ("muon", base.optim.lr,
+                                                                                    base.optim.weight_decay)
+    assert (fp4.model.expert_weight_format, fp4.model.fp8, fp4.optim.name) == ("mxfp4_qat", False, "adamw")
+    assert base.run.seed == muon.run.seed == fp4.run.seed == 7
+    assert fp8_vs_bf16.parse_recipes("muon,mxfp4_qat") == ["muon", "mxfp4_qat"]
+    with pytest.raises(ValueError, match="--recipes must be a comma-separated subset of .*muon, mxfp4_qat"):
+        fp8_vs_bf16.parse_recipes("lion")
