@@ -44,7 +44,7 @@ import torch
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_ALIASES
 from planner.system import System
-from training.optim import is_expert_param, muon_matrices, uses_muon
+from training.optim import is_expert_param, muon_matrices, newton_schulz_flops, uses_muon
 from training.stages import expert_range
 
 BF16 = 2
@@ -390,14 +390,6 @@ def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], fir
             total = total + ops_durations(timer, mtp_extra_ops(args, w.tokens)) + block(args.n_layers + k)
         total = total + ops_durations(timer, head_ops(args, w.tokens) * (1 + args.n_mtp_layers))
     return total
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
-    """FLOPs of Muon's Newton-Schulz on one ``rows x cols`` matrix (``training.optim.newton_schulz``): per iteration
-    ``X X^T`` (2 m^2 n), the quintic's ``gram @ gram`` (2 m^3) and ``poly @ X`` (2 m^2 n), on the wide orientation
-    (m = min, n = max)."""
-    m, n = sorted((rows, cols))
-    return float(steps * (4 * m * m * n + 2 * m**3))
 
 
 _MUON: dict[tuple[str, int, int], tuple[float, float]] = {}

@@ -20,7 +20,15 @@ from planner.costs import muon_flops_per_param, newton_schulz_flops
 from planner.memory import estimate
 from recipes import fp8_vs_bf16
 from training.config import load_config, validate
-from training.optim import Muon, Optimizers, is_expert_param, muon_matrices, newton_schulz, uses_muon
+from training.optim import (
+    Muon,
+    Optimizers,
+    is_expert_param,
+    muon_matrices,
+    newton_schulz,
+    owners_by_cost,
+    uses_muon,
+)
 from training.trainer import model_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,3 +233,23 @@ def test_verdict_recipe_variants_change_one_key_each():
     assert fp8_vs_bf16.parse_recipes("muon,mxfp4_qat") == ["muon", "mxfp4_qat"]
     with pytest.raises(ValueError, match="--recipes must be a comma-separated subset of .*muon, mxfp4_qat"):
         fp8_vs_bf16.parse_recipes("lion")
+
+
+def test_zero1_ownership_balances_newton_schulz_flops():
+    """``owners_by_cost`` (the greedy ``MatrixOwners`` uses): every item owned once; the busiest rank carries at
+    most the even share plus one item (Graham's bound for largest-first greedy). Where elements and FLOPs disagree
+    (a square matrix and a thin one of the same size: 4096^3 against 64^2 x 262144 multiply-adds per iteration), a
+    split by elements (ZeroRedundancyOptimizer's rule) can put all the Newton-Schulz work on one rank; by FLOPs
+    each rank gets one square matrix."""
+    layer = [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384), (2048, 7168), (7168, 2048)]
+    for shapes in (layer * 3, [(4096, 4096), (64, 262144)] * 2):
+        costs = [newton_schulz_flops(r, c) for r, c in shapes]
+        for world in (2, 4):
+            owner = owners_by_cost(costs, world)
+            load = [sum(c for c, o in zip(costs, owner) if o == r) for r in range(world)]
+            assert sum(load) == pytest.approx(sum(costs)) and max(load) <= sum(costs) / world + max(costs)
+    shapes = [(4096, 4096), (64, 262144)] * 2
+    costs = [newton_schulz_flops(r, c) for r, c in shapes]
+    by_elements = owners_by_cost([float(r * c) for r, c in shapes], 2)
+    assert by_elements[0] == by_elements[2]  # both square matrices on one rank
+    assert owners_by_cost(costs, 2)[0] != owners_by_cost(costs, 2)[2]

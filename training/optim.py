@@ -15,7 +15,9 @@
   worker thread from a host snapshot taken right after each update (V3 keeps it on the CPU).
 - ZeRO-1: PyTorch's ``ZeroRedundancyOptimizer`` shards the states over the data-parallel ranks
   that hold the same parameters: dense parameters over the stage's ``dp`` group, expert parameters
-  over the ``edp`` group (the replicas of the same expert shard), so two optimizers.
+  over the ``edp`` group (the replicas of the same expert shard), so two optimizers. Muon
+  (``optim.name = "muon"``, docs/muon.md) shards the same way with whole matrices balanced by their
+  Newton-Schulz FLOPs (``MatrixOwners``).
 - Gradients: dense ones are averaged over ``dp``; expert ones are summed over ``edp`` and divided
   by ``dp`` (their all-to-all backward already summed the contributions of the ``ep`` ranks).
 - Clipping at 1.0 on the global norm: every parameter counted exactly once over the whole world.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -217,6 +219,13 @@ def muon_lr_ratio(adjust_lr_fn: str, update_rms: float, rows: int, cols: int) ->
     return update_rms * math.sqrt(max(rows, cols))
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration ``X X^T`` (2 m^2 n), the quintic's
+    ``gram @ gram`` (2 m^3) and ``poly @ X`` (2 m^2 n), on the wide orientation (m = min, n = max)."""
+    m, n = sorted((rows, cols))
+    return float(steps * (4 * m * m * n + 2 * m**3))
+
+
 def muon_matrices(name: str, p: torch.Tensor) -> tuple[int, int, int]:
     """(count, rows, cols) of the matrices Muon orthogonalises one at a time in ``p``: a 3-D grouped expert
     weight ``[experts, out, in]`` is one matrix per expert; a fused ``w13`` (``[w1; w3]`` along the output rows)
@@ -236,9 +245,9 @@ class Muon(AdamW):
     ``muon_matrices``): momentum ``buf = lerp(buf, g, 1 - momentum)``, Nesterov ``lerp(g, buf, momentum)``,
     ``newton_schulz``, decoupled decay ``lr * weight_decay`` and the step ``lr * muon_lr_ratio``. The momentum
     buffer is the group's only state (``momentum_buffer``, in ``moments_dtype`` like AdamW's moments). Master
-    weights, BF16 moments and the host EMA are ``AdamW``'s, for both kinds of group. Keeping the two in one
-    optimizer lets ZeRO-1 shard them as one: whole parameters per rank, so each matrix's Newton-Schulz runs
-    once, on the rank owning its state, and the updated parameters are broadcast from it.
+    weights, BF16 moments and the host EMA are ``AdamW``'s, for both kinds of group. Under ZeRO-1 each rank's
+    ``Muon`` holds the parameters it owns whole (``MatrixOwners``), so each matrix's Newton-Schulz runs once, on
+    the rank owning its state, and the updated parameters are broadcast from it.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -373,6 +382,67 @@ def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]
     return AdamW, {**kw, "moments_dtype": dtype, "ema_decay": cfg.ema_decay, "master_dtype": master}
 
 
+def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
+    """The rank owning each item: largest cost first, each to the least loaded rank so far (ties: the lowest
+    rank), the longest-processing-time greedy; deterministic, so every rank computes the same plan."""
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += costs[i]
+    return owner
+
+
+class MatrixOwners:
+    """ZeRO-1 for Muon: every parameter whole on one rank of ``group``, which keeps its state, updates it and
+    broadcasts it (``broadcast``, after the step) to the others.
+
+    Muon's matrices are balanced by their Newton-Schulz FLOPs (``newton_schulz_flops`` of each matrix, as
+    Megatron-Core's and Moonlight's distributed Muon balance the orthogonalisation), the AdamW parameters by their
+    elements (their state's bytes), each set on its own: ``ZeroRedundancyOptimizer`` balances elements only,
+    which leaves the rank owning the widest matrices with several times the others' Newton-Schulz work.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, ns_steps: int):
+        world = dist.get_world_size(group)
+        self.group, self.rank = group, dist.get_rank(group)
+        self.sources = [dist.get_global_rank(group, r) for r in range(world)]
+        self.params = [p for _, p in named]
+        self.owner: dict[int, int] = {}
+        muon = [(n, p) for n, p in named if uses_muon(n, p)]
+        rest = [(n, p) for n, p in named if not uses_muon(n, p)]
+
+        def flops(name: str, p: torch.Tensor) -> float:
+            count, rows, cols = muon_matrices(name, p)
+            return count * newton_schulz_flops(rows, cols, ns_steps)
+
+        for items, cost in ((muon, flops), (rest, lambda name, p: float(p.numel()))):
+            for (_, p), rank in zip(items, owners_by_cost([cost(n, p) for n, p in items], world)):
+                self.owner[id(p)] = rank
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return self.owner[id(p)] == self.rank
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Each owner's updated parameters to every rank of the group: one flat broadcast per owner and dtype."""
+        for rank, src in enumerate(self.sources):
+            mine = [p for p in self.params if self.owner[id(p)] == rank]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                ps = [p for p in mine if p.dtype == dtype]
+                if rank == self.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                else:
+                    flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+                dist.broadcast(flat, src=src, group=self.group)
+                if rank != self.rank:
+                    offset = 0
+                    for p in ps:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+
 class Optimizers:
     """The dense and expert AdamW optimizers (ZeRO-1 sharded when asked), stepped together.
 
@@ -392,17 +462,22 @@ class Optimizers:
         if cfg.master_dtype == "float32":
             grads.keep_main_grads(self.dense_params + self.expert_params, torch.float32)
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.owners: list[MatrixOwners] = []  # Muon's ZeRO-1 (whole matrices balanced by FLOPs)
         for named, group in ((dense, dp_group), (expert, edp_group)):
             if not named:
                 continue
             groups = _param_groups(named, cfg)
             shard = zero1 and group is not None and dist.get_world_size(group) > 1
-            if shard:
+            if shard and cfg.name == "muon":
+                owners = MatrixOwners(named, group, cfg.muon_ns_steps)
+                self.owners.append(owners)  # every group kept (maybe empty here): the same grouping on every rank
+                opt = optimizer_class([{**g, "params": [p for p in g["params"] if owners.owns(p)]} for g in groups],
+                                      **kw)
+            elif shard:
                 # imported here: torch.distributed.optim pulls in FSDP, DTensor and sympy, seconds of start-up
                 # that only a sharded run needs (every launcher's parent process and one-process run skip it)
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-                # whole parameters per rank (ZeRO's partition): a Muon matrix is orthogonalised by its owner only
                 first = {k: v for k, v in groups[0].items() if k != "params"}
                 opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                               process_group=group, **{**kw, **first})
@@ -425,6 +500,8 @@ class Optimizers:
     def step(self) -> None:
         for opt in self.optimizers:
             opt.step()
+        for owners in self.owners:
+            owners.broadcast()
 
     def state_dict(self) -> list[dict]:
         """This rank's optimizer states (ZeRO shards are consolidated by the checkpoint code if needed)."""
