@@ -398,10 +398,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return out
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
-        w_q = _fp8_weight(weight, fp8)
+        # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
+        w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8)
         x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
         # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
         x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
+        if health is not None and mxfp4:
+            health.observe_mxfp4(weight, "fwd", "w_mxfp4", weight)
         if health is not None:
             health.observe(weight, "fwd", "w", weight, w_q)
             health.observe(weight, "fwd", "x", x_valid, x_q)
@@ -427,7 +430,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w_q = _fp8_weight(weight, recipe, dgrad=True)
+            w_q = _fp8_weight(mxfp4_fake_quant(weight) if ctx.mxfp4 else weight, recipe, dgrad=True)
             d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
             dy_q = _act_cast(grad_out, recipe)
             if health is not None:
@@ -474,7 +477,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     zeros there, a plain cast of ``x`` whatever ``x`` holds). ``weight_format``: ``bf16`` the weight as stored,
     ``fp8`` as V3's FP8 GEMM casts it (needs ``fp8``), ``mxfp4_qat`` quantisation-aware training in MXFP4
     (``deep_gemm.mxfp4``: forward and dgrad through the FP4 weight, the weight gradient straight through to the
-    parameter; the FP8 GEMM cannot take it yet).
+    parameter; with ``fp8="mxfp8"`` the FP8 GEMMs take the FP4 weight, exactly in the forward; blockwise FP8's
+    128x128 fp32 scales cannot hold it).
     """
     if weight_format not in EXPERT_WEIGHT_FORMATS:
         raise ValueError(f"grouped_linear: weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, "
@@ -482,9 +486,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     if weight_format == "fp8" and not fp8:
         raise ValueError(f"grouped_linear: weight_format='fp8' needs fp8 on (the FP8 GEMM casts the weight), got "
                          f"fp8={fp8!r}")
-    if weight_format == "mxfp4_qat" and fp8:
-        raise ValueError(f"grouped_linear: weight_format='mxfp4_qat' needs fp8 off (the FP8 grouped GEMM cannot take "
-                         f"MXFP4 weights yet), got fp8={fp8!r}")
+    if weight_format == "mxfp4_qat" and fp8 and fp8_recipe(fp8) != "mxfp8":
+        raise ValueError(f"grouped_linear: weight_format='mxfp4_qat' needs fp8 off or fp8='mxfp8' (whose 1x32 "
+                         f"power-of-two blocks hold the MXFP4 weight exactly), got fp8={fp8!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[2] != x.shape[1]:

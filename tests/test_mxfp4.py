@@ -241,3 +241,28 @@ def test_fp8_health_reports_the_mxfp4_expert_casts():
     assert row.floored == pytest.approx(mxfp4_health(w2)["floor_blocks"], rel=1e-12) and row.floored > 0
     assert row.hidden >= 32 * w2.shape[1] / row.values
     assert row.log2_amax_min == pytest.approx(-140.0)
+
+
+def test_qat_under_mxfp8_feeds_the_fp4_weight_to_the_fp8_gemms_exactly():
+    """With ``fp8="mxfp8"`` the expert GEMMs run in FP8 on the MXFP4 weight: its 1x32 E8M0 blocks are MXFP8's
+    blocks, so the FP8 cast holds every FP4 value exactly (e2m1 x 2^e rescaled by a power of two lands on e4m3's
+    normal grid); forward, input gradient and weight gradient equal the plain MXFP8 layer given the FP4 weight."""
+    from deep_gemm import per_token_cast_to_fp8
+    from deep_gemm.reference import dequantize
+
+    torch.manual_seed(1)
+    master = torch.nn.Parameter(torch.randn(2, 48, 128) * 0.05)
+    fp4_value = mxfp4_fake_quant(master.detach())
+    q = per_token_cast_to_fp8(fp4_value.reshape(-1, 128), True, 32)
+    assert torch.equal(dequantize(*q), fp4_value.reshape(-1, 128))
+    fp4 = torch.nn.Parameter(fp4_value.clone())
+    x = torch.randn(256, 128, requires_grad=True)
+    m = torch.cat([torch.zeros(128), torch.ones(100), torch.full((28,), -1)]).int()
+    dy = torch.randn(256, 48)
+    out = grouped_linear(x, master, m, fp8="mxfp8", weight_format="mxfp4_qat")
+    (out * dy).sum().backward()
+    gx, x.grad = x.grad, None
+    ref = grouped_linear(x, fp4, m, fp8="mxfp8")
+    (ref * dy).sum().backward()
+    assert torch.equal(out, ref) and torch.equal(gx, x.grad) and torch.equal(master.grad, fp4.grad)
+    load_config(None, ['model.expert_weight_format="mxfp4_qat"', "model.fp8=true", 'model.fp8_recipe="mxfp8"'])

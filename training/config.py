@@ -81,7 +81,7 @@ class ModelConfig:
     # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
     fp8_recipe: str = "blockwise"
     # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
-    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; needs fp8 = false)
+    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, fp8_recipe mxfp8)
     expert_weight_format: str = "bf16"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
@@ -534,9 +534,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"model.expert_weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, got {fmt!r}")
     if fmt == "fp8" and not cfg.model.fp8:
         raise ValueError("model.expert_weight_format='fp8' is V3's FP8 expert GEMM: it needs model.fp8=true")
-    if fmt == "mxfp4_qat" and cfg.model.fp8:
-        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false: the FP8 grouped GEMM cannot "
-                         "take MXFP4 weights yet")
+    if fmt == "mxfp4_qat" and cfg.model.fp8 and cfg.model.fp8_recipe != "mxfp8":
+        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false or model.fp8_recipe='mxfp8' "
+                         f"(whose 1x32 power-of-two blocks hold MXFP4 weights exactly), got {cfg.model.fp8_recipe!r}")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "
