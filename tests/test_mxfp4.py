@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from deep_gemm import per_token_cast_to_fp8
+from deep_gemm.health import Fp8Health, rows
 from deep_gemm.linear import grouped_linear
 from deep_gemm.mxfp4 import (
     E2M1_VALUES,
@@ -25,6 +27,7 @@ from deep_gemm.mxfp4 import (
     quantize_mxfp4,
     unpack_mxfp4,
 )
+from deep_gemm.reference import dequantize
 from models.deepseek_v3 import ModelArgs, Transformer
 from tests.test_muon_dist import DUALPIPEV, LOSS_ATOL, ONE, _close, _train
 from training.config import load_config
@@ -124,7 +127,7 @@ def test_pack_round_trip_and_transformers_reads_the_released_layout(shape):
     want = mxfp4_fake_quant(w)
     assert torch.equal(unpack_mxfp4(packed, scale, shape[-1], torch.float32), want)
     if shape[-1] % 32 == 0:
-        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+        from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # slow import: this case only
 
         hf = Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32)
         assert torch.equal(hf, want)
@@ -221,8 +224,6 @@ def test_fp8_health_reports_the_mxfp4_expert_casts():
     """The FP8 health collector attaches to MXFP4 QAT experts and reports each expert weight's cast with the FP8
     fields: values, underflow, blocks at the scale floor (and the zeros they hide), E2M1 subnormals, log2 amax;
     checked against ``mxfp4_health`` and a direct count."""
-    from deep_gemm.health import Fp8Health, rows
-
     torch.manual_seed(0)
     model = Transformer(ModelArgs.preset("debug", n_layers=2, n_dense_layers=1, n_mtp_layers=0,
                                          expert_weight_format="mxfp4_qat"))
@@ -247,9 +248,6 @@ def test_qat_under_mxfp8_feeds_the_fp4_weight_to_the_fp8_gemms_exactly():
     """With ``fp8="mxfp8"`` the expert GEMMs run in FP8 on the MXFP4 weight: its 1x32 E8M0 blocks are MXFP8's
     blocks, so the FP8 cast holds every FP4 value exactly (e2m1 x 2^e rescaled by a power of two lands on e4m3's
     normal grid); forward, input gradient and weight gradient equal the plain MXFP8 layer given the FP4 weight."""
-    from deep_gemm import per_token_cast_to_fp8
-    from deep_gemm.reference import dequantize
-
     torch.manual_seed(1)
     master = torch.nn.Parameter(torch.randn(2, 48, 128) * 0.05)
     fp4_value = mxfp4_fake_quant(master.detach())
