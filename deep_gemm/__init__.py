@@ -7,6 +7,7 @@ logits (``fp8_mqa_logits``, ``fp8_paged_mqa_logits``) with the top-k selection t
 """
 
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
+from deep_gemm.fp8_fp4 import m_grouped_fp8_fp4_gemm_nt_contiguous
 from deep_gemm.gemm import (
     bf16_gemm_nn,
     bf16_gemm_nt,
@@ -77,6 +78,7 @@ __all__ = [
     "get_num_sms",
     "grouped_linear",
     "k_grouped_bf16_gemm_tn_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
     "kv_cache_cast_to_fp8",
     "k_grouped_fp8_gemm_nt_contiguous",
     "k_grouped_fp8_gemm_tn_contiguous",

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deep_gemm.mxfp4 import mxfp4_cast_counts
 from deep_gemm.reference import AMAX_FLOOR, ceil_to_ue8m0
 from deep_gemm.utils import FP8_MAX
 
@@ -96,7 +97,8 @@ class Fp8Health:
     """Cast statistics of every attached FP8 layer while ``active``; ``counts`` reads and resets them.
 
     ``attach(modules)`` hands the collector to each module with a ``health`` attribute and ``fp8`` on (the
-    FP8 Linear and the grouped experts) and names weights by their parameter names."""
+    FP8 Linear and the grouped experts) or MXFP4 QAT weights (``weight_format``), and names weights by their
+    parameter names."""
 
     def __init__(self) -> None:
         self.active = False
@@ -110,7 +112,8 @@ class Fp8Health:
             for name, p in root.named_parameters():
                 self._names.setdefault(id(p), name.removesuffix(".weight"))
             for m in root.modules():
-                if hasattr(m, "health") and getattr(m, "fp8", False):
+                quantised = getattr(m, "fp8", False) or getattr(m, "weight_format", "") == "mxfp4_qat"
+                if hasattr(m, "health") and quantised:
                     m.health = self
                     n += 1
         return n
@@ -124,6 +127,14 @@ class Fp8Health:
         if key not in self._acc:
             with torch.no_grad():
                 self._acc[key] = cast_counts(x.detach(), *cast)
+
+    def observe_mxfp4(self, weight: torch.Tensor, gemm: str, operand: str, x: torch.Tensor) -> None:
+        """``observe`` for an MXFP4 cast of ``x`` (``deep_gemm.mxfp4``: 32-blocks with E8M0 scales): the same
+        counts, the blocks as tiles and E8M0's exponent floor as the scale floor."""
+        key = (self._names.get(id(weight), f"unnamed[{tuple(weight.shape)}]"), gemm, operand)
+        if key not in self._acc:
+            with torch.no_grad():
+                self._acc[key] = mxfp4_cast_counts(x.detach())
 
     def counts(self) -> dict[str, list[float]]:
         """The raw counts since the last call, keyed ``layer|gemm|operand`` (one host read), then reset."""

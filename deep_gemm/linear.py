@@ -47,6 +47,7 @@ from deep_gemm.grouped import (
     m_grouped_fp8_gemm_nt_contiguous,
 )
 from deep_gemm.health import Fp8Health
+from deep_gemm.mxfp4 import mxfp4_fake_quant
 from deep_gemm.reference import dequantize
 from deep_gemm.utils import BLOCK, M_ALIGNMENT, MX_BLOCK, align
 
@@ -365,37 +366,45 @@ def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, gr
     """bf16/fp32 backward over ``ctx.runs``: dgrad of valid rows (padding rows get 0), deferred wgrad."""
     runs = ctx.runs
     grad_x = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _segment_mm(grad_out, weight.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
+    if ctx.needs_input_grad[0]:  # QAT: dgrad through the forward's MXFP4 weight (cast again, not saved)
+        w = mxfp4_fake_quant(weight) if ctx.mxfp4 else weight
+        grad_x = _segment_mm(grad_out, w.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
     if ctx.needs_input_grad[1]:
 
-        def weight_grad() -> None:
+        def weight_grad() -> None:  # straight through to the master weight under QAT
             accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
 
         _run_or_defer(weight_grad)
-    return grad_x, None, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None, None
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
-                fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
+                fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None,
+                mxfp4: bool = False):
         num_groups, n, k = weight.shape
-        ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
+        ctx.weight, ctx.health, ctx.mxfp4 = weight, health, mxfp4  # the parameter itself: see _LinearFunction
         ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
         if not fp8:
             # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
             runs = _row_runs(m_indices)
-            out = _segment_mm(x, weight.to(x.dtype).transpose(1, 2), runs, n)
+            w = mxfp4_fake_quant(weight) if mxfp4 else weight  # QAT: the GEMM sees the MXFP4 weight
+            if mxfp4 and health is not None:
+                health.observe_mxfp4(weight, "fwd", "w", weight)
+            out = _segment_mm(x, w.to(x.dtype).transpose(1, 2), runs, n)
             ctx.save_for_backward(x, m_indices)
             ctx.runs = runs
             return out
         valid = (m_indices >= 0).unsqueeze(1)
         owners = _block_owners(m_indices)
-        w_q = _fp8_weight(weight, fp8)
+        # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
+        w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8)
         x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
         # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
         x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
+        if health is not None and mxfp4:
+            health.observe_mxfp4(weight, "fwd", "w_mxfp4", weight)
         if health is not None:
             health.observe(weight, "fwd", "w", weight, w_q)
             health.observe(weight, "fwd", "x", x_valid, x_q)
@@ -421,7 +430,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w_q = _fp8_weight(weight, recipe, dgrad=True)
+            w_q = _fp8_weight(mxfp4_fake_quant(weight) if ctx.mxfp4 else weight, recipe, dgrad=True)
             d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
             dy_q = _act_cast(grad_out, recipe)
             if health is not None:
@@ -449,12 +458,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 accumulate_grad(weight, d[:, :n, :k])
 
             _run_or_defer(weight_grad)
-        return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None
+
+
+EXPERT_WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4_qat")
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
                    fp8_cache: bool = False, health: Fp8Health | None = None,
-                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, weight_format: str = "bf16") -> torch.Tensor:
     """Per-row expert GEMM: ``out[r] = x[r] @ weight[m_indices[r]]^T``; rows with ``m_indices == -1`` give 0.
 
     ``x [M, K]`` in the contiguous grouped layout (each group padded to 128 rows, M a multiple of
@@ -462,8 +474,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     GEMM (deferred through ``accel.wgrad``); padding rows get zero gradients. ``fp8_cache`` (with
     ``fp8``): ``x`` is kept for the weight gradient only as the forward's e4m3 + 1x128 cast (see ``linear``).
     ``health``, ``x_fp8``: as in ``linear`` (a precast's padding rows are ignored: the fused permute writes
-    zeros there, a plain cast of ``x`` whatever ``x`` holds).
+    zeros there, a plain cast of ``x`` whatever ``x`` holds). ``weight_format``: ``bf16`` the weight as stored,
+    ``fp8`` as V3's FP8 GEMM casts it (needs ``fp8``), ``mxfp4_qat`` quantisation-aware training in MXFP4
+    (``deep_gemm.mxfp4``: forward and dgrad through the FP4 weight, the weight gradient straight through to the
+    parameter; with ``fp8="mxfp8"`` the FP8 GEMMs take the FP4 weight, exactly in the forward; blockwise FP8's
+    128x128 fp32 scales cannot hold it).
     """
+    if weight_format not in EXPERT_WEIGHT_FORMATS:
+        raise ValueError(f"grouped_linear: weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, "
+                         f"got {weight_format!r}")
+    if weight_format == "fp8" and not fp8:
+        raise ValueError(f"grouped_linear: weight_format='fp8' needs fp8 on (the FP8 GEMM casts the weight), got "
+                         f"fp8={fp8!r}")
+    if weight_format == "mxfp4_qat" and fp8 and fp8_recipe(fp8) != "mxfp8":
+        raise ValueError(f"grouped_linear: weight_format='mxfp4_qat' needs fp8 off or fp8='mxfp8' (whose 1x32 "
+                         f"power-of-two blocks hold the MXFP4 weight exactly), got fp8={fp8!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -476,7 +501,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
     x_q = None if x_fp8 is None else _precast(x_fp8, x, x.shape[0], x.shape[1], fp8)
     health = health if health is not None and health.active else None
-    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q)
+    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q,
+                                        weight_format == "mxfp4_qat")
 
 
 class GroupedLinear(nn.Module):

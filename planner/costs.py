@@ -33,6 +33,10 @@ holding r and 2cp-1-r, so every rank has the same causal work) against the whole
 the latent (576 values per token) is all-gathered forward and its gradient reduce-scattered backward, behind
 the query projections (``context_parallel_seconds``), and dense attention up-projects the gathered latent to
 per-head keys and values (``context_parallel_ops``).
+
+Optimizer (``optim.name = "muon"``): Newton-Schulz on each matrix Muon updates (``newton_schulz_flops``), once per
+matrix on the rank owning its ZeRO-1 state; its collectives are AdamW's (the owner's updated parameters reach the
+other ranks as ZeRO-1's all-gather does), its state one momentum buffer (``planner.memory``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.deepseek_v3 import ModelArgs
+import torch
+
+from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_ALIASES
 from planner.system import System
+from training.optim import is_expert_param, muon_matrices, newton_schulz_flops, uses_muon
+from training.stages import expert_range
 
 BF16 = 2
 # scale bytes per FP8 value of an activation: blockwise one fp32 per 1x128 tile, MXFP8 one UE8M0 byte per 1x32 block
@@ -430,3 +438,26 @@ def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], fir
             total = total + ops_durations(timer, mtp_extra_ops(args, w.tokens)) + block(args.n_layers + k)
         total = total + ops_durations(timer, head_ops(args, w.tokens) * (1 + args.n_mtp_layers))
     return total
+
+
+_MUON: dict[tuple[str, int, int], tuple[float, float]] = {}
+
+
+def muon_flops_per_param(args: ModelArgs, ep: int, steps: int = 5) -> tuple[float, float]:
+    """(dense, expert) Newton-Schulz FLOPs per parameter of one optimizer step, over the whole model (one EP
+    rank's experts; dense: per dense parameter, the AdamW-kept embedding, head, router and norms included, so
+    a rank's FLOPs are this times its dense parameters). Counted on a ``meta`` model with the optimizer's own
+    matrix split (each expert, each half of a fused ``w13``)."""
+    key = (repr(args), ep, steps)
+    if key not in _MUON:
+        with torch.device("meta"):
+            model = Transformer(args, expert_ids=expert_range(args, 0, ep) if ep > 1 else None)
+        flops, params = [0.0, 0.0], [0, 0]
+        for name, p in model.named_parameters():
+            kind = int(is_expert_param(name))
+            params[kind] += p.numel()
+            if uses_muon(name, p):
+                count, rows, cols = muon_matrices(name, p)
+                flops[kind] += count * newton_schulz_flops(rows, cols, steps)
+        _MUON[key] = (flops[0] / max(params[0], 1), flops[1] / max(params[1], 1))
+    return _MUON[key]

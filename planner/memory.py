@@ -8,8 +8,11 @@ the layout planner call it). Per pipeline rank (all data-parallel ranks of a sta
   built with one expert-parallel slice of the routed experts (EPLB's redundant slots included); with
   ``optim.master_dtype = "float32"`` (V3) the weights are BF16 (2 B) and the gradients FP32 (4 B,
   ``main_grad`` buffers);
-- **optimizer**: AdamW's two moments in ``optim.moments_dtype`` (fp32, or bf16 as V3), plus the FP32
-  master copy (4 B) when ``optim.master_dtype = "float32"``, sharded by ZeRO-1 over the stage's ``dp``
+- **optimizer**: AdamW's two moments in ``optim.moments_dtype`` (fp32, or bf16 as V3) per parameter; with
+  ``optim.name = "muon"`` one momentum buffer for each parameter Muon updates (``training.optim.uses_muon``: the
+  hidden matrices and every routed expert) and AdamW's two for the rest (the DSA warm-up's indexers are counted
+  as AdamW's); plus the FP32 master copy (4 B) when ``optim.master_dtype = "float32"``, sharded by ZeRO-1 over the
+  stage's ``dp``
   ranks (dense parameters) and the ``dp / ep`` expert replicas (experts), as an even split
   (``ZeroRedundancyOptimizer`` assigns whole tensors, so a shard can differ slightly);
 - **activations**: the bytes each (stage, micro-batch) keeps for backward, *measured*: every block, MTP
@@ -54,7 +57,7 @@ from models.deepseek_v3.args import RECOMPUTE_KINDS
 from planner import memory_measure as measure
 from planner.memory_measure import Measured
 from training.config import TrainConfig, schedule_of
-from training.optim import STEP_CHUNK, is_expert_param
+from training.optim import STEP_CHUNK, is_expert_param, uses_muon
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
 from training.trainer import model_args
 
@@ -104,25 +107,31 @@ def _count_modules(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
     with torch.device("meta"):
         model = Transformer(args, expert_ids=experts)
 
-    def count(module: torch.nn.Module, prefix: str) -> tuple[int, int]:
+    def count(module: torch.nn.Module, prefix: str, muon: bool = False) -> tuple[int, int]:
         dense = expert = 0
         for name, prm in module.named_parameters(prefix=prefix):
+            if muon and not uses_muon(name, prm):
+                continue
             if is_expert_param(name):
                 expert += prm.numel()
             else:
                 dense += prm.numel()
         return dense, expert
 
-    out = {f"layers.{i}": count(layer, f"layers.{i}") for i, layer in enumerate(model.layers)}
-    for name in ("embed", "norm", "head", "mtp"):
-        out[name] = count(getattr(model, name), name)
+    out = {}
+    for muon in (False, True):  # "<module> muon": the part of it Muon updates (optim.name = "muon")
+        tag = " muon" if muon else ""
+        out.update({f"layers.{i}{tag}": count(layer, f"layers.{i}", muon) for i, layer in enumerate(model.layers)})
+        for name in ("embed", "norm", "head", "mtp"):
+            out[f"{name}{tag}"] = count(getattr(model, name), name, muon)
     out["largest tensor"] = (max(prm.numel() for prm in model.parameters()), 0)
     return out
 
 
-def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int]]:
+def stage_param_counts(args: ModelArgs, cfg: TrainConfig, muon: bool = False) -> list[tuple[int, int]]:
     """(dense, expert) parameter counts of each global stage for one EP rank (EPLB's redundant slots
-    included: ``(E + redundant) / ep`` slots per rank instead of ``E / ep``)."""
+    included: ``(E + redundant) / ep`` slots per rank instead of ``E / ep``); ``muon``: of the parameters Muon
+    updates only."""
     par = cfg.parallel
     num = num_model_stages(par.schedule, par.pp, par.vpp)
     counts = _module_param_counts(args, par.ep)
@@ -136,8 +145,9 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig) -> list[tuple[int, int
             parts += ["norm", "head", "mtp"]
             if s != 0 and args.n_mtp_layers and not par.layout.same_rank(0, s):
                 parts.append("embed")  # a separate copy for MTP
-        dense = sum(counts[n][0] for n in parts)
-        expert = sum(counts[n][1] for n in parts)
+        tag = " muon" if muon else ""
+        dense = sum(counts[n + tag][0] for n in parts)
+        expert = sum(counts[n + tag][1] for n in parts)
         out.append((dense, int(expert * scale)))
     return out
 
@@ -443,6 +453,8 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     p = precision(cfg, accelerator)
     par = cfg.parallel
     counts = stage_param_counts(args, cfg)
+    # optim.name = "muon": one momentum buffer instead of AdamW's two on what Muon updates
+    muon_counts = stage_param_counts(args, cfg, muon=True) if cfg.optim.name == "muon" else [(0, 0)] * len(counts)
     saved, work, detail = stage_activation_bytes(args, cfg, p)
     peaks, live = _live_activation_peak(cfg, saved)
     comm = _comm_bytes(args, cfg, p, recipe_of(cfg, override=fp8_recipe))
@@ -457,11 +469,14 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
         expert = sum(counts[s][1] for s in mine)
         # the DSA warm-up trains the indexers only: nothing else has a gradient or optimizer state
         train_dense, train_expert = (sum(indexers[s] for s in mine), 0) if indexers else (dense, expert)
+        muon_dense, muon_expert = (0, 0) if indexers else (sum(muon_counts[s][0] for s in mine),
+                                                           sum(muon_counts[s][1] for s in mine))
+        per_state = train_dense / shard_dense + train_expert / shard_expert  # master copy: every trained element
+        moments = p.moments * per_state - (p.moments - 1) * (muon_dense / shard_dense + muon_expert / shard_expert)
         items = {
             "weights": (dense + expert) * p.param,
             "gradients": (train_dense + train_expert) * p.grad,
-            "optimizer": int((p.moments * p.moment + p.master) * (train_dense / shard_dense
-                                                                  + train_expert / shard_expert)),
+            "optimizer": int(moments * p.moment + p.master * per_state),
             "activations": peaks[r],
         }
         items["transient"] = max(max(work[s] for s in mine), step_transient - items["activations"], 0)

@@ -29,6 +29,7 @@ from planner.costs import (
     Durations,
     OpTimer,
     Workload,
+    muon_flops_per_param,
     part_durations,
     recompute_kinds,
 )
@@ -321,7 +322,7 @@ GRADIENT_PASSES = 4  # zero (write), scale by 1 / dp (read + write), global norm
 
 
 def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[RankMemory],
-                      passes: int = GRADIENT_PASSES) -> tuple[float, float]:
+                      args: ModelArgs, passes: int = GRADIENT_PASSES) -> tuple[float, float]:
     """(DP communication, optimizer step) seconds after the pipeline, on the slowest pipeline rank.
 
     Dense gradients reduce over the stage's ``dp`` ranks, expert gradients over its ``dp / ep`` replicas
@@ -331,7 +332,8 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
     reads gradient, moments (and master) and writes parameter, moments (and master) of its shard, after
     ``passes`` (``GRADIENT_PASSES``) passes over the rank's whole gradient buffer (``training.trainer.train_step``:
     zeroed before the step, scaled by 1 / dp around its reduction, read for the global norm; Megatron-Core's step
-    makes the same four, as SimuMax accounts it).
+    makes the same four, as SimuMax accounts it). Muon (``optim.name``) adds its Newton-Schulz GEMMs
+    (``planner.costs.muon_flops_per_param``) on the owner of each matrix.
     """
     s, g = req.system, req.system.gpus_per_node
     p = precision(cfg, accelerator=True)
@@ -350,13 +352,19 @@ def optimizer_seconds(req: Request, lay: Layout, cfg: TrainConfig, ranks: list[R
             c = _ring_seconds(s, dense * gbytes, ranks_dp, spans_dp, 2.0) + _ring_seconds(s, expert * gbytes, edp,
                                                                                          spans_edp, 2.0)
             shard = dense + expert
-        # as the memory model stores them: the optimizer item holds both moments (and the masters, if any)
-        moment_bytes = (r.optim_bytes / shard - master) / 2 if shard else pbytes
-        # read g, (master), m, v; write p, (master), m, v
-        traffic = shard * (gbytes + 2 * master + 4 * moment_bytes + pbytes + (0 if master else 2 * pbytes))
+        # as the memory model stores them: the optimizer item holds the moments (and the masters, if any)
+        state_bytes = (r.optim_bytes / shard - master) if shard else 2 * pbytes
+        # read g, (master), the moments (AdamW m, v; Muon's buffer); write p, (master), the moments
+        traffic = shard * (gbytes + 2 * master + 2 * state_bytes + pbytes + (0 if master else 2 * pbytes))
         traffic += passes * (dense + expert) * gbytes
+        seconds = traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory"))
+        if cfg.optim.name == "muon":  # Newton-Schulz in BF16 GEMMs, each matrix on its owner (an even share)
+            per_dense, per_expert = muon_flops_per_param(args, lay.ep, cfg.optim.muon_ns_steps)
+            owned_dense, owned_expert = (dense / ranks_dp, expert / edp) if lay.zero1 else (dense, expert)
+            flops = per_dense * owned_dense + per_expert * owned_expert
+            seconds += flops / (s.bf16_tflops * 1e12 * s.kernel_efficiency("gemm"))
         comm = max(comm, c)
-        step = max(step, traffic / (s.memory_gbps * 1e9 * s.kernel_efficiency("memory")))
+        step = max(step, seconds)
     return comm, step
 
 
@@ -386,8 +394,8 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
     else:
         figures = pipeline_cache[key]
     makespan, busy, exposed = figures
-    dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks)
-    opt_bare = optimizer_seconds(req, lay, cfg, ranks, passes=0)[1]
+    dp_comm, opt = optimizer_seconds(req, lay, cfg, ranks, args)
+    opt_bare = optimizer_seconds(req, lay, cfg, ranks, args, passes=0)[1]
     stretch = straggler_factor(s.jitter_cv, math.ceil(req.gpus / s.gpus_per_node))
     breakdown = {"pipeline": makespan, "exposed_pipeline_comm": exposed, "microbatches": lay.microbatches,
                  "straggler": stretch, "dp_comm": dp_comm, "optimizer": opt_bare, "optimizer_with_passes": opt}

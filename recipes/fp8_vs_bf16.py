@@ -1,11 +1,14 @@
 """FP8 vs BF16 training of the same DeepSeek-V3 over several seeds: the loss gap with a confidence interval.
 
     python -m recipes.fp8_vs_bf16 [--steps 60] [--seeds 3] [--window 20] [--threshold 0.25]
-                                  [--recipes blockwise[,mxfp8]] [--nproc 1] [--out runs/fp8_vs_bf16] [--set k=v ...]
+                                  [--recipes blockwise[,mxfp8][,muon][,mxfp4_qat]] [--nproc 1]
+                                  [--out runs/fp8_vs_bf16] [--set k=v ...]
 
 For each seed the same model is trained once without FP8 (bf16 autocast on a GPU, fp32 on a CPU) and once
 per FP8 recipe (``model.fp8=true``: attention projections and expert GEMMs block-scaled in deep_gemm; with
-the MXFP8 recipe, ``model.fp8_recipe``, when the config has it). The seed sets the initial weights and the
+the MXFP8 recipe, ``model.fp8_recipe``, when the config has it). ``--recipes muon,mxfp4_qat`` compares
+DeepSeek-V4's choices the same way: Muon against AdamW (``optim.name``) and MXFP4 quantisation-aware routed
+experts against BF16 ones (``model.expert_weight_format``), each without FP8. The seed sets the initial weights and the
 data order, and both runs of a seed share them: the gap of a seed is a paired difference, so most of the
 run-to-run noise cancels. Per window of ``--window`` steps and per seed, the relative gap is
 ``mean(FP8 loss) / mean(BF16 loss) - 1``; across the seeds this prints the mean gap and the 95% Student-t
@@ -47,6 +50,10 @@ BASE = ["logging.progress=false", "logging.wandb=disabled", "checkpoint.final=fa
 SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
 BASELINE = "bf16"
 FP8_RECIPES = ("blockwise", "mxfp8")
+# the other variants compared with the same baseline (no FP8, AdamW, BF16 experts): DeepSeek-V4's optimizer and
+# expert precision, one config key each
+OTHER_VARIANTS = {"muon": "Muon", "mxfp4_qat": "MXFP4 QAT experts"}
+VARIANTS = FP8_RECIPES + tuple(OTHER_VARIANTS)
 
 
 def has_recipe_field() -> bool:
@@ -62,22 +69,31 @@ def default_recipes() -> list[str]:
 def parse_recipes(text: str) -> list[str]:
     """``--recipes`` as a list; ValueError naming the option for an unknown or unavailable recipe."""
     names = [r.strip() for r in text.split(",") if r.strip()]
-    bad = [r for r in names if r not in FP8_RECIPES]
+    bad = [r for r in names if r not in VARIANTS]
     if not names or bad:
-        raise ValueError(f"--recipes must be a comma-separated subset of {', '.join(FP8_RECIPES)}, got {text!r}")
-    if any(r != "blockwise" for r in names) and not has_recipe_field():
+        raise ValueError(f"--recipes must be a comma-separated subset of {', '.join(VARIANTS)}, got {text!r}")
+    if any(r == "mxfp8" for r in names) and not has_recipe_field():
         raise ValueError(f"--recipes {text!r}: this checkout has no model.fp8_recipe (the MXFP8 recipe); "
                          "only 'blockwise' can run here")
     return list(dict.fromkeys(names))
 
 
-def variant(nproc: int, steps: int, seed: int, recipe: str, overrides: list[str]) -> list[str]:
-    """The ``--set`` overrides of one run: ``recipe`` is ``bf16`` (no FP8) or an FP8 recipe."""
+def variant(nproc: int, steps: int, seed: int, recipe: str, overrides: list[str],
+            config: str | None = None) -> list[str]:
+    """The ``--set`` overrides of one run: ``recipe`` is ``bf16`` (no FP8), an FP8 recipe, ``muon``
+    (``optim.name = "muon"`` at the config's AdamW LR and weight decay: Moonlight's RMS-matched scale makes them
+    carry over) or ``mxfp4_qat`` (``model.expert_weight_format``); the last two without FP8."""
     layout = SINGLE if nproc == 1 else []
-    fp8 = [f"model.fp8={str(recipe != BASELINE).lower()}"]
-    if recipe != BASELINE and has_recipe_field():
-        fp8.append(f"model.fp8_recipe={recipe}")
-    return BASE + layout + [f"run.steps={steps}", f"run.seed={seed}"] + fp8 + overrides
+    fp8 = recipe in FP8_RECIPES
+    sets = [f"model.fp8={str(fp8).lower()}"]
+    if fp8 and has_recipe_field():
+        sets.append(f"model.fp8_recipe={recipe}")
+    if recipe == "muon":
+        optim = load_config(config, overrides).optim
+        sets += ['optim.name="muon"', f"optim.muon_lr={optim.lr!r}", f"optim.muon_weight_decay={optim.weight_decay!r}"]
+    if recipe == "mxfp4_qat":
+        sets.append('model.expert_weight_format="mxfp4_qat"')
+    return BASE + layout + [f"run.steps={steps}", f"run.seed={seed}"] + sets + overrides
 
 
 # ---------------------------------------------------------------- the statistics
@@ -160,7 +176,9 @@ def verdict(gap: WindowGap, threshold: float) -> str:
 
 def verdict_line(recipe: str, gap: WindowGap, threshold: float, size: str) -> str:
     """The one line a user reads."""
-    return (f"FP8 ({recipe}) vs BF16 at {size}: gap {gap.mean * 100:+.3f}% +- {gap.half_width * 100:.3f}% "
+    name = (f"{OTHER_VARIANTS[recipe]} vs AdamW + BF16 experts" if recipe in OTHER_VARIANTS
+            else f"FP8 ({recipe}) vs BF16")
+    return (f"{name} at {size}: gap {gap.mean * 100:+.3f}% +- {gap.half_width * 100:.3f}% "
             f"(95% t-interval) over {gap.n} seeds, steps {gap.start}-{gap.end - 1}: "
             f"{verdict(gap, threshold)} {threshold * 100:g}%")
 
@@ -193,7 +211,8 @@ def check_inputs(ns: argparse.Namespace) -> None:
     if not 0 < ns.threshold < 100:
         raise ValueError(f"--threshold must be a percentage in (0, 100), got {ns.threshold}")
     for recipe in [BASELINE, *ns.recipes]:
-        check_static(load_config(ns.config, variant(ns.nproc, ns.steps, ns.seed, recipe, ns.overrides)), ns.nproc)
+        check_static(load_config(ns.config, variant(ns.nproc, ns.steps, ns.seed, recipe, ns.overrides, ns.config)),
+                     ns.nproc)
 
 
 def size_text(ns: argparse.Namespace) -> str:
@@ -250,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=positive_int, default=20, help="steps per gap window (the verdict: the last)")
     ap.add_argument("--threshold", type=float, default=0.25, help="verdict threshold, percent relative gap")
     ap.add_argument("--recipes", default=",".join(default_recipes()),
-                    help=f"FP8 recipes to compare with BF16, comma-separated from {', '.join(FP8_RECIPES)} "
-                         "(default: every one this checkout has)")
+                    help=f"variants to compare with BF16 + AdamW, comma-separated from {', '.join(VARIANTS)} "
+                         "(default: every FP8 recipe this checkout has)")
     ap.add_argument("--out", default="runs/fp8_vs_bf16", help="folder for the runs, the plot and the JSON")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key of every run (repeatable)")
@@ -271,14 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(ns.seeds):
         seed = ns.seed + i
         for name in names:
-            curves[name].append(losses(ns.config, ns.nproc, variant(ns.nproc, ns.steps, seed, name, ns.overrides),
-                                       out / f"seed{seed}" / name, ns.steps))
+            sets = variant(ns.nproc, ns.steps, seed, name, ns.overrides, ns.config)
+            curves[name].append(losses(ns.config, ns.nproc, sets, out / f"seed{seed}" / name, ns.steps))
             print(f"seed {seed} {name}: final loss {curves[name][-1][-1]:.4f}", flush=True)
     gaps = {name: window_gaps(curves[name], curves[BASELINE], ns.window) for name in ns.recipes}
     plot(curves, gaps, threshold, out / "fp8_vs_bf16.png")
     size = size_text(ns)
     lines = [verdict_line(name, rows[-1], threshold, size) for name, rows in gaps.items()]
-    print("== FP8 vs BF16: relative training-loss gap per window, mean over seeds +- 95% t-interval ==")
+    print(f"== {', '.join(ns.recipes)} vs BF16 + AdamW: relative training-loss gap per window, mean over seeds "
+          "+- 95% t-interval ==")
     print(", ".join(f"{k}={v}" for k, v in context().items()))
     for name, rows in gaps.items():
         for g in rows:

@@ -173,7 +173,7 @@ def test_zero1_sharded_master_weights_equal_unsharded():
     (["run.dtype=\"float64\"", "optim.master_dtype=\"float32\""],
      "needs run.dtype='bfloat16', got run.dtype='float64'"),
     (["run.dtype=\"bfloat16\"", "optim.master_dtype=\"float32\"", "optim.name=\"sgd\""],
-     "optim.master_dtype='float32' needs optim.name='adamw'.*choices for it: adamw, sgd"),
+     "optim.master_dtype='float32' needs optim.name='adamw'.*choices for it: adamw, muon, sgd"),
     (["optim.master_dtype=\"bfloat16\""], "optim.master_dtype must be one of param, float32"),
 ])
 def test_bad_master_weight_configs_name_the_key_and_choices(sets, message):

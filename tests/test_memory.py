@@ -109,7 +109,7 @@ def test_optimizer_options_fail_with_the_key_named():
         load_config(None, ["optim.moments_dtype=\"fp8\""])
     with pytest.raises(ValueError, match="optim.ema_decay"):
         load_config(None, ["optim.ema_decay=1.5"])
-    with pytest.raises(ValueError, match="optim.name must be one of adamw, sgd"):
+    with pytest.raises(ValueError, match="optim.name must be one of adamw, muon, sgd"):
         load_config(None, ["optim.name=\"lion\""])
     cls, kw = optimizer_spec(load_config(None, ["optim.moments_dtype=\"bfloat16\""]).optim)
     assert cls is AdamW and kw["moments_dtype"] == torch.bfloat16

@@ -32,14 +32,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
-from deep_gemm.linear import FP8_RECIPES
+from deep_gemm.linear import EXPERT_WEIGHT_FORMATS, FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes, check_vpp
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 from training.schedule import Schedule, parse_curve
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "muon", "sgd")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
 MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
@@ -86,6 +87,9 @@ class ModelConfig:
     # with fp8: "blockwise" (DeepSeek-V3: 1x128 activations, 128x128 weights, fp32 scales) or "mxfp8" (1x32 blocks
     # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
     fp8_recipe: str = "blockwise"
+    # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
+    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, fp8_recipe mxfp8)
+    expert_weight_format: str = "bf16"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
@@ -144,7 +148,16 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_grad: float = 1.0  # 0 = no clipping
-    name: str = "adamw"  # adamw | sgd (momentum = betas[0]; one moment)
+    name: str = "adamw"  # adamw | muon (hidden matrices; AdamW for the rest) | sgd (momentum = betas[0]; one moment)
+    # Muon's group (optim.name = "muon"); lr, weight_decay, betas, eps above are the AdamW group's (docs/muon.md)
+    muon_lr: float = 2.2e-4
+    muon_weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # match_rms_adamw: step x update_rms x sqrt(max(rows, cols)) (Moonlight 0.2; V4 reports 0.18) | original
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_update_rms: float = 0.2
     moments_dtype: str = "param"  # param (the master weights' dtype) | bfloat16 (V3: AdamW moments in BF16)
     # param: the parameters are the master weights | float32: with run.dtype = "bfloat16", BF16 working weights,
     # an FP32 master copy in the (ZeRO-1 sharded) optimizer state and FP32 gradient accumulation (V3)
@@ -579,10 +592,23 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     if o.name not in OPTIMIZERS:
         raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {o.name!r}")
+    if o.muon_lr <= 0:
+        raise ValueError(f"optim.muon_lr (Muon's LR) must be > 0, got {o.muon_lr}")
+    if o.muon_weight_decay < 0:
+        raise ValueError(f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ValueError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if not 1 <= o.muon_ns_steps < 100:
+        raise ValueError(f"optim.muon_ns_steps (Newton-Schulz iterations) must be in [1, 100), got {o.muon_ns_steps}")
+    if o.muon_adjust_lr not in MUON_ADJUST_LR:
+        raise ValueError(f"optim.muon_adjust_lr must be one of {', '.join(MUON_ADJUST_LR)}, got {o.muon_adjust_lr!r}")
+    if o.muon_update_rms <= 0:
+        raise ValueError(f"optim.muon_update_rms must be > 0 (Moonlight 0.2, V4 0.18), got {o.muon_update_rms}")
     if o.moments_dtype not in MOMENT_DTYPES:
         raise ValueError(f"optim.moments_dtype must be one of {', '.join(MOMENT_DTYPES)}, got {o.moments_dtype!r}")
-    if o.moments_dtype == "bfloat16" and o.name != "adamw":
-        raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' (the optimizer with BF16 moments); "
+    if o.moments_dtype == "bfloat16" and o.name == "sgd":
+        raise ValueError(f"optim.moments_dtype='bfloat16' needs optim.name='adamw' or 'muon' (the optimizers with BF16 "
+                         f"moments); "
                          f"optim.name={o.name!r} cannot take them (choices for it: {', '.join(OPTIMIZERS)})")
     if o.master_dtype not in MASTER_DTYPES:
         raise ValueError(f"optim.master_dtype must be one of {', '.join(MASTER_DTYPES)}, got {o.master_dtype!r}")
@@ -590,13 +616,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.master_dtype='float32' keeps an FP32 master copy of BF16 working weights: it needs "
                          f"run.dtype='bfloat16', got run.dtype={r.dtype!r} (with float32 the parameters are already "
                          f"the master weights; choices for optim.master_dtype: {', '.join(MASTER_DTYPES)})")
-    if o.master_dtype == "float32" and o.name != "adamw":
-        raise ValueError(f"optim.master_dtype='float32' needs optim.name='adamw' (the optimizer that keeps the master "
-                         f"copy); optim.name={o.name!r} cannot (choices for it: {', '.join(OPTIMIZERS)})")
+    if o.master_dtype == "float32" and o.name == "sgd":
+        raise ValueError(f"optim.master_dtype='float32' needs optim.name='adamw' or 'muon' (the optimizers that keep "
+                         f"the master copy); optim.name={o.name!r} cannot (choices for it: {', '.join(OPTIMIZERS)})")
     if not 0.0 <= o.ema_decay < 1.0:
         raise ValueError(f"optim.ema_decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
-    if o.ema_decay and o.name != "adamw":
-        raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' (the EMA lives in its per-parameter state); "
+    if o.ema_decay and o.name == "sgd":
+        raise ValueError(f"optim.ema_decay > 0 needs optim.name='adamw' or 'muon' (the EMA lives in their "
+                         f"per-parameter state); "
                          f"got optim.name={o.name!r}")
     if cfg.logging.wandb not in ("offline", "online", "disabled"):
         raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.logging.wandb!r}")
@@ -616,6 +643,14 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"model.{key} must be >= 0, got {getattr(cfg.model, key)}")
     if cfg.model.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"model.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {cfg.model.fp8_recipe!r}")
+    fmt = cfg.model.expert_weight_format
+    if fmt not in EXPERT_WEIGHT_FORMATS:
+        raise ValueError(f"model.expert_weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt == "fp8" and not cfg.model.fp8:
+        raise ValueError("model.expert_weight_format='fp8' is V3's FP8 expert GEMM: it needs model.fp8=true")
+    if fmt == "mxfp4_qat" and cfg.model.fp8 and cfg.model.fp8_recipe != "mxfp8":
+        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false or model.fp8_recipe='mxfp8' "
+                         f"(whose 1x32 power-of-two blocks hold MXFP4 weights exactly), got {cfg.model.fp8_recipe!r}")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "

@@ -15,7 +15,9 @@
   worker thread from a host snapshot taken right after each update (V3 keeps it on the CPU).
 - ZeRO-1: PyTorch's ``ZeroRedundancyOptimizer`` shards the states over the data-parallel ranks
   that hold the same parameters: dense parameters over the stage's ``dp`` group, expert parameters
-  over the ``edp`` group (the replicas of the same expert shard), so two optimizers.
+  over the ``edp`` group (the replicas of the same expert shard), so two optimizers. Muon
+  (``optim.name = "muon"``, docs/muon.md) shards the same way with whole matrices balanced by their
+  Newton-Schulz FLOPs (``MatrixOwners``).
 - Gradients: dense ones are averaged over ``dp``; expert ones are summed over ``edp`` and divided
   by ``dp`` (their all-to-all backward already summed the contributions of the ``ep`` ranks).
 - Clipping at 1.0 on the global norm: every parameter counted exactly once over the whole world.
@@ -25,9 +27,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -84,7 +87,6 @@ class AdamW(torch.optim.Optimizer):
         snapshots = []
         self.wait_ema()  # the snapshot buffers are about to be rewritten
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 g = grads.grad(p)
                 if g is None:
@@ -94,38 +96,46 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     if self.master_dtype is not None:
                         state["master"] = p.detach().to(**self._state_placement(p, "master"), copy=True)
-                    for key in ("exp_avg", "exp_avg_sq"):
+                    for key in self._moment_keys(group):
                         state[key] = torch.zeros_like(p, **self._state_placement(p, key),
                                                       memory_format=torch.preserve_format)
                 state["step"] += 1
-                step = float(state["step"])
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-                step_size = lr / bias_correction1
-                has_master = "master" in state
-                target = state["master"] if has_master else p  # what the update applies to
-                flat = [target.view(-1), g.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                        p.view(-1)]
-                math_dtype = torch.promote_types(target.dtype, torch.float32)
-                for lo in range(0, p.numel(), STEP_CHUNK):
-                    master, grad, m_store, v_store, param = (t[lo:lo + STEP_CHUNK] for t in flat)
-                    grad = grad.to(math_dtype)
-                    work = master.to(math_dtype)
-                    m, v = m_store.to(math_dtype), v_store.to(math_dtype)
-                    work.mul_(1 - lr * wd)
-                    m.lerp_(grad, 1 - beta1)
-                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-                    work.addcdiv_(m, denom, value=-step_size)
-                    stores = ((master, work), (m_store, m), (v_store, v)) + (((param, work),) if has_master else ())
-                    for store, value in stores:
-                        if value is not store:
-                            store.copy_(value)  # rounded to nearest into a narrower store
+                target = state["master"] if "master" in state else p  # what the update applies to
+                self._update(group, p, g, state, target)
                 if self.ema_decay:
                     snapshots.append((p, self._snapshot(p, target)))  # the EMA of the master weights
         if snapshots:
             self._ema_job = self._ema_pool.submit(self._update_ema, snapshots, _copy_done_event())
         return loss
+
+    def _moment_keys(self, group: dict) -> tuple[str, ...]:
+        """The per-parameter moment states of a parameter in ``group``."""
+        return ("exp_avg", "exp_avg_sq")
+
+    def _update(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict, target: torch.Tensor) -> None:
+        """One AdamW update of ``target`` (``p`` or its master; ``p`` gets the master's rounding) from ``g``."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step = float(state["step"])
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+        step_size = lr / bias_correction1
+        has_master = target is not p
+        flat = [target.view(-1), g.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), p.view(-1)]
+        math_dtype = torch.promote_types(target.dtype, torch.float32)
+        for lo in range(0, p.numel(), STEP_CHUNK):
+            master, grad, m_store, v_store, param = (t[lo:lo + STEP_CHUNK] for t in flat)
+            grad = grad.to(math_dtype)
+            work = master.to(math_dtype)
+            m, v = m_store.to(math_dtype), v_store.to(math_dtype)
+            work.mul_(1 - lr * wd)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            work.addcdiv_(m, denom, value=-step_size)
+            stores = ((master, work), (m_store, m), (v_store, v)) + (((param, work),) if has_master else ())
+            for store, value in stores:
+                if value is not store:
+                    store.copy_(value)  # rounded to nearest into a narrower store
 
     def _snapshot(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A host copy of ``value`` (``p`` or its master) as it is now (queued on the current stream: later
@@ -180,6 +190,122 @@ class AdamW(torch.optim.Optimizer):
         return {p: s["ema"] for p, s in self.state.items() if "ema" in s}
 
 
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+
+
+def newton_schulz(g: torch.Tensor, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                  ns_steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The orthogonalised ``g`` (2-D) as ``torch.optim.Muon`` computes it: ``ns_steps`` quintic Newton-Schulz
+    iterations in bfloat16 on ``g / ||g||_F``, on the wide orientation (same operations in the same order, so
+    the same bits); returns bfloat16."""
+    a, b, c = ns_coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_ratio(adjust_lr_fn: str, update_rms: float, rows: int, cols: int) -> float:
+    """Scale of the LR of a ``rows`` x ``cols`` matrix: ``update_rms * sqrt(max(rows, cols))`` makes the
+    orthogonalised update's RMS ``update_rms`` (Moonlight's 0.2 gives AdamW's typical RMS, so AdamW's LR and
+    weight decay carry over: torch's ``match_rms_adamw``); ``original``: Keller Jordan's ``sqrt(max(1, rows /
+    cols))``."""
+    if adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return update_rms * math.sqrt(max(rows, cols))
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration ``X X^T`` (2 m^2 n), the quintic's
+    ``gram @ gram`` (2 m^3) and ``poly @ X`` (2 m^2 n), on the wide orientation (m = min, n = max)."""
+    m, n = sorted((rows, cols))
+    return float(steps * (4 * m * m * n + 2 * m**3))
+
+
+def muon_matrices(name: str, p: torch.Tensor) -> tuple[int, int, int]:
+    """(count, rows, cols) of the matrices Muon orthogonalises one at a time in ``p``: a 3-D grouped expert
+    weight ``[experts, out, in]`` is one matrix per expert; a fused ``w13`` (``[w1; w3]`` along the output rows)
+    is its two matrices, as the model they come from trains them."""
+    lead = p.shape[0] if p.ndim == 3 else 1
+    rows, cols = p.shape[-2], p.shape[-1]
+    if name.rsplit(".", 2)[-1] == "w13" or name.endswith("w13.weight"):
+        return 2 * lead, rows // 2, cols
+    return lead, rows, cols
+
+
+class Muon(AdamW):
+    """Muon for the hidden matrices, AdamW for everything else (``use_muon`` per parameter group), one optimizer.
+
+    A Muon group's update is ``torch.optim.Muon``'s, matrix by matrix (``matrices``: ``id(param) -> (count,
+    rows, cols)``; the parameter is viewed as ``count`` matrices, each orthogonalised alone, see
+    ``muon_matrices``): momentum ``buf = lerp(buf, g, 1 - momentum)``, Nesterov ``lerp(g, buf, momentum)``,
+    ``newton_schulz``, decoupled decay ``lr * weight_decay`` and the step ``lr * muon_lr_ratio``. The momentum
+    buffer is the group's only state (``momentum_buffer``, in ``moments_dtype`` like AdamW's moments). Master
+    weights, BF16 moments and the host EMA are ``AdamW``'s, for both kinds of group. Under ZeRO-1 each rank's
+    ``Muon`` holds the parameters it owns whole (``MatrixOwners``), so each matrix's Newton-Schulz runs once, on
+    the rank owning its state, and the updated parameters are broadcast from it.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, moments_dtype: torch.dtype | None = None, ema_decay: float = 0.0,
+                 master_dtype: torch.dtype | None = None, matrices: dict[int, tuple[int, int, int]] | None = None,
+                 use_muon: bool = False, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), ns_steps: int = 5,
+                 ns_eps: float = 1e-7, adjust_lr_fn: str = "match_rms_adamw", update_rms: float = 0.2):
+        if adjust_lr_fn not in MUON_ADJUST_LR:
+            raise ValueError(f"Muon: adjust_lr_fn must be one of {', '.join(MUON_ADJUST_LR)}, got {adjust_lr_fn!r}")
+        self.matrices = dict(matrices or {})
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, moments_dtype=moments_dtype,
+                         ema_decay=ema_decay, master_dtype=master_dtype)
+        self.defaults.update(use_muon=use_muon, momentum=momentum, nesterov=nesterov,
+                             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
+                             adjust_lr_fn=adjust_lr_fn, update_rms=update_rms)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            if group["lr"] <= 0 and group["use_muon"]:
+                raise ValueError(f"Muon: the Muon group's lr must be > 0, got {group['lr']}")
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(f"Muon: a Muon parameter must be a matrix or a stack of them, got shape "
+                                         f"{tuple(p.shape)}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        for key, value in getattr(self, "defaults", {}).items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+
+    def _moment_keys(self, group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["use_muon"] else super()._moment_keys(group)
+
+    def _update(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict, target: torch.Tensor) -> None:
+        if not group["use_muon"]:
+            return super()._update(group, p, g, state, target)
+        count, rows, cols = self.matrices.get(id(p), (p.numel() // (p.shape[-2] * p.shape[-1]),) + tuple(p.shape[-2:]))
+        store = state["momentum_buffer"]
+        math_dtype = torch.promote_types(target.dtype, torch.float32)
+        grad = g if g.dtype == math_dtype else g.to(math_dtype)
+        buf = store if store.dtype == math_dtype else store.to(math_dtype)
+        buf.lerp_(grad, 1 - group["momentum"])
+        if buf is not store:
+            store.copy_(buf)
+        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        ortho = torch.stack([newton_schulz(m, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+                             for m in update.reshape(count, rows, cols)]).view(p.shape)
+        lr = group["lr"]
+        target.mul_(1 - lr * group["weight_decay"])
+        target.add_(ortho, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], group["update_rms"], rows, cols))
+        if target is not p:
+            p.copy_(target)  # bf16(master), rounded to nearest
+
+
 def _copy_done_event():
     """A device event after the snapshot copies (None on a CPU, where they are synchronous)."""
     if accel.backend() == "cpu":
@@ -207,17 +333,43 @@ def split_params(modules: Iterable[nn.Module]) -> tuple[list[tuple[str, nn.Param
     return dense, expert
 
 
-def _param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    decay = [p for _, p in named if p.ndim >= 2]
-    no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+ADAMW_MATRICES = ("embed", "head", "gate")  # 2-D parameters Muon leaves to AdamW (V4: embedding, head, router)
+
+
+def uses_muon(name: str, p: torch.Tensor) -> bool:
+    """Whether Muon updates the parameter ``name``: the hidden matrices (attention, indexer and FFN projections,
+    dense, shared and routed experts, MTP's projection); AdamW keeps the embedding, the output head, the router
+    gate, norm weights and biases (DeepSeek-V4's split)."""
+    parts = name.split(".")
+    module = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+    return p.ndim >= 2 and parts[-1] != "bias" and module not in ADAMW_MATRICES
+
+
+def _param_groups(named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> list[dict]:
+    """AdamW groups with and without decay (1-D parameters); with ``optim.name = "muon"`` first a Muon group of
+    the hidden matrices with their own LR and weight decay (every group says ``use_muon``)."""
+    muon = cfg.name == "muon"
+    matrices = [p for name, p in named if muon and uses_muon(name, p)]
+    taken = {id(p) for p in matrices}
+    rest = [p for _, p in named if id(p) not in taken]
+    groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+    if muon:
+        groups = [{"params": matrices, "weight_decay": cfg.muon_weight_decay, "lr": cfg.muon_lr, "use_muon": True}] + [
+            {**g, "lr": cfg.lr, "use_muon": False} for g in groups]
     return [g for g in groups if g["params"]]
 
 
 def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """(optimizer class, its keyword arguments but the parameters) for ``cfg``: PyTorch's AdamW unless the
     moments are BF16, an EMA is kept or FP32 master weights are (then ``AdamW`` above), PyTorch's SGD with
-    momentum ``betas[0]``."""
+    momentum ``betas[0]``; ``Muon`` (with AdamW groups) for ``muon``."""
+    if cfg.name == "muon":
+        dtype = torch.bfloat16 if cfg.moments_dtype == "bfloat16" else None
+        master = torch.float32 if cfg.master_dtype == "float32" else None
+        return Muon, dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, moments_dtype=dtype, ema_decay=cfg.ema_decay,
+                          master_dtype=master, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                          ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr, update_rms=cfg.muon_update_rms)
     if cfg.name == "sgd":
         if cfg.moments_dtype != "param" or cfg.ema_decay or cfg.master_dtype != "param":
             raise ValueError(f"optim.name='sgd' cannot take optim.moments_dtype={cfg.moments_dtype!r}, "
@@ -230,6 +382,67 @@ def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]
     dtype = torch.bfloat16 if cfg.moments_dtype == "bfloat16" else None
     master = torch.float32 if cfg.master_dtype == "float32" else None
     return AdamW, {**kw, "moments_dtype": dtype, "ema_decay": cfg.ema_decay, "master_dtype": master}
+
+
+def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
+    """The rank owning each item: largest cost first, each to the least loaded rank so far (ties: the lowest
+    rank), the longest-processing-time greedy; deterministic, so every rank computes the same plan."""
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += costs[i]
+    return owner
+
+
+class MatrixOwners:
+    """ZeRO-1 for Muon: every parameter whole on one rank of ``group``, which keeps its state, updates it and
+    broadcasts it (``broadcast``, after the step) to the others.
+
+    Muon's matrices are balanced by their Newton-Schulz FLOPs (``newton_schulz_flops`` of each matrix, as
+    Megatron-Core's and Moonlight's distributed Muon balance the orthogonalisation), the AdamW parameters by their
+    elements (their state's bytes), each set on its own: ``ZeroRedundancyOptimizer`` balances elements only,
+    which leaves the rank owning the widest matrices with several times the others' Newton-Schulz work.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, ns_steps: int):
+        world = dist.get_world_size(group)
+        self.group, self.rank = group, dist.get_rank(group)
+        self.sources = [dist.get_global_rank(group, r) for r in range(world)]
+        self.params = [p for _, p in named]
+        self.owner: dict[int, int] = {}
+        muon = [(n, p) for n, p in named if uses_muon(n, p)]
+        rest = [(n, p) for n, p in named if not uses_muon(n, p)]
+
+        def flops(name: str, p: torch.Tensor) -> float:
+            count, rows, cols = muon_matrices(name, p)
+            return count * newton_schulz_flops(rows, cols, ns_steps)
+
+        for items, cost in ((muon, flops), (rest, lambda name, p: float(p.numel()))):
+            for (_, p), rank in zip(items, owners_by_cost([cost(n, p) for n, p in items], world)):
+                self.owner[id(p)] = rank
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return self.owner[id(p)] == self.rank
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Each owner's updated parameters to every rank of the group: one flat broadcast per owner and dtype."""
+        for rank, src in enumerate(self.sources):
+            mine = [p for p in self.params if self.owner[id(p)] == rank]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                ps = [p for p in mine if p.dtype == dtype]
+                if rank == self.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                else:
+                    flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+                dist.broadcast(flat, src=src, group=self.group)
+                if rank != self.rank:
+                    offset = 0
+                    for p in ps:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
 
 
 class Optimizers:
@@ -245,21 +458,31 @@ class Optimizers:
         self.dense_params = [p for _, p in dense]
         self.expert_params = [p for _, p in expert]
         optimizer_class, kw = optimizer_spec(cfg)
+        if optimizer_class is Muon:  # how each Muon parameter splits into matrices (the w13 halves need the name)
+            optimizer_class = functools.partial(Muon, matrices={id(p): muon_matrices(name, p)
+                                                                for name, p in dense + expert if uses_muon(name, p)})
         if cfg.master_dtype == "float32":
             grads.keep_main_grads(self.dense_params + self.expert_params, torch.float32)
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.owners: list[MatrixOwners] = []  # Muon's ZeRO-1 (whole matrices balanced by FLOPs)
         for named, group in ((dense, dp_group), (expert, edp_group)):
             if not named:
                 continue
-            groups = _param_groups(named, cfg.weight_decay)
+            groups = _param_groups(named, cfg)
             shard = zero1 and group is not None and dist.get_world_size(group) > 1
-            if shard:
+            if shard and cfg.name == "muon":
+                owners = MatrixOwners(named, group, cfg.muon_ns_steps)
+                self.owners.append(owners)  # every group kept (maybe empty here): the same grouping on every rank
+                opt = optimizer_class([{**g, "params": [p for p in g["params"] if owners.owns(p)]} for g in groups],
+                                      **kw)
+            elif shard:
                 # imported here: torch.distributed.optim pulls in FSDP, DTensor and sympy, seconds of start-up
                 # that only a sharded run needs (every launcher's parent process and one-process run skip it)
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+                first = {k: v for k, v in groups[0].items() if k != "params"}
                 opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
-                                              process_group=group, weight_decay=groups[0]["weight_decay"], **kw)
+                                              process_group=group, **{**kw, **first})
                 for g in groups[1:]:
                     opt.add_param_group(g)
             else:
@@ -279,6 +502,8 @@ class Optimizers:
     def step(self) -> None:
         for opt in self.optimizers:
             opt.step()
+        for owners in self.owners:
+            owners.broadcast()
 
     def state_dict(self) -> list[dict]:
         """This rank's optimizer states (ZeRO shards are consolidated by the checkpoint code if needed)."""

@@ -80,6 +80,7 @@ def model_args(cfg: TrainConfig) -> ModelArgs:
         fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
         return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "fused_ops": cfg.model.fused_ops,
+                                                     "expert_weight_format": cfg.model.expert_weight_format,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None
@@ -221,7 +222,8 @@ class Trainer:
         self._nan_injected = False  # fault.inject_nan_at_step fires once per process
         # FP8 health (logging.fp8_health_every) and the BF16 shadow (fault.fp8_shadow_every): owned here, handed
         # to the FP8 layers; the shadow's fallback switches blocks to BF16 for the rest of the run
-        self.fp8_health = Fp8Health() if cfg.model.fp8 and cfg.logging.fp8_health_every else None
+        low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"  # FP8 GEMMs or FP4 experts
+        self.fp8_health = Fp8Health() if low_precision and cfg.logging.fp8_health_every else None
         if self.fp8_health is not None:
             self.fp8_health.attach(self.stages)
         f = cfg.fault

@@ -78,6 +78,7 @@ class ModelArgs:
     # RMSNorm, SwiGLU, RoPE, the MoE permute / unpermute and the router through fused_ops' kernels wherever they
     # run (a GPU); False: the unfused torch ops everywhere (the A/B reference). No effect where they cannot run.
     fused_ops: bool = True
+    expert_weight_format: str = "bf16"  # routed experts' weights: bf16 | fp8 | mxfp4_qat (deep_gemm.grouped_linear)
     # DSA stage 1 (the dense warm-up): attention stays dense and the indexer learns its distribution; off:
     # attention reads each query's index_topk keys (stage 2, and inference). Needs index_topk > 0.
     dsa_warmup: bool = False

@@ -178,6 +178,7 @@ class Experts(nn.Module):
         n = len(self.expert_ids)
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
+        self.weight_format = args.expert_weight_format
         self.fused = args.fused_ops
         self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
         self.health = None  # deep_gemm.health.Fp8Health, set by its attach
@@ -198,9 +199,9 @@ class Experts(nn.Module):
         if x_grouped.shape[0] == 0:  # an EP rank no token chose: stay in the graph (backward all-to-alls pair up)
             return x_grouped * 0
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
-                           x_fp8=x_fp8)
+                           x_fp8=x_fp8, weight_format=self.weight_format)
         down = functools.partial(grouped_linear, weight=self.w2, m_indices=m_indices, fp8=self.fp8,
-                                 health=self.health)  # no fp8_cache: its input is recomputed
+                                 health=self.health, weight_format=self.weight_format)  # no fp8_cache: recomputed
         if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.fp8, self.health, h):
             return swiglu_down_fp8(down, h, weights, stash=self.stash)  # the forward writes only the cast w2 reads
         if weights is None:
