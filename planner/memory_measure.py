@@ -52,6 +52,7 @@ from accel import registry
 from accel.grads import keep_main_grads
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import Block, ModelArgs
+from models.deepseek_v3.block import run_block
 from models.deepseek_v3.model import head_loss
 from models.deepseek_v3.moe import Experts
 from models.deepseek_v3.mtp import MTPModule
@@ -389,8 +390,7 @@ def _dtype(act: float) -> torch.dtype:
 
 def attention_piece(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The attention half of a block, ``x + attn(attn_norm(x))`` (the one place that names it)."""
-    x, attn_out = block.attention(x, cos, sin)
-    return x + attn_out
+    return block.attention(x, cos, sin)
 
 
 def _layer_args(args: ModelArgs, layer_id: int) -> tuple[ModelArgs, int]:
@@ -440,7 +440,7 @@ def _block(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, act: floa
     if part == "attention":
         fn = lambda x: attention_piece(block, x, cos, sin)  # noqa: E731
     else:
-        fn = lambda x: block(x, cos, sin)  # noqa: E731
+        fn = lambda x: run_block(block, x, cos, sin)  # noqa: E731
     return measure(fn, [_hidden(args, micro_batch, seq, dtype)], accelerator, list(block.parameters()))
 
 

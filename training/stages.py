@@ -153,7 +153,7 @@ class DeepSeekV3Stage(nn.Module):
             pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
         cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
         for i in range(self.start, self.end):
-            pieces += layer_pieces(self.layers[str(i)], cos, sin, first=i == self.start, last=i == self.end - 1)
+            pieces += layer_pieces(self.layers[str(i)], cos, sin)
         return pieces
 
     def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:

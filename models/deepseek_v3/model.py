@@ -16,7 +16,7 @@ from torch import nn
 
 from fused_ce import linear_cross_entropy
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block
+from models.deepseek_v3.block import Block, run_block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
@@ -163,14 +163,11 @@ def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: 
 def run_layers(args: ModelArgs, layers: Iterable[Block], h: torch.Tensor, start_pos: int = 0,
                cache: LatentCache | None = None) -> torch.Tensor:
     """The layer loop: ``layers`` in order on hidden states ``h [b, s, dim]`` at positions ``start_pos..``
-    (the whole model's, and a pipeline stage's slice of it). Each layer's output travels to the next as the
-    pair ``(h, ffn_out)`` (``Block.unadded``), added in the next layer's attn_norm kernel; the last one's sum
-    is returned."""
+    (the whole model's, and a pipeline stage's slice of it); each layer's output is the next one's input."""
     s = h.shape[1]
     if start_pos + s > args.max_seq_len:
         raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
     cos, sin = rope_cos_sin(args, torch.arange(start_pos, start_pos + s, device=h.device))
-    pending = None
     for layer in layers:
-        h, pending = layer.unadded(h, cos, sin, cache, start_pos, pending)
-    return h if pending is None else h + pending
+        h = run_block(layer, h, cos, sin, cache, start_pos)
+    return h

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block
+from models.deepseek_v3.block import Block, run_block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.plan import Compute, Piece, layer_pieces
 from models.deepseek_v3.recompute import produce_consume
@@ -40,7 +40,7 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
-        return self.block(self.project(h, emb), cos, sin)
+        return run_block(self.block, self.project(h, emb), cos, sin)
 
     def _normed(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
