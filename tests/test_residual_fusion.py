@@ -18,9 +18,9 @@ import torch
 import deep_gemm
 from accel import registry
 from models.deepseek_v3 import ModelArgs
-from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from recipes.bench_memory import saved_bytes
+from training.memory_policy import MemoryPolicy
 
 
 def _inputs(dtype: torch.dtype, dim: int = 200) -> tuple[torch.Tensor, torch.Tensor, RMSNorm]:
@@ -70,10 +70,10 @@ def test_rmsnorm_with_residual_fused_and_unfused(dtype):
         norm(x, residual[:, :3])
 
 
-def test_norm_recompute_keeps_the_input_and_refills_the_fused_output():
-    """A block's norm recompute (``Block.normed``) with the fused kernel: only the norm's input is kept (the
-    consumer's saved view of y is released), and the forward's output and every gradient come out bit for bit
-    as without recompute (fp32: the recompute re-runs the same kernel on the same input)."""
+def test_norm_recompute_keeps_the_input_and_remakes_the_fused_output():
+    """The memory policy's norm recompute with the fused kernel: only the norm's input is kept (the consumer's
+    saved y is a recipe), and the forward's output and every gradient come out bit for bit as without recompute
+    (fp32: the remake runs the same kernel on the same input)."""
     x, _, norm = _inputs(torch.float32, 256)
     norm.fused = True
     lin = Linear(256, 64)
@@ -81,15 +81,17 @@ def test_norm_recompute_keeps_the_input_and_refills_the_fused_output():
     results, kept = [], []
     with registry.force("auto"):
         for recompute in (False, True):
-            block = Block(ModelArgs.preset("debug_tiny", recompute=("norm",) if recompute else ()), 0)
+            policy = MemoryPolicy(torch.nn.ModuleDict({"norm": norm}),
+                                  ModelArgs.preset("debug_tiny", recompute=("norm",) if recompute else ()))
             inputs = x.clone().requires_grad_()
             modules.zero_grad(set_to_none=True)
-            nbytes, out = saved_bytes(lambda inputs=inputs, block=block: block.normed(norm, inputs, lin), modules)
+            nbytes, out = saved_bytes(lambda inputs=inputs: lin(norm(inputs)), modules, policy)
+            policy.remove()
             out.square().sum().backward()
             kept.append(nbytes)
             results.append([out.detach(), inputs.grad, norm.weight.grad, lin.weight.grad])
-    rows = x.numel() // 256
-    # without recompute: x and rstd (the norm), y (the Linear); with it: x only (y released)
-    assert kept == [x.numel() * 4 * 2 + rows * 4, x.numel() * 4], kept
+    # without recompute: x and rstd (the fused norm's backward), y (the Linear); with it: x and rstd
+    rstd = x.numel() // 256 * 4
+    assert kept == [x.numel() * 4 * 2 + rstd, x.numel() * 4 + rstd], kept
     for got, want in zip(*results):
         assert torch.equal(got, want)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -12,24 +9,22 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import MoE
-from models.deepseek_v3.recompute import maybe_recompute, produce_consume
+from models.deepseek_v3.recompute import maybe_recompute
 
 
 class Block(nn.Module):
     """Pre-norm residual block: ``h = x + attn(attn_norm(x))``, then ``h + ffn(ffn_norm(h))``.
 
-    One hidden-state tensor goes in and one comes out. With recompute kind "norm" each norm's output is
-    dropped once its consumer saved it and recomputed from the norm's input (kept anyway) before that
-    consumer's backward (``normed``). Whole-block recompute ("block") is applied by the caller
-    (``run_block``). The overlapped pipeline runs an expert-parallel layer as the pieces in
-    ``models.deepseek_v3.plan``, which call ``attention``, ``normed`` and the MoE's ``send`` /
+    One hidden-state tensor goes in and one comes out. What backward keeps (V3's norm and SwiGLU recompute,
+    FP8 caching) is the memory policy's (``training.memory_policy``); whole-block recompute ("block") is
+    applied by the caller (``run_block``). The overlapped pipeline runs an expert-parallel layer as the pieces
+    in ``models.deepseek_v3.plan``, which call ``attention``, ``ffn_norm`` and the MoE's ``send`` /
     ``expert_rows`` / ``combined``.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
         super().__init__()
         self.layer_id = layer_id
-        self.recompute_norm = args.recomputes("norm", layer_id)
         self.recompute_block = args.recomputes("block", layer_id)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.attn = MLA(args, layer_id)
@@ -37,22 +32,17 @@ class Block(nn.Module):
         if args.is_moe_layer(layer_id):
             self.ffn: nn.Module = MoE(args, layer_id, expert_ids)
         else:
-            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, recompute_swiglu=args.recomputes("swiglu", layer_id),
-                           fp8_cache=args.fp8_cache, input_recomputed=self.recompute_norm, fused=args.fused_ops)
+            self.ffn = MLP(args.dim, args.inter_dim, fp8=args.fp8, fp8_cache=args.fp8_cache,
+                           input_recomputed=args.recomputes("norm", layer_id), fused=args.fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
-        h = self.attention(x, cos, sin, cache, start_pos)
-        return h + self.normed(self.ffn_norm, h, self.ffn)
+        h = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        return h + self.ffn(self.ffn_norm(h))
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-                  start_pos: int = 0) -> torch.Tensor:
-        """The first residual line, ``x + attn(attn_norm(x))``."""
-        return x + self.normed(self.attn_norm, x, lambda y: self.attn(y, cos, sin, cache, start_pos))
-
-    def normed(self, norm: RMSNorm, x: torch.Tensor, consumer: Callable[[torch.Tensor], Any]) -> Any:
-        """``consumer(norm(x))``; with recompute kind "norm" only ``x`` is kept for backward, not the norm's output."""
-        return produce_consume(norm, consumer, x, enabled=self.recompute_norm)
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The first residual line alone (the overlapped pipeline's attention piece)."""
+        return x + self.attn(self.attn_norm(x), cos, sin)
 
     @property
     def expert_parallel(self) -> bool:

@@ -89,7 +89,8 @@ def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str
 
     def attention(x: torch.Tensor) -> dict[str, Any]:
         h = block.attention(x, cos, sin)
-        send, plan, shared = block.normed(block.ffn_norm, h, lambda y: moe.send(y.flatten(0, -2), y.shape[-2]))
+        y = block.ffn_norm(h)
+        send, plan, shared = moe.send(y.flatten(0, -2), y.shape[-2])
         return {stream: h, "send": send, "plan": plan, "shared": shared}
 
     def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
