@@ -119,6 +119,27 @@ def test_the_consumer_keeps_the_producer_input_not_its_output():
         assert torch.equal(a, b)
 
 
+def test_the_policy_leaves_the_model_as_it_was():
+    """The policy is applied from outside: the model's parameters, their names and its outputs are the same with
+    and without it, and ``remove()`` takes its hooks off (then both x and norm(x) are kept again)."""
+    args = ModelArgs.preset("debug_tiny", recompute=("v3", "swiglu"))
+    torch.manual_seed(1)
+    model = randomize(Transformer(args))
+    names = [n for n, _ in model.named_parameters()]
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    plain = model(tokens)
+    policy = MemoryPolicy(model, args)
+    with policy.applied():
+        ruled = model(tokens)
+    assert torch.equal(plain, ruled) and [n for n, _ in model.named_parameters()] == names
+    norm, lin = model.layers[0].attn_norm, model.layers[0].attn.wq_a
+    x = torch.randn(5, args.dim, requires_grad=True)
+    kept = [saved_bytes(lambda: lin(norm(x)), model, policy)[0]]
+    policy.remove()
+    kept.append(saved_bytes(lambda: lin(norm(x)), model, policy)[0])
+    assert kept == [x.numel() * 4, 2 * x.numel() * 4]  # x only; then x and norm(x)
+
+
 def test_the_consumer_may_not_return_a_producer_output():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(ValueError, match="consumer returned"):
