@@ -52,10 +52,12 @@ from accel import registry
 from accel.grads import keep_main_grads
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import Block, ModelArgs
+from models.deepseek_v3.block import run_block
 from models.deepseek_v3.model import head_loss
 from models.deepseek_v3.moe import Experts
 from models.deepseek_v3.mtp import MTPModule
 from models.deepseek_v3.rope import rope_cos_sin
+from training.memory_policy import MemoryPolicy
 
 META = torch.device("meta")
 ALIGNMENT = 128  # rows per expert block of the contiguous grouped layout (deep_gemm.get_m_alignment_...)
@@ -389,8 +391,7 @@ def _dtype(act: float) -> torch.dtype:
 
 def attention_piece(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The attention half of a block, ``x + attn(attn_norm(x))`` (the one place that names it)."""
-    x, attn_out = block.attention(x, cos, sin)
-    return x + attn_out
+    return block.attention(x, cos, sin)
 
 
 def _layer_args(args: ModelArgs, layer_id: int) -> tuple[ModelArgs, int]:
@@ -440,8 +441,18 @@ def _block(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, act: floa
     if part == "attention":
         fn = lambda x: attention_piece(block, x, cos, sin)  # noqa: E731
     else:
-        fn = lambda x: block(x, cos, sin)  # noqa: E731
-    return measure(fn, [_hidden(args, micro_batch, seq, dtype)], accelerator, list(block.parameters()))
+        fn = lambda x: run_block(block, x, cos, sin)  # noqa: E731
+    return measure(_under(MemoryPolicy(block, args), fn), [_hidden(args, micro_batch, seq, dtype)], accelerator,
+                   list(block.parameters()))
+
+
+def _under(policy: MemoryPolicy, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` run inside the memory policy (what the trainer applies to the model)."""
+    def run(*args):
+        with policy.applied():
+            return fn(*args)
+
+    return run
 
 
 def block(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
@@ -470,13 +481,14 @@ def expert_rows(args: ModelArgs, tokens: int, slots: int) -> int:
 def _experts(args: ModelArgs, slots: int, rows: int, act: float, accelerator: bool) -> Measured:
     dtype = _dtype(act)
     ids = tuple(i % args.n_routed_experts for i in range(slots))
-    experts = _build(lambda: Experts(args, ids, recompute_swiglu=args.recomputes("swiglu", args.n_dense_layers)),
-                     dtype)
+    experts = _build(lambda: Experts(args, ids), dtype)
     per = rows // slots
     m_indices = torch.arange(slots, dtype=torch.int32).repeat_interleave(per)  # balanced: full blocks, no padding
     x = torch.empty(rows, args.dim, device=META, dtype=dtype, requires_grad=True)
     w = torch.empty(rows, device=META, dtype=torch.float32, requires_grad=True)
-    return measure(lambda x, m, w: experts(x, m, w), [x, m_indices, w], accelerator, list(experts.parameters()))
+    policy = MemoryPolicy(experts, args, layer_id=args.n_dense_layers)
+    return measure(_under(policy, lambda x, m, w: experts(x, m, w)), [x, m_indices, w], accelerator,
+                   list(experts.parameters()))
 
 
 def experts(args: ModelArgs, layer_id: int, tokens: int, slots: int, act: float, accelerator: bool) -> Measured:
@@ -493,7 +505,8 @@ def _projection(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: fl
     dtype = _dtype(act)
     module = _build(lambda: MTPModule(args, depth), dtype)
     h, emb = _hidden(args, micro_batch, seq, dtype), _hidden(args, micro_batch, seq, dtype)
-    return measure(lambda h, e: module.project(h, e), [h, emb], accelerator, list(module.parameters()))
+    return measure(_under(MemoryPolicy(module, args), lambda h, e: module.project(h, e)), [h, emb], accelerator,
+                   list(module.parameters()))
 
 
 def mtp_projection(args: ModelArgs, depth: int, micro_batch: int, seq: int, act: float,
@@ -522,7 +535,9 @@ def _head(args: ModelArgs, recompute_norm: bool, micro_batch: int, seq: int, act
     norm = _build(lambda: RMSNorm(args.dim, args.norm_eps, args.fused_ops), dtype)
     head = _build(lambda: torch.nn.Linear(args.dim, args.vocab_size, bias=False), dtype)
     targets = torch.zeros(micro_batch, seq, dtype=torch.long)
-    return measure(lambda h, t: head_loss(norm, head, h, t, recompute_norm), [_hidden(args, micro_batch, seq, dtype),
+    policy = MemoryPolicy(torch.nn.ModuleDict({"norm": norm}),
+                          args.replace(recompute=("norm",) if recompute_norm else ()))
+    return measure(_under(policy, lambda h, t: head_loss(norm, head, h, t)), [_hidden(args, micro_batch, seq, dtype),
                    targets], accelerator, [*norm.parameters(), *head.parameters()])
 
 
@@ -542,8 +557,8 @@ def _moe_parts(args: ModelArgs, micro_batch: int, seq: int, act: float, accelera
     x = torch.empty(tokens, args.dim, device=META, dtype=dtype, requires_grad=True)
     params = list(block.parameters())
     router = measure(lambda x: (moe.route(x, seq).weights,), [x], accelerator, params, own_inputs=False)
-    shared = measure(lambda x: moe.shared(x), [x], accelerator, params, own_inputs=False) if args.n_shared_experts \
-        else Measured(0, 0)
+    shared = measure(_under(MemoryPolicy(block, args), lambda x: moe.shared(x)), [x], accelerator, params,
+                     own_inputs=False) if args.n_shared_experts else Measured(0, 0)
     return router, shared
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_file, positive_int
 from recipes.benchutil import print_report
+from training.memory_policy import MemoryPolicy
 
 # name -> ModelArgs overrides. "v3 + fp8 cache" is the V3 recipe: RMSNorm + MLA up-projection recompute,
 # FP8 GEMMs whose inputs are kept as e4m3 + 1x128 scales, SwiGLU input in FP8 with its output recomputed.
@@ -42,9 +43,11 @@ OPTIONS: dict[str, dict] = {
 }
 
 
-def saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module) -> tuple[int, torch.Tensor]:
+def saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
+                policy: MemoryPolicy | None = None) -> tuple[int, torch.Tensor]:
     """(bytes of the distinct storages autograd saved while ``forward()`` ran, measured after it returned;
-    ``module``'s parameters and buffers excluded; the loss it returned)."""
+    ``module``'s parameters and buffers excluded; the loss it returned). ``policy``: the forward runs under that
+    memory policy, which reports what it keeps."""
     skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
     storages: dict[int, torch.UntypedStorage] = {}
 
@@ -54,7 +57,8 @@ def saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module) -> tuple
             storages.setdefault(storage._cdata, storage)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if policy is None else policy.applied(pack)
+    with hooks:
         loss = forward()
     return sum(s.nbytes() for s in storages.values()), loss
 
@@ -73,7 +77,7 @@ def ours(args, state: dict, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[i
         return lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs,
                                      labels)["loss"]
 
-    nbytes, loss = saved_bytes(forward, model)
+    nbytes, loss = saved_bytes(forward, model, MemoryPolicy(model, args))
     loss.backward()  # the recomputed paths must also run backward
     return nbytes, float(loss.detach())
 

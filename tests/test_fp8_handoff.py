@@ -13,7 +13,6 @@ import torch
 
 import deep_gemm
 import fused_ops
-import models.deepseek_v3.layers as layers_mod
 import models.deepseek_v3.moe as moe_mod
 from accel import registry
 from deep_gemm import calc_diff
@@ -26,6 +25,7 @@ from models.deepseek_v3.rope import rope_cos_sin
 from tests.test_deep_gemm_precast import _count_casts as count_casts
 from tests.test_model import randomize
 from tests.tolerances import fp8_calc_diff_bound
+from training.memory_policy import MemoryPolicy
 
 
 @pytest.fixture
@@ -108,7 +108,8 @@ def _model_run(fused: bool, tokens: torch.Tensor, **overrides):
                             n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, fp8=True, **overrides)
     model = randomize(Transformer(args))
     with registry.force("auto"):
-        logits, mtp = model.forward_with_mtp(tokens[:, :-1])
+        with MemoryPolicy(model, args).applied():  # as the trainer applies it
+            logits, mtp = model.forward_with_mtp(tokens[:, :-1])
         loss = lm_losses(args, logits, mtp, tokens[:, 1:])["loss"]
         loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -137,31 +138,27 @@ FP8_FUSED_TOL = fp8_calc_diff_bound(casts=3, reduction=64, samples=64)
 @pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow),
                                        pytest.param(("block",), marks=pytest.mark.slow)],
                          ids=["swiglu", "v3", "block"])  # ~11 s each on the 2-core box
-def test_model_hands_the_fused_casts_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts, monkeypatch):
-    """FP8 with the SwiGLU recomputed: every SwiGLU (dense FFN, shared and routed experts) writes only its 1x128
-    cast in the forward and ``w2`` reads it; the one-rank MoE moves its rows once, cast to e4m3 on the way, and
-    ``w13`` reads them (no bf16 grouped rows). Against the same fused model without the hand-offs
-    (``fp8_swiglu_handoff``, ``MoE.takes_fp8_rows`` patched False): loss and gradients bit-equal (the same
-    kernels, the same casts), and exactly one GEMM cast fewer per hand-off; against the unfused model within
-    ``FP8_FUSED_TOL``."""
+def test_model_hands_the_fused_permutes_cast_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts,
+                                                               monkeypatch):
+    """FP8 with caching: the one-rank MoE moves its rows once, cast to e4m3 on the way, and ``w13`` reads them (no
+    bf16 grouped rows). Against the same fused model without the hand-off (``MoE.takes_fp8_rows`` patched False):
+    loss and gradients bit-equal (the same kernels, the same casts), and exactly one GEMM cast fewer per
+    hand-off; against the unfused model within ``FP8_FUSED_TOL``. (The SwiGLU's cast hand-off to ``w2`` left the
+    model with its run-mode checks: docs/fused_ops.md.)"""
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
-    swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
     permutes = _counted(monkeypatch, moe_mod, "permute_fp8")
     results, casts = [], []
     for fused, handoff in ((True, True), (True, False), (False, False)):
         with monkeypatch.context() as m:
-            if not handoff:  # these hand-offs off (a norm's cast handed in by the block is not counted here)
-                m.setattr(layers_mod, "fp8_swiglu_handoff", lambda *args: False)
-                m.setattr(moe_mod, "fp8_swiglu_handoff", lambda *args: False)
+            if not handoff:
                 m.setattr(MoE, "takes_fp8_rows", lambda self, device: False)
-            swiglus[0] = permutes[0] = act_casts[0] = 0
+            permutes[0] = act_casts[0] = 0
             results.append(_model_run(fused, tokens, recompute=recompute))
-            casts.append((act_casts[0], swiglus[0], permutes[0]))
+            casts.append((act_casts[0], permutes[0]))
     (loss, grads), (want_loss, want), (unfused_loss, unfused) = results
-    # SwiGLU: the dense MLP, the MoE layer's shared and routed experts (a block's recompute makes the real output);
-    # permute: the routed experts' rows (again in a block's recompute, whose w13 then casts nothing either)
-    assert casts[0][1:] == (3, 2 if "block" in recompute else 1) and casts[1][1:] == (0, 0)
-    assert casts[1][0] - casts[0][0] == sum(casts[0][1:])
+    # the routed experts' rows (again in a block's recompute, whose w13 then casts nothing either)
+    assert casts[0][1] == (2 if "block" in recompute else 1) and casts[1][1] == 0
+    assert casts[1][0] - casts[0][0] == casts[0][1]
     assert torch.equal(loss, want_loss) and grads.keys() == want.keys() == unfused.keys()
     assert all(torch.equal(grads[n], want[n]) for n in want)
     assert abs(float(loss) - float(unfused_loss)) <= (2 * FP8_FUSED_TOL) ** 0.5 * abs(float(unfused_loss))
@@ -229,38 +226,3 @@ def test_mla_rotates_the_query_in_place(fp8, only_fused_kernels, monkeypatch):
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
     assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
     assert saved0 <= saved1, (saved0, saved1)
-
-
-@pytest.mark.parametrize("fp8_cache", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["nocache", "cache"])  # ~5 s each on the 2-core box
-def test_bf16_experts_hand_the_swiglu_cast_to_w2(fp8_cache, only_fused_kernels, monkeypatch):
-    """In bf16 (the GPU's activations) too: ``swiglu_fp8``'s cast is the one ``w2`` makes of the bf16 SwiGLU
-    output, so the routed experts with the hand-off give the output and gradients (rows, routing weights,
-    both weights) of the same experts without it, bit for bit; with and without the SwiGLU input in FP8; and
-    the same output without a graph (inference)."""
-    args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache, recompute=("swiglu",),
-                            n_routed_experts=2, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
-    torch.manual_seed(0)
-    experts = Experts(args, recompute_swiglu=True).to(torch.bfloat16)
-    experts.reset_parameters(0.05)
-    m_indices = deep_gemm.grouped.contiguous_layout([29, 0], "cpu")  # one 128-row block: the interpreter's cost
-    x0 = torch.randn(m_indices.numel(), args.dim, dtype=torch.bfloat16)
-    w0 = torch.rand(m_indices.numel())
-    swiglus = _counted(monkeypatch, fused_ops, "swiglu_fp8")
-    results = []
-    for handoff in (True, False):
-        with monkeypatch.context() as m:
-            if not handoff:
-                m.setattr(moe_mod, "fp8_swiglu_handoff", lambda *args: False)
-            experts.zero_grad(set_to_none=True)
-            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            swiglus[0] = 0
-            with registry.force("auto"):
-                y = experts(x, m_indices, w)
-                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype))
-            assert swiglus[0] == handoff
-            results.append((y.detach(), x.grad, w.grad, experts.w13.grad, experts.w2.grad))
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
-    with torch.no_grad(), registry.force("auto"):  # inference: the forward's path, nothing to recompute
-        assert torch.equal(experts(x0, m_indices, w0), results[0][0])

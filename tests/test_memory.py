@@ -212,8 +212,10 @@ def test_meter_equals_the_cpu_allocator_and_meta_equals_real(name):
     from accel import registry
     from accel.grads import keep_main_grads
     from models.deepseek_v3 import Block, ModelArgs
+    from models.deepseek_v3.block import run_block
     from models.deepseek_v3.rope import rope_cos_sin
     from recipes.memory_report import CpuPeak
+    from training.memory_policy import MemoryPolicy
 
     args = ModelArgs.preset("debug", **SAVED_OPTIONS[name])
     seq = 128
@@ -226,11 +228,15 @@ def test_meter_equals_the_cpu_allocator_and_meta_equals_real(name):
                 w.normal_(std=0.3)
         keep_main_grads(list(block.parameters()))
         x = torch.randn(1, seq, args.dim, requires_grad=True)
-        block(x, cos, sin).sum().backward()  # first-call allocations (caches) happen outside the count
+        policy = MemoryPolicy(block, args)  # as the trainer applies it
+        with policy.applied():
+            out = run_block(block, x, cos, sin)
+        out.sum().backward()  # first-call allocations (caches) happen outside the count
         allocator = CpuPeak()
         with registry.force("reference"), allocator.measure(), LiveBytes() as meter:
             xc = x.clone()
-            out = block(xc, cos, sin)
+            with policy.applied():
+                out = run_block(block, xc, cos, sin)
             del xc
             saved = meter.live - meter.bytes_of(out)
             out.backward(torch.ones_like(out))
@@ -242,9 +248,10 @@ def test_meter_equals_the_cpu_allocator_and_meta_equals_real(name):
 
 
 def test_one_more_saved_tensor_shows_in_the_estimate(monkeypatch):
-    """The estimate follows the model's code: make the attention half keep one more ``[tokens, dim]`` fp32
-    tensor (``tanh`` saves its output) and every layer's measured bytes, so the rank's activations, grow by it."""
-    from models.deepseek_v3 import Block
+    """The estimate follows the model's code: make the attention (``MLA.forward``) keep one more ``[tokens, dim]``
+    fp32 tensor (``tanh`` saves its output) and every layer's measured bytes, so the rank's activations, grow by
+    it."""
+    from models.deepseek_v3.mla import MLA
 
     cfg = load_config("recipes/configs/tiny_cpu.toml", ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1",
                                                         "parallel.schedule=\"none\"", "data.global_batch=2",
@@ -252,13 +259,13 @@ def test_one_more_saved_tensor_shows_in_the_estimate(monkeypatch):
     args = model_args(cfg)
     memory_measure.cache_clear()
     before = estimate(cfg).ranks[0].items["activations"]
-    original = Block.attention
+    original = MLA.forward
 
     def keeps_more(self, x, *rest, **kw):
-        x, attn_out = original(self, x, *rest, **kw)  # (the layer's input, the attention output: not yet added)
-        return x, attn_out + (x * 0.5).tanh() * 0
+        out = original(self, x, *rest, **kw)
+        return out + (out * 0.5).tanh() * 0
 
-    monkeypatch.setattr(Block, "attention", keeps_more)
+    monkeypatch.setattr(MLA, "forward", keeps_more)
     memory_measure.cache_clear()
     after = estimate(cfg).ranks[0].items["activations"]
     memory_measure.cache_clear()

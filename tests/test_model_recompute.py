@@ -1,4 +1,5 @@
-"""Recompute policies that really drop what they recompute, and FP8 activation caching (issue 14).
+"""Recompute policies that really drop what they recompute, and FP8 activation caching (issue 14), applied to the
+plain model from outside (``training.memory_policy.MemoryPolicy``) as the trainer applies them.
 
 Gradients: recomputation replays the same fp32 ops on the same inputs, so every policy gives the
 gradients of no recompute up to autograd's summation order (the recomputed producer's backward runs
@@ -20,6 +21,7 @@ from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.recompute import produce_consume
 from recipes.bench_memory import saved_bytes
 from tests.test_model import randomize
+from training.memory_policy import MemoryPolicy
 
 POLICIES = [("norm",), ("mla_up",), ("v3",), ("swiglu",), ("v3", "swiglu"), ("block",), ("v3", "block")]
 
@@ -33,13 +35,15 @@ def _grads(recompute, tokens, segmented: bool = False, **overrides):
     torch.manual_seed(1)
     args = ModelArgs.preset("debug_tiny", recompute=recompute, **overrides)
     model = randomize(Transformer(args))
+    policy = MemoryPolicy(model, args)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     if not segmented:
-        logits, mtp = model.forward_with_mtp(inputs)
+        with policy.applied():
+            logits, mtp = model.forward_with_mtp(inputs)
         lm_losses(args, logits, mtp, labels)["loss"].backward()
     else:
         closures = []
-        with accel.wgrad.collect_into(closures.append):
+        with accel.wgrad.collect_into(closures.append), policy.applied():
             emb = model.embed_tokens(inputs)
             bounds = [emb.detach().requires_grad_()]
             for i in range(args.n_layers):
@@ -93,24 +97,47 @@ def test_fp8_recompute_gives_the_gradients_of_fp8_without_recompute(segmented):
 
 
 def test_the_consumer_keeps_the_producer_input_not_its_output():
-    """norm -> Linear: without recompute both x and norm(x) are kept; with it only x (the Linear saved a
-    view of norm(x), whose storage is released and refilled before the Linear's backward)."""
+    """norm -> Linear: without recompute both x and norm(x) are kept; with the policy's norm recompute only x (the
+    Linear's saved view of norm(x) is kept as a recipe, remade from x before the Linear's backward): the same
+    gradients bit for bit (the same norm on the same x)."""
     norm, lin = RMSNorm(64), Linear(64, 32)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
+    modules = torch.nn.ModuleDict({"norm": norm, "lin": lin})
     x = torch.randn(10, 64, requires_grad=True)
     grads, kept = [], []
-    for enabled in (False, True):
+    for recompute in ((), ("norm",)):
         x.grad = lin.weight.grad = norm.weight.grad = None
-        nbytes, y = saved_bytes(lambda e=enabled: produce_consume(norm, lin, x, enabled=e),
-                                torch.nn.ModuleList([norm, lin]))
+        policy = MemoryPolicy(modules, ModelArgs.preset("debug_tiny", recompute=recompute))
+        nbytes, y = saved_bytes(lambda: lin(norm(x)), modules, policy)
+        policy.remove()
         y.square().sum().backward()
         kept.append(nbytes)
         grads.append([x.grad, lin.weight.grad, norm.weight.grad])
-    rstd = 10 * 4
-    assert kept == [2 * x.numel() * 4 + rstd, x.numel() * 4]
+    assert kept == [2 * x.numel() * 4, x.numel() * 4]
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.equal(a, b)
+
+
+def test_the_policy_leaves_the_model_as_it_was():
+    """The policy is applied from outside: the model's parameters, their names and its outputs are the same with
+    and without it, and ``remove()`` takes its hooks off (then both x and norm(x) are kept again)."""
+    args = ModelArgs.preset("debug_tiny", recompute=("v3", "swiglu"))
+    torch.manual_seed(1)
+    model = randomize(Transformer(args))
+    names = [n for n, _ in model.named_parameters()]
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    plain = model(tokens)
+    policy = MemoryPolicy(model, args)
+    with policy.applied():
+        ruled = model(tokens)
+    assert torch.equal(plain, ruled) and [n for n, _ in model.named_parameters()] == names
+    norm, lin = model.layers[0].attn_norm, model.layers[0].attn.wq_a
+    x = torch.randn(5, args.dim, requires_grad=True)
+    kept = [saved_bytes(lambda: lin(norm(x)), model, policy)[0]]
+    policy.remove()
+    kept.append(saved_bytes(lambda: lin(norm(x)), model, policy)[0])
+    assert kept == [x.numel() * 4, 2 * x.numel() * 4]  # x only; then x and norm(x)
 
 
 def test_the_consumer_may_not_return_a_producer_output():
@@ -157,10 +184,12 @@ def test_losses_from_hidden_equal_lm_losses_of_the_logits(recompute):
         args = ModelArgs.preset("debug_tiny", recompute=recompute)
         model = randomize(Transformer(args))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        h = model.run_layers(model.embed_tokens(inputs))
-        if fused:
-            parts = lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs, labels)
-        else:
+        with MemoryPolicy(model, args).applied():
+            h = model.run_layers(model.embed_tokens(inputs))
+            if fused:
+                parts = lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs,
+                                              labels)
+        if not fused:
             parts = lm_losses(args, model.final(h), model.mtp_logits(h, inputs), labels)
         parts["loss"].backward()
         results.append((parts, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
@@ -182,6 +211,7 @@ def _ep_ffn_rank(rank, world):
     import torch.distributed as dist
 
     from models.deepseek_v3 import Block
+    from models.deepseek_v3.block import run_block
     from models.deepseek_v3.expert_parallel import ExpertParallel
     from models.deepseek_v3.moe import MoE
     from models.deepseek_v3.plan import Exchange, Run, layer_pieces
@@ -203,13 +233,16 @@ def _ep_ffn_rank(rank, world):
             g = torch.Generator().manual_seed(10 + rank)
             h = torch.randn(2, 6, args.dim, generator=g).requires_grad_()
             cos, sin = rope_cos_sin(args, torch.arange(6))
+            policy = MemoryPolicy(block, args)
             if path == "stage":
                 run = Run(layer_pieces(block, cos, sin), h=h)
-                y = run.forward()["h"]
+                with policy.applied():
+                    y = run.forward()["h"]
                 assert sum(isinstance(p, Exchange) for p in run.pieces) == 2  # dispatch and combine
                 run.backward(h=torch.randn(y.shape, generator=g))
             else:
-                y = block(h, cos, sin)
+                with policy.applied():
+                    y = run_block(block, h, cos, sin)
                 (y * torch.randn(y.shape, generator=g)).sum().backward()
             grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
             out[(recompute, path)] = (y.detach(), h.grad, grads)

@@ -1,34 +1,26 @@
-"""The residual adds fused into the next RMSNorm (``RMSNorm(x, residual)``, ``block.norm_consume``): the add of the
-attention output in ``ffn_norm``'s kernel, the previous layer's FFN output in ``attn_norm``'s, and the norms'
-FP8 casts handed to the GEMMs after them.
+"""The residual add fused into an RMSNorm (``RMSNorm(x, residual)``: one ``fused_ops.rmsnorm`` kernel making
+``h = x + residual`` and ``norm(h)``, and ``norm(h)``'s FP8 cast with ``fp8``), and a block's norm recompute
+with the fused kernel. (The model itself adds its residuals as two plain lines per block: ``Block.forward``.)
 
 Numerics: the fused kernel adds in fp32 and rounds ``h`` to the input dtype (torch's add of two values of that
 dtype rounds the same exact sum once: bit-equal), then normalises the rounded ``h`` as the norm alone would (so
 the norm recompute, which re-runs the norm alone on the kept ``h``, refills the same bits). Against the unfused
 torch norm only the fp32 order of the ``dim``-term sum of squares differs: rstd within ``dim * 2^-24`` relative
 (a sum of positive terms; worst case), so an fp32 ``y`` within that, a bf16 ``y`` within one bf16 rounding
-(2^-8 relative) on top. The model-level bounds are those of tests/test_fused_ops_model.py (same reasoning).
+(2^-8 relative) on top.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 
 import deep_gemm
-import fused_ops
 from accel import registry
-from deep_gemm import calc_diff
-from models.deepseek_v3 import ModelArgs, Transformer, lm_losses
-from models.deepseek_v3.block import Block, norm_consume
-from models.deepseek_v3.layers import MLP, Linear, RMSNorm
+from models.deepseek_v3 import ModelArgs
+from models.deepseek_v3.layers import Linear, RMSNorm
 from recipes.bench_memory import saved_bytes
-from tests.test_fused_ops_model import only_fused_kernels  # noqa: F401 (a fixture)
-from tests.test_model import randomize
-
-linear_module = importlib.import_module("deep_gemm.linear")  # the module, not deep_gemm.linear the function
+from training.memory_policy import MemoryPolicy
 
 
 def _inputs(dtype: torch.dtype, dim: int = 200) -> tuple[torch.Tensor, torch.Tensor, RMSNorm]:
@@ -78,108 +70,28 @@ def test_rmsnorm_with_residual_fused_and_unfused(dtype):
         norm(x, residual[:, :3])
 
 
-def test_norm_recompute_keeps_h_and_refills_the_fused_output():
-    """``norm_consume`` with the fused kernel: the recompute keeps only ``h`` (the consumer's saved view of y is
-    released), and gives the forward's output and every gradient bit for bit (fp32: the norm backward's and the
-    stream's gradients are added in fp32 either way)."""
-    x, residual, norm = _inputs(torch.float32, 256)
+def test_norm_recompute_keeps_the_input_and_remakes_the_fused_output():
+    """The memory policy's norm recompute with the fused kernel: only the norm's input is kept (the consumer's
+    saved y is a recipe), and the forward's output and every gradient come out bit for bit as without recompute
+    (fp32: the remake runs the same kernel on the same input)."""
+    x, _, norm = _inputs(torch.float32, 256)
     norm.fused = True
     lin = Linear(256, 64)
     modules = torch.nn.ModuleList([norm, lin])
     results, kept = [], []
     with registry.force("auto"):
         for recompute in (False, True):
-            inputs = [x.clone().requires_grad_(), residual.clone().requires_grad_()]
+            policy = MemoryPolicy(torch.nn.ModuleDict({"norm": norm}),
+                                  ModelArgs.preset("debug_tiny", recompute=("norm",) if recompute else ()))
+            inputs = x.clone().requires_grad_()
             modules.zero_grad(set_to_none=True)
-            nbytes, (h, out) = saved_bytes(
-                lambda inputs=inputs, recompute=recompute: norm_consume(norm, *inputs, lin, recompute), modules)
-            (out.square().sum() + h.sum()).backward()
+            nbytes, out = saved_bytes(lambda inputs=inputs: lin(norm(inputs)), modules, policy)
+            policy.remove()
+            out.square().sum().backward()
             kept.append(nbytes)
-            results.append([out.detach(), h.detach(), *(t.grad for t in inputs), norm.weight.grad, lin.weight.grad])
-    rows = x.numel() // 256
-    # without recompute: h and rstd (the norm), y (the Linear); with it: h only (y released)
-    assert kept == [x.numel() * 4 * 2 + rows * 4, x.numel() * 4], kept
+            results.append([out.detach(), inputs.grad, norm.weight.grad, lin.weight.grad])
+    # without recompute: x and rstd (the fused norm's backward), y (the Linear); with it: x and rstd
+    rstd = x.numel() // 256 * 4
+    assert kept == [x.numel() * 4 * 2 + rstd, x.numel() * 4 + rstd], kept
     for got, want in zip(*results):
         assert torch.equal(got, want)
-
-
-def _blocks(model: Transformer) -> list[list[Block]]:
-    """The runs of consecutive blocks: the trunk, then each MTP depth's one block."""
-    return [list(model.layers)] + [[m.block] for m in model.mtp]
-
-
-def _forward_backward(fused: bool, tokens: torch.Tensor, monkeypatch, handoff: bool = True, **overrides):
-    """Loss and gradients of the debug model (as tests/test_fused_ops_model.py), and what its forward called:
-    ``fused_ops.rmsnorm`` with a residual, with ``fp8``, and deep_gemm's own activation casts. ``handoff=False``:
-    the norms hand no FP8 cast on."""
-    torch.manual_seed(1)
-    args = ModelArgs.preset("debug", fused_ops=fused, n_layers=2, n_routed_experts=4, n_expert_groups=2,
-                           n_limited_groups=1, **overrides)
-    model = randomize(Transformer(args))
-    for run in _blocks(model):
-        for block in run:
-            block.norm_fp8 = block.norm_fp8 and handoff
-    calls = {"residual": 0, "fp8": 0, "casts": 0}
-    rmsnorm, act_cast = fused_ops.rmsnorm, linear_module._act_cast
-
-    def counting_norm(x, weight, residual=None, eps=1e-6, fp8=False):
-        calls["residual"] += residual is not None
-        calls["fp8"] += fp8
-        return rmsnorm(x, weight, residual, eps, fp8)
-
-    def counting_cast(x, recipe):
-        calls["casts"] += 1
-        return act_cast(x, recipe)
-
-    with monkeypatch.context() as patch, registry.force("auto"):
-        patch.setattr(fused_ops, "rmsnorm", counting_norm)
-        patch.setattr(linear_module, "_act_cast", counting_cast)
-        logits, mtp = model.forward_with_mtp(tokens[:, :-1])
-        forward = dict(calls)
-        loss = lm_losses(args, logits, mtp, tokens[:, 1:])["loss"]
-        loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, forward, model
-
-
-# 5-21 s each on the 2-core box (an FP8 case runs the model three times), so in `make test` only: each recompute
-# mode once, FP8 under V3's policy (the norm recomputed, its cast a forward transient). The others are covered
-# elsewhere: no recompute in bf16 and V3's policy + SwiGLU recompute by tests/test_fused_ops_model.py (whose
-# fast case runs these fused adds too); FP8 without the norm recompute, the casts handed on, against the unfused
-# model, by tests/test_fp8_handoff.py's model test ("swiglu").
-_MODES = [pytest.param(recompute, fp8, id=f"{'+'.join(recompute) or 'none'}-{'fp8' if fp8 else 'bf16'}",
-                       marks=pytest.mark.slow)
-          for recompute, fp8 in [(("v3",), True), (("norm",), False), (("block",), False)]]
-
-
-@pytest.mark.parametrize("recompute, fp8", _MODES)
-def test_model_with_fused_residual_adds_matches_the_unfused_model(recompute, fp8, only_fused_kernels,  # noqa: F811
-                                                                  monkeypatch):
-    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
-    loss, grads, calls, model = _forward_backward(True, tokens, monkeypatch, recompute=recompute, fp8=fp8)
-    want_loss, want, unfused_calls, _ = _forward_backward(False, tokens, monkeypatch, recompute=recompute, fp8=fp8)
-    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
-    assert grads.keys() == want.keys()
-    worst = max(calc_diff(grads[n], want[n]) for n in want)
-    assert worst < 1e-8, worst
-
-    # the adds ran inside the norms: each run of consecutive blocks (the trunk, each MTP depth) adds every
-    # attention output in ffn_norm and every FFN output but the last in the next attn_norm; a whole-block
-    # recompute adds its input before the checkpoint (so that it keeps one tensor)
-    runs = _blocks(model)
-    inner = sum(len(run) - 1 for run in runs) if "block" not in recompute else 0
-    assert calls["residual"] == sum(len(run) for run in runs) + inner
-    assert unfused_calls["residual"] == 0
-    if not fp8:
-        assert calls["fp8"] == 0
-        return
-    # FP8: each block norm hands its cast on (no expert parallelism here), the same bits as the casts it
-    # replaces: one per wq_a and wkv_a after attn_norm, and after ffn_norm the dense FFN's w13 or the shared
-    # experts' w13 (the routed rows are cast on their way either way)
-    blocks = [b for run in runs for b in run]
-    assert calls["fp8"] == 2 * len(blocks)
-    saved = sum(1 + bool(b.attn.q_lora_rank) for b in blocks)
-    saved += sum(isinstance(b.ffn, MLP) or getattr(b.ffn, "shared_experts", None) is not None for b in blocks)
-    plain_loss, plain, plain_calls, _ = _forward_backward(True, tokens, monkeypatch, handoff=False,
-                                                          recompute=recompute, fp8=fp8)
-    assert plain_calls["fp8"] == 0 and plain_calls["casts"] - calls["casts"] == saved
-    assert torch.equal(loss, plain_loss) and all(torch.equal(grads[n], plain[n]) for n in plain)

@@ -60,8 +60,9 @@ class StageLoss:
         """Loss of one micro-batch from the last hidden state ``h [b, s, dim]`` and its windows ``[b, s + 1]``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        return self._total(lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels),
-                           labels)
+        with st.applied():
+            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels)
+        return self._total(parts, labels)
 
     def pieces(self, windows: torch.Tensor) -> list[Piece]:
         """The same as plan pieces after the stage's (which end in ``h``): the MTP depths (whose all-to-alls the
@@ -74,7 +75,7 @@ class StageLoss:
             parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels)
             return {"loss": self._total(parts, labels)}
 
-        return [*pieces, Compute("loss", loss, ("h", *hidden), ("loss",))]
+        return st.under_policy([*pieces, Compute("loss", loss, ("h", *hidden), ("loss",))])
 
     def _total(self, parts: dict, labels: torch.Tensor) -> torch.Tensor:
         loss, main = parts["loss"], parts["main"]

@@ -22,6 +22,8 @@ Initialisation does not depend on the layout: every tensor is drawn from a gener
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 
@@ -34,6 +36,7 @@ from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
 from models.deepseek_v3.rope import rope_cos_sin
 from training.config import pipeline_layout
+from training.memory_policy import MemoryPolicy
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int, vpp: int = 1) -> list[int]:
@@ -134,9 +137,12 @@ class DeepSeekV3Stage(nn.Module):
     runtime, which hands each forward's ``Run`` to its backward.
     """
 
-    def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int]):
+    def __init__(self, model: Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int],
+                 policy: MemoryPolicy | None = None):
+        """``policy``: what backward keeps of the forwards this stage runs (``training.memory_policy``)."""
         super().__init__()
         self.args = model.args
+        self.policy = policy
         self.stage_id, self.num_stages = stage_id, num_stages
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.start, self.end = layer_range
@@ -154,9 +160,25 @@ class DeepSeekV3Stage(nn.Module):
             out.update(norm=self.norm, head=self.head, mtp=self.mtp)
         return out
 
+    def applied(self) -> contextlib.AbstractContextManager:
+        """The memory policy's context for a forward of this stage's modules (nothing without a policy)."""
+        return contextlib.nullcontext() if self.policy is None else self.policy.applied()
+
+    def under_policy(self, pieces: list[Piece]) -> list[Piece]:
+        """``pieces`` with each compute piece run inside ``applied()``."""
+        return [dataclasses.replace(p, fn=self._applied_to(p.fn)) if isinstance(p, Compute) else p for p in pieces]
+
+    def _applied_to(self, fn):
+        def run(*args):
+            with self.applied():
+                return fn(*args)
+
+        return run
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.is_first else x
-        h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h)
+        with self.applied():
+            h = self.embed(x) if self.is_first else x
+            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h)
         return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
 
     # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
@@ -167,8 +189,8 @@ class DeepSeekV3Stage(nn.Module):
             pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
         cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
         for i in range(self.start, self.end):
-            pieces += layer_pieces(self.layers[str(i)], cos, sin, first=i == self.start, last=i == self.end - 1)
-        return pieces
+            pieces += layer_pieces(self.layers[str(i)], cos, sin)
+        return self.under_policy(pieces)
 
     def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:
         """One micro-batch's pass, not yet run: the stage's pieces, then the criterion's (``StageLoss.pieces``)."""
@@ -234,8 +256,9 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
         if physical_experts is not None:
             for m in model.modules():
                 if isinstance(m, MoE):
-                    m.experts = Experts(args, physical_experts, recompute_swiglu=m.experts.recompute_swiglu)
-    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s]) for s in stage_ids(schedule, pp, pp_rank, vpp)]
+                    m.experts = Experts(args, physical_experts)
+    policy = MemoryPolicy(model, args)
+    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], policy) for s in stage_ids(schedule, pp, pp_rank, vpp)]
     owned: dict[str, nn.Module] = {}
     for st in stages:
         owned.update(st.owned_modules())

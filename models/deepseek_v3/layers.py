@@ -8,9 +8,6 @@ Embedding, output head, router, norms and the attention core never go through he
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +15,6 @@ from torch.autograd.function import once_differentiable
 
 import deep_gemm
 import fused_ops
-from deep_gemm.reference import dequantize
-from models.deepseek_v3.recompute import Stash, produce_consume, recomputing
 
 # A GEMM input's 1x128 cast made by its producer: (e4m3 values [rows, K], fp32 scales [rows, ceil(K/128)]).
 Precast = tuple[torch.Tensor, torch.Tensor]
@@ -34,22 +29,23 @@ class _RMSNormFunction(torch.autograd.Function):
     The forward is torch's fused kernel (the same numbers as ``F.rms_norm``). torch has no fused CPU
     backward: autograd replays the decomposition (pow, mean, rsqrt, muls, a div, sums: ~14 passes over
     ``x``), and the weight multiply saves the normalised ``x`` as well. This backward saves only ``x``
-    and ``rstd`` and takes ~7 passes: ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with
-    ``g = dy * weight``. About 20% less time per norm, forward+backward, on a CPU; same gradients up
-    to fp32 rounding.
+    (``rstd`` is remade from it by the same kernel: the same bits) and takes ~8 passes:
+    ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = dy * weight``. About 20% less time per norm,
+    forward+backward, on a CPU; same gradients up to fp32 rounding.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x_hat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, eps)
-        ctx.save_for_backward(x, rstd, weight)
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
         return x_hat.to(x.dtype) * weight
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        x, rstd, weight = ctx.saved_tensors
-        x_hat = x.float() * rstd
+        x, weight = ctx.saved_tensors
+        x_hat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, ctx.eps)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = (grad_out * x_hat.to(grad_out.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
@@ -66,8 +62,8 @@ class RMSNorm(nn.Module):
     ``h = x + residual`` (rounded to x's dtype, as torch's add) and ``y`` the norm of that rounded ``h``.
     ``fp8=True`` asks for ``y``'s 1x128 e4m3 cast too (``NormOut.fp8``), made in the same pass where the
     fused kernel runs and None otherwise (the consumer then casts ``y`` itself: the same bits).
-    Recomputing it (``recompute`` kind "norm") is up to the caller, which knows the consumer:
-    ``recompute.produce_consume(norm, consumer, x)``. ``fused``: one ``fused_ops.rmsnorm`` kernel each way
+    Not keeping ``y`` for backward (``recompute`` kind "norm") is the memory policy's
+    (``training.memory_policy``). ``fused``: one ``fused_ops.rmsnorm`` kernel each way
     where it runs (same rounding points).
     """
 
@@ -151,72 +147,33 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fused: bo
     return _SwiGLUFunction.apply(gate_up, weights)
 
 
-def fp8_swiglu_handoff(recomputed: bool, fused: bool, fp8: object, health, gate_up: torch.Tensor) -> bool:
-    """Whether a SwiGLU feeds its down projection through ``swiglu_down_fp8``: its output is recomputed (so the
-    forward need not write it), the fused kernels run, the GEMM takes a precast, no ``Fp8Health`` report is
-    being sampled (it counts the cast against the bf16 values it came from), and this is not a checkpointed
-    region's rerun (``recomputing()``: the down projection must keep the real output it reads there) nor a
-    forward whose SwiGLU input has no gradient while grads are on (nothing would recompute the output)."""
-    return (recomputed and fused and fused_ops.kernels_run(gate_up.device) and deep_gemm.takes_precast(fp8)
-            and (health is None or not health.active) and not recomputing()
-            and (gate_up.requires_grad or not torch.is_grad_enabled()))
+class SwiGLU(nn.Module):
+    """``swiglu(gate_up, weights)`` as a module (no parameters): what a memory policy recomputes from its input."""
 
+    def __init__(self, fused: bool = False):
+        super().__init__()
+        self.fused = fused
 
-def swiglu_down_fp8(down: Callable[..., torch.Tensor], gate_up: torch.Tensor, weights: torch.Tensor | None = None,
-                    stash: Stash | None = None) -> torch.Tensor:
-    """``down(swiglu(gate_up, weights))`` where ``fp8_swiglu_handoff`` holds: the forward writes only the 1x128
-    cast that ``down`` reads (``down(x, x_fp8=cast)``), in one ``fused_ops.swiglu_fp8`` kernel.
-
-    ``down`` still takes the SwiGLU output ``x`` for its weight gradient: a tensor that nothing writes here,
-    which ``produce_consume(..., outputs=)`` releases unread and refills from the SwiGLU's recompute before
-    ``down``'s backward. ``down`` casts that output again there: the forward's cast, bit for bit, as
-    ``swiglu_fp8`` casts exactly what ``swiglu`` writes. ``stash``: how ``gate_up`` is kept (FP8 caching)."""
-    cast = fused_ops.swiglu_fp8(gate_up.reshape(-1, gate_up.shape[-1]), weights)  # not differentiable
-    unwritten = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-    consume = functools.partial(down, x_fp8=cast)
-    if not torch.is_grad_enabled():  # no backward: the output is never read
-        return consume(unwritten)
-    inputs, stashes = ((gate_up,), stash) if weights is None else ((gate_up, weights), (stash, None))
-    return produce_consume(functools.partial(swiglu, fused=True), consume, *inputs, stash=stashes,
-                           outputs=(unwritten,))
-
-
-def _fp8_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scales = deep_gemm.per_token_cast_to_fp8(x.reshape(-1, x.shape[-1]))
-    return q.view(x.shape), scales.view(*x.shape[:-1], -1)
-
-
-def _fp8_unpack(packed: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-    q, scales = packed
-    return dequantize(q.reshape(-1, q.shape[-1]), scales.reshape(-1, scales.shape[-1])).to(dtype).view(q.shape)
-
-
-# A recomputed producer's input kept as e4m3 + 1x128 scales: the SwiGLU input under FP8 activation caching.
-FP8_STASH = Stash(pack=_fp8_pack, unpack=_fp8_unpack)
+    def forward(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return swiglu(gate_up, weights, self.fused)
 
 
 class MLP(nn.Module):
     """SwiGLU FFN (dense layers and shared experts). Gate and up projections are fused into one GEMM:
     ``w13`` is ``cat[gate_proj, up_proj]`` (HF keys split it back).
 
-    ``recompute_swiglu``: keep ``w13``'s output (the SwiGLU input) instead of the SwiGLU output, which
-    ``w2`` then recomputes. ``fp8_cache`` implies it, with the SwiGLU input kept in FP8, and keeps
-    ``w13``'s input in FP8 unless ``input_recomputed`` (the caller recomputes it: nothing to cache).
+    ``fp8_cache`` keeps ``w13``'s input in FP8 unless ``input_recomputed`` (the memory policy remakes it:
+    nothing to cache); ``w2``'s input, the SwiGLU output, is remade by the policy whenever caching is on.
     """
 
-    def __init__(self, dim: int, inter_dim: int, fp8: bool = False, recompute_swiglu: bool = False,
-                 fp8_cache: bool = False, input_recomputed: bool = False, fused: bool = False):
+    def __init__(self, dim: int, inter_dim: int, fp8: bool = False, fp8_cache: bool = False,
+                 input_recomputed: bool = False, fused: bool = False):
         super().__init__()
-        self.dim, self.inter_dim, self.fused = dim, inter_dim, fused
-        self.recompute_swiglu = recompute_swiglu or (fp8 and fp8_cache)
-        self.stash = FP8_STASH if fp8 and fp8_cache else None
+        self.dim, self.inter_dim = dim, inter_dim
         self.w13 = Linear(dim, 2 * inter_dim, fp8=fp8, fp8_cache=fp8_cache and not input_recomputed)
-        self.w2 = Linear(inter_dim, dim, fp8=fp8)  # its input is recomputed whenever caching is on
+        self.act = SwiGLU(fused)
+        self.w2 = Linear(inter_dim, dim, fp8=fp8)
 
     def forward(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
         """``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``w13`` instead of casting x again."""
-        h = self.w13(x, x_fp8)
-        if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.w2.fp8, self.w2.health, h):
-            return swiglu_down_fp8(self.w2, h, stash=self.stash)
-        return produce_consume(functools.partial(swiglu, fused=self.fused), self.w2, h,
-                               enabled=self.recompute_swiglu, stash=self.stash)
+        return self.w2(self.act(self.w13(x, x_fp8)))

@@ -57,8 +57,7 @@ class LatentCache(Protocol):
 
 
 class MLA(nn.Module):
-    """MLA. Recompute (V3 report 3.2.3): with kind "norm" the GEMM after ``q_norm`` / ``kv_norm`` keeps
-    the norm's input, not its output; with "mla_up" the up-projections (both norms, ``wq_b``,
+    """MLA. Recompute (V3 report 3.2.3): with "mla_up" the up-projections (both norms, ``wq_b``,
     ``wkv_b``, RoPE of q) are recomputed for the attention backward from the latents, so the per-head
     q, k, v (``n_heads * 448`` values per token at V3's sizes) are never kept."""
 
@@ -71,12 +70,10 @@ class MLA(nn.Module):
         self.qk_head_dim, self.v_head_dim = args.qk_head_dim, args.v_head_dim
         self.softmax_scale = args.softmax_scale
         self.recompute_up = args.recomputes("mla_up", layer_id)
-        # inside a recomputed up-projection the norms store nothing in forward anyway
-        self.recompute_norm = args.recomputes("norm", layer_id) and not self.recompute_up
-        # The input (attn_norm's output) is the caller's to recompute; the up-projections' inputs are
-        # recomputed here when either kind is on: then they keep no FP8 copy either.
+        # The GEMMs whose input is remade (the norms' outputs by the memory policy under "norm", the
+        # up-projections' inputs here under "mla_up") keep no FP8 copy of it.
         input_recomputed = args.recomputes("norm", layer_id)
-        up_recomputed = self.recompute_up or self.recompute_norm
+        up_recomputed = self.recompute_up or input_recomputed
         fp8, cache = args.fp8, args.fp8_cache
         if self.q_lora_rank:
             self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8, fp8_cache=cache and not input_recomputed)
@@ -91,9 +88,8 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, args.fused_ops)
         self.fused = args.fused_ops  # RoPE through fused_ops where its kernel runs
         # RoPE in place into the queries, unless they are a view made in an autograd.Function (deep_gemm's padded
-        # FP8 output: N not 128n) or the result of a recomputed q_norm (produce_consume hooks the backward of
-        # that view, a hook an in-place change to its base would drop: the released norm output never refilled)
-        self.q_is_view = out_is_view(fp8, self.n_heads * self.qk_head_dim) or self.recompute_norm
+        # FP8 output: N not 128n)
+        self.q_is_view = out_is_view(fp8, self.n_heads * self.qk_head_dim)
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), fp8=fp8,
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
@@ -109,7 +105,7 @@ class MLA(nn.Module):
     def _q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
         """Per-head queries ``[b, s, h, qk_head_dim]`` from the latent before ``q_norm``."""
         if self.q_lora_rank:
-            q = produce_consume(self.q_norm, self.wq_b, q_latent, enabled=self.recompute_norm)
+            q = self.wq_b(self.q_norm(q_latent))
         else:
             q = self.wq(q_latent)
         return q.unflatten(-1, (self.n_heads, self.qk_head_dim))
@@ -130,7 +126,7 @@ class MLA(nn.Module):
         else:
             q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
             q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
-        kv = produce_consume(self.kv_norm, self.wkv_b, c_kv, enabled=self.recompute_norm)
+        kv = self.wkv_b(self.kv_norm(c_kv))
         k_nope, v = kv.unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim)).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)

@@ -16,12 +16,11 @@ from torch import nn
 
 from fused_ce import linear_cross_entropy
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block
+from models.deepseek_v3.block import Block, run_block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
 from models.deepseek_v3.mtp import MTPModule, mtp_hidden, mtp_logits
-from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
 
 __all__ = ["Block", "Transformer", "lm_losses", "lm_losses_from_hidden"]
@@ -131,13 +130,11 @@ def _with_total(args: ModelArgs, main: torch.Tensor, mtp: list[torch.Tensor]) ->
     return {"loss": total, "main": main, "mtp": mtp}
 
 
-def head_loss(norm: RMSNorm, head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, recompute_norm: bool,
+def head_loss(norm: RMSNorm, head: nn.Linear, h: torch.Tensor, targets: torch.Tensor,
               ignore_index: int = -100) -> torch.Tensor:
     """``cross_entropy(head(norm(h)).float(), targets)`` through ``fused_ce.linear_cross_entropy``: the logits
-    are made a chunk of rows at a time and never kept; with ``recompute_norm`` the norm's output is not
-    kept either (``recompute.produce_consume``)."""
-    return produce_consume(norm, lambda y: linear_cross_entropy(y, head.weight, targets, ignore_index), h,
-                           enabled=recompute_norm)
+    are made a chunk of rows at a time and never kept."""
+    return linear_cross_entropy(norm(h), head.weight, targets, ignore_index)
 
 
 def head_losses(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule], h: torch.Tensor,
@@ -145,8 +142,8 @@ def head_losses(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[M
     """``lm_losses`` from the last hidden state ``h`` and the MTP depths' ``hidden`` states (before their norms),
     through the fused head (``head_loss``)."""
     n = labels.shape[1]
-    main = head_loss(norm, head, h[:, :n], labels, "norm" in args.recompute_kinds, ignore_index)
-    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], module.recompute_norm, ignore_index)
+    main = head_loss(norm, head, h[:, :n], labels, ignore_index)
+    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], ignore_index)
               for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
     return _with_total(args, main, losses)
 
@@ -163,14 +160,11 @@ def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: 
 def run_layers(args: ModelArgs, layers: Iterable[Block], h: torch.Tensor, start_pos: int = 0,
                cache: LatentCache | None = None) -> torch.Tensor:
     """The layer loop: ``layers`` in order on hidden states ``h [b, s, dim]`` at positions ``start_pos..``
-    (the whole model's, and a pipeline stage's slice of it). Each layer's output travels to the next as the
-    pair ``(h, ffn_out)`` (``Block.unadded``), added in the next layer's attn_norm kernel; the last one's sum
-    is returned."""
+    (the whole model's, and a pipeline stage's slice of it); each layer's output is the next one's input."""
     s = h.shape[1]
     if start_pos + s > args.max_seq_len:
         raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
     cos, sin = rope_cos_sin(args, torch.arange(start_pos, start_pos + s, device=h.device))
-    pending = None
     for layer in layers:
-        h, pending = layer.unadded(h, cos, sin, cache, start_pos, pending)
-    return h if pending is None else h + pending
+        h = run_block(layer, h, cos, sin, cache, start_pos)
+    return h

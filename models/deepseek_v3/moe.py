@@ -22,7 +22,6 @@ The grouped layout is DeepGEMM's "contiguous" one: each expert's rows form one b
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -36,17 +35,9 @@ import fused_ops
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_expert_biases, node_limited_mask
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
-from models.deepseek_v3.layers import (
-    FP8_STASH,
-    MLP,
-    Precast,
-    fp8_swiglu_handoff,
-    grouped_linear,
-    swiglu,
-    swiglu_down_fp8,
-)
+from models.deepseek_v3.layers import MLP, Precast, SwiGLU, grouped_linear
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, permute_fp8, unpermute
-from models.deepseek_v3.recompute import produce_consume, recomputing
+from models.deepseek_v3.recompute import recomputing
 
 
 @dataclass
@@ -156,13 +147,12 @@ class Experts(nn.Module):
     expert of each physical slot this rank hosts (a sequence; an id may repeat: replicas of a hot
     expert). Row ``i`` of ``w13``/``w2`` is slot ``i``.
 
-    ``recompute_swiglu`` keeps the SwiGLU input (``w13``'s output), not its output, for backward. Under
-    FP8 activation caching (``args.fp8_cache``) that is always so, the SwiGLU input is kept in FP8 and
-    ``w13``'s input (the dispatched tokens) as its e4m3 cast, as in the V3 report (3.3.3).
+    Under FP8 activation caching (``args.fp8_cache``) ``w13`` keeps its input (the dispatched tokens) as its
+    e4m3 cast, as in the V3 report (3.3.3); the memory policy keeps the SwiGLU input in FP8 and remakes its
+    output for ``w2``.
     """
 
-    def __init__(self, args: ModelArgs, expert_ids: range | Sequence[int] | None = None,
-                 recompute_swiglu: bool = False):
+    def __init__(self, args: ModelArgs, expert_ids: range | Sequence[int] | None = None):
         super().__init__()
         n_experts = args.n_routed_experts
         self.expert_ids = range(n_experts) if expert_ids is None else expert_ids
@@ -179,11 +169,8 @@ class Experts(nn.Module):
         self.dim, self.inter_dim, self.fp8 = args.dim, args.moe_inter_dim, args.fp8
         self.fp8_cache = args.fp8_cache
         self.weight_format = args.expert_weight_format
-        self.fused = args.fused_ops
-        self.swiglu = functools.partial(swiglu, fused=args.fused_ops)
+        self.act = SwiGLU(args.fused_ops)
         self.health = None  # deep_gemm.health.Fp8Health, set by its attach
-        self.recompute_swiglu = recompute_swiglu or self.fp8_cache
-        self.stash = FP8_STASH if self.fp8_cache else None
         self.w13 = nn.Parameter(torch.empty(n, 2 * args.moe_inter_dim, args.dim))
         self.w2 = nn.Parameter(torch.empty(n, args.dim, args.moe_inter_dim))
 
@@ -200,13 +187,9 @@ class Experts(nn.Module):
             return x_grouped * 0
         h = grouped_linear(x_grouped, self.w13, m_indices, fp8=self.fp8, fp8_cache=self.fp8_cache, health=self.health,
                            x_fp8=x_fp8, weight_format=self.weight_format)
-        down = functools.partial(grouped_linear, weight=self.w2, m_indices=m_indices, fp8=self.fp8,
-                                 health=self.health, weight_format=self.weight_format)  # no fp8_cache: recomputed
-        if fp8_swiglu_handoff(self.recompute_swiglu, self.fused, self.fp8, self.health, h):
-            return swiglu_down_fp8(down, h, weights, stash=self.stash)  # the forward writes only the cast w2 reads
-        if weights is None:
-            return produce_consume(self.swiglu, down, h, enabled=self.recompute_swiglu, stash=self.stash)
-        return produce_consume(self.swiglu, down, h, weights, enabled=self.recompute_swiglu, stash=(self.stash, None))
+        # no fp8_cache for w2: under caching the memory policy remakes its input
+        return grouped_linear(self.act(h, weights), self.w2, m_indices, fp8=self.fp8, health=self.health,
+                              weight_format=self.weight_format)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.w13, std=std)
@@ -227,11 +210,10 @@ class MoE(nn.Module):
         super().__init__()
         self.ep: ExpertParallel | None = None
         self.layer_id, self.dim = layer_id, args.dim
-        recompute_swiglu = args.recomputes("swiglu", layer_id)
         self.gate = Gate(args)
-        self.experts = Experts(args, expert_ids, recompute_swiglu=recompute_swiglu)
+        self.experts = Experts(args, expert_ids)
         self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, fp8=args.fp8,
-                                   recompute_swiglu=recompute_swiglu, fp8_cache=args.fp8_cache,
+                                   fp8_cache=args.fp8_cache,
                                    input_recomputed=args.recomputes("norm", layer_id), fused=args.fused_ops)
                                if args.n_shared_experts else None)
         self.n_routed_experts, self.fused = args.n_routed_experts, args.fused_ops

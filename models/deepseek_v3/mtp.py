@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block
+from models.deepseek_v3.block import Block, run_block
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.plan import Compute, Piece, layer_pieces
-from models.deepseek_v3.recompute import produce_consume
 from models.deepseek_v3.rope import rope_cos_sin
 
 
@@ -29,21 +28,17 @@ class MTPModule(nn.Module):
         self.depth, self.layer_id = depth, args.n_layers + depth
         self.enorm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.hnorm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
-        self.recompute_norm = args.recomputes("norm", self.layer_id)
         self.eh_proj = Linear(2 * args.dim, args.dim)  # a BF16 GEMM even in FP8 training, as V3 (released unquantised)
         self.block = Block(args, self.layer_id, expert_ids)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)  # HF: shared_head.norm
 
     def project(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """The block's input: ``eh_proj(cat[enorm(emb), hnorm(h)])``."""
-        return produce_consume(self._normed, self.eh_proj, emb, h, enabled=self.recompute_norm)
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
-        return self.block(self.project(h, emb), cos, sin)
-
-    def _normed(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
+        return run_block(self.block, self.project(h, emb), cos, sin)
 
 
 def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor) -> Iterator[tuple]:

@@ -4,18 +4,15 @@ DeepSeek-V3 hides each expert all-to-all of one micro-batch behind compute of an
 behind the other's backward, and the reverse); Megatron-Core's combined-1F1B plan does the same with
 per-layer nodes. Here an expert-parallel layer is five pieces (names as in ``layer_pieces``)::
 
-    attention  h -> h, send, plan, shared   Block.attention, Block.ffn_input (+ ffn_norm), MoE.send (router, rows
-                                            to send, shared experts)
+    attention  h -> h, send, plan, shared   Block.attention, then ffn_norm into MoE.send (router, rows to
+                                            send, shared experts)
     dispatch   send -> rows                 all-to-all, ExpertParallel.post_dispatch
     experts    rows -> y                    MoE.expert_rows (this rank's routed experts)
     combine    y -> back                    all-to-all, ExpertParallel.post_combine
     output     h, back, shared -> h         h + MoE.combined (each token's sum over its experts)
 
-Between consecutive layers of a stage the hidden state travels as two values, ``h`` and ``h.ffn`` (the FFN
-output not yet added: the next layer's attn_norm adds it in its kernel); the stage's last layer writes the
-sum, so one tensor leaves the stage.
-
-A layer without all-to-alls is one piece: the Block itself. A compute piece is a plain function of named
+One hidden-state tensor travels between the layers of a stage. A layer without all-to-alls is one piece: the
+Block itself. A compute piece is a plain function of named
 values. It reads its tensor inputs cut from the piece that made them (``_cut``: the same storage, a new
 autograd root whose incoming gradient is caught), so its backward is ``torch.autograd.backward`` of its own
 outputs, and what was caught at its inputs is the gradient the piece before it needs. An exchange piece
@@ -47,7 +44,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from models.deepseek_v3.block import Block
+from models.deepseek_v3.block import Block, run_block
 from models.deepseek_v3.expert_parallel import CommHandle
 from models.deepseek_v3.recompute import maybe_recompute
 
@@ -82,52 +79,34 @@ class Exchange:
 Piece = Compute | Exchange
 
 
-def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str = "h", first: bool = True,
-                 last: bool = True) -> list[Piece]:
-    """One layer as pieces on the hidden state named ``stream``; whole-block recompute recomputes each compute
-    piece on its own (the exchanges are never run twice).
-
-    Between consecutive layers the hidden state is the pair ``stream``, ``stream + ".ffn"`` (``Block.unadded``:
-    the FFN output not yet added, which the next layer's attn_norm adds in its kernel): a layer that is not
-    ``first`` reads the pair, one that is not ``last`` writes it; ``last`` writes the sum (one tensor leaves).
-    """
-    pending = f"{stream}.ffn"
-    reads = (stream,) if first else (stream, pending)
-    writes = (stream,) if last else (stream, pending)
-
-    def out(h: torch.Tensor, ffn_out: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {stream: h + ffn_out} if last else {stream: h, pending: ffn_out}
-
+def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str = "h") -> list[Piece]:
+    """One layer as pieces from and to the hidden state named ``stream``; whole-block recompute recomputes each
+    compute piece on its own (the exchanges are never run twice)."""
     if not block.expert_parallel:
-        return [Compute(f"layer {block.layer_id}", lambda x, p=None: out(*block.unadded(x, cos, sin, pending=p)),
-                        reads, writes)]
+        return [Compute(f"layer {block.layer_id}", lambda x: {stream: run_block(block, x, cos, sin)}, (stream,),
+                        (stream,))]
     moe = block.ffn
 
-    def attention(x: torch.Tensor, p: torch.Tensor | None = None) -> dict[str, Any]:
-        x, attn_out = block.attention(x, cos, sin, pending=p)
-        h, (send, plan, shared) = block.ffn_input(
-            x, attn_out, lambda y, *cast: moe.send(y.flatten(0, -2), y.shape[-2], cast or None))
+    def attention(x: torch.Tensor) -> dict[str, Any]:
+        h = block.attention(x, cos, sin)
+        y = block.ffn_norm(h)
+        send, plan, shared = moe.send(y.flatten(0, -2), y.shape[-2])
         return {stream: h, "send": send, "plan": plan, "shared": shared}
 
     def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
-        return out(h, moe.combined(back, plan, shared).view_as(h))
+        return {stream: h + moe.combined(back, plan, shared).view_as(h)}
 
     def recomputed(fn: Callable[..., dict]) -> Callable[..., dict]:
         return lambda *args: maybe_recompute(fn, *args, enabled=block.recompute_block)
 
-    def recomputed_attention(x: torch.Tensor, p: torch.Tensor | None = None) -> dict[str, Any]:
-        if p is not None and block.recompute_block:
-            x, p = x + p, None  # the recompute then keeps one tensor, as before
-        return recomputed(attention)(x, p)
-
     return [
-        Compute("attention", recomputed_attention, reads, (stream, "send", "plan", "shared")),
+        Compute("attention", recomputed(attention), (stream,), (stream, "send", "plan", "shared")),
         Exchange("dispatch", lambda send, plan: moe.ep.post_dispatch(send, plan, moe.dim), ("send", "plan"),
                  lands="rows", info="received"),
         Compute("experts", recomputed(lambda rows, received: {"y": moe.expert_rows(rows, received)}),
                 ("rows", "received"), ("y",)),
         Exchange("combine", moe.ep.post_combine, ("y", "received"), lands="back"),
-        Compute("output", output, (stream, "back", "plan", "shared"), writes),
+        Compute("output", output, (stream, "back", "plan", "shared"), (stream,)),
     ]
 
 

@@ -1,0 +1,213 @@
+"""DeepSeek-V3's memory policy, applied to an unmodified model from outside: which activations autograd keeps.
+
+V3 (report 3.2.3, 3.3.3) keeps neither an RMSNorm's output nor the SwiGLU's for backward: the GEMM after each
+would save them as its input, so they are remade from what is kept anyway (the norm's input, the SwiGLU's
+input) just before that GEMM's backward reads them; under FP8 activation caching the SwiGLU input itself is
+kept as e4m3 + 1x128 scales. ``MemoryPolicy`` does that with ``torch.autograd.graph.saved_tensors_hooks``, the
+PyTorch mechanism for choosing how saved tensors are stored: forward hooks on the chosen modules (RMSNorm,
+SwiGLU, the MTP input projection's concatenation) note each output and how to remake it; when autograd then
+saves that output (or a view of it) inside ``policy.applied()``, the hook keeps the recipe instead, and the
+unpack (in backward) remakes the value without a graph. Nothing on the model changes: its forward is the math,
+its gradients are those of no policy bit for bit (the remake runs the same module on the same input).
+
+Which modules: the kinds of ``ModelArgs.recompute`` (``norm``: every RMSNorm whose output feeds a GEMM, the
+final and MTP head norms and MTP's enorm/hnorm included; ``swiglu``), per layer (``recompute_layers``), and
+``fp8_cache`` (the SwiGLU recomputed, its input kept in FP8). ``mla_up`` and ``block`` are not here yet: the
+model still applies them itself (``recompute.produce_consume``, ``block.run_block``); inside a whole-block
+checkpoint its own hooks decide (it keeps only the block's input).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+import deep_gemm
+from deep_gemm.reference import dequantize
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.block import Block
+from models.deepseek_v3.layers import RMSNorm, SwiGLU
+from models.deepseek_v3.mtp import MTPModule
+
+
+class _Fp8:
+    """A saved tensor kept as its 1x128 e4m3 cast (values, scales): FP8 activation caching."""
+
+    __slots__ = ("q", "scales", "dtype", "shape")
+
+    def __init__(self, x: torch.Tensor):
+        self.q, self.scales = deep_gemm.per_token_cast_to_fp8(x.detach().reshape(-1, x.shape[-1]))
+        self.dtype, self.shape = x.dtype, x.shape
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scales
+
+    def value(self) -> torch.Tensor:
+        return dequantize(self.q, self.scales).to(self.dtype).view(self.shape)
+
+
+class _Recipe:
+    """``fn(*inputs)`` remade without a graph, once; ``inputs`` are what the policy keeps of the producer's inputs
+    (tensors, ``_Fp8`` casts or other recipes)."""
+
+    __slots__ = ("fn", "inputs", "made", "__weakref__")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple):
+        self.fn, self.inputs, self.made = fn, inputs, None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for x in self.inputs:
+            yield from _kept_tensors(x)
+
+    def value(self) -> torch.Tensor:
+        if self.made is None:
+            with torch.no_grad():
+                self.made = self.fn(*(_value(x) for x in self.inputs))
+        return self.made
+
+
+class _View:
+    """A saved view (``size``, ``stride``, ``offset``) of the storage a remade tensor lives in."""
+
+    __slots__ = ("of", "size", "stride", "offset")
+
+    def __init__(self, of: _Recipe, t: torch.Tensor):
+        self.of, self.size, self.stride, self.offset = of, t.size(), t.stride(), t.storage_offset()
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from _kept_tensors(self.of)
+
+    def value(self) -> torch.Tensor:
+        made = self.of.value()
+        return _root(made).as_strided(self.size, self.stride, self.offset)
+
+
+def _value(x):
+    return x.value() if isinstance(x, (_Recipe, _Fp8, _View)) else x
+
+
+def _kept_tensors(x) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (_Recipe, _Fp8, _View)):
+        yield from x.tensors()
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+class MemoryPolicy:
+    """V3's recompute kinds and FP8 caching for ``model`` (a ``Transformer``, or any module holding its blocks, MTP
+    modules and final norm), per ``args``. Forwards whose activations it governs run inside ``applied()``."""
+
+    def __init__(self, model: nn.Module, args: ModelArgs, layer_id: int | None = None):
+        """``layer_id``: the layer of SwiGLUs outside any ``Block`` of ``model`` (a lone ``Experts`` or ``MLP``)."""
+        self._made: dict[int, tuple[weakref.ref, _Recipe | _Fp8]] = {}  # id(tensor) -> (the tensor, how to keep it)
+        self._bases: dict[int, tuple[weakref.ref, _Recipe]] = {}  # the same for the base of a remade view
+        self._last: dict[nn.Module, _Recipe] = {}  # each MTP norm's last output recipe (its eh_proj input's parts)
+        self._mtp_norms: set[nn.Module] = set()
+        self._handles: list = []
+        self._observe: Callable[[torch.Tensor], None] | None = None
+        layer_of = {}
+        for module in model.modules():
+            if isinstance(module, Block):
+                layer_of.update({id(m): module.layer_id for m in module.modules()})
+                if args.recomputes("norm", module.layer_id):
+                    norms = [module.attn_norm, module.ffn_norm]
+                    if not args.recomputes("mla_up", module.layer_id):  # else inside the recomputed up-projection
+                        norms += [getattr(module.attn, "q_norm", None), module.attn.kv_norm]
+                    for norm in filter(None, norms):
+                        self._add_norm(norm)
+            elif isinstance(module, MTPModule) and args.recomputes("norm", module.layer_id):
+                self._add_mtp_input(module)
+                self._add_norm(module.norm)
+        for act in model.modules():
+            layer = layer_of.get(id(act), layer_id)
+            if (isinstance(act, SwiGLU) and layer is not None and not args.recomputes("block", layer)
+                    and (args.recomputes("swiglu", layer) or args.fp8_cache)):
+                self._add_swiglu(act, fp8=args.fp8_cache)
+        if "norm" in args.recompute_kinds and isinstance(getattr(model, "norm", None), RMSNorm):
+            self._add_norm(model.norm)
+
+    # ---- what is noted in the forward ---------------------------------------------------------------
+    def _add_norm(self, norm: RMSNorm) -> None:
+        """Keep ``norm``'s input instead of its output wherever the output is saved."""
+        self._handles.append(norm.register_forward_hook(lambda m, args, out: self._note(out, m, args)))
+
+    def _add_swiglu(self, act: SwiGLU, fp8: bool) -> None:
+        """Keep the SwiGLU's input (``fp8``: as its 1x128 e4m3 cast) instead of its output."""
+        def before(m: nn.Module, args: tuple) -> None:
+            if fp8 and torch.is_grad_enabled() and args[0].requires_grad:
+                self._remember(args[0], _Fp8(args[0]))
+
+        self._handles.append(act.register_forward_pre_hook(before))
+        self._handles.append(act.register_forward_hook(lambda m, args, out: self._note(out, m, args)))
+
+    def _add_mtp_input(self, module: MTPModule) -> None:
+        """MTP's ``eh_proj`` saves ``cat[enorm(emb), hnorm(h)]``: remade from the two norms' recipes."""
+        for norm in (module.enorm, module.hnorm):
+            self._add_norm(norm)
+
+        def before(m: nn.Module, args: tuple) -> None:
+            parts = (self._last.pop(module.enorm, None), self._last.pop(module.hnorm, None))
+            if None not in parts and torch.is_grad_enabled() and args[0].requires_grad:
+                self._remember(args[0], _Recipe(lambda a, b: torch.cat([a, b], dim=-1), parts))
+
+        self._handles.append(module.eh_proj.register_forward_pre_hook(before))
+        self._mtp_norms |= {module.enorm, module.hnorm}
+
+    def _note(self, out: torch.Tensor, fn: Callable[..., torch.Tensor], inputs: tuple) -> None:
+        if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
+            return
+        recipe = _Recipe(fn, tuple(self._form(x) if isinstance(x, torch.Tensor) else x for x in inputs))
+        if fn in self._mtp_norms:
+            self._last[fn] = recipe
+        self._remember(out, recipe)
+
+    def _remember(self, t: torch.Tensor, how: _Recipe | _Fp8) -> None:
+        """``t`` is kept as ``how``; a view of the storage a remade ``t`` lives in is kept as a view of it."""
+        for x, table in ((t, self._made), (_root(t), self._bases)):
+            key = id(x)
+            table[key] = (weakref.ref(x, lambda _, key=key, table=table: table.pop(key, None)), how)
+            if not isinstance(how, _Recipe):  # an FP8 cast is of that tensor only
+                break
+
+    def _form(self, t: torch.Tensor):
+        """How ``t`` is kept: its recipe or FP8 cast where one was noted (a view of either), else ``t`` itself."""
+        entry = self._made.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        root = _root(t)
+        entry = self._bases.get(id(root))
+        if entry is None or entry[0]() is not root or t.dtype != root.dtype:
+            return t
+        return _View(entry[1], t)
+
+    # ---- the hooks ----------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        kept = self._form(t)
+        if self._observe is not None:
+            for x in _kept_tensors(kept):
+                self._observe(x)
+        return kept
+
+    @contextmanager
+    def applied(self, observe: Callable[[torch.Tensor], None] | None = None) -> Iterator[None]:
+        """Forwards inside this keep what the policy says; ``observe`` sees every tensor kept (measurement)."""
+        previous, self._observe = self._observe, observe
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _value):
+                yield
+        finally:
+            self._observe = previous
+
+    def remove(self) -> None:
+        """Take the policy's hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
