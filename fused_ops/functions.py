@@ -178,12 +178,12 @@ def permute(x: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = No
     if scales is None and not fp8:
         grouped, grouped_w = _permute(x.contiguous(), _flat_weights(weights), layout.assign, layout.rows, layout.k)
         return grouped, None, None if weights is None else grouped_w
-    w = None if weights is None else _flat_weights(weights.detach())
+    x, w = x.detach().contiguous(), None if weights is None else _flat_weights(weights.detach())
     if scales is not None:
-        grouped, grouped_s, grouped_w = custom.permute_gather(x.contiguous(), layout.assign, layout.k,
-                                                              scales.contiguous(), w)
+        grouped, grouped_s, grouped_w = custom.permute_gather(x, layout.assign, layout.k, scales.detach().contiguous(),
+                                                              w)
         return grouped, grouped_s, None if w is None else grouped_w
-    q, sf, grouped_w = custom.permute_gather_fp8(x.contiguous(), layout.assign, layout.k, w)
+    q, sf, grouped_w = custom.permute_gather_fp8(x, layout.assign, layout.k, w)
     return q, sf, None if w is None else grouped_w
 
 
