@@ -259,7 +259,9 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
     registry's choice, then the ``wrap_triton`` launch or the reference's torch ops), else a ``custom_op``. Its
     fake implementation is the body on fake tensors with the reference chosen: the reference's shapes, dtypes
     and devices are the kernel's (the verifier checks that), and the Triton interpreter cannot run on fake
-    tensors. ``backward`` / ``setup_context``: its ``register_autograd`` (then ``kernel.differentiable``).
+    tensors. On ``meta`` tensors (the memory measurement) it is the body as chosen: the Triton path's own
+    allocations, its launch a no-op there. ``backward`` / ``setup_context``: its ``register_autograd`` (then
+    ``kernel.differentiable``).
     """
 
     def wrap(fn: Callable) -> Any:
@@ -268,6 +270,9 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
         op = make(name, fn, mutates_args=tuple(mutates_args))
 
         def fake(*args: Any, **kwargs: Any) -> Any:
+            device = _first_device(args) or _first_device(kwargs)
+            if device is not None and device.type == "meta":  # the chosen path's host logic; a launch is a no-op
+                return fn(*args, **kwargs)
             with force("reference"):
                 return fn(*args, **kwargs)
 
