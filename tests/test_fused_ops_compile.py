@@ -61,6 +61,8 @@ def _cases():
     ang = torch.rand(3, 32, generator=g) * 10
     yield "apply_rope", lambda q, c, s: fused_ops.apply_rope(q, c, s), [q, ang.cos(), ang.sin()]
     yield "rope_", lambda q, c, s: fused_ops.rope_(q * 1.0, c, s, interleaved=False), [q, ang.cos(), ang.sin()]
+    yield "rope_ in place", lambda q, c, s: fused_ops.rope_(q.detach() * 1.0, c.detach(), s.detach()), \
+        [q, ang.cos(), ang.sin()]
     layout = _layout(7, 2, 5, 1)
     xt = torch.randn(7, 48, generator=g)
     tw = torch.rand(7, 2, generator=g)
