@@ -250,6 +250,13 @@ _OPS: dict[str, KernelOp] = {}
 NAMESPACE = "dsv3"
 
 
+def wrap_triton(kernel: Any) -> Any:
+    """``torch.library.wrap_triton(kernel)``, through which a kernel inside a ``torch_op`` launches so that
+    ``torch.compile`` sees the launch; under Triton's CPU interpreter the kernel itself (torch before 2.12 refuses
+    to wrap an interpreted kernel, pytorch/pytorch#152868, and an interpreted launch cannot be traced anyway)."""
+    return kernel if triton_interpreted() else torch.library.wrap_triton(kernel)
+
+
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
              setup_context: Callable | None = None) -> Callable[[Callable], Any]:
     """Decorate ``fn``, the op's body (the kernel op called with flat, type-annotated arguments), into the custom
