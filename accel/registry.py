@@ -251,10 +251,14 @@ NAMESPACE = "dsv3"
 
 
 def wrap_triton(kernel: Any) -> Any:
-    """``torch.library.wrap_triton(kernel)``, through which a kernel inside a ``torch_op`` launches so that
-    ``torch.compile`` sees the launch; under Triton's CPU interpreter the kernel itself (torch before 2.12 refuses
-    to wrap an interpreted kernel, pytorch/pytorch#152868, and an interpreted launch cannot be traced anyway)."""
-    return kernel if triton_interpreted() else torch.library.wrap_triton(kernel)
+    """How a kernel launches (``wrap_triton(kernel)[grid](...)``): while ``torch.compile`` traces,
+    ``torch.library.wrap_triton(kernel)``, so that the graph holds the launch; otherwise the kernel itself, a plain
+    eager launch (as ``triton_op`` does in eager), also where a kernel op is called outside its custom op (the
+    verifier, whose operator recorder would otherwise meet a higher-order operator) and under Triton's interpreter
+    (torch before 2.12 refuses to wrap an interpreted kernel, pytorch/pytorch#152868; it cannot be traced)."""
+    if triton_interpreted() or not torch.compiler.is_compiling():
+        return kernel
+    return torch.library.wrap_triton(kernel)
 
 
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,

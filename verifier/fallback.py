@@ -136,10 +136,6 @@ class Record:
 
 
 class _Recorder(TorchDispatchMode):
-    # A kernel called outside its torch.ops.dsv3 op launches through torch.library.wrap_triton, which on a GPU is
-    # a higher-order operator: passed through (the launch hook counts the launch), any other one refused.
-    supports_higher_order_operators = True
-
     def __init__(self, record: Record, allow: Mapping[str, str], poison: bool):
         super().__init__()
         self.record, self.allow, self.poison = record, allow, poison
@@ -157,10 +153,6 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.higher_order.triton_kernel_wrapper_mutation:
-            return func(*args, **kwargs)
-        if not hasattr(func, "_schema"):  # another higher-order operator
-            return NotImplemented
         name = op_name(func)
         kind = self._classify(func, name)
         if not self.in_launch:
