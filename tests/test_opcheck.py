@@ -127,5 +127,7 @@ def test_opcheck_linear_cross_entropy(reduction, chunk):
     torch.library.opcheck(torch.ops.dsv3.linear_cross_entropy.default,
                           (hidden, weight, targets, -100, reduction, chunk))
     lse = torch.logsumexp(hidden.detach() @ weight.detach().T, dim=-1)
-    torch.library.opcheck(torch.ops.dsv3.linear_cross_entropy_backward.default,
-                          (torch.tensor(0.5), hidden.detach(), weight.detach(), targets, lse, -100, reduction, chunk))
+    for need in ((True, True), (False, True), (True, False)):  # a frozen input's gradient is not computed
+        torch.library.opcheck(torch.ops.dsv3.linear_cross_entropy_backward.default,
+                              (torch.tensor(0.5), hidden.detach(), weight.detach(), targets, lse, -100, reduction,
+                               chunk, *need))
