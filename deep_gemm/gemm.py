@@ -177,6 +177,52 @@ _OPS = {
 }
 
 
+def _fp8_op(kind: str):
+    """``dsv3::fp8_gemm_{kind}``: the (fp8, scales) pairs flattened into the schema; ``d`` written in place.
+    ``accumulate`` without ``c`` means ``c is d`` (a mutated argument may not alias another one)."""
+    op = _OPS[kind, True]
+
+    def body(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+             c: torch.Tensor | None = None, accumulate: bool = False) -> None:
+        op((a, sfa), (b, sfb), d, d if accumulate and c is None else c)
+
+    return torch.library.triton_op(f"dsv3::fp8_gemm_{kind}", body, mutates_args=("d",))
+
+
+def _bf16_op(kind: str):
+    """``dsv3::bf16_gemm_{kind}``: as ``_fp8_op`` with plain bf16 operands."""
+    op = _OPS[kind, False]
+
+    def body(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+             accumulate: bool = False) -> None:
+        op(a, b, d, d if accumulate and c is None else c)
+
+    return torch.library.triton_op(f"dsv3::bf16_gemm_{kind}", body, mutates_args=("d",))
+
+
+# The torch ops: the registry's dispatch is the body (torch.compile traces into the Triton launch or the
+# reference); the fake runs the same body on fake tensors. No autograd: the training layers (deep_gemm.linear)
+# own the backward.
+TORCH_OPS = {(kind, fp8): (_fp8_op if fp8 else _bf16_op)(kind) for kind, fp8 in _OPS}
+
+
+def _c_args(d: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+    """``(c, accumulate)`` for an op: ``c`` that is ``d`` travels as ``accumulate=True`` alone."""
+    return (None, True) if c is d else (c, c is not None)
+
+
+def _fp8(kind: str, a, b, d: torch.Tensor, c: torch.Tensor | None, recipe) -> torch.Tensor:
+    (a, sfa), (b, sfb) = check_fp8_args(kind, a, b, d, c, recipe)
+    TORCH_OPS[kind, True](a, sfa, b, sfb, d, *_c_args(d, c))
+    return d
+
+
+def _bf16(kind: str, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    check_bf16_args(kind, a, b, d, c)
+    TORCH_OPS[kind, False](a, b, d, *_c_args(d, c))
+    return d
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -188,57 +234,49 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=Non
     packed UE8M0 int32 (1x128, or 1x32 with ``recipe=(1, 1, 32)``). ``compiled_dims`` and ``disable_ue8m0_cast``
     are accepted for DeepGEMM compatibility (fp32 scales are used as they are, never cast). Returns ``d``.
     """
-    a, b = check_fp8_args("nt", a, b, d, c, recipe)
-    return _OPS["nt", True](a, b, d, c)
+    return _fp8("nt", a, b, d, c, recipe)
 
 
 def fp8_gemm_nn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "nk",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a @ b (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [k, n], sf [k/128, ceil(n/128) or n])``."""
-    a, b = check_fp8_args("nn", a, b, d, c, recipe)
-    return _OPS["nn", True](a, b, d, c)
+    return _fp8("nn", a, b, d, c, recipe)
 
 
 def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b (+ c)`` with ``a = (fp8 [k, m], sf [k/128, m])``, ``b = (fp8 [k, n], sf [k/128, n])``."""
-    a, b = check_fp8_args("tn", a, b, d, c, recipe)
-    return _OPS["tn", True](a, b, d, c)
+    return _fp8("tn", a, b, d, c, recipe)
 
 
 def fp8_gemm_tt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b^T (+ c)``; ``a = (fp8 [k, m], sf [k/128, m])``, ``b`` as in ``fp8_gemm_nt``."""
-    a, b = check_fp8_args("tt", a, b, d, c, recipe)
-    return _OPS["tt", True](a, b, d, c)
+    return _fp8("tt", a, b, d, c, recipe)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "nk") -> torch.Tensor:
     """``d = a @ b^T (+ c)`` in bf16 with fp32 accumulation; ``a [m, k]``, ``b [n, k]``."""
-    check_bf16_args("nt", a, b, d, c)
-    return _OPS["nt", False](a, b, d, c)
+    return _bf16("nt", a, b, d, c)
 
 
 def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "nk") -> torch.Tensor:
     """``d = a @ b (+ c)``; ``a [m, k]``, ``b [k, n]``."""
-    check_bf16_args("nn", a, b, d, c)
-    return _OPS["nn", False](a, b, d, c)
+    return _bf16("nn", a, b, d, c)
 
 
 def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "mn") -> torch.Tensor:
     """``d = a^T @ b (+ c)``; ``a [k, m]``, ``b [k, n]``."""
-    check_bf16_args("tn", a, b, d, c)
-    return _OPS["tn", False](a, b, d, c)
+    return _bf16("tn", a, b, d, c)
 
 
 def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "mn") -> torch.Tensor:
     """``d = a^T @ b^T (+ c)``; ``a [k, m]``, ``b [n, k]``."""
-    check_bf16_args("tt", a, b, d, c)
-    return _OPS["tt", False](a, b, d, c)
+    return _bf16("tt", a, b, d, c)
 
 
 # DeepGEMM v1 name

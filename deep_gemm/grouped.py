@@ -18,7 +18,7 @@ import torch
 from accel import registry
 from accel.registry import Case, VerifySpec
 from deep_gemm import reference
-from deep_gemm.gemm import TRITON_ALLOW, quantize_operand
+from deep_gemm.gemm import TRITON_ALLOW, _c_args, quantize_operand
 from deep_gemm.utils import (
     BLOCK,
     FP8,
@@ -344,6 +344,71 @@ _k_grouped_bf16 = registry.register(
                  _bytes_k_grouped))
 
 
+# The torch ops. The m-grouped references read the group layout on the host (``nonzero`` per group, ``masked_m``
+# as a list), which neither fake tensors nor torch.compile can trace, so those ops are opaque ``custom_op``s with
+# a fake that writes nothing (they only fill ``d`` in place); the k-grouped ones take ``ks`` as a host list in
+# the schema and are ``triton_op``s whose body torch.compile traces. No autograd: ``grouped_linear`` owns it.
+
+
+def _no_fake(*args, **kwargs) -> None:
+    """Fake of an op that only writes its ``d`` in place: nothing to compute or allocate."""
+
+
+@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nt_contiguous", mutates_args=("d",))
+def _contiguous_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+                   m_indices: torch.Tensor) -> None:
+    _contiguous((a, sfa), (b, sfb), d, m_indices)
+
+
+@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nn_contiguous", mutates_args=("d",))
+def _contiguous_nn_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+                      m_indices: torch.Tensor) -> None:
+    _contiguous_nn((a, sfa), (b, sfb), d, m_indices)
+
+
+@torch.library.custom_op("dsv3::m_grouped_bf16_gemm_nt_contiguous", mutates_args=("d",))
+def _contiguous_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    _contiguous_bf16(a, b, d, m_indices)
+
+
+@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nt_masked", mutates_args=("d",))
+def _masked_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+               masked_m: torch.Tensor, expected_m: int) -> None:
+    _masked((a, sfa), (b, sfb), d, masked_m, expected_m)
+
+
+@torch.library.custom_op("dsv3::m_grouped_bf16_gemm_nt_masked", mutates_args=("d",))
+def _masked_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
+                    expected_m: int) -> None:
+    _masked_bf16(a, b, d, masked_m, expected_m)
+
+
+for _op in (_contiguous_op, _contiguous_nn_op, _contiguous_bf16_op, _masked_op, _masked_bf16_op):
+    _op.register_fake(_no_fake)
+
+
+def _k_grouped_fp8_op(kernel: registry.KernelOp, name: str):
+    """A k-grouped FP8 op (``c is d`` travels as ``accumulate`` alone, as in ``deep_gemm.gemm``)."""
+
+    def body(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+             ks: list[int], ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+             accumulate: bool = False) -> None:
+        kernel((a, sfa), (b, sfb), d, list(ks), ks_tensor, d if accumulate and c is None else c)
+
+    return torch.library.triton_op(f"dsv3::{name}", body, mutates_args=("d",))
+
+
+_k_grouped_op = _k_grouped_fp8_op(_k_grouped, "k_grouped_fp8_gemm_tn_contiguous")
+_k_grouped_nt_op = _k_grouped_fp8_op(_k_grouped_nt, "k_grouped_fp8_gemm_nt_contiguous")
+
+
+@torch.library.triton_op("dsv3::k_grouped_bf16_gemm_tn_contiguous", mutates_args=("d",))
+def _k_grouped_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: list[int],
+                       ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                       accumulate: bool = False) -> None:
+    _k_grouped_bf16(a, b, d, list(ks), ks_tensor, d if accumulate and c is None else c)
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -358,7 +423,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]^T`` for rows with ``m_indices[r] >= 0``; ``a [M, k]``, ``b [G, n, k]``."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "nk", recipe)
-    return _contiguous(a, b, d, m_indices)
+    _contiguous_op(*a, *b, d, m_indices)
+    return d
 
 
 def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, recipe=None,
@@ -367,7 +433,8 @@ def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]`` with ``b [G, k, n]`` (MoE dgrad: output grads times expert weights)."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "kn", recipe)
-    return _contiguous_nn(a, b, d, m_indices)
+    _contiguous_nn_op(*a, *b, d, m_indices)
+    return d
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
@@ -381,14 +448,16 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_out(d, (m, b.shape[1]), None, dtypes=(torch.bfloat16,))
     check_m_indices(m_indices, m, b.shape[0])
     check_same_device(a=a, b=b, d=d, m_indices=m_indices)
-    return _contiguous_bf16(a, b, d, m_indices)
+    _contiguous_bf16_op(a, b, d, m_indices)
+    return d
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe=None,
                                  compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T``; ``a [G, m_max, k]``, ``b [G, n, k]``."""
     _check_masked_fp8(a, b, d, masked_m, expected_m)
-    return _masked((a[0], a[1]), (b[0], b[1]), d, masked_m, expected_m)
+    _masked_op(a[0], a[1], b[0], b[1], d, masked_m, expected_m)
+    return d
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
@@ -400,7 +469,8 @@ def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Ten
     check_out(d, (g, m_max, b.shape[1]), None, dtypes=(torch.bfloat16,))
     _check_masked_m(masked_m, g, m_max, expected_m)
     check_same_device(a=a, b=b, d=d, masked_m=masked_m)
-    return _masked_bf16(a, b, d, masked_m, expected_m)
+    _masked_bf16_op(a, b, d, masked_m, expected_m)
+    return d
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,
@@ -414,7 +484,8 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     a, b = _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c, recipe)
-    return _k_grouped(a, b, d, list(ks), ks_tensor, c)
+    _k_grouped_op(*a, *b, d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,
@@ -428,7 +499,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c)
-    return _k_grouped_nt((a[0], a[1]), (b[0], b[1]), d, list(ks), ks_tensor, c)
+    _k_grouped_nt_op(a[0], a[1], b[0], b[1], d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: Sequence[int],
@@ -442,7 +514,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     ks = _check_ks(ks, ks_tensor, sum_k, 1)
     check_out(d, (len(ks), m, b.shape[1]), c, dtypes=(torch.float32,))
     check_same_device(a=a, b=b, d=d, c=c)
-    return _k_grouped_bf16(a, b, d, ks, ks_tensor, c)
+    _k_grouped_bf16_op(a, b, d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 # DeepGEMM v1 and legacy names

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from accel import registry
 from deep_gemm.kernels.gemm import require_fp8_hardware
@@ -76,7 +77,7 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     block_r = 32 if tile_rows == 1 else tile_rows
     block_c = 64 if tile_cols == 1 else tile_cols
     grid = (ceil_div(rows, block_r), ceil_div(cols, block_c), batch)
-    _cast_kernel[grid](
+    wrap_triton(_cast_kernel)[grid](
         x3, q, sf, rows, cols, *x3.stride(), *q.stride(), *sf.stride(),
         TILE_R=tile_rows, TILE_C=tile_cols, BLOCK_R=block_r, BLOCK_C=block_c,
         AMAX_FLOOR=1e-4, UE8M0=use_ue8m0, num_warps=cast_warps(tile_rows, tile_cols),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from accel import autotune, registry
 from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
@@ -345,7 +346,7 @@ def attention_forward(q, k, v, cu, max_seqlen: int, causal: bool, scale: float):
     batch = cu.numel() - 1
     fwd, _, _ = _kernels()
     grid = lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)
-    fwd[grid](q, k, v, out, lse, cu, scale * LOG2E,
+    wrap_triton(fwd)[grid](q, k, v, out, lse, cu, scale * LOG2E,
               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               out.stride(0), out.stride(1), lse.stride(0), heads, **static_args(dqk, dv, causal))
     return out, lse
@@ -358,7 +359,7 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     dout = unit_stride(dout)
     delta = torch.empty(heads, total, dtype=torch.float32, device=q.device)
     block_t = 16 if interpreted() else 64
-    _delta_kernel[(triton.cdiv(total, block_t), heads)](
+    wrap_triton(_delta_kernel)[(triton.cdiv(total, block_t), heads)](
         out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0), total,
         DV=dv_dim, BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)), BLOCK_T=block_t, num_warps=4)
     dq = registry.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -369,10 +370,10 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     static = static_args(dqk, dv_dim, causal)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               dout.stride(0), dout.stride(1))
-    dkdv_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_N"]), batch * heads)](
+    wrap_triton(dkdv_kernel)[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_N"]), batch * heads)](
         q, k, v, dout, lse, delta, dk, dv, cu, scale, scale * LOG2E, *common,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), heads, **static)
-    dq_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)](
+    wrap_triton(dq_kernel)[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)](
         q, k, v, dout, lse, delta, dq, cu, scale, scale * LOG2E, *common,
         dq.stride(0), dq.stride(1), lse.stride(0), heads, **static)
     return dq, dk, dv

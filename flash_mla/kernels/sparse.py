@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from accel import autotune, registry
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
@@ -237,7 +238,7 @@ def sparse_forward(q, kv, indices, sm_scale: float, d_v: int, lse_scale: float =
     max_logits = registry.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = registry.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     if s_q:
-        _kernel("fwd", _sparse_fwd_kernel, FWD_CONFIGS)[_head_grid(s_q, h_q)](
+        wrap_triton(_kernel("fwd", _sparse_fwd_kernel, FWD_CONFIGS))[_head_grid(s_q, h_q)](
             q, kv, indices, out, max_logits, lse, kv.shape[0], h_q, indices.shape[1], sm_scale * LOG2E, lse_scale,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1), **tile_args(d_qk, d_v))
@@ -257,13 +258,14 @@ def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     dkv = registry.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the atomics' accumulator
     if s_q:
-        _kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"])[_head_grid(s_q, h_q)](
+        wrap_triton(_kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"]))[_head_grid(s_q, h_q)](
             q, kv, indices, out, dout, lse, dq, dkv32, kv.shape[0], h_q, indices.shape[1], sm_scale,
             sm_scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dkv32.stride(0),
             **tile_args(d_qk, d_v))
     block = 1024
-    _cast_kernel[(triton.cdiv(dkv.numel(), block),)](dkv32, dkv, dkv.numel(), UPCAST=interpreted(), BLOCK=block)
+    wrap_triton(_cast_kernel)[(triton.cdiv(dkv.numel(), block),)](dkv32, dkv, dkv.numel(), UPCAST=interpreted(),
+                                                                   BLOCK=block)
     return dq, dkv
 
 
@@ -307,7 +309,7 @@ def sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, 
     max_logits = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)  # not returned by decoding
     lse = registry.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
     if b * s_q:
-        _kernel("decode_fp8", _sparse_decode_fp8_kernel, DECODE_FP8_CONFIGS)[_head_grid(b * s_q, h_q)](
+        wrap_triton(_kernel("decode_fp8", _sparse_decode_fp8_kernel, DECODE_FP8_CONFIGS))[_head_grid(b * s_q, h_q)](
             q2, values, scales, rope, idx, out, max_logits, lse, values.shape[0], h_q, idx.shape[1], scale * LOG2E,
             LN2, q2.stride(0), q2.stride(1), values.stride(0), scales.stride(0), rope.stride(0), idx.stride(0),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), UPCAST=interpreted())
