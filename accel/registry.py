@@ -19,7 +19,9 @@ Kernel modules register like this::
 (``triton`` may also be ``"package.module:function"``, imported at its first use: the kernel package then
 imports without Triton, and the public op reaches the launch through this registry and that function only.)
 
-and allocate outputs they return through ``registry.empty`` so the verification harness can
+and front each with a PyTorch custom op ``torch.ops.dsv3.<last part of the name>`` whose body is that
+dispatch (``registry.torch_op``; docs/custom_ops.md), and allocate outputs they return through
+``registry.empty`` so the verification harness can
 poison them with NaN. References wrapped by ``reference_for`` count their calls even when called
 directly, which is how the harness proves a kernel did not quietly run the reference.
 """
@@ -183,6 +185,8 @@ class KernelOp:
         self._triton = triton
         self.verify = verify
         self._logged: set[tuple[str, str | None]] = set()
+        self.custom_op: torch.library.CustomOpDef | None = None  # torch.ops.dsv3.* fronting it (torch_op)
+        self.differentiable = False  # the custom op has a registered autograd
         self.last_impl: str | None = None
         self.last_reason: str | None = None
 
@@ -242,6 +246,38 @@ class KernelOp:
 
 
 _OPS: dict[str, KernelOp] = {}
+
+NAMESPACE = "dsv3"
+
+
+def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
+             setup_context: Callable | None = None) -> Callable[[Callable], Any]:
+    """Decorate ``fn``, the op's body (the kernel op called with flat, type-annotated arguments), into the custom
+    op ``torch.ops.dsv3.<kernel's last name part>`` and record it as ``kernel.custom_op``.
+
+    With a Triton implementation it is a ``torch.library.triton_op`` (``torch.compile`` traces the body: the
+    registry's choice, then the ``wrap_triton`` launch or the reference's torch ops), else a ``custom_op``. Its
+    fake implementation is the body on fake tensors with the reference chosen: the reference's shapes, dtypes
+    and devices are the kernel's (the verifier checks that), and the Triton interpreter cannot run on fake
+    tensors. ``backward`` / ``setup_context``: its ``register_autograd`` (then ``kernel.differentiable``).
+    """
+
+    def wrap(fn: Callable) -> Any:
+        name = f"{NAMESPACE}::{kernel.name.rsplit('.', 1)[-1]}"
+        make = torch.library.triton_op if kernel._triton is not None else torch.library.custom_op
+        op = make(name, fn, mutates_args=tuple(mutates_args))
+
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            with force("reference"):
+                return fn(*args, **kwargs)
+
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        kernel.custom_op, kernel.differentiable = op, backward is not None
+        return op
+
+    return wrap
 
 
 def register(

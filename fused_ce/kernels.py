@@ -3,7 +3,8 @@
 Both are memory-bound passes over the row in ``BLOCK`` columns: the forward keeps an online max and
 sum of exponentials (log-sum-exp, as a flash-attention softmax), the backward writes
 ``(softmax - onehot(target)) * scale`` from the saved log-sum-exp. Math in fp32 whatever the logits'
-dtype; a row whose target is ``ignore_index`` gets loss 0 and gradient 0.
+dtype; a row whose target is ``ignore_index`` gets loss 0 and gradient 0. Launched through ``wrap_triton`` so
+that ``torch.compile`` sees into the ``torch.ops.dsv3`` ops around them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from accel import registry
 
@@ -63,7 +65,7 @@ def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_in
     loss = registry.empty(rows, dtype=torch.float32, device=logits.device)
     lse = registry.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), ignore_index,
+        wrap_triton(_forward_kernel)[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), ignore_index,
                                  BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return loss, lse
 
@@ -74,6 +76,7 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: tor
     rows, vocab = logits.shape
     grad = registry.empty(rows, vocab, dtype=torch.float32, device=logits.device)
     if rows:
-        _backward_kernel[(rows,)](logits, targets, lse, scale, grad, vocab, logits.stride(0), grad.stride(0),
-                                  ignore_index, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+        wrap_triton(_backward_kernel)[(rows,)](logits, targets, lse, scale, grad, vocab, logits.stride(0),
+                                               grad.stride(0), ignore_index,
+                                               BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return grad

@@ -9,6 +9,9 @@ chunk of logits and of their gradient, chosen no larger than ``hidden`` itself b
 
 Numerics are the plain path's: logits from the GEMM in the inputs' dtype, then fp32 (as
 ``F.cross_entropy(F.linear(h, w).float(), t)``), the logits' gradient cast back to that dtype.
+
+Both directions are custom ops (``torch.ops.dsv3.linear_cross_entropy`` / ``_backward``, the first with the second
+as its registered autograd), so ``torch.compile`` takes the loss whole and never sees a chunk's logits.
 """
 
 from __future__ import annotations
@@ -16,50 +19,76 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from fused_ce.ops import accumulation_dtype, cross_entropy_backward_op, cross_entropy_forward_op
+from fused_ce.ops import accumulation_dtype, cross_entropy_backward, cross_entropy_forward
 
 
 def _chunks(rows: int, chunk: int):
     return [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                reduction: str, chunk: int):
-        acc = accumulation_dtype(hidden.dtype)
-        lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        w = weight.to(hidden.dtype)
-        for a, b in _chunks(hidden.shape[0], chunk):
-            loss, lse[a:b] = cross_entropy_forward_op((hidden[a:b] @ w.T).to(acc), targets[a:b], ignore_index)
-            total += loss.sum()
-        count = (targets != ignore_index).sum().to(acc)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.ignore_index, ctx.chunk, ctx.count = ignore_index, chunk, count if reduction == "mean" else None
-        return total / count if reduction == "mean" else total
+@torch.library.custom_op("dsv3::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                          reduction: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss, each row's log-sum-exp): what the backward needs besides the inputs (the logits are not kept)."""
+    acc = accumulation_dtype(hidden.dtype)
+    lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    w = weight.to(hidden.dtype)
+    for a, b in _chunks(hidden.shape[0], chunk):
+        loss, lse[a:b] = cross_entropy_forward((hidden[a:b] @ w.T).to(acc), targets[a:b], ignore_index)
+        total += loss.sum()
+    return (total / (targets != ignore_index).sum().to(acc) if reduction == "mean" else total), lse
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        acc = lse.dtype
-        scale = grad_loss.to(acc) / ctx.count if ctx.count is not None else grad_loss.to(acc)
-        w = weight.to(hidden.dtype)
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # the weight gradient sums over every chunk: accumulated in fp32 (float64 for float64 inputs)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        for a, b in _chunks(hidden.shape[0], ctx.chunk):
-            logits = (hidden[a:b] @ w.T).to(acc)
-            g = cross_entropy_backward_op(logits, targets[a:b], lse[a:b], scale, ctx.ignore_index).to(hidden.dtype)
-            del logits
-            if grad_h is not None:
-                torch.mm(g, w, out=grad_h[a:b])
-            if grad_w is not None:
-                grad_w.addmm_(g.T.to(acc), hidden[a:b].to(acc))
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+@_linear_cross_entropy.register_fake
+def _(hidden, weight, targets, ignore_index, reduction, chunk):
+    acc = accumulation_dtype(hidden.dtype)
+    return hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape[0], dtype=acc)
+
+
+@torch.library.custom_op("dsv3::linear_cross_entropy_backward", mutates_args=())
+def _linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                   targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str,
+                                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight): each chunk's logits again, their gradient by the fused pass, two GEMMs."""
+    acc = lse.dtype
+    scale = grad_loss.to(acc)
+    if reduction == "mean":
+        scale = scale / (targets != ignore_index).sum().to(acc)
+    w = weight.to(hidden.dtype)
+    grad_h = torch.empty_like(hidden)
+    # the weight gradient sums over every chunk: accumulated in fp32 (float64 for float64 inputs)
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    for a, b in _chunks(hidden.shape[0], chunk):
+        logits = (hidden[a:b] @ w.T).to(acc)
+        g = cross_entropy_backward(logits, targets[a:b], lse[a:b], scale, ignore_index).to(hidden.dtype)
+        del logits
+        torch.mm(g, w, out=grad_h[a:b])
+        grad_w.addmm_(g.T.to(acc), hidden[a:b].to(acc))
+    return grad_h, grad_w.to(weight.dtype)
+
+
+@_linear_cross_entropy_backward.register_fake
+def _(grad_loss, hidden, weight, targets, lse, ignore_index, reduction, chunk):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, targets, ignore_index, reduction, chunk = inputs
+    ctx.save_for_backward(hidden, weight, targets, output[1])
+    ctx.ignore_index, ctx.reduction, ctx.chunk = ignore_index, reduction, chunk
+
+
+def _backward(ctx, grad_loss: torch.Tensor, _grad_lse: torch.Tensor | None):
+    # the log-sum-exp is an internal output (the wrapper returns the loss alone): no gradient flows into it
+    hidden, weight, targets, lse = ctx.saved_tensors
+    grad_h, grad_w = _linear_cross_entropy_backward(grad_loss, hidden, weight, targets, lse, ctx.ignore_index,
+                                                    ctx.reduction, ctx.chunk)
+    return grad_h, grad_w, None, None, None, None
+
+
+_linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
 def default_chunk(rows: int, dim: int, vocab: int) -> int:
@@ -91,4 +120,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     chunk = default_chunk(h.shape[0], h.shape[1], weight.shape[0]) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"linear_cross_entropy: chunk must be >= 1, got {chunk}")
-    return _LinearCrossEntropy.apply(h, weight, targets.reshape(-1).long(), ignore_index, reduction, chunk)
+    return _linear_cross_entropy(h, weight, targets.reshape(-1).long(), ignore_index, reduction, chunk)[0]

@@ -1,4 +1,5 @@
-"""The fused cross-entropy's two kernel ops, registered with ``accel.registry`` (Triton + PyTorch reference).
+"""The fused cross-entropy's two kernel ops, registered with ``accel.registry`` (Triton + PyTorch reference) and
+fronted by the custom ops ``torch.ops.dsv3.cross_entropy_forward`` / ``_backward`` (docs/custom_ops.md).
 
 ``cross_entropy_forward(logits [rows, vocab], targets [rows], ignore_index) -> (loss [rows], lse [rows])``
 ``cross_entropy_backward(logits, targets, lse, scale, ignore_index) -> grad_logits [rows, vocab]``
@@ -6,6 +7,7 @@
 fp32 results for fp32/bf16 logits (float64 logits: float64, reference only, for exact tests).
 ``scale`` is a 0-d tensor (the upstream gradient over the number of counted targets for a mean), so
 no host synchronisation is needed. Rows whose target is ``ignore_index`` give loss 0 and gradient 0.
+The forward op's autograd is the backward op (scale 1) times each row's upstream gradient.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def cross_entropy_forward_reference(logits: torch.Tensor, targets: torch.Tensor,
 def cross_entropy_backward_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                                      scale: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     valid = targets != ignore_index
-    grad = torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1))
-    grad[valid, targets[valid]] -= 1.0
+    # minus 1 at the target column, 0 elsewhere (x - 0 is x): no data-dependent shapes, so it runs on fake tensors
+    onehot = torch.arange(logits.shape[1], device=logits.device) == torch.where(valid, targets, -1).unsqueeze(1)
+    grad = torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1)) - onehot.to(lse.dtype)
     return grad * torch.where(valid, scale.to(grad.dtype), 0.0).unsqueeze(1)
 
 
@@ -95,3 +98,30 @@ cross_entropy_backward_op = registry.register(
     BACKWARD, reference=cross_entropy_backward_reference, triton=_backward_triton,
     verify=VerifySpec(make_case=_backward_case, shapes=_SHAPES, bench_shapes=_BENCH, tolerance=1e-10,
                       bytes_moved=lambda s: _bytes(s, 1.0) + s["rows"] * s["vocab"] * 4))
+
+
+@registry.torch_op(cross_entropy_backward_op)
+def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                           ignore_index: int = -100) -> torch.Tensor:
+    return cross_entropy_backward_op(logits, targets, lse, scale, ignore_index)
+
+
+def _forward_setup(ctx, inputs, output) -> None:
+    logits, targets, ignore_index = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.ignore_index = ignore_index
+
+
+def _forward_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
+    logits, targets, lse = ctx.saved_tensors
+    one = torch.ones((), dtype=lse.dtype, device=lse.device)
+    grad = cross_entropy_backward(logits, targets, lse, one, ctx.ignore_index) * grad_loss.unsqueeze(1)
+    if grad_lse is not None:  # d lse / d logits is the softmax
+        grad = grad + torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1)) * grad_lse.unsqueeze(1)
+    return grad.to(logits.dtype), None, None
+
+
+@registry.torch_op(cross_entropy_forward_op, backward=_forward_backward, setup_context=_forward_setup)
+def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor,
+                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    return cross_entropy_forward_op(logits, targets, ignore_index)

@@ -1,0 +1,88 @@
+"""Every kernel op's ``torch.ops.dsv3`` front passes ``torch.library.opcheck`` (schema, fake tensor, autograd
+registration, AOT dispatch), generic over ``accel.registry``: the cases are each op's own verification cases
+(``VerifySpec.make_case``, all its interpreter shapes, two seeds) on the CPU, where the op's body runs the
+PyTorch reference; once more per op with the Triton kernel in its interpreter for the checks that run the op
+eagerly (the fake and AOT checks trace the body, which the interpreter cannot run on fake tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accel import registry
+
+registry.load_all()
+
+# Ops not yet fronted by a custom op (issue 35, item 1): whoever converts one removes it here.
+EXPECTED_MISSING_PACKAGES = ("deep_gemm", "flash_mla", "fused_ops")
+CONVERTED_PACKAGES = ("fused_ce",)
+_OPS = [name for name in registry.ops() if registry.get(name).custom_op is not None]
+
+
+def _cases(name: str, seeds=(0, 1)):
+    spec = registry.get(name).verify
+    for shape in spec.shapes:
+        for seed in seeds:
+            yield spec.make_case(shape, seed, torch.device("cpu"))
+
+
+def _with_grad(kernel: registry.KernelOp, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point (non-FP8) tensors require grad when the op has an autograd: opcheck then checks it."""
+    def leaf(v):
+        if kernel.differentiable and isinstance(v, torch.Tensor) and v.is_floating_point() and v.element_size() > 1:
+            return v.detach().clone().requires_grad_(True)
+        return v
+
+    return tuple(leaf(a) for a in args), {k: leaf(v) for k, v in kwargs.items()}
+
+
+def test_every_op_of_the_converted_packages_has_a_torch_op():
+    names = [n for n in registry.ops() if n.split(".")[0] in CONVERTED_PACKAGES + EXPECTED_MISSING_PACKAGES]
+    missing = [n for n in names if registry.get(n).custom_op is None]
+    unexpected = [n for n in missing if n.split(".")[0] not in EXPECTED_MISSING_PACKAGES]
+    assert not unexpected, f"kernel ops without a torch.ops.dsv3 op: {unexpected}"
+    for name in names:
+        op = registry.get(name).custom_op
+        if op is not None:  # named by the registry name's last part, reachable as torch.ops.dsv3.<name>
+            short = name.rsplit(".", 1)[-1]
+            assert getattr(torch.ops.dsv3, short).default is op._opoverload, name
+    stale = [p for p in EXPECTED_MISSING_PACKAGES
+             if any(n.split(".")[0] == p for n in names) and not any(n.split(".")[0] == p for n in missing)]
+    assert not stale, f"{stale}: every op converted; move the package to CONVERTED_PACKAGES"
+
+
+@pytest.mark.parametrize("name", _OPS)
+def test_opcheck_reference(name):
+    kernel = registry.get(name)
+    with registry.force("reference"):
+        for case in _cases(name):
+            args, kwargs = _with_grad(kernel, case.args, case.kwargs)
+            torch.library.opcheck(kernel.custom_op, args, kwargs)
+
+
+@pytest.mark.parametrize("name", _OPS)
+def test_opcheck_triton_interpreted(name):
+    kernel = registry.get(name)
+    if registry.triton_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(registry.triton_unavailable_reason(torch.device("cpu")))
+    case = next(_cases(name, seeds=(2,)))
+    args, kwargs = _with_grad(kernel, case.args, case.kwargs)
+    with registry.force("triton"):
+        torch.library.opcheck(kernel.custom_op, args, kwargs,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert kernel.last_impl == "triton"
+
+
+@pytest.mark.parametrize("reduction,chunk", [("mean", 3), ("sum", 16)])
+def test_opcheck_linear_cross_entropy(reduction, chunk):
+    """The chunked head + loss (a composite op over the two kernel ops) and its backward op."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 16, generator=g, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (7,), generator=g)
+    targets[::3] = -100
+    torch.library.opcheck(torch.ops.dsv3.linear_cross_entropy.default,
+                          (hidden, weight, targets, -100, reduction, chunk))
+    lse = torch.logsumexp(hidden.detach() @ weight.detach().T, dim=-1)
+    torch.library.opcheck(torch.ops.dsv3.linear_cross_entropy_backward.default,
+                          (torch.tensor(0.5), hidden.detach(), weight.detach(), targets, lse, -100, reduction, chunk))
