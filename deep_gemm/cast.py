@@ -69,20 +69,19 @@ _per_block = registry.register("deep_gemm.per_block_cast_to_fp8", reference=refe
                                triton=_triton("block"), verify=_spec())
 
 
-# The torch ops: the registry's dispatch is the body (Triton through wrap_triton, or the reference), so
-# torch.compile traces into whichever runs; the fake runs the same body on fake tensors (the reference's
-# shape arithmetic, or the Triton path's allocations). No autograd: e4m3 values carry no gradient.
-@torch.library.triton_op("dsv3::per_token_cast_to_fp8", mutates_args=())
+# The torch ops (docs/custom_ops.md); no autograd: e4m3 values carry no gradient.
+@registry.torch_op(_per_token)
 def _per_token_op(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     return _per_token(x, use_ue8m0, gran_k)
 
 
-@torch.library.triton_op("dsv3::per_channel_cast_to_fp8", mutates_args=())
-def _per_channel_op(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+@registry.torch_op(_per_channel)
+def _per_channel_op(x: torch.Tensor, use_ue8m0: bool = False,
+                    gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     return _per_channel(x, use_ue8m0, gran_k)
 
 
-@torch.library.triton_op("dsv3::per_block_cast_to_fp8", mutates_args=())
+@registry.torch_op(_per_block)
 def _per_block_op(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return _per_block(x, use_ue8m0)
 
@@ -112,7 +111,7 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     _check_gran(gran_k, use_ue8m0)
     if use_packed_ue8m0 and not use_ue8m0:
         raise ValueError("use_packed_ue8m0=True needs use_ue8m0=True (only power-of-two scales pack into bytes)")
-    q, sf = torch.ops.dsv3.per_token_cast_to_fp8(_check("x", x, (2, 3)), use_ue8m0, gran_k)
+    q, sf = _per_token_op(_check("x", x, (2, 3)), use_ue8m0, gran_k)
     return (q, get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)) if use_packed_ue8m0 else (q, sf)
 
 
@@ -120,9 +119,9 @@ def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                             gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduction along rows (wgrad operands): ``x [k, n]`` -> (e4m3 ``[k, n]``, scales ``[ceil(k/gran_k), n]``)."""
     _check_gran(gran_k, use_ue8m0)
-    return torch.ops.dsv3.per_channel_cast_to_fp8(_check("x", x, (2, 3)), use_ue8m0, gran_k)
+    return _per_channel_op(_check("x", x, (2, 3)), use_ue8m0, gran_k)
 
 
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights: ``w [n, k]`` (or ``[g, n, k]``) -> (e4m3 ``[n, k]``, scales ``[ceil(n/128), ceil(k/128)]``)."""
-    return torch.ops.dsv3.per_block_cast_to_fp8(_check("x", x, (2, 3)), use_ue8m0)
+    return _per_block_op(_check("x", x, (2, 3)), use_ue8m0)

@@ -177,33 +177,23 @@ _OPS = {
 }
 
 
-def _fp8_op(kind: str):
-    """``dsv3::fp8_gemm_{kind}``: the (fp8, scales) pairs flattened into the schema; ``d`` written in place.
-    ``accumulate`` without ``c`` means ``c is d`` (a mutated argument may not alias another one)."""
-    op = _OPS[kind, True]
-
-    def body(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
-             c: torch.Tensor | None = None, accumulate: bool = False) -> None:
-        op((a, sfa), (b, sfb), d, d if accumulate and c is None else c)
-
-    return torch.library.triton_op(f"dsv3::fp8_gemm_{kind}", body, mutates_args=("d",))
-
-
-def _bf16_op(kind: str):
-    """``dsv3::bf16_gemm_{kind}``: as ``_fp8_op`` with plain bf16 operands."""
-    op = _OPS[kind, False]
-
-    def body(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
-             accumulate: bool = False) -> None:
-        op(a, b, d, d if accumulate and c is None else c)
-
-    return torch.library.triton_op(f"dsv3::bf16_gemm_{kind}", body, mutates_args=("d",))
+def _torch_op(kind: str, fp8: bool):
+    """``dsv3::{fp8,bf16}_gemm_{kind}`` (docs/custom_ops.md): ``d`` written in place; an FP8 operand is its
+    ``[values, scales]`` list. ``accumulate`` without ``c`` means ``c is d`` (a mutated argument may not alias
+    another argument). No autograd: the training layers (``deep_gemm.linear``) own the backward."""
+    kernel = _OPS[kind, fp8]
+    if fp8:
+        def body(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, c: torch.Tensor | None = None,
+                 accumulate: bool = False) -> None:
+            kernel(tuple(a), tuple(b), d, d if accumulate and c is None else c)
+    else:
+        def body(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 accumulate: bool = False) -> None:
+            kernel(a, b, d, d if accumulate and c is None else c)
+    return registry.torch_op(kernel, mutates_args=("d",))(body)
 
 
-# The torch ops: the registry's dispatch is the body (torch.compile traces into the Triton launch or the
-# reference); the fake runs the same body on fake tensors. No autograd: the training layers (deep_gemm.linear)
-# own the backward.
-TORCH_OPS = {(kind, fp8): (_fp8_op if fp8 else _bf16_op)(kind) for kind, fp8 in _OPS}
+TORCH_OPS = {key: _torch_op(*key) for key in _OPS}
 
 
 def _c_args(d: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
@@ -212,8 +202,8 @@ def _c_args(d: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor | Non
 
 
 def _fp8(kind: str, a, b, d: torch.Tensor, c: torch.Tensor | None, recipe) -> torch.Tensor:
-    (a, sfa), (b, sfb) = check_fp8_args(kind, a, b, d, c, recipe)
-    TORCH_OPS[kind, True](a, sfa, b, sfb, d, *_c_args(d, c))
+    a, b = check_fp8_args(kind, a, b, d, c, recipe)
+    TORCH_OPS[kind, True](list(a), list(b), d, *_c_args(d, c))
     return d
 
 

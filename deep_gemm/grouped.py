@@ -344,65 +344,60 @@ _k_grouped_bf16 = registry.register(
                  _bytes_k_grouped))
 
 
-# The torch ops. The m-grouped references read the group layout on the host (``nonzero`` per group, ``masked_m``
-# as a list), which neither fake tensors nor torch.compile can trace, so those ops are opaque ``custom_op``s with
-# a fake that writes nothing (they only fill ``d`` in place); the k-grouped ones take ``ks`` as a host list in
-# the schema and are ``triton_op``s whose body torch.compile traces. No autograd: ``grouped_linear`` owns it.
+# The torch ops (docs/custom_ops.md); an FP8 operand is its ``[values, scales]`` list, ``d`` is written in place,
+# no autograd (``grouped_linear`` owns it). The m-grouped references read the group layout on the host (a
+# ``nonzero`` per group, ``masked_m`` as a list), which fake tensors and torch.compile cannot trace: those ops are
+# opaque, with a fake that writes nothing (they only fill ``d``). The k-grouped ones take ``ks`` as a host list in
+# the schema, so torch.compile traces their body.
 
 
 def _no_fake(*args, **kwargs) -> None:
     """Fake of an op that only writes its ``d`` in place: nothing to compute or allocate."""
 
 
-@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nt_contiguous", mutates_args=("d",))
-def _contiguous_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
-                   m_indices: torch.Tensor) -> None:
-    _contiguous((a, sfa), (b, sfb), d, m_indices)
+@registry.torch_op(_contiguous, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _contiguous_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    _contiguous(tuple(a), tuple(b), d, m_indices)
 
 
-@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nn_contiguous", mutates_args=("d",))
-def _contiguous_nn_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+@registry.torch_op(_contiguous_nn, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _contiguous_nn_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor,
                       m_indices: torch.Tensor) -> None:
-    _contiguous_nn((a, sfa), (b, sfb), d, m_indices)
+    _contiguous_nn(tuple(a), tuple(b), d, m_indices)
 
 
-@torch.library.custom_op("dsv3::m_grouped_bf16_gemm_nt_contiguous", mutates_args=("d",))
+@registry.torch_op(_contiguous_bf16, mutates_args=("d",), fake=_no_fake, opaque=True)
 def _contiguous_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor) -> None:
     _contiguous_bf16(a, b, d, m_indices)
 
 
-@torch.library.custom_op("dsv3::m_grouped_fp8_gemm_nt_masked", mutates_args=("d",))
-def _masked_op(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
-               masked_m: torch.Tensor, expected_m: int) -> None:
-    _masked((a, sfa), (b, sfb), d, masked_m, expected_m)
+@registry.torch_op(_masked, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _masked_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, masked_m: torch.Tensor,
+               expected_m: int) -> None:
+    _masked(tuple(a), tuple(b), d, masked_m, expected_m)
 
 
-@torch.library.custom_op("dsv3::m_grouped_bf16_gemm_nt_masked", mutates_args=("d",))
+@registry.torch_op(_masked_bf16, mutates_args=("d",), fake=_no_fake, opaque=True)
 def _masked_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
                     expected_m: int) -> None:
     _masked_bf16(a, b, d, masked_m, expected_m)
 
 
-for _op in (_contiguous_op, _contiguous_nn_op, _contiguous_bf16_op, _masked_op, _masked_bf16_op):
-    _op.register_fake(_no_fake)
+@registry.torch_op(_k_grouped, mutates_args=("d",))
+def _k_grouped_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, ks: list[int],
+                  ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                  accumulate: bool = False) -> None:
+    _k_grouped(tuple(a), tuple(b), d, list(ks), ks_tensor, d if accumulate and c is None else c)
 
 
-def _k_grouped_fp8_op(kernel: registry.KernelOp, name: str):
-    """A k-grouped FP8 op (``c is d`` travels as ``accumulate`` alone, as in ``deep_gemm.gemm``)."""
-
-    def body(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
-             ks: list[int], ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
-             accumulate: bool = False) -> None:
-        kernel((a, sfa), (b, sfb), d, list(ks), ks_tensor, d if accumulate and c is None else c)
-
-    return torch.library.triton_op(f"dsv3::{name}", body, mutates_args=("d",))
+@registry.torch_op(_k_grouped_nt, mutates_args=("d",))
+def _k_grouped_nt_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, ks: list[int],
+                     ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                     accumulate: bool = False) -> None:
+    _k_grouped_nt(tuple(a), tuple(b), d, list(ks), ks_tensor, d if accumulate and c is None else c)
 
 
-_k_grouped_op = _k_grouped_fp8_op(_k_grouped, "k_grouped_fp8_gemm_tn_contiguous")
-_k_grouped_nt_op = _k_grouped_fp8_op(_k_grouped_nt, "k_grouped_fp8_gemm_nt_contiguous")
-
-
-@torch.library.triton_op("dsv3::k_grouped_bf16_gemm_tn_contiguous", mutates_args=("d",))
+@registry.torch_op(_k_grouped_bf16, mutates_args=("d",))
 def _k_grouped_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: list[int],
                        ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
                        accumulate: bool = False) -> None:
@@ -423,7 +418,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]^T`` for rows with ``m_indices[r] >= 0``; ``a [M, k]``, ``b [G, n, k]``."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "nk", recipe)
-    _contiguous_op(*a, *b, d, m_indices)
+    _contiguous_op(list(a), list(b), d, m_indices)
     return d
 
 
@@ -433,7 +428,7 @@ def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]`` with ``b [G, k, n]`` (MoE dgrad: output grads times expert weights)."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "kn", recipe)
-    _contiguous_nn_op(*a, *b, d, m_indices)
+    _contiguous_nn_op(list(a), list(b), d, m_indices)
     return d
 
 
@@ -456,7 +451,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, 
                                  compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T``; ``a [G, m_max, k]``, ``b [G, n, k]``."""
     _check_masked_fp8(a, b, d, masked_m, expected_m)
-    _masked_op(a[0], a[1], b[0], b[1], d, masked_m, expected_m)
+    _masked_op([a[0], a[1]], [b[0], b[1]], d, masked_m, expected_m)
     return d
 
 
@@ -484,7 +479,7 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     a, b = _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c, recipe)
-    _k_grouped_op(*a, *b, d, list(ks), ks_tensor, *_c_args(d, c))
+    _k_grouped_op(list(a), list(b), d, list(ks), ks_tensor, *_c_args(d, c))
     return d
 
 
@@ -499,7 +494,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c)
-    _k_grouped_nt_op(a[0], a[1], b[0], b[1], d, list(ks), ks_tensor, *_c_args(d, c))
+    _k_grouped_nt_op([a[0], a[1]], [b[0], b[1]], d, list(ks), ks_tensor, *_c_args(d, c))
     return d
 
 
