@@ -15,8 +15,9 @@ import math
 import torch
 
 from accel import registry
+from accel.numerics import calc_diff
 from accel.registry import Case, VerifySpec
-from flash_mla.reference_attention import blocked_attention
+from flash_mla.reference_attention import blocked_attention, blocked_attention_backward
 
 OP_NAME = "flash_mla.mla_attention"
 BWD_OP_NAME = "flash_mla.mla_attention_backward"
@@ -88,9 +89,24 @@ def _flops(shape: dict) -> float:
     return 2.0 * b * h * pairs * (dqk + dv)
 
 
+def mla_attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                                    softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                                    max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's reference: ``(out, lse)`` with ``lse`` empty: the reference keeps no statistics (its backward
+    recomputes from q, k, v), the Triton kernel returns its ``[heads, total]`` log-sum-exp for its backward."""
+    out = mla_attention_reference.__wrapped__(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+    return out, q.new_empty(0, dtype=torch.float32)
+
+
+def _compare_out(got, want) -> dict[str, tuple[float, float]]:
+    """``out`` by calc_diff; ``lse`` is the implementation's own (empty for the reference), checked through the
+    backward op's cases, which feed the Triton backward a reference lse."""
+    return {"out": (calc_diff(got["out[0]"], want["out[0]"]), 1e-4)}
+
+
 mla_attention_op = registry.register(
     OP_NAME,
-    reference=mla_attention_reference,
+    reference=mla_attention_forward_reference,
     triton="flash_mla.kernels.attention:mla_attention_triton",  # imported at first use: no Triton needed here
     verify=VerifySpec(
         make_case=_make_case,
@@ -99,6 +115,7 @@ mla_attention_op = registry.register(
         shapes=[dict(b=2, s=40, h=2, dqk=48, dv=32), dict(b=1, s=33, h=2, dqk=192, dv=128, causal=False)],
         bench_shapes=[dict(b=4, s=4096, h=16, dqk=192, dv=128), dict(b=1, s=8192, h=16, dqk=192, dv=128)],
         tolerance=1e-4,
+        compare=_compare_out,
         flops=_flops,
     ),
 )
@@ -106,13 +123,15 @@ mla_attention_op = registry.register(
 
 @registry.reference_for(BWD_OP_NAME)
 def mla_attention_backward_reference(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
-    """(dq, dk, dv) for the varlen layout ``[total, heads, d]`` by autograd through the fp32 reference
-    (``out`` and ``lse`` are what the kernel saves; the reference recomputes instead)."""
-    with torch.enable_grad():
-        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        o = mla_attention_reference.__wrapped__(*leaves, causal, softmax_scale, cu_seqlens, max_seqlen)
-        grads = torch.autograd.grad(o, leaves, dout.float())
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    """(dq, dk, dv) by the reference's own backward (``blocked_attention_backward``), per sequence with
+    ``cu_seqlens``; ``out`` and ``lse`` (what the kernel saves) are not read: the reference recomputes."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is None:
+        return blocked_attention_backward(dout, q, k, v, causal, scale)
+    bounds = cu_seqlens.tolist()
+    parts = [blocked_attention_backward(*(t[a:b].unsqueeze(0) for t in (dout, q, k, v)), causal, scale)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return tuple(torch.cat([p[i].squeeze(0) for p in parts], dim=0) for i in range(3))
 
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
@@ -149,7 +168,7 @@ def _backward_flops(shape: dict) -> float:
 mla_attention_backward_op = registry.register(
     BWD_OP_NAME,
     reference=mla_attention_backward_reference,
-    triton="flash_mla.kernels.attention:attention_backward",
+    triton="flash_mla.kernels.attention:mla_attention_backward_triton",
     verify=VerifySpec(
         make_case=_make_backward_case,
         # bf16: gradients rounded to bf16, delta = rowsum(dO * O) from the bf16 O, and on a GPU P and dS rounded
@@ -160,6 +179,55 @@ mla_attention_backward_op = registry.register(
         flops=_backward_flops,
     ),
 )
+
+
+def _backward_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The backward reads the sequence bounds on the host (the reference loops over them), so it is opaque.
+@registry.torch_op(mla_attention_backward_op, fake=_backward_fake, opaque=True)
+def _mla_attention_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                                     max_seqlen: int | None, causal: bool, softmax_scale: float | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mla_attention_backward_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
+
+
+def _setup(ctx, inputs, output) -> None:
+    """Keep what the implementation that ran needs: the Triton kernel its ``out`` and ``lse`` too (flash
+    backward), the reference only q, k, v (it recomputes)."""
+    q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen = inputs
+    out, lse = output
+    kept = (out, lse) if lse.numel() else ()
+    ctx.save_for_backward(q, k, v, cu_seqlens, *kept)
+    ctx.args = (max_seqlen, causal, softmax_scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    q, k, v, cu_seqlens, *kept = ctx.saved_tensors
+    out, lse = kept or (q.new_empty(0), q.new_empty(0, dtype=torch.float32))
+    max_seqlen, causal, softmax_scale = ctx.args
+    dq, dk, dv = _mla_attention_backward_torch_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal,
+                                                  softmax_scale)
+    return dq, dk, dv, None, None, None, None
+
+
+def _forward_fake(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    """Shapes of the implementation that would run: the Triton kernel's ``lse [heads, total]``, the reference's
+    empty one."""
+    rows = q.shape[0] if cu_seqlens is not None else q.shape[0] * q.shape[1]
+    triton = mla_attention_op.resolve(q.device)[0] == "triton"
+    lse = q.new_empty((q.shape[-2], rows) if triton else (0,), dtype=torch.float32)
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), lse
+
+
+@registry.torch_op(mla_attention_op, backward=_backward, setup_context=_setup, fake=_forward_fake)
+def _mla_attention_torch_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                            softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                            max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_attention_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
 
 
 def keeps_output(device: torch.device) -> bool:
@@ -180,5 +248,4 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     key j > query i. ``softmax_scale`` defaults to ``dqk ** -0.5``.
     """
     _check_args(q, k, v, cu_seqlens, max_seqlen)
-    return mla_attention_op(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                            max_seqlen=max_seqlen)
+    return _mla_attention_torch_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)[0]

@@ -60,39 +60,47 @@ class _BlockedAttention(torch.autograd.Function):
     @once_differentiable  # a hand-written backward: a double backward through it raises instead of going wrong
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v = ctx.saved_tensors
-        causal, scale, block = ctx.causal, ctx.scale, ctx.block
-        b, s, h = q.shape[:3]
-        if s == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
-        q_scaled, k_t, v_h = _operands(q, k, v, scale)
-        k_h = k_t.transpose(1, 2)
-        grad_out = _heads_first(grad_out)
-        v_t = v_h.transpose(1, 2)
-        bias = _causal_bias(block, q.device) if causal else None
-        n_blocks = -(-s // block)
-        grad_q = [None] * n_blocks
-        grad_k = grad_v = None
-        # last block first: it reaches every key, so it creates dK and dV and earlier blocks add to a prefix
-        for i in reversed(range(n_blocks)):
-            p, keys = _block_probabilities(q_scaled, k_t, i, block, bias)
-            r0, r1 = i * block, min((i + 1) * block, s)
-            d_o = grad_out[:, r0:r1]
-            d_p = torch.bmm(d_o, v_t[:, :, :keys])
-            d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)  # what autograd runs for softmax
-            grad_q[i] = torch.bmm(d_s, k_h[:, :keys])
-            dv_part = torch.bmm(p.transpose(1, 2), d_o)
-            dk_part = torch.bmm(d_s.transpose(1, 2), q_scaled[:, r0:r1])
-            if grad_v is None:
-                grad_v, grad_k = dv_part, dk_part
-            else:
-                grad_v[:, :keys] += dv_part
-                grad_k[:, :keys] += dk_part
-        grad_q = (torch.cat(grad_q, dim=1) if len(grad_q) > 1 else grad_q[0]).mul_(scale)
+        return (*blocked_attention_backward(grad_out, q, k, v, ctx.causal, ctx.scale, ctx.block), None, None, None)
 
-        def back(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            return g.view(b, h, s, -1).transpose(1, 2).to(like.dtype)
 
-        return back(grad_q, q), back(grad_k, k), back(grad_v, v), None, None, None
+def blocked_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               causal: bool, scale: float, block: int = CAUSAL_BLOCK
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``blocked_attention`` in q/k/v's dtypes, recomputing each block's probabilities with the
+    forward's ops (no autograd: the backward kernel op's reference runs below autograd)."""
+    b, s, h = q.shape[:3]
+    block = block if causal else max(s, 1)
+    if s == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    q_scaled, k_t, v_h = _operands(q, k, v, scale)
+    k_h = k_t.transpose(1, 2)
+    grad_out = _heads_first(grad_out)
+    v_t = v_h.transpose(1, 2)
+    bias = _causal_bias(block, q.device) if causal else None
+    n_blocks = -(-s // block)
+    grad_q = [None] * n_blocks
+    grad_k = grad_v = None
+    # last block first: it reaches every key, so it creates dK and dV and earlier blocks add to a prefix
+    for i in reversed(range(n_blocks)):
+        p, keys = _block_probabilities(q_scaled, k_t, i, block, bias)
+        r0, r1 = i * block, min((i + 1) * block, s)
+        d_o = grad_out[:, r0:r1]
+        d_p = torch.bmm(d_o, v_t[:, :, :keys])
+        d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)  # what autograd runs for softmax
+        grad_q[i] = torch.bmm(d_s, k_h[:, :keys])
+        dv_part = torch.bmm(p.transpose(1, 2), d_o)
+        dk_part = torch.bmm(d_s.transpose(1, 2), q_scaled[:, r0:r1])
+        if grad_v is None:
+            grad_v, grad_k = dv_part, dk_part
+        else:
+            grad_v[:, :keys] += dv_part
+            grad_k[:, :keys] += dk_part
+    grad_q = (torch.cat(grad_q, dim=1) if len(grad_q) > 1 else grad_q[0]).mul_(scale)
+
+    def back(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return g.view(b, h, s, -1).transpose(1, 2).to(like.dtype)
+
+    return back(grad_q, q), back(grad_k, k), back(grad_v, v)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from accel import autotune, registry
-from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
 from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
@@ -384,33 +383,32 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class _MLAAttention(torch.autograd.Function):
-    """The Triton forward kernel; its backward is the registered backward op (verifiable, strict-aware)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
-        out, lse = attention_forward(q, k, v, cu, max_seqlen, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.args = (max_seqlen, causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        max_seqlen, causal, scale = ctx.args
-        dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
-        return dq, dk, dv, None, None, None, None
-
-
-def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
-    """Triton path of ``flash_mla.mla_attention`` (arguments already validated)."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+def _flat(q, k, v, cu_seqlens, max_seqlen):
+    """The varlen form the kernels take: ``[total, heads, d]`` views (unit stride in d), ``cu``, ``max_seqlen``."""
     if cu_seqlens is None:
         b, s, h, _ = q.shape
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        flat = [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
-        out = _MLAAttention.apply(*flat, cu, s, causal, scale)
-        return out.view(b, s, h, v.shape[-1])
+        return [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)], cu, s
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _MLAAttention.apply(unit_stride(q), unit_stride(k), unit_stride(v), cu_seqlens, max_seqlen, causal, scale)
+    return [unit_stride(t) for t in (q, k, v)], cu_seqlens, max_seqlen
+
+
+def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    """Triton path of ``flash_mla.mla_attention`` (arguments already validated): ``(out, lse [heads, total])``,
+    the log-sum-exp the backward reads."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    (qf, kf, vf), cu, max_len = _flat(q, k, v, cu_seqlens, max_seqlen)
+    out, lse = attention_forward(qf, kf, vf, cu, max_len, causal, scale)
+    return out.view(*q.shape[:-1], v.shape[-1]), lse
+
+
+def mla_attention_backward_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    """Triton path of ``flash_mla.mla_attention_backward``, in either layout of the forward."""
+    if lse.numel() == 0:
+        raise registry.Unsupported("no log-sum-exp: the forward ran the reference, which keeps none")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    (qf, kf, vf), cu, max_len = _flat(q, k, v, cu_seqlens, max_seqlen)
+    dq, dk, dv = attention_backward(dout.reshape(-1, *dout.shape[-2:]), qf, kf, vf, out.reshape(-1, *out.shape[-2:]),
+                                    lse, cu, max_len, causal, scale)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
