@@ -24,7 +24,6 @@ from accel import autotune, registry
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages
 from flash_mla.kernels.decode import _dequant_fp8
-from flash_mla.sparse import sparse_mla_attention_backward_op
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -252,6 +251,8 @@ def sparse_fwd_triton(q, kv, indices, sm_scale, d_v=512):
 
 def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     """Triton path of the backward op: (dq, dkv) from the forward's out and base-2 lse."""
+    if lse.numel() == 0:
+        raise registry.Unsupported("no log-sum-exp: the forward ran the reference, which keeps none")
     q, kv, indices, dout, out = (_unit(t) for t in (q, kv, indices, dout, out))
     s_q, h_q, d_qk = q.shape
     dq = registry.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -269,26 +270,11 @@ def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     return dq, dkv
 
 
-class _SparseMLA(torch.autograd.Function):
-    """The Triton forward; its backward is the registered backward op (verifiable, strict-aware)."""
-
-    @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v):
-        out, _, lse = sparse_forward(q, kv, indices, sm_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.args = (sm_scale, d_v)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, kv, indices, out, lse = ctx.saved_tensors
-        dq, dkv = sparse_mla_attention_backward_op(dout, q, kv, indices, out, lse, *ctx.args)
-        return dq, dkv, None, None, None
-
-
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512):
-    """Triton path of ``flash_mla.sparse_mla_attention`` (arguments already validated)."""
-    return _SparseMLA.apply(q, kv, indices, float(sm_scale), d_v)
+    """Triton path of ``flash_mla.sparse_mla_attention`` (arguments already validated): ``(out, lse)``, the
+    base-2 log-sum-exp the backward reads."""
+    out, _, lse = sparse_forward(q, kv, indices, float(sm_scale), d_v)
+    return out, lse
 
 
 def sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices):
