@@ -15,9 +15,9 @@ import math
 import torch
 
 from accel import registry
-from accel.numerics import calc_diff
 from accel.registry import Case, VerifySpec
-from flash_mla.reference_attention import blocked_attention, blocked_attention_backward
+from flash_mla.compare import compare_decode
+from flash_mla.reference_attention import blocked_attention, blocked_attention_backward, blocked_attention_forward
 
 OP_NAME = "flash_mla.mla_attention"
 BWD_OP_NAME = "flash_mla.mla_attention_backward"
@@ -92,16 +92,24 @@ def _flops(shape: dict) -> float:
 def mla_attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                                     softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                                     max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's reference: ``(out, lse)`` with ``lse`` empty: the reference keeps no statistics (its backward
-    recomputes from q, k, v), the Triton kernel returns its ``[heads, total]`` log-sum-exp for its backward."""
-    out = mla_attention_reference.__wrapped__(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
-    return out, q.new_empty(0, dtype=torch.float32)
+    """The op's reference: ``(out, lse)``, lse natural-log fp32 ``[heads, total]`` as the kernel returns it (rows
+    ``b * s + t`` in the batched layout), out bit for bit ``mla_attention_reference``'s."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is None:
+        out, lse = blocked_attention_forward(q, k, v, causal, scale, with_lse=True)
+        return out.to(q.dtype), lse.transpose(0, 1).reshape(q.shape[2], -1)
+    bounds = cu_seqlens.tolist()
+    parts = [blocked_attention_forward(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), causal, scale,
+                                       with_lse=True) for a, b in zip(bounds[:-1], bounds[1:])]
+    return (torch.cat([o.squeeze(0) for o, _ in parts], dim=0).to(q.dtype),
+            torch.cat([lse.squeeze(0) for _, lse in parts], dim=1))
 
 
 def _compare_out(got, want) -> dict[str, tuple[float, float]]:
-    """``out`` by calc_diff; ``lse`` is the implementation's own (empty for the reference), checked through the
-    backward op's cases, which feed the Triton backward a reference lse."""
-    return {"out": (calc_diff(got["out[0]"], want["out[0]"]), 1e-4)}
+    """``out`` by calc_diff (the spec's 1e-4); ``lse`` (natural log, fp32 scores of short dot products) to a
+    relative 1e-5 with the same infinities, as the decode ops' lse."""
+    errors = compare_decode((got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"]))
+    return {"out": (errors["out"][0], 1e-4), "lse": errors["lse"]}
 
 
 mla_attention_op = registry.register(
@@ -195,11 +203,11 @@ def _mla_attention_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, k: tor
 
 
 def _setup(ctx, inputs, output) -> None:
-    """Keep what the implementation that ran needs: the Triton kernel its ``out`` and ``lse`` too (flash
-    backward), the reference only q, k, v (it recomputes)."""
+    """Keep what the backward that will run needs (the registry's choice for q's device): the Triton kernel
+    ``out`` and ``lse`` too (flash backward), the reference only q, k, v (it recomputes)."""
     q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen = inputs
     out, lse = output
-    kept = (out, lse) if lse.numel() else ()
+    kept = (out, lse) if keeps_output(q.device) else ()
     ctx.save_for_backward(q, k, v, cu_seqlens, *kept)
     ctx.args = (max_seqlen, causal, softmax_scale)
     ctx.mark_non_differentiable(lse)
@@ -215,12 +223,8 @@ def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
 
 
 def _forward_fake(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
-    """Shapes of the implementation that would run: the Triton kernel's ``lse [heads, total]``, the reference's
-    empty one."""
     rows = q.shape[0] if cu_seqlens is not None else q.shape[0] * q.shape[1]
-    triton = mla_attention_op.resolve(q.device)[0] == "triton"
-    lse = q.new_empty((q.shape[-2], rows) if triton else (0,), dtype=torch.float32)
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), lse
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[-2], rows, dtype=torch.float32)
 
 
 @registry.torch_op(mla_attention_op, backward=_backward, setup_context=_setup, fake=_forward_fake)

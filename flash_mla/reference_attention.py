@@ -36,25 +36,33 @@ def _causal_bias(n: int, device: torch.device) -> torch.Tensor:
     return torch.full((n, n), -math.inf, device=device).triu(1)
 
 
+def blocked_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                              block: int = CAUSAL_BLOCK, with_lse: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out ``[b, s, h, dv]`` fp32, natural-log lse ``[b, h, s]`` fp32 with ``with_lse``, else None), no autograd."""
+    b, s, h = q.shape[:3]
+    block = block if causal else max(s, 1)
+    if s == 0:  # an empty varlen sequence
+        return v.new_empty(v.shape, dtype=torch.float32), q.new_empty(b, h, 0, dtype=torch.float32)
+    q_scaled, k_t, v_h = _operands(q, k, v, scale)
+    bias = _causal_bias(block, q.device) if causal else None
+    outs, lses = [], []
+    for i in range(-(-s // block)):
+        p, keys = _block_probabilities(q_scaled, k_t, i, block, bias, lses if with_lse else None)
+        outs.append(torch.bmm(p, v_h[:, :keys]))
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses, dim=1).view(b, h, s) if with_lse else None
+    return out.view(b, h, s, -1).transpose(1, 2).contiguous(), lse
+
+
 class _BlockedAttention(torch.autograd.Function):
     """q/k ``[b, s, h, dqk]``, v ``[b, s, h, dv]`` -> out ``[b, s, h, dv]`` fp32; saves q, k, v only."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, block: int):
-        s = q.shape[1]
-        ctx.causal, ctx.scale, ctx.block = causal, scale, block if causal else max(s, 1)
+        ctx.causal, ctx.scale, ctx.block = causal, scale, block
         ctx.save_for_backward(q, k, v)
-        if s == 0:  # an empty varlen sequence
-            return v.new_empty(v.shape, dtype=torch.float32)
-        q_scaled, k_t, v_h = _operands(q, k, v, scale)
-        bias = _causal_bias(ctx.block, q.device) if causal else None
-        outs = []
-        for i in range(-(-s // ctx.block)):
-            p, keys = _block_probabilities(q_scaled, k_t, i, ctx.block, bias)
-            outs.append(torch.bmm(p, v_h[:, :keys]))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        b, h = q.shape[0], q.shape[2]
-        return out.view(b, h, s, -1).transpose(1, 2).contiguous()
+        return blocked_attention_forward(q, k, v, causal, scale, block)[0]
 
     @staticmethod
     @once_differentiable  # a hand-written backward: a double backward through it raises instead of going wrong
@@ -115,15 +123,18 @@ def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 
 def _block_probabilities(q_scaled: torch.Tensor, k_t: torch.Tensor, i: int, block: int,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+                         bias: torch.Tensor | None, lses: list | None = None) -> tuple[torch.Tensor, int]:
     """Query block ``i``'s softmax probabilities ``[n, rows, keys]`` and ``keys``; causal when ``bias``
-    (the -inf upper triangle) is given: the block sees keys ``[0, r1)`` only."""
+    (the -inf upper triangle) is given: the block sees keys ``[0, r1)`` only. ``lses``: append the block's
+    log-sum-exp ``[n, rows]`` to it."""
     s = q_scaled.shape[1]
     r0, r1 = i * block, min((i + 1) * block, s)
     keys = r1 if bias is not None else s
     scores = torch.bmm(q_scaled[:, r0:r1], k_t[:, :, :keys])
     if bias is not None:
         scores[:, :, r0:r1] += bias[: r1 - r0, : r1 - r0]
+    if lses is not None:
+        lses.append(scores.logsumexp(dim=-1))
     return scores.softmax(dim=-1), keys
 
 
