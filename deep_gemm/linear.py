@@ -30,6 +30,7 @@ once when nothing collects). The weight's gradient therefore never flows through
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from deep_gemm.grouped import (
 )
 from deep_gemm.health import Fp8Health
 from deep_gemm.reference import dequantize
-from deep_gemm.utils import BLOCK, M_ALIGNMENT, MX_BLOCK, align
+from deep_gemm.utils import BLOCK, FP8, M_ALIGNMENT, MX_BLOCK, align
 
 FP8_RECIPES = ("blockwise", "mxfp8")  # DeepSeek-V3's 1x128 / 128x128 with fp32 scales; MXFP8's 1x32 with UE8M0
 
@@ -146,76 +147,158 @@ def _fp8_weight(weight: torch.Tensor, recipe: str, dgrad: bool = False) -> tuple
     return per_channel_cast_to_fp8(w, True, MX_BLOCK) if dgrad else per_token_cast_to_fp8(w, True, MX_BLOCK)
 
 
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
+                    health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(out, x's e4m3 cast or None)`` of ``x [m, K] @ weight^T + bias``."""
+    m, n = x.shape[0], weight.shape[0]
+    if fp8:
+        w_q = _fp8_weight(weight, fp8)
+        x_q = _act_cast(x, fp8) if x_q is None else x_q
+        if health is not None:
+            health.observe(weight, "fwd", "w", weight, w_q)
+            health.observe(weight, "fwd", "x", x, x_q)
+        d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
+        fp8_gemm_nt(x_q, w_q, d)
+        out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
+    else:
+        out = x @ weight.to(x.dtype).T
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out, x_q
+
+
+def _linear_backward(grad_out: torch.Tensor, saved: Sequence[torch.Tensor], weight: torch.Tensor, fp8: str | None,
+                     cached: bool, k: int, x_dtype: torch.dtype, health: Fp8Health | None, input_grad: bool,
+                     weight_grad: bool, bias_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_bias)``; the weight gradient goes to ``accel.wgrad`` (deferred) or straight into
+    ``accel.grads`` (``saved``: x, or its forward cast when ``cached``)."""
+    m = grad_out.shape[0]
+    grad_out = grad_out.contiguous()
+    grad_x = grad_bias = None
+    if input_grad:
+        if fp8:
+            w_q = _fp8_weight(weight, fp8, dgrad=True)
+            d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
+            dy_q = _act_cast(grad_out, fp8)
+            if health is not None:
+                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+            fp8_gemm_nn(dy_q, w_q, d)
+            grad_x = d[:, :k].to(x_dtype)
+        else:
+            grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
+    if weight_grad:
+
+        def weight_grad_closure() -> None:
+            if fp8:
+                x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
+                dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
+                x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
+                if health is not None:
+                    health.observe(weight, "wgrad", "dy", grad_out, dy_q)
+                    health.observe(weight, "wgrad", "x", x, x_q)
+                d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+                fp8_gemm_tn(dy_q, x_q, d)
+                g = d[: weight.shape[0], :k]
+            else:
+                g = grad_out.T @ saved[0].to(grad_out.dtype)
+            accumulate_grad(weight, g)
+
+        _run_or_defer(weight_grad_closure)
+    if bias_grad:
+        grad_bias = grad_out.sum(0)
+    return grad_x, grad_bias
+
+
 class _LinearFunction(torch.autograd.Function):
+    """The health-monitored path: ``Fp8Health`` (a Python observer of every cast) cannot cross an op schema, so a
+    call with an active health monitor runs the same math (``_linear_forward`` / ``_linear_backward``) here."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
                 fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
-        m, n = x.shape[0], weight.shape[0]
-        ctx.health = health
-        if fp8:
-            w_q = _fp8_weight(weight, fp8)
-            x_q = _act_cast(x, fp8) if x_q is None else x_q
-            if health is not None:
-                health.observe(weight, "fwd", "w", weight, w_q)
-                health.observe(weight, "fwd", "x", x, x_q)
-            d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
-            fp8_gemm_nt(x_q, w_q, d)
-            out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
-            # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
-            # would cost a byte per parameter each
-            ctx.save_for_backward(*(x_q if fp8_cache else (x,)))
-        else:
-            out = x @ weight.to(x.dtype).T
-            ctx.save_for_backward(x)
+        out, x_q = _linear_forward(x, weight, bias, fp8, health, x_q)
+        # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
+        # would cost a byte per parameter each
+        ctx.save_for_backward(*(x_q if fp8 and fp8_cache else (x,)))
         # The weight itself, not a saved-tensor copy: its gradient is what the wgrad closure accumulates
         # into, which must be the real parameter even under non-reentrant checkpointing or offload hooks.
-        ctx.weight = weight
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        ctx.fp8, ctx.fp8_cache, ctx.has_bias = fp8, bool(fp8) and fp8_cache, bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.weight, ctx.health = weight, health
+        ctx.meta = (fp8, bool(fp8) and fp8_cache, bias is not None, x.shape[1], x.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        weight = ctx.weight
-        (m, k), x_dtype = ctx.x_shape, ctx.x_dtype
-        grad_out = grad_out.contiguous()
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8:
-                w_q = _fp8_weight(weight, ctx.fp8, dgrad=True)
-                d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
-                dy_q = _act_cast(grad_out, ctx.fp8)
-                if ctx.health is not None:
-                    ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
-                fp8_gemm_nn(dy_q, w_q, d)
-                grad_x = d[:, :k].to(x_dtype)
-            else:
-                grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            fp8, cached, health = ctx.fp8, ctx.fp8_cache, ctx.health
-            saved = ctx.saved_tensors
-
-            def weight_grad() -> None:
-                if fp8:
-                    x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
-                    dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
-                    x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
-                    if health is not None:
-                        health.observe(weight, "wgrad", "dy", grad_out, dy_q)
-                        health.observe(weight, "wgrad", "x", x, x_q)
-                    d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
-                    fp8_gemm_tn(dy_q, x_q, d)
-                    g = d[: weight.shape[0], :k]
-                else:
-                    g = grad_out.T @ saved[0].to(grad_out.dtype)
-                accumulate_grad(weight, g)
-
-            _run_or_defer(weight_grad)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_out.sum(0)
+        fp8, cached, has_bias, k, x_dtype = ctx.meta
+        grad_x, grad_bias = _linear_backward(grad_out, ctx.saved_tensors, ctx.weight, fp8, cached, k, x_dtype,
+                                             ctx.health, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                             has_bias and ctx.needs_input_grad[2])
         return grad_x, None, grad_bias, None, None, None, None
+
+
+# The op form (docs/custom_ops.md): ``dsv3::linear`` returns the output and, with ``fp8_cache``, the e4m3 values
+# and 1x128 (MXFP8: 1x32) scales of the cast it made, which its registered autograd keeps for the wgrad instead of
+# x (issue 35's FP8 activation caching, in the GEMM op's autograd); a precast ``x_fp8`` is kept as given. Its
+# backward is the opaque op ``dsv3::linear_backward``: the input gradient it returns, the weight gradient it hands
+# to ``accel.wgrad`` / ``accel.grads`` as ``_LinearFunction`` does (never through autograd), so the deferred
+# zero-bubble W pass and ``main_grad`` accumulation are unchanged, compiled or not.
+@torch.library.custom_op("dsv3::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None, fp8_cache: bool,
+               x_values: torch.Tensor | None, x_scales: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither)."""
+    out, x_q = _linear_forward(x, weight, bias, fp8, None, None if x_values is None else (x_values, x_scales))
+    if fp8 and fp8_cache and x_values is None:
+        return out.contiguous(), x_q[0], x_q[1]
+    return out.contiguous(), x.new_empty(0, dtype=FP8), x.new_empty(0, dtype=torch.float32)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, fp8, fp8_cache, x_values, x_scales):
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    if fp8 and fp8_cache and x_values is None:
+        k = align(x.shape[1], BLOCK)
+        return out, x.new_empty(x.shape[0], k, dtype=FP8), x.new_empty(
+            x.shape[0], k // (MX_BLOCK if fp8 == "mxfp8" else BLOCK), dtype=torch.float32)
+    return out, x.new_empty(0, dtype=FP8), x.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv3::linear_backward", mutates_args=())
+def _linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, fp8: str | None,
+                        cached: bool, k: int, x_dtype: torch.dtype, input_grad: bool, weight_grad: bool,
+                        bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_bias = _linear_backward(grad_out, saved, weight, fp8, cached, k, x_dtype, None, input_grad,
+                                         weight_grad, bias_grad)
+    empty = grad_out.new_empty(0)
+    return (empty if grad_x is None else grad_x.contiguous()), (empty if grad_bias is None else grad_bias)
+
+
+@_linear_backward_op.register_fake
+def _(grad_out, saved, weight, fp8, cached, k, x_dtype, input_grad, weight_grad, bias_grad):
+    return (grad_out.new_empty(grad_out.shape[0], k, dtype=x_dtype) if input_grad else grad_out.new_empty(0),
+            grad_out.new_empty(weight.shape[0]) if bias_grad else grad_out.new_empty(0))
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fp8, fp8_cache, x_values, x_scales = inputs
+    _, values, scales = output
+    cached = bool(fp8) and fp8_cache
+    kept = (x_values, x_scales) if x_values is not None else (values, scales)
+    ctx.save_for_backward(*(kept if cached else (x,)))
+    ctx.weight = weight  # the parameter itself, as in _LinearFunction
+    ctx.meta = (fp8, cached, bias is not None, x.shape[1], x.dtype)
+    ctx.mark_non_differentiable(values, scales)
+
+
+def _linear_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales):
+    fp8, cached, has_bias, k, x_dtype = ctx.meta
+    input_grad, bias_grad = ctx.needs_input_grad[0], has_bias and ctx.needs_input_grad[2]
+    grad_x, grad_bias = _linear_backward_op(grad_out, list(ctx.saved_tensors), ctx.weight, fp8, cached, k, x_dtype,
+                                            input_grad, ctx.needs_input_grad[1], bias_grad)
+    return (grad_x if input_grad else None), None, (grad_bias if bias_grad else None), None, None, None, None
+
+
+_linear_op.register_autograd(_linear_autograd, setup_context=_linear_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
@@ -251,7 +334,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, rows = x.shape[:-1], x.numel() // max(x.shape[-1], 1)
     x_q = None if x_fp8 is None else _precast(x_fp8, x, rows, x.shape[-1], fp8)
     health = health if health is not None and health.active else None
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health, x_q)
+    x2 = x.reshape(-1, x.shape[-1])
+    if health is not None:
+        out = _LinearFunction.apply(x2, weight, bias, recipe, bool(fp8_cache), health, x_q)
+    else:
+        out = _linear_op(x2, weight, bias, recipe, bool(fp8_cache), *(x_q or (None, None)))[0]
     return out.reshape(*lead, weight.shape[0])
 
 
