@@ -199,7 +199,8 @@ def _mla_attention_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, k: tor
                                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
                                      max_seqlen: int | None, causal: bool, softmax_scale: float | None
                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return mla_attention_backward_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
+    grads = mla_attention_backward_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
+    return tuple(g.contiguous() for g in grads)  # the fake's layout whichever implementation ran
 
 
 def _setup(ctx, inputs, output) -> None:

@@ -283,7 +283,8 @@ def _sparse_fwd_torch_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 def _sparse_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
                               d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return sparse_mla_attention_backward_op(dout, q, kv, indices, out, lse, sm_scale, d_v)
+    dq, dkv = sparse_mla_attention_backward_op(dout, q, kv, indices, out, lse, sm_scale, d_v)
+    return dq.contiguous(), dkv.contiguous()  # one layout whichever implementation ran
 
 
 def _setup(ctx, inputs, output) -> None:
