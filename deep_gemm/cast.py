@@ -17,17 +17,6 @@ from deep_gemm.utils import BLOCK, FP8, MX_BLOCK, calc_diff, get_mn_major_tma_al
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _triton(along: str):
-    """The Triton cast, ``gran_k`` along the columns (``"token"``), the rows (``"channel"``) or both (``"block"``)."""
-    def run(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
-        from deep_gemm.kernels import cast
-
-        rows, cols = {"token": (1, gran_k), "channel": (gran_k, 1), "block": (gran_k, gran_k)}[along]
-        return cast.cast_tiles(x, rows, cols, use_ue8m0)
-
-    return run
-
-
 def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(shape["m"], shape["k"], generator=gen) * torch.exp(torch.randn(shape["m"], 1, generator=gen))
@@ -61,12 +50,12 @@ def _spec() -> VerifySpec:
 
 
 _per_token = registry.register("deep_gemm.per_token_cast_to_fp8", reference=reference.per_token_cast_reference,
-                               triton=_triton("token"), verify=_spec())
+                               triton="deep_gemm.kernels.cast:per_token_cast", verify=_spec())
 _per_channel = registry.register("deep_gemm.per_channel_cast_to_fp8",
-                                 reference=reference.per_channel_cast_reference, triton=_triton("channel"),
-                                 verify=_spec())
+                                 reference=reference.per_channel_cast_reference,
+                                 triton="deep_gemm.kernels.cast:per_channel_cast", verify=_spec())
 _per_block = registry.register("deep_gemm.per_block_cast_to_fp8", reference=reference.per_block_cast_reference,
-                               triton=_triton("block"), verify=_spec())
+                               triton="deep_gemm.kernels.cast:per_block_cast", verify=_spec())
 
 
 # The torch ops (docs/custom_ops.md); no autograd: e4m3 values carry no gradient.

@@ -17,7 +17,7 @@ from torch.library import wrap_triton
 from accel import registry
 from deep_gemm.kernels.gemm import require_fp8_hardware
 from deep_gemm.kernels.rounding import round_to_e4m3_grid
-from deep_gemm.utils import FP8, ceil_div
+from deep_gemm.utils import BLOCK, FP8, ceil_div
 
 
 @triton.jit
@@ -85,3 +85,18 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     if x.dim() == 2:
         return q[0], sf[0]
     return q, sf
+
+
+def per_token_cast(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    """Triton path of ``deep_gemm.per_token_cast_to_fp8``: 1 x ``gran_k`` tiles."""
+    return cast_tiles(x, 1, gran_k, use_ue8m0)
+
+
+def per_channel_cast(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    """Triton path of ``deep_gemm.per_channel_cast_to_fp8``: ``gran_k`` x 1 tiles."""
+    return cast_tiles(x, gran_k, 1, use_ue8m0)
+
+
+def per_block_cast(x: torch.Tensor, use_ue8m0: bool = False):
+    """Triton path of ``deep_gemm.per_block_cast_to_fp8``: 128 x 128 tiles."""
+    return cast_tiles(x, BLOCK, BLOCK, use_ue8m0)
