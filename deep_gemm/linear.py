@@ -237,8 +237,9 @@ class _LinearFunction(torch.autograd.Function):
 
 
 # The op form (docs/custom_ops.md): ``dsv3::linear`` returns the output and, with ``fp8_cache``, the e4m3 values
-# and 1x128 (MXFP8: 1x32) scales of the cast it made, which its registered autograd keeps for the wgrad instead of
-# x (issue 35's FP8 activation caching, in the GEMM op's autograd); a precast ``x_fp8`` is kept as given. Its
+# (as their bytes, uint8: an FP8 output would enter opcheck's and AOT's float bookkeeping, where float8 has no CPU
+# kernels) and 1x128 (MXFP8: 1x32) scales of the cast it made, which its registered autograd keeps for the wgrad
+# instead of x (issue 35's FP8 activation caching, in the GEMM op's autograd); a precast ``x_fp8`` is kept as given. Its
 # backward is the opaque op ``dsv3::linear_backward``: the input gradient it returns, the weight gradient it hands
 # to ``accel.wgrad`` / ``accel.grads`` as ``_LinearFunction`` does (never through autograd), so the deferred
 # zero-bubble W pass and ``main_grad`` accumulation are unchanged, compiled or not.
@@ -249,8 +250,8 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither)."""
     out, x_q = _linear_forward(x, weight, bias, fp8, None, None if x_values is None else (x_values, x_scales))
     if fp8 and fp8_cache and x_values is None:
-        return out.contiguous(), x_q[0], x_q[1]
-    return out.contiguous(), x.new_empty(0, dtype=FP8), x.new_empty(0, dtype=torch.float32)
+        return out.contiguous(), x_q[0].view(torch.uint8), x_q[1]
+    return out.contiguous(), x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)
 
 
 @_linear_op.register_fake
@@ -258,19 +259,19 @@ def _(x, weight, bias, fp8, fp8_cache, x_values, x_scales):
     out = x.new_empty(x.shape[0], weight.shape[0])
     if fp8 and fp8_cache and x_values is None:
         k = align(x.shape[1], BLOCK)
-        return out, x.new_empty(x.shape[0], k, dtype=FP8), x.new_empty(
+        return out, x.new_empty(x.shape[0], k, dtype=torch.uint8), x.new_empty(
             x.shape[0], k // (MX_BLOCK if fp8 == "mxfp8" else BLOCK), dtype=torch.float32)
-    return out, x.new_empty(0, dtype=FP8), x.new_empty(0, dtype=torch.float32)
+    return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv3::linear_backward", mutates_args=())
 def _linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, fp8: str | None,
                         cached: bool, k: int, x_dtype: torch.dtype, input_grad: bool, weight_grad: bool,
                         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_bias = _linear_backward(grad_out, saved, weight, fp8, cached, k, x_dtype, None, input_grad,
-                                         weight_grad, bias_grad)
-    empty = grad_out.new_empty(0)
-    return (empty if grad_x is None else grad_x.contiguous()), (empty if grad_bias is None else grad_bias)
+    grad_x, grad_bias = _linear_backward(grad_out, saved, weight, fp8, cached, k, x_dtype,
+                                         None, input_grad, weight_grad, bias_grad)
+    return (grad_out.new_empty(0) if grad_x is None else grad_x.contiguous(),
+            grad_out.new_empty(0) if grad_bias is None else grad_bias)
 
 
 @_linear_backward_op.register_fake
@@ -283,11 +284,14 @@ def _linear_setup(ctx, inputs, output) -> None:
     x, weight, bias, fp8, fp8_cache, x_values, x_scales = inputs
     _, values, scales = output
     cached = bool(fp8) and fp8_cache
-    kept = (x_values, x_scales) if x_values is not None else (values, scales)
-    ctx.save_for_backward(*(kept if cached else (x,)))
+    if not cached:
+        kept = (x,)
+    else:  # the precast as given, or the op's own cast (handed over as bytes)
+        kept = (x_values, x_scales) if x_values is not None else (values.view(FP8), scales)
+    ctx.save_for_backward(*kept)
     ctx.weight = weight  # the parameter itself, as in _LinearFunction
     ctx.meta = (fp8, cached, bias is not None, x.shape[1], x.dtype)
-    ctx.mark_non_differentiable(values, scales)
+    ctx.mark_non_differentiable(values.view(FP8), scales)
 
 
 def _linear_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales):
@@ -448,95 +452,176 @@ def _grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.
     return g_w
 
 
-def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
-    """bf16/fp32 backward over ``ctx.runs``: dgrad of valid rows (padding rows get 0), deferred wgrad."""
-    runs = ctx.runs
+def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, host: torch.Tensor,
+                     fp8: str | None, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(out, x's e4m3 cast or None)``; ``host``: ``m_indices`` on the CPU (the group layout is read there, and
+    checked there: inside the op, where torch.compile does not trace it)."""
+    num_groups, n, k = weight.shape
+    check_m_indices(host, x.shape[0], num_groups, rows_of="x")
+    if not fp8:
+        # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
+        return _segment_mm(x, weight.to(x.dtype).transpose(1, 2), _row_runs(host), n), None
+    valid = (m_indices >= 0).unsqueeze(1)
+    w_q = _fp8_weight(weight, fp8)
+    x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
+    # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
+    x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
+    if health is not None:
+        health.observe(weight, "fwd", "w", weight, w_q)
+        health.observe(weight, "fwd", "x", x_valid, x_q)
+    d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
+    m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
+    return d[:, :n].to(x.dtype), x_q
+
+
+def _grouped_backward(grad_out: torch.Tensor, saved_x: Sequence[torch.Tensor], weight: torch.Tensor,
+                      m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool, x_dtype: torch.dtype,
+                      health: Fp8Health | None, input_grad: bool, weight_grad: bool) -> torch.Tensor | None:
+    """The input gradient; the weight gradient deferred through ``accel.wgrad`` (``saved_x``: x, or its forward
+    cast when ``cached``; ``host``: ``m_indices`` on the CPU)."""
+    num_groups, n, k = weight.shape
+    rows = m_indices.shape[0]
     grad_x = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _segment_mm(grad_out, weight.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
-    if ctx.needs_input_grad[1]:
+    if not fp8:
+        runs = _row_runs(host)
+        x, grad_out = saved_x[0], grad_out.contiguous()
+        if input_grad:
+            grad_x = _segment_mm(grad_out, weight.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
+        if weight_grad:
+            _run_or_defer(lambda: accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs)))
+        return grad_x
+    valid = (m_indices >= 0).unsqueeze(1)
+    grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
+    if input_grad:
+        w_q = _fp8_weight(weight, fp8, dgrad=True)
+        d = torch.zeros(rows, w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
+        dy_q = _act_cast(grad_out, fp8)
+        if health is not None:
+            health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+        m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
+        grad_x = d[:, :k].to(x_dtype)
+        grad_x = grad_x * valid.to(grad_x.dtype)
+    if weight_grad:
+        owners = _block_owners(host)
 
-        def weight_grad() -> None:
-            accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
+        def weight_grad_closure() -> None:
+            # the forward's 1x128 cast with its padding rows 0, kept (a precast's padding rows may hold anything)
+            # or made again from x with its padding rows zeroed
+            x = (torch.where(valid, dequantize(*saved_x), 0.0) if cached
+                 else _forward_cast(saved_x[0] * valid.to(x_dtype), fp8))
+            order, ks = _k_grouped_rows(owners, num_groups, x.device)
+            dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
+            dy_q = _wgrad_cast(_pad(dy, BLOCK), fp8)
+            x_q = _wgrad_cast(_pad(xs, BLOCK), fp8)
+            if health is not None:
+                health.observe(weight, "wgrad", "dy", dy, dy_q)
+                health.observe(weight, "wgrad", "x", xs, x_q)
+            d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+            ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
+            k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
+            accumulate_grad(weight, d[:, :n, :k])
 
-        _run_or_defer(weight_grad)
-    return grad_x, None, None, None, None, None, None
+        _run_or_defer(weight_grad_closure)
+    return grad_x
+
+
+def _host(m_indices: torch.Tensor) -> torch.Tensor:
+    return m_indices.to("cpu", copy=True)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
+    """The health-monitored path (see ``_LinearFunction``), over the same helpers as the op."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
                 fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
-        num_groups, n, k = weight.shape
-        ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
-        ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
-        if not fp8:
-            # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
-            runs = _row_runs(m_indices)
-            out = _segment_mm(x, weight.to(x.dtype).transpose(1, 2), runs, n)
-            ctx.save_for_backward(x, m_indices)
-            ctx.runs = runs
-            return out
-        valid = (m_indices >= 0).unsqueeze(1)
-        owners = _block_owners(m_indices)
-        w_q = _fp8_weight(weight, fp8)
-        x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
-        # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
-        x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
-        if health is not None:
-            health.observe(weight, "fwd", "w", weight, w_q)
-            health.observe(weight, "fwd", "x", x_valid, x_q)
-        d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
-        m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
-        out = d[:, :n].to(x.dtype)
+        host = _host(m_indices)
+        out, x_q = _grouped_forward(x, weight, m_indices, host, fp8, health, x_q)
         # as in _LinearFunction: the FP8 weights are cast again in backward, not saved. Without caching x itself
         # is kept (masked again in backward), not a masked copy: under recompute it is the producer's output,
         # released and refilled, which a copy would not be.
-        ctx.save_for_backward(*(x_q if fp8_cache else (x,)), m_indices)
-        ctx.owners = owners
+        ctx.save_for_backward(*(x_q if fp8 and fp8_cache else (x,)), m_indices, host)
+        ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
+        ctx.meta = (fp8, bool(fp8) and fp8_cache, x.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        *saved_x, m_indices = ctx.saved_tensors
-        weight = ctx.weight
-        num_groups, n, k = weight.shape
-        if not ctx.fp8:
-            return _grouped_backward_unquantized(ctx, saved_x[0], weight, grad_out.contiguous())
-        valid = (m_indices >= 0).unsqueeze(1)
-        grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            w_q = _fp8_weight(weight, recipe, dgrad=True)
-            d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
-            dy_q = _act_cast(grad_out, recipe)
-            if health is not None:
-                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
-            m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
-            grad_x = d[:, :k].to(x_dtype)
-            grad_x = grad_x * valid.to(grad_x.dtype)
-        if ctx.needs_input_grad[1]:
-
-            def weight_grad() -> None:
-                # the forward's 1x128 cast with its padding rows 0, kept (a precast's padding rows may hold anything)
-                # or made again from x with its padding rows zeroed
-                x = (torch.where(valid, dequantize(*saved_x), 0.0) if cached
-                     else _forward_cast(saved_x[0] * valid.to(x_dtype), recipe))
-                order, ks = _k_grouped_rows(owners, num_groups, x.device)
-                dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
-                dy_q = _wgrad_cast(_pad(dy, BLOCK), recipe)
-                x_q = _wgrad_cast(_pad(xs, BLOCK), recipe)
-                if health is not None:
-                    health.observe(weight, "wgrad", "dy", dy, dy_q)
-                    health.observe(weight, "wgrad", "x", xs, x_q)
-                d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
-                ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
-                k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
-                accumulate_grad(weight, d[:, :n, :k])
-
-            _run_or_defer(weight_grad)
+        *saved_x, m_indices, host = ctx.saved_tensors
+        fp8, cached, x_dtype = ctx.meta
+        grad_x = _grouped_backward(grad_out, saved_x, ctx.weight, m_indices, host, fp8, cached, x_dtype, ctx.health,
+                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_x, None, None, None, None, None, None
+
+
+# The op form, as dsv3::linear: both ops are opaque (the group layout is read on the host). The forward also
+# returns m_indices copied to the CPU, which its autograd keeps, so the backward reads the layout again there
+# without another device sync.
+@torch.library.custom_op("dsv3::grouped_linear", mutates_args=())
+def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
+                       fp8_cache: bool, x_values: torch.Tensor | None, x_scales: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither)."""
+    host = _host(m_indices)
+    out, x_q = _grouped_forward(x, weight, m_indices, host, fp8, None,
+                                None if x_values is None else (x_values, x_scales))
+    if fp8 and fp8_cache and x_values is None:
+        return out.contiguous(), x_q[0].view(torch.uint8), x_q[1], host
+    return out.contiguous(), x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), host
+
+
+@_grouped_linear_op.register_fake
+def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales):
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    host = torch.empty(m_indices.shape, dtype=m_indices.dtype, device="cpu")
+    if fp8 and fp8_cache and x_values is None:
+        k = align(x.shape[1], BLOCK)
+        return out, x.new_empty(x.shape[0], k, dtype=torch.uint8), x.new_empty(
+            x.shape[0], k // (MX_BLOCK if fp8 == "mxfp8" else BLOCK), dtype=torch.float32), host
+    return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), host
+
+
+@torch.library.custom_op("dsv3::grouped_linear_backward", mutates_args=())
+def _grouped_linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor,
+                                m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool,
+                                x_dtype: torch.dtype, input_grad: bool, weight_grad: bool) -> torch.Tensor:
+    grad_x = _grouped_backward(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype,
+                               None, input_grad, weight_grad)
+    return grad_out.new_empty(0) if grad_x is None else grad_x.contiguous()
+
+
+@_grouped_linear_backward_op.register_fake
+def _(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype, input_grad, weight_grad):
+    if not input_grad:
+        return grad_out.new_empty(0)
+    return grad_out.new_empty(m_indices.shape[0], weight.shape[2], dtype=x_dtype)
+
+
+def _grouped_setup(ctx, inputs, output) -> None:
+    x, weight, m_indices, fp8, fp8_cache, x_values, x_scales = inputs
+    _, values, scales, host = output
+    cached = bool(fp8) and fp8_cache
+    if not cached:
+        kept = (x,)
+    else:  # the precast as given, or the op's own cast (handed over as bytes)
+        kept = (x_values, x_scales) if x_values is not None else (values.view(FP8), scales)
+    ctx.save_for_backward(*kept, m_indices, host)
+    ctx.weight = weight  # the parameter itself, as in _LinearFunction
+    ctx.meta = (fp8, cached, x.dtype)
+    ctx.mark_non_differentiable(values, scales, host)
+
+
+def _grouped_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales, _dhost):
+    *saved_x, m_indices, host = ctx.saved_tensors
+    fp8, cached, x_dtype = ctx.meta
+    input_grad = ctx.needs_input_grad[0]
+    grad_x = _grouped_linear_backward_op(grad_out, saved_x, ctx.weight, m_indices, host, fp8, cached, x_dtype,
+                                         input_grad, ctx.needs_input_grad[1])
+    return (grad_x if input_grad else None), None, None, None, None, None, None
+
+
+_grouped_linear_op.register_autograd(_grouped_autograd, setup_context=_grouped_setup)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
@@ -560,10 +645,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
         raise ValueError(f"m_indices must be an integer tensor [{x.shape[0]}] (x's rows), "
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
-    check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
     x_q = None if x_fp8 is None else _precast(x_fp8, x, x.shape[0], x.shape[1], fp8)
     health = health if health is not None and health.active else None
-    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q)
+    if health is not None:
+        return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q)
+    return _grouped_linear_op(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), *(x_q or (None, None)))[0]
 
 
 class GroupedLinear(nn.Module):
