@@ -291,7 +291,7 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*kept)
     ctx.weight = weight  # the parameter itself, as in _LinearFunction
     ctx.meta = (fp8, cached, bias is not None, x.shape[1], x.dtype)
-    ctx.mark_non_differentiable(values.view(FP8), scales)
+    ctx.mark_non_differentiable(values, scales)
 
 
 def _linear_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales):
