@@ -91,7 +91,8 @@ def takes_precast(fp8: object) -> bool:
 
 
 def out_is_view(fp8: object, out_features: int) -> bool:
-    """Whether ``linear``'s output is a view (of the FP8 GEMM's output padded to N = 128n): not to modify in place."""
+    """Whether ``linear``'s output may be a view (of the FP8 GEMM's output padded to N = 128n; the op's never is, the
+    health-monitored path's is): not to modify in place."""
     return fp8_recipe(fp8) is not None and out_features % BLOCK != 0
 
 
@@ -316,9 +317,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
     ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
 
-    The output is a tensor of its own, which the caller may modify in place, except with ``fp8`` and N not a
-    multiple of 128 (``out_is_view``): then it is a view of the GEMM's padded output, and autograd forbids
-    in-place changes to a view made inside an ``autograd.Function``.
+    The output is a tensor of its own, which the caller may modify in place, except with an active ``health``,
+    ``fp8`` and N not a multiple of 128 (``out_is_view``, which callers check without knowing about health):
+    then it is a view of the GEMM's padded output, and autograd forbids in-place changes to a view made inside
+    an ``autograd.Function``.
 
     ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
     call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead
