@@ -250,6 +250,17 @@ _OPS: dict[str, KernelOp] = {}
 NAMESPACE = "dsv3"
 
 
+def wrap_triton(kernel: Any) -> Any:
+    """How a kernel launches (``wrap_triton(kernel)[grid](...)``): while ``torch.compile`` traces,
+    ``torch.library.wrap_triton(kernel)``, so that the graph holds the launch; otherwise the kernel itself, a plain
+    eager launch (as ``triton_op`` does in eager), also where a kernel op is called outside its custom op (the
+    verifier, whose operator recorder would otherwise meet a higher-order operator) and under Triton's interpreter
+    (torch before 2.12 refuses to wrap an interpreted kernel, pytorch/pytorch#152868; it cannot be traced)."""
+    if triton_interpreted() or not torch.compiler.is_compiling():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
              setup_context: Callable | None = None, fake: Callable | None = None,
              opaque: bool = False) -> Callable[[Callable], Any]:
@@ -260,10 +271,12 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
     registry's choice, then the ``wrap_triton`` launch or the reference's torch ops), else a ``custom_op``. Its
     fake implementation is the body on fake tensors with the reference chosen: the reference's shapes, dtypes
     and devices are the kernel's (the verifier checks that), and the Triton interpreter cannot run on fake
-    tensors. ``backward`` / ``setup_context``: its ``register_autograd`` (then ``kernel.differentiable``).
-    ``fake``: the fake implementation instead, and ``opaque``: a ``custom_op`` despite a Triton implementation,
-    for an op whose reference reads its inputs' values on the host (a group layout, sequence lengths): fake
-    tensors and ``torch.compile`` cannot trace that body, so the op stays one opaque node with that fake.
+    tensors. On ``meta`` tensors (the memory measurement) it is the body as chosen: the Triton path's own
+    allocations, its launch a no-op there. ``backward`` / ``setup_context``: its ``register_autograd`` (then
+    ``kernel.differentiable``). ``fake``: the fake implementation instead, and ``opaque``: a ``custom_op``
+    despite a Triton implementation, for an op whose reference reads its inputs' values on the host (a group
+    layout, sequence lengths): fake tensors and ``torch.compile`` cannot trace that body, so the op stays one
+    opaque node with that fake.
     """
 
     def wrap(fn: Callable) -> Any:
@@ -272,6 +285,9 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
         op = make(name, fn, mutates_args=tuple(mutates_args))
 
         def reference_fake(*args: Any, **kwargs: Any) -> Any:
+            device = _first_device(args) or _first_device(kwargs)
+            if device is not None and device.type == "meta":  # the chosen path's host logic; a launch is a no-op
+                return fn(*args, **kwargs)
             with force("reference"):
                 return fn(*args, **kwargs)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from accel import registry
 
@@ -65,8 +64,8 @@ def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_in
     loss = registry.empty(rows, dtype=torch.float32, device=logits.device)
     lse = registry.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        wrap_triton(_forward_kernel)[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), ignore_index,
-                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+        registry.wrap_triton(_forward_kernel)[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0),
+                                                       ignore_index, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return loss, lse
 
 
@@ -76,7 +75,7 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: tor
     rows, vocab = logits.shape
     grad = registry.empty(rows, vocab, dtype=torch.float32, device=logits.device)
     if rows:
-        wrap_triton(_backward_kernel)[(rows,)](logits, targets, lse, scale, grad, vocab, logits.stride(0),
-                                               grad.stride(0), ignore_index,
-                                               BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+        registry.wrap_triton(_backward_kernel)[(rows,)](logits, targets, lse, scale, grad, vocab, logits.stride(0),
+                                                        grad.stride(0), ignore_index,
+                                                        BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return grad

@@ -50,28 +50,33 @@ def _(hidden, weight, targets, ignore_index, reduction, chunk):
 @torch.library.custom_op("dsv3::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                    targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str,
-                                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d hidden, d weight): each chunk's logits again, their gradient by the fused pass, two GEMMs."""
+                                   chunk: int, need_hidden: bool = True,
+                                   need_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight): each chunk's logits again, their gradient by the fused pass, two GEMMs; a gradient not
+    needed is not computed (0 elements)."""
     acc = lse.dtype
     scale = grad_loss.to(acc)
     if reduction == "mean":
         scale = scale / (targets != ignore_index).sum().to(acc)
     w = weight.to(hidden.dtype)
-    grad_h = torch.empty_like(hidden)
+    grad_h = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     # the weight gradient sums over every chunk: accumulated in fp32 (float64 for float64 inputs)
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
     for a, b in _chunks(hidden.shape[0], chunk):
         logits = (hidden[a:b] @ w.T).to(acc)
         g = cross_entropy_backward(logits, targets[a:b], lse[a:b], scale, ignore_index).to(hidden.dtype)
         del logits
-        torch.mm(g, w, out=grad_h[a:b])
-        grad_w.addmm_(g.T.to(acc), hidden[a:b].to(acc))
-    return grad_h, grad_w.to(weight.dtype)
+        if need_hidden:
+            torch.mm(g, w, out=grad_h[a:b])
+        if need_weight:
+            grad_w.addmm_(g.T.to(acc), hidden[a:b].to(acc))
+    return grad_h, grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(grad_loss, hidden, weight, targets, lse, ignore_index, reduction, chunk):
-    return torch.empty_like(hidden), torch.empty_like(weight)
+def _(grad_loss, hidden, weight, targets, lse, ignore_index, reduction, chunk, need_hidden=True, need_weight=True):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -83,9 +88,10 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss: torch.Tensor, _grad_lse: torch.Tensor | None):
     # the log-sum-exp is an internal output (the wrapper returns the loss alone): no gradient flows into it
     hidden, weight, targets, lse = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[:2]
     grad_h, grad_w = _linear_cross_entropy_backward(grad_loss, hidden, weight, targets, lse, ctx.ignore_index,
-                                                    ctx.reduction, ctx.chunk)
-    return grad_h, grad_w, None, None, None, None
+                                                    ctx.reduction, ctx.chunk, need_h, need_w)
+    return grad_h if need_h else None, grad_w if need_w else None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

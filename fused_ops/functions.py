@@ -1,8 +1,13 @@
-"""The fused ops as differentiable functions (``torch.autograd.Function`` around the kernel ops of ``ops``).
+"""The fused ops' public, differentiable API: thin wrappers over the ``torch.ops.dsv3`` custom ops.
 
-Each forward saves only what V3's memory discipline keeps: RMSNorm its input (the updated residual) and the
-per-row ``rstd``, never its output; SwiGLU its input; RoPE nothing but cos/sin; permute and unpermute the
-index vectors (and unpermute's grouped input when it has routing weights, for their gradient).
+The kernel ops (``fused_ops.custom``) carry their own autograd where their arguments suffice (RMSNorm, SwiGLU,
+the routers). The permutes' backward needs the layout's inverse, which the kernel op does not take: they are
+composite custom ops here (``torch.ops.dsv3.permute``, ``unpermute``, ``gather_rows_differentiable``,
+``pack_rows_fp8``, ``regroup_rows``, ``regroup_rows_fp8``, ``apply_rope``) with the ``Grouping`` flattened into
+index tensors, each ``torch.library.triton_op`` (traceable: ``torch.compile`` sees the kernel ops inside) with
+``register_autograd``. Saved for backward: only what V3's memory discipline keeps: RMSNorm its input (the updated
+residual) and the per-row ``rstd``, never its output; SwiGLU its input; RoPE nothing but cos/sin; permute and
+unpermute the index vectors (and unpermute's grouped input when it has routing weights, for their gradient).
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
+from torch.library import triton_op
 
 from accel import registry
-from fused_ops import ops
+from fused_ops import custom, ops
 from fused_ops.grouping import Grouping
 
 
@@ -30,33 +36,6 @@ class NormOut(NamedTuple):
     fp8: tuple[torch.Tensor, torch.Tensor] | None  # y's 1x128 e4m3 cast (values, scales) when asked for
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, residual, eps, fp8):
-        rows = x.reshape(-1, x.shape[-1])
-        res = None if residual is None else residual.reshape(rows.shape)
-        out = (ops.rmsnorm_fp8_op if fp8 else ops.rmsnorm_op)(rows, weight, res, eps)
-        y, rest = out[0], list(out[1:])
-        h = rest.pop(0) if residual is not None else rows
-        rstd = rest.pop(0)
-        q, sf = rest if fp8 else (None, None)
-        ctx.save_for_backward(h, weight, rstd)
-        ctx.has_residual = residual is not None
-        if fp8:
-            ctx.mark_non_differentiable(q, sf)
-        h_out = h.view(x.shape) if residual is not None else None
-        return y.view(*x.shape[:-1], y.shape[-1]), h_out, q, sf
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y, grad_h, _q, _sf):
-        h, weight, rstd = ctx.saved_tensors
-        dh = None if grad_h is None else grad_h.reshape(h.shape).contiguous()
-        dx, dw = ops.rmsnorm_backward_op(h, weight, rstd, grad_y.reshape(h.shape).contiguous(), dh)
-        dx = dx.view(grad_y.shape)
-        return dx, dw.to(weight.dtype), dx if ctx.has_residual else None, None, None
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, eps: float = 1e-6,
             fp8: bool = False):
     """``(h * rstd).to(dtype) * weight`` with ``h = x + residual`` (or ``x``), one kernel forward and backward.
@@ -70,29 +49,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
         raise ValueError(f"rmsnorm: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rmsnorm: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
-    y, h, q, sf = _RMSNorm.apply(x, weight, residual, eps, fp8)
+    rows = x.reshape(-1, x.shape[-1])
+    res = None if residual is None else residual.reshape(rows.shape)
+    out = (custom.rmsnorm_fp8 if fp8 else custom.rmsnorm)(rows, weight, res, eps)
+    y = out[0].view(*x.shape[:-1], out[0].shape[-1])
     if residual is None and not fp8:
         return y
-    return NormOut(y, h, (q, sf) if fp8 else None)
-
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, weights):
-        rows = gate_up.reshape(-1, gate_up.shape[-1])
-        y = ops.swiglu_op(rows, None if weights is None else weights.reshape(-1).float().contiguous())
-        ctx.save_for_backward(gate_up, weights)
-        return y.view(*gate_up.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        gate_up, weights = ctx.saved_tensors
-        rows = gate_up.reshape(-1, gate_up.shape[-1])
-        w = None if weights is None else weights.reshape(-1).float().contiguous()
-        d_gu, dw = ops.swiglu_backward_op(rows, w, grad.reshape(rows.shape[0], -1).contiguous())
-        dw = None if dw is None or not ctx.needs_input_grad[1] else dw.view(weights.shape).to(weights.dtype)
-        return d_gu.view(gate_up.shape), dw
+    return NormOut(y, None if residual is None else out[1].view(x.shape), (out[3], out[4]) if fp8 else None)
 
 
 def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +66,9 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
     if weights is not None and weights.shape != gate_up.shape[:-1]:
         raise ValueError(f"swiglu: weights must be {list(gate_up.shape[:-1])} (one per row), got "
                          f"{list(weights.shape)}")
-    return _SwiGLU.apply(gate_up, weights)
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    y = custom.swiglu(rows, None if weights is None else weights.reshape(-1).float().contiguous())
+    return y.view(*gate_up.shape[:-1], y.shape[-1])
 
 
 def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,53 +78,28 @@ def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> tu
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_fp8: gate_up must be [rows, 2 * inter], got {list(gate_up.shape)}")
     w = None if weights is None else weights.detach().reshape(-1).float().contiguous()
-    return ops.swiglu_fp8_op(gate_up.detach(), w)
+    return custom.swiglu_fp8(gate_up.detach(), w)
 
 
-def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, interleaved: bool,
-                 inverse: bool) -> torch.Tensor:
-    return ops.rope_op(x, cos.float().contiguous(), sin.float().contiguous(), out, interleaved=interleaved,
-                       inverse=inverse)
+@triton_op("dsv3::apply_rope", mutates_args=())
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool) -> Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    custom.rope(x, cos, sin, out, interleaved=interleaved, inverse=inverse)
+    return out
 
 
-def _fresh(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _rope_setup(ctx, inputs, output) -> None:
+    _x, cos, sin, ctx.interleaved, ctx.inverse = inputs
+    ctx.save_for_backward(cos, sin)
 
 
-def _inverse_rotation(grad: torch.Tensor, cos, sin, interleaved: bool) -> torch.Tensor:
+def _rope_backward(ctx, grad: Tensor):
+    cos, sin = ctx.saved_tensors
     g = grad if grad.stride(-1) == 1 else grad.contiguous()
-    return _rotate_into(g, cos, sin, _fresh(g), interleaved, True)
+    return _apply_rope(g, cos, sin, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
-class _RopeInPlace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, interleaved):
-        _rotate_into(x, cos, sin, x, interleaved, False)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return x
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _inverse_rotation(grad, cos, sin, ctx.interleaved), None, None, None
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, interleaved):
-        src = x if x.stride(-1) == 1 else x.contiguous()
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return _rotate_into(src, cos, sin, _fresh(src), interleaved, False)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _inverse_rotation(grad, cos, sin, ctx.interleaved), None, None, None
+_apply_rope.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -174,32 +114,49 @@ def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     """Rotate ``x [batch, seq, heads, d]`` in place by ``cos/sin [seq, d/2]`` (or ``[batch, seq, d/2]``;
     YaRN's frequencies and scale included in them) and return it. ``interleaved``: pairs ``(x0, x1), ...`` as
-    DeepSeek-V3's MLA; else halves ``(x_i, x_{i+d/2})`` as the V3.2 indexer. Backward: the inverse rotation."""
+    DeepSeek-V3's MLA; else halves ``(x_i, x_{i+d/2})`` as the V3.2 indexer. Backward: the inverse rotation.
+
+    A custom op that writes an input cannot carry an autograd formula, so where a gradient is wanted this is
+    ``apply_rope`` copied back (autograd records the copy); otherwise one kernel rotates in place."""
     _check_rope(x, cos, sin)
-    return _RopeInPlace.apply(x, cos, sin, interleaved)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        return x.copy_(_apply_rope(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, interleaved, False))
+    custom.rope(x, cos, sin, x, interleaved=interleaved, inverse=False)
+    return x
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     """``rope_`` into a new tensor (for inputs that must stay as they are)."""
     _check_rope(x, cos, sin)
-    return _Rope.apply(x, cos, sin, interleaved)
+    return _apply_rope(x if x.stride(-1) == 1 else x.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+                       interleaved, False)
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weights, layout: Grouping):
-        w = None if weights is None else weights.reshape(-1).float().contiguous()
-        grouped, _, grouped_w = ops.permute_gather_op(x.contiguous(), layout.assign, layout.k, None, w)
-        ctx.layout = layout
-        return grouped, grouped_w
+def _flat_weights(weights: torch.Tensor | None) -> torch.Tensor | None:
+    return None if weights is None else weights.reshape(-1).float().contiguous()
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad, grad_w):
-        layout = ctx.layout
-        dx = ops.unpermute_sum_op(grad.contiguous(), layout.rows, layout.k) if ctx.needs_input_grad[0] else None
-        dw = None if grad_w is None or not ctx.needs_input_grad[1] else grad_w[layout.rows].view(-1, layout.k)
-        return dx, dw, None
+
+@triton_op("dsv3::permute", mutates_args=())
+def _permute(x: Tensor, weights: Tensor | None, assign: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    grouped, _, grouped_w = custom.permute_gather(x, assign, k, None, weights)
+    return grouped, grouped_w
+
+
+def _permute_setup(ctx, inputs, output) -> None:
+    _x, weights, _assign, rows, ctx.k = inputs
+    ctx.save_for_backward(rows)
+    ctx.has_weights = weights is not None
+
+
+def _permute_backward(ctx, grad: Tensor, grad_w: Tensor):
+    (rows,) = ctx.saved_tensors
+    dx = custom.unpermute_sum(grad.contiguous(), rows, ctx.k) if ctx.needs_input_grad[0] else None
+    dw = grad_w[rows] if ctx.has_weights and ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None
+
+
+_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 def permute(x: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = None, scales: torch.Tensor | None = None,
@@ -219,32 +176,37 @@ def permute(x: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = No
     if (x.dtype == ops.FP8) != (scales is not None):
         raise ValueError("permute: scales go with (and only with) e4m3 x")
     if scales is None and not fp8:
-        grouped, grouped_w = _Permute.apply(x, weights, layout)
-        return grouped, None, grouped_w
-    w = None if weights is None else weights.detach().reshape(-1).float().contiguous()
+        grouped, grouped_w = _permute(x.contiguous(), _flat_weights(weights), layout.assign, layout.rows, layout.k)
+        return grouped, None, None if weights is None else grouped_w
+    x, w = x.detach().contiguous(), None if weights is None else _flat_weights(weights.detach())
     if scales is not None:
-        return ops.permute_gather_op(x.contiguous(), layout.assign, layout.k, scales.contiguous(), w)
-    return ops.permute_gather_fp8_op(x.contiguous(), layout.assign, layout.k, w)
+        grouped, grouped_s, grouped_w = custom.permute_gather(x, layout.assign, layout.k, scales.detach().contiguous(),
+                                                              w)
+        return grouped, grouped_s, None if w is None else grouped_w
+    q, sf, grouped_w = custom.permute_gather_fp8(x, layout.assign, layout.k, w)
+    return q, sf, None if w is None else grouped_w
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, weights, layout: Grouping):
-        w = None if weights is None else weights.reshape(-1).float().contiguous()
-        ctx.layout = layout
-        ctx.save_for_backward(y if w is not None else None, w)
-        return ops.unpermute_sum_op(y.contiguous(), layout.rows, layout.k, w)
+@triton_op("dsv3::unpermute", mutates_args=())
+def _unpermute(y: Tensor, weights: Tensor | None, assign: Tensor, rows: Tensor, k: int) -> Tensor:
+    return custom.unpermute_sum(y, rows, k, weights)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        y, w = ctx.saved_tensors
-        layout = ctx.layout
-        grad = grad.contiguous()
-        if w is None:
-            return ops.permute_gather_op(grad, layout.assign, layout.k)[0], None, None
-        dy, dw = ops.unpermute_spread_op(grad, y.contiguous(), layout.assign, layout.k, w)
-        return dy, dw.view(-1, layout.k), None
+
+def _unpermute_setup(ctx, inputs, output) -> None:
+    y, weights, assign, _rows, ctx.k = inputs
+    ctx.save_for_backward(None if weights is None else y, weights, assign)
+
+
+def _unpermute_backward(ctx, grad: Tensor):
+    y, w, assign = ctx.saved_tensors
+    grad = grad.contiguous()
+    if w is None:
+        return custom.permute_gather(grad, assign, ctx.k)[0], None, None, None, None
+    dy, dw = custom.unpermute_spread(grad, y, assign, ctx.k, w)
+    return dy, dw, None, None, None
+
+
+_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,58 +215,60 @@ def unpermute(y_grouped: torch.Tensor, layout: Grouping, weights: torch.Tensor |
     if y_grouped.dim() != 2 or y_grouped.shape[0] != layout.assign.numel():
         raise ValueError(f"unpermute: y_grouped must be [{layout.assign.numel()}, d] (the layout's rows), got "
                          f"{list(y_grouped.shape)}")
-    return _Unpermute.apply(y_grouped, weights, layout)
+    return _unpermute(y_grouped.contiguous(), _flat_weights(weights), layout.assign, layout.rows, layout.k)
 
 
-def _gather_rows_backward(ctx, grad: torch.Tensor):
+def _gather_setup(ctx, inputs, output) -> None:
+    x, columns, assign, inverse, ctx.k = inputs[:5]
+    ctx.save_for_backward(assign, inverse)
+    ctx.dim = x.shape[1]
+
+
+def _gather_backward(ctx, grad: Tensor, *_wire):
     """``gather_rows``' backward: each source row's gradient summed over its rows (one kernel), the columns'
     gradient at their assignment."""
     assign, inverse = ctx.saved_tensors
     grad = grad.contiguous()
-    dx = ops.unpermute_sum_op(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
+    dx = custom.unpermute_sum(grad[:, :ctx.dim], inverse, ctx.k) if ctx.needs_input_grad[0] else None
     dc = None
-    if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch
-        real = assign >= 0
-        dc = grad.new_zeros(inverse.numel(), grad.shape[1] - ctx.dim).index_put_((assign[real],), grad[real, ctx.dim:])
-    return dx, dc
+    if ctx.needs_input_grad[1]:  # a few columns per assignment: plain torch; padding rows into a spare slot
+        n = inverse.numel()
+        dc = grad.new_zeros(n + 1, grad.shape[1] - ctx.dim).index_put_(
+            (torch.where(assign >= 0, assign, n),), grad[:, ctx.dim:])[:n]
+    return dx, dc, *(None,) * (len(ctx.needs_input_grad) - 2)
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, columns, assign, inverse, k):
-        ctx.save_for_backward(assign, inverse)
-        ctx.k, ctx.dim = k, x.shape[1]
-        return ops.gather_rows_op(x.contiguous(), assign, k, None if columns is None else columns.contiguous())
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return *_gather_rows_backward(ctx, grad), None, None, None
+@triton_op("dsv3::gather_rows_differentiable", mutates_args=())
+def _gather_rows(x: Tensor, columns: Tensor | None, assign: Tensor, inverse: Tensor, k: int) -> Tensor:
+    return custom.gather_rows(x, assign, k, columns)
 
 
-class _PackRowsFp8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, columns, assign, inverse, k, x_fp8):
-        if x_fp8 is None:  # cast on the way
-            q, sf, _ = ops.permute_gather_fp8_op(x.detach().contiguous(), assign, k)
-        else:  # the producer's cast, moved with its scales
-            q, sf, _ = ops.permute_gather_op(x_fp8[0].contiguous(), assign, k, x_fp8[1].contiguous())
-        parts = [q.view(torch.uint8), sf.view(torch.uint8)]
-        if columns is not None:  # a few values per row: plain torch
-            parts.append(columns.detach()[assign].contiguous().view(torch.uint8))
-        width = sum(p.shape[1] for p in parts)
-        parts.append(q.new_zeros(len(q), -width % 16, dtype=torch.uint8))  # rows 16-byte aligned: 128-bit loads
-        wire = torch.cat(parts, dim=1)
-        ctx.save_for_backward(assign, inverse)
-        ctx.k, ctx.dim = k, x.shape[1]
-        ctx.mark_non_differentiable(wire)
-        width = x.shape[1] + (0 if columns is None else columns.shape[1])
-        return x.new_zeros(()).expand(assign.numel(), width), wire  # no storage: the rows never exist in x's dtype
+_gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad, _wire):
-        return *_gather_rows_backward(ctx, grad), None, None, None, None
+
+@triton_op("dsv3::pack_rows_fp8", mutates_args=())
+def _pack_rows_fp8(x: Tensor, columns: Tensor | None, assign: Tensor, inverse: Tensor, k: int,
+                   x_fp8: Tensor | None, x_fp8_scales: Tensor | None) -> tuple[Tensor, Tensor]:
+    if x_fp8 is None:  # cast on the way
+        q, sf, _ = custom.permute_gather_fp8(x, assign, k)
+    else:  # the producer's cast, moved with its scales
+        q, sf, _ = custom.permute_gather(x_fp8, assign, k, x_fp8_scales)
+    parts = [q.view(torch.uint8), sf.view(torch.uint8)]
+    if columns is not None:  # a few values per row: plain torch
+        parts.append(columns[assign].contiguous().view(torch.uint8))
+    width = sum(p.shape[1] for p in parts)
+    parts.append(q.new_zeros(len(q), -width % 16, dtype=torch.uint8))  # rows 16-byte aligned: 128-bit loads
+    wire = torch.cat(parts, dim=1)
+    width = x.shape[1] + (0 if columns is None else columns.shape[1])
+    return x.new_zeros(()).expand(assign.numel(), width), wire  # no storage: the rows never exist in x's dtype
+
+
+def _pack_setup(ctx, inputs, output) -> None:
+    _gather_setup(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1])
+
+
+_pack_rows_fp8.register_autograd(_gather_backward, setup_context=_pack_setup)
 
 
 def pack_rows_fp8(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
@@ -322,7 +286,9 @@ def pack_rows_fp8(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, 
                               x_fp8[1].shape != (x.shape[0], -(-x.shape[1] // 128))):
         raise ValueError(f"pack_rows_fp8: x_fp8 must be (e4m3 {list(x.shape)}, fp32 [{x.shape[0]}, "
                          f"{-(-x.shape[1] // 128)}]) for x")
-    return _PackRowsFp8.apply(x, columns, assign, inverse, k, x_fp8)
+    values, scales = (None, None) if x_fp8 is None else (x_fp8[0].contiguous(), x_fp8[1].contiguous())
+    return _pack_rows_fp8(x.contiguous(), None if columns is None else columns.contiguous(), assign, inverse, k,
+                          values, scales)
 
 
 def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k: int = 1,
@@ -335,7 +301,7 @@ def gather_rows(x: torch.Tensor, assign: torch.Tensor, inverse: torch.Tensor, k:
     source row's gradients without atomics (one kernel); the columns get theirs at their assignment.
     """
     _check_gather("gather_rows", x, inverse, k, columns)
-    return _GatherRows.apply(x, columns, assign, inverse, k)
+    return _gather_rows(x.contiguous(), None if columns is None else columns.contiguous(), assign, inverse, k)
 
 
 def _check_gather(name: str, x: torch.Tensor, inverse: torch.Tensor, k: int, columns: torch.Tensor | None) -> None:
@@ -347,54 +313,57 @@ def _check_gather(name: str, x: torch.Tensor, inverse: torch.Tensor, k: int, col
                          f"{columns.dtype} {list(columns.shape)}")
 
 
-class _RegroupRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, dim, assign, inverse):
-        values = rows[:, :dim]
-        weights = rows[:, dim:].float().sum(1) if rows.shape[1] > dim else None  # a column or two: plain torch
-        grouped, _, grouped_w = ops.permute_gather_op(values, assign, 1, None, weights)
-        ctx.save_for_backward(inverse)
-        ctx.columns = rows.shape[1] - dim
-        return grouped, grouped_w
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad, grad_w):
-        return _regroup_backward(ctx, grad, grad_w), None, None, None
+@triton_op("dsv3::regroup_rows", mutates_args=())
+def _regroup_rows(rows: Tensor, dim: int, assign: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:
+    values = rows[:, :dim]
+    weights = rows[:, dim:].float().sum(1) if rows.shape[1] > dim else None  # a column or two: plain torch
+    grouped, _, grouped_w = custom.permute_gather(values, assign, 1, None, weights)
+    return grouped, grouped_w
 
 
-def _regroup_backward(ctx, grad: torch.Tensor, grad_w: torch.Tensor | None) -> torch.Tensor:
+def _regroup_setup(ctx, inputs, output) -> None:
+    rows, dim, _assign, inverse = inputs[:4]
+    ctx.save_for_backward(inverse)
+    ctx.columns = rows.shape[1] - dim
+    if len(output) == 4:  # regroup_rows_fp8: the cast feeds an FP8 GEMM's forward
+        ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _regroup_backward(ctx, grad: Tensor, grad_w: Tensor, *_fp8):
     """``regroup_rows``' backward: each input row's gradient gathered back (one kernel), the weight's gradient
     into each of its columns."""
     (inverse,) = ctx.saved_tensors
     columns = None
     if ctx.columns:
-        gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w is None else grad_w
+        gw = torch.zeros(grad.shape[0], device=grad.device) if grad_w.numel() == 0 else grad_w
         columns = gw.to(grad.dtype).unsqueeze(1).expand(-1, ctx.columns).contiguous()
-    return ops.gather_rows_op(grad.contiguous(), inverse, 1, columns)
+    return custom.gather_rows(grad.contiguous(), inverse, 1, columns), *(None,) * (len(ctx.needs_input_grad) - 1)
 
 
-class _RegroupRowsFp8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, wire, dim, assign, inverse, keep_rows):
-        blocks = -(-dim // 128)
-        values = wire[:, :dim].view(ops.FP8)
-        scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
-        ends = dim + 4 * blocks + (rows.shape[1] - dim) * rows.element_size()
-        columns = wire[:, dim + 4 * blocks:ends].contiguous().view(rows.dtype)  # a column or two: plain torch
-        weights = columns.float().sum(1) if columns.shape[1] else None
-        grouped, q, sf, grouped_w = ops.gather_dequant_fp8_op(values, scales, assign, rows.dtype, weights, keep_rows)
-        if grouped is None:  # a stand-in without storage: what the gradient of the grouped rows is taken against
-            grouped = rows.new_zeros(()).expand(len(assign), dim)
-        ctx.save_for_backward(inverse)
-        ctx.columns = rows.shape[1] - dim
-        ctx.mark_non_differentiable(q, sf)
-        return grouped, grouped_w, q, sf
+_regroup_rows.register_autograd(_regroup_backward, setup_context=_regroup_setup)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad, grad_w, _q, _sf):
-        return _regroup_backward(ctx, grad, grad_w), None, None, None, None, None
+
+@triton_op("dsv3::regroup_rows_fp8", mutates_args=())
+def _regroup_rows_fp8(rows: Tensor, wire: Tensor, dim: int, assign: Tensor, inverse: Tensor,
+                      keep_rows: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    blocks = -(-dim // 128)
+    values = wire[:, :dim].view(ops.FP8)
+    scales = wire[:, dim:dim + 4 * blocks].contiguous().view(torch.float32)
+    ends = dim + 4 * blocks + (rows.shape[1] - dim) * rows.element_size()
+    columns = wire[:, dim + 4 * blocks:ends].contiguous().view(rows.dtype)  # a column or two: plain torch
+    weights = columns.float().sum(1) if columns.shape[1] else None
+    grouped, q, sf, grouped_w = custom.gather_dequant_fp8(values, scales, assign, rows.dtype, weights, keep_rows)
+    if not keep_rows:  # a stand-in without storage: what the gradient of the grouped rows is taken against
+        grouped = rows.new_zeros(()).expand(len(assign), dim)
+    return grouped, grouped_w, q, sf
+
+
+def _regroup_fp8_setup(ctx, inputs, output) -> None:
+    rows, _wire, dim, _assign, inverse = inputs[:5]
+    _regroup_setup(ctx, (rows, dim, None, inverse), output)
+
+
+_regroup_rows_fp8.register_autograd(_regroup_backward, setup_context=_regroup_fp8_setup)
 
 
 def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: torch.Tensor, inverse: torch.Tensor,
@@ -409,8 +378,8 @@ def regroup_rows_fp8(rows: torch.Tensor, wire: torch.Tensor, dim: int, assign: t
     if rows.dim() != 2 or wire.dtype != torch.uint8 or inverse.numel() != rows.shape[0] or len(wire) >= len(rows):
         raise ValueError(f"regroup_rows_fp8: rows must be [n, dim + c], wire uint8 [< n, bytes] and inverse [n]; got "
                          f"{list(rows.shape)}, {wire.dtype} {list(wire.shape)}, {list(inverse.shape)}")
-    grouped, weights, q, sf = _RegroupRowsFp8.apply(rows, wire, dim, assign, inverse, keep_rows)
-    return grouped, weights, (q, sf)
+    grouped, weights, q, sf = _regroup_rows_fp8(rows, wire, dim, assign, inverse, keep_rows)
+    return grouped, None if rows.shape[1] == dim else weights, (q, sf)
 
 
 def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,
@@ -423,47 +392,8 @@ def regroup_rows(rows: torch.Tensor, dim: int, assign: torch.Tensor,
     if rows.dim() != 2 or not 0 <= dim <= rows.shape[1] or inverse.numel() != rows.shape[0]:
         raise ValueError(f"regroup_rows: rows must be [n, >= dim={dim}] and inverse [n]; got {list(rows.shape)} "
                          f"and {list(inverse.shape)}")
-    return _RegroupRows.apply(rows, dim, assign, inverse)
-
-
-def _logits_grad(ctx, backward_op, grad_w: torch.Tensor | None, grad_scores: torch.Tensor | None) -> torch.Tensor:
-    """A router's logits gradient from its weights' and scores' gradients (either may be None), by ``backward_op``."""
-    scores, indices = ctx.saved_tensors
-    grad_w = torch.zeros(indices.shape, device=scores.device) if grad_w is None else grad_w.contiguous()
-    grad_scores = None if grad_scores is None else grad_scores.contiguous()
-    return backward_op(scores, indices, grad_w, grad_scores, ctx.route_scale, ctx.norm)
-
-
-class _Route(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
-        weights, indices, scores = ops.route_op(logits.contiguous(), bias.float().contiguous(), topk, groups,
-                                                topk_groups, route_scale, norm, nodes, max_nodes)
-        ctx.save_for_backward(scores, indices)
-        ctx.route_scale, ctx.norm = route_scale, norm
-        ctx.mark_non_differentiable(indices)
-        return weights, indices, scores
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_w, _grad_indices, grad_scores):
-        return _logits_grad(ctx, ops.route_backward_op, grad_w, grad_scores), *(None,) * 8
-
-
-class _RouteSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes):
-        weights, indices, scores = ops.route_softmax_op(logits.contiguous(), topk, groups, topk_groups, route_scale,
-                                                        norm, nodes, max_nodes)
-        ctx.save_for_backward(scores, indices)
-        ctx.route_scale, ctx.norm = route_scale, norm
-        ctx.mark_non_differentiable(indices)
-        return weights, indices, scores
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_w, _grad_indices, grad_scores):
-        return _logits_grad(ctx, ops.route_softmax_backward_op, grad_w, grad_scores), *(None,) * 7
+    grouped, weights = _regroup_rows(rows, dim, assign, inverse)
+    return grouped, None if rows.shape[1] == dim else weights
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
@@ -479,7 +409,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
     if bias.shape != logits.shape[-1:]:
         raise ValueError(f"route: bias must be [experts] = {list(logits.shape[-1:])}, got {list(bias.shape)}")
     _check_route("route", logits, groups, nodes, max_nodes)
-    return _Route.apply(logits, bias, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+    return custom.route(logits.contiguous(), bias.detach().float().contiguous(), topk, groups, topk_groups,
+                        route_scale, norm, nodes, max_nodes)
 
 
 def route_softmax(logits: torch.Tensor, topk: int, groups: int, topk_groups: int, route_scale: float,
@@ -490,7 +421,7 @@ def route_softmax(logits: torch.Tensor, topk: int, groups: int, topk_groups: int
     largest single score, then the node limit as in ``route``; weights the picked scores, normalised when
     ``norm``, times ``route_scale``. One kernel each way."""
     _check_route("route_softmax", logits, groups, nodes, max_nodes)
-    return _RouteSoftmax.apply(logits, topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
+    return custom.route_softmax(logits.contiguous(), topk, groups, topk_groups, route_scale, norm, nodes, max_nodes)
 
 
 def _check_route(name: str, logits: torch.Tensor, groups: int, nodes: int, max_nodes: int | None) -> None:

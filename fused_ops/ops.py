@@ -161,8 +161,10 @@ def unpermute_spread_reference(grad: torch.Tensor, y: torch.Tensor, assign: torc
     g = grad.float()[src // k]
     dy = torch.where(real, g * weights.to(y.dtype).float()[src].unsqueeze(-1), 0.0).to(y.dtype)
     dots = (g * y.float()).sum(-1)
-    return dy, torch.zeros(weights.numel(), dtype=torch.float32, device=y.device).index_put(
-        (src[assign >= 0],), dots[assign >= 0])
+    # each real row's dot at its assignment; padding rows into a spare last slot, dropped (no data-dependent shape)
+    n = weights.numel()
+    return dy, torch.zeros(n + 1, dtype=torch.float32, device=y.device).index_put(
+        (torch.where(assign >= 0, src, n),), dots)[:n]
 
 
 def _keep_best(choice: torch.Tensor, blocks: int, best: int, count: int) -> torch.Tensor:

@@ -5,7 +5,8 @@
     python -m recipes.bench_kernels fused --json out.json
 
 GB/s counts the bytes the fused kernel must move (each input read once, each output written once) over its
-time; ``hbm_%`` is that against the device's peak bandwidth (``accel.specs``); ``unfused`` is the torch
+time (the fused side called as the model calls it, through its ``torch.ops.dsv3`` custom op); ``hbm_%`` is that
+against the device's peak bandwidth (``accel.specs``); ``unfused`` is the torch
 sequence of the op's registered reference (the ops the model ran before: add, norm, cast... one kernel
 each), timed in the same run, and ``speedup`` the ratio. Targets (issue 30): >= 70% of peak and >= 1.5x the
 unfused sequence for RMSNorm+residual, SwiGLU+quant and permute+quant. V3's shapes: 4096 tokens of 7168,
@@ -74,12 +75,12 @@ def rows(device, quick: bool) -> list[Row]:
     e = 2  # bf16 bytes
     tile = 4 / 128  # one fp32 scale per 128 values
     out = [
-        Row("rmsnorm+residual", f"{TOKENS}x{DIM}", lambda: ops.rmsnorm_op(x, w, r),
+        Row("rmsnorm+residual", f"{TOKENS}x{DIM}", lambda: torch.ops.dsv3.rmsnorm(x, w, r),
             lambda: ops.rmsnorm_reference(x, w, r), TOKENS * DIM * 4 * e),
-        Row("swiglu+quant", f"{rows_e}x{INTER} weighted", lambda: ops.swiglu_fp8_op(gu, rw),
+        Row("swiglu+quant", f"{rows_e}x{INTER} weighted", lambda: torch.ops.dsv3.swiglu_fp8(gu, rw),
             lambda: ops.swiglu_fp8_reference(gu, rw), rows_e * INTER * (2 * e + 1 + tile)),
         Row("permute+quant", f"{TOKENS}x{DIM} top-{TOPK}/{EXPERTS}",
-            lambda: ops.permute_gather_fp8_op(x, layout.assign, TOPK, route_w.view(-1)),
+            lambda: torch.ops.dsv3.permute_gather_fp8(x, layout.assign, TOPK, route_w.view(-1)),
             lambda: ops.permute_gather_fp8_reference(x, layout.assign, TOPK, route_w.view(-1)),
             TOKENS * DIM * e + m * DIM * (1 + tile)),
     ]
@@ -89,24 +90,25 @@ def rows(device, quick: bool) -> list[Row]:
         Row("rope interleaved (MLA q)", f"{TOKENS}x128x64 of 192",
             lambda: fused_ops.rope_(q[..., 128:], cos, sin),
             lambda: ops.rope_reference(q[..., 128:], cos, sin, q[..., 128:]), TOKENS * 128 * 64 * 2 * e),
-        Row("rmsnorm+residual+quant", f"{TOKENS}x{DIM}", lambda: ops.rmsnorm_fp8_op(x, w, r),
+        Row("rmsnorm+residual+quant", f"{TOKENS}x{DIM}", lambda: torch.ops.dsv3.rmsnorm_fp8(x, w, r),
             lambda: ops.rmsnorm_fp8_reference(x, w, r), TOKENS * DIM * (4 * e + 1 + tile)),
-        Row("rmsnorm backward (+residual grad)", f"{TOKENS}x{DIM}", lambda: ops.rmsnorm_backward_op(x, w, rstd, dy, r),
+        Row("rmsnorm backward (+residual grad)", f"{TOKENS}x{DIM}",
+            lambda: torch.ops.dsv3.rmsnorm_backward(x, w, rstd, dy, r),
             lambda: ops.rmsnorm_backward_reference(x, w, rstd, dy, r), TOKENS * DIM * 4 * e),
-        Row("swiglu", f"{rows_e}x{INTER} weighted", lambda: ops.swiglu_op(gu, rw),
+        Row("swiglu", f"{rows_e}x{INTER} weighted", lambda: torch.ops.dsv3.swiglu(gu, rw),
             lambda: ops.swiglu_reference(gu, rw), rows_e * INTER * 3 * e),
-        Row("swiglu backward", f"{rows_e}x{INTER} weighted", lambda: ops.swiglu_backward_op(gu, rw, g_out),
+        Row("swiglu backward", f"{rows_e}x{INTER} weighted", lambda: torch.ops.dsv3.swiglu_backward(gu, rw, g_out),
             lambda: ops.swiglu_backward_reference(gu, rw, g_out), rows_e * INTER * 5 * e),
         Row("permute", f"{TOKENS}x{DIM} top-{TOPK}/{EXPERTS}",
-            lambda: ops.permute_gather_op(x, layout.assign, TOPK, None, route_w.view(-1)),
+            lambda: torch.ops.dsv3.permute_gather(x, layout.assign, TOPK, None, route_w.view(-1)),
             lambda: ops.permute_gather_reference(x, layout.assign, TOPK, None, route_w.view(-1)),
             TOKENS * DIM * e + m * DIM * e),
         Row("unpermute (weighted sum)", f"{TOKENS}x{DIM} top-{TOPK}/{EXPERTS}",
-            lambda: ops.unpermute_sum_op(y_grouped, layout.rows, TOPK, route_w.view(-1)),
+            lambda: torch.ops.dsv3.unpermute_sum(y_grouped, layout.rows, TOPK, route_w.view(-1)),
             lambda: ops.unpermute_sum_reference(y_grouped, layout.rows, TOPK, route_w.view(-1)),
             TOKENS * DIM * e * (TOPK + 1)),
         Row("unpermute backward", f"{TOKENS}x{DIM} top-{TOPK}/{EXPERTS}",
-            lambda: ops.unpermute_spread_op(x, y_grouped, layout.assign, TOPK, route_w.view(-1)),
+            lambda: torch.ops.dsv3.unpermute_spread(x, y_grouped, layout.assign, TOPK, route_w.view(-1)),
             lambda: ops.unpermute_spread_reference(x, y_grouped, layout.assign, TOPK, route_w.view(-1)),
             TOKENS * DIM * e + 2 * m * DIM * e),
         Row("rope half-split (indexer q)", f"{TOKENS}x64x64 of 128",
@@ -114,23 +116,23 @@ def rows(device, quick: bool) -> list[Row]:
             lambda: ops.rope_reference(qi[..., :64], cos, sin, qi[..., :64], interleaved=False),
             TOKENS * 64 * 64 * 2 * e),
         Row("route (sigmoid+bias+group top-k)", f"{TOKENS}x{EXPERTS}",
-            lambda: ops.route_op(logits, bias, TOPK, 8, 4, 2.5),
+            lambda: torch.ops.dsv3.route(logits, bias, TOPK, 8, 4, 2.5),
             lambda: ops.route_reference(logits, bias, TOPK, 8, 4, 2.5), TOKENS * EXPERTS * 8),
         Row("route node-limited (4 of 8 nodes)", f"{TOKENS}x{EXPERTS}",
-            lambda: ops.route_op(logits, bias, TOPK, 8, 4, 2.5, True, 8, 4),
+            lambda: torch.ops.dsv3.route(logits, bias, TOPK, 8, 4, 2.5, True, 8, 4),
             lambda: ops.route_reference(logits, bias, TOPK, 8, 4, 2.5, True, 8, 4), TOKENS * EXPERTS * 8),
         Row("route softmax (V2: 160 experts, top-6)", f"{TOKENS}x160",
-            lambda: ops.route_softmax_op(logits[:, :160], 6, 8, 3, 16.0),
+            lambda: torch.ops.dsv3.route_softmax(logits[:, :160], 6, 8, 3, 16.0),
             lambda: ops.route_softmax_reference(logits[:, :160], 6, 8, 3, 16.0), TOKENS * 160 * 8),
         Row("EP send gather (+weight columns)", f"{TOKENS}x{DIM} top-{TOPK}",
-            lambda: ops.gather_rows_op(x, layout.assign, TOPK, columns),
+            lambda: torch.ops.dsv3.gather_rows(x, layout.assign, TOPK, columns),
             lambda: ops.gather_rows_reference(x, layout.assign, TOPK, columns), TOKENS * DIM * e + m * (DIM + 2) * e),
         Row("EP FP8 landing (dequant+regroup+quant)", f"{rows_e}x{DIM} to 32 experts",
-            lambda: ops.gather_dequant_fp8_op(landed_q, landed_sf, landed.assign, torch.bfloat16),
+            lambda: torch.ops.dsv3.gather_dequant_fp8(landed_q, landed_sf, landed.assign, torch.bfloat16),
             lambda: ops.gather_dequant_fp8_reference(landed_q, landed_sf, landed.assign, torch.bfloat16),
             rows_e * DIM * (1 + tile) + landed.assign.numel() * DIM * (e + 1 + tile)),
         Row("route backward", f"{TOKENS}x{EXPERTS}",
-            lambda: ops.route_backward_op(logits, route_idx, route_w, logits, 2.5),
+            lambda: torch.ops.dsv3.route_backward(logits, route_idx, route_w, logits, 2.5),
             lambda: ops.route_backward_reference(logits, route_idx, route_w, logits, 2.5), TOKENS * EXPERTS * 12),
     ]
 

@@ -57,6 +57,19 @@ def test_float64_equals_the_plain_cross_entropy(reduction, chunk):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_a_frozen_input_gets_no_gradient_and_the_other_the_same(frozen):
+    """The backward computes only the gradients asked for (a frozen head: no weight gradient, no fp32 [vocab, dim]
+    accumulator); what it does compute is bit-equal to the full backward's."""
+    h, w, t = _case((13,), 24, 301, torch.float32, seed=7)
+    _, want_h, want_w = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk=5), h, w, t)
+    h = h.clone().requires_grad_(frozen != "hidden")
+    w = w.clone().requires_grad_(frozen != "weight")
+    linear_cross_entropy(h, w, t, chunk=5).backward()
+    assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
+    assert torch.equal(w.grad, want_w) if frozen == "hidden" else torch.equal(h.grad, want_h)
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_fp32_matches_float64(impl):
     h, w, t = _case((2, 20), 48, 1000, torch.float32, seed=7)

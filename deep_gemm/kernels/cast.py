@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from accel import registry
+from accel.registry import wrap_triton
 from deep_gemm.kernels.gemm import require_fp8_hardware
 from deep_gemm.kernels.rounding import round_to_e4m3_grid
 from deep_gemm.utils import BLOCK, FP8, ceil_div

@@ -22,10 +22,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 import accel
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from deep_gemm.kernels.rounding import round_to_bf16
 from deep_gemm.utils import get_num_sms
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from accel import registry
 from accel.backend import triton_interpreted
+from accel.registry import wrap_triton
 from deep_gemm.mqa_logits import split_paged_cache
 
 

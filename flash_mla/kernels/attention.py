@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
 from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, round_to_bf16_grid
 from flash_mla.metadata import BLOCK_SIZE

@@ -131,9 +131,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     y, h, rstd, r = _launch_args(x, weight, residual)
     block = min(MAX_CHUNK, triton.next_power_of_2(x.shape[1]))
     if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, r, weight, y, h, rstd, x.shape[1], x.stride(0), r.stride(0), y.stride(0),
-                                       h.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                       num_warps=_warps(block))
+        registry.wrap_triton(_rmsnorm_kernel)[(x.shape[0],)](x, r, weight, y, h, rstd, x.shape[1], x.stride(0),
+                                                             r.stride(0), y.stride(0), h.stride(0), eps,
+                                                             HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                                             num_warps=_warps(block))
     return (y, rstd) if residual is None else (y, h, rstd)
 
 
@@ -146,9 +147,10 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     sf = registry.empty(rows, triton.cdiv(dim, 128), dtype=torch.float32, device=x.device)
     block = min(MAX_CHUNK, max(128, triton.next_power_of_2(dim)))
     if rows:
-        _rmsnorm_fp8_kernel[(rows,)](x, r, weight, y, h, rstd, q, sf, dim, x.stride(0), r.stride(0), y.stride(0),
-                                    h.stride(0), q.stride(0), sf.stride(0), eps, HAS_RESIDUAL=residual is not None,
-                                    BLOCK=block, num_warps=_warps(block))
+        registry.wrap_triton(_rmsnorm_fp8_kernel)[(rows,)](x, r, weight, y, h, rstd, q, sf, dim, x.stride(0),
+                                                           r.stride(0), y.stride(0), h.stride(0), q.stride(0),
+                                                           sf.stride(0), eps, HAS_RESIDUAL=residual is not None,
+                                                           BLOCK=block, num_warps=_warps(block))
     return (y, rstd, q, sf) if residual is None else (y, h, rstd, q, sf)
 
 
@@ -171,7 +173,8 @@ def rmsnorm_backward(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, 
     dh = grad_y if grad_h is None else grad_h
     block = triton.next_power_of_2(dim)
     if rows:
-        _rmsnorm_backward_kernel[(programs,)](h, weight, rstd, grad_y, dh, dx, partial, rows, dim, h.stride(0),
-                                             grad_y.stride(0), dh.stride(0), dx.stride(0), HAS_DH=grad_h is not None,
-                                             BLOCK=block, num_warps=_warps(block))
+        registry.wrap_triton(_rmsnorm_backward_kernel)[(programs,)](h, weight, rstd, grad_y, dh, dx, partial, rows, dim,
+                                                                    h.stride(0), grad_y.stride(0), dh.stride(0),
+                                                                    dx.stride(0), HAS_DH=grad_h is not None,
+                                                                    BLOCK=block, num_warps=_warps(block))
     return dx, partial.sum(0) if rows else torch.zeros(dim, dtype=torch.float32, device=h.device)

@@ -149,12 +149,13 @@ def gather(x: torch.Tensor, assign: torch.Tensor, k: int, scales: torch.Tensor |
         _rows_ok("scales", scales)
     ds = 1 if scales is None else scales.shape[1]
     if rows:
-        _gather_kernel[(rows,)](assign, x, x if scales is None else scales, x if weights is None else weights, out,
-                                out if outs is None else outs, out if outw is None else outw, k, d, ds, x.stride(0),
-                                0 if scales is None else scales.stride(0), out.stride(0),
-                                0 if outs is None else outs.stride(0), HAS_SCALES=scales is not None,
-                                HAS_WEIGHTS=weights is not None, BLOCK=_block(x, d),
-                                BLOCK_S=triton.next_power_of_2(ds))
+        registry.wrap_triton(_gather_kernel)[(rows,)](assign, x, x if scales is None else scales,
+                                                      x if weights is None else weights, out,
+                                                      out if outs is None else outs, out if outw is None else outw, k,
+                                                      d, ds, x.stride(0), 0 if scales is None else scales.stride(0),
+                                                      out.stride(0), 0 if outs is None else outs.stride(0),
+                                                      HAS_SCALES=scales is not None, HAS_WEIGHTS=weights is not None,
+                                                      BLOCK=_block(x, d), BLOCK_S=triton.next_power_of_2(ds))
     return out, outs, outw
 
 
@@ -170,10 +171,11 @@ def gather_rows(x: torch.Tensor, assign: torch.Tensor, k: int, columns: torch.Te
     rows, d = assign.numel(), x.shape[1]
     out = registry.empty(rows, d + nc, dtype=x.dtype, device=x.device)
     if rows:
-        _gather_rows_kernel[(rows,)](assign, x, x if columns is None else columns, out, k, d, nc, x.stride(0),
-                                     0 if columns is None else columns.stride(0), out.stride(0),
-                                     HAS_COLUMNS=columns is not None, BLOCK=_block(x, d),
-                                     BLOCK_C=triton.next_power_of_2(max(nc, 1)))
+        registry.wrap_triton(_gather_rows_kernel)[(rows,)](assign, x, x if columns is None else columns, out, k, d, nc,
+                                                           x.stride(0), 0 if columns is None else columns.stride(0),
+                                                           out.stride(0), HAS_COLUMNS=columns is not None,
+                                                           BLOCK=_block(x, d),
+                                                           BLOCK_C=triton.next_power_of_2(max(nc, 1)))
     return out
 
 
@@ -187,9 +189,10 @@ def gather_fp8(x: torch.Tensor, assign: torch.Tensor, k: int, weights: torch.Ten
     sf = registry.empty(rows, triton.cdiv(d, 128), dtype=torch.float32, device=x.device)
     outw = None if weights is None else registry.empty(rows, dtype=weights.dtype, device=x.device)
     if rows:
-        _gather_fp8_kernel[(rows,)](assign, x, x if weights is None else weights, q, sf, q if outw is None else outw,
-                                    k, d, x.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
-                                    BLOCK=_block(x, d, 128))
+        registry.wrap_triton(_gather_fp8_kernel)[(rows,)](assign, x, x if weights is None else weights, q, sf,
+                                                          q if outw is None else outw, k, d, x.stride(0), q.stride(0),
+                                                          sf.stride(0), HAS_WEIGHTS=weights is not None,
+                                                          BLOCK=_block(x, d, 128))
     return q, sf, outw
 
 
@@ -207,10 +210,13 @@ def gather_dequant_fp8(values: torch.Tensor, scales: torch.Tensor, assign: torch
     sf = registry.empty(rows, triton.cdiv(d, 128), dtype=torch.float32, device=values.device)
     outw = None if weights is None else registry.empty(rows, dtype=weights.dtype, device=values.device)
     if rows:
-        _gather_dequant_fp8_kernel[(rows,)](assign, values, scales, values if weights is None else weights, x, q, sf,
-                                            x if outw is None else outw, d, values.stride(0), scales.stride(0),
-                                            x.stride(0), q.stride(0), sf.stride(0), HAS_VALUES=keep_rows,
-                                            HAS_WEIGHTS=weights is not None, BLOCK=_block(values, d, 128))
+        registry.wrap_triton(_gather_dequant_fp8_kernel)[(rows,)](assign, values, scales,
+                                                                  values if weights is None else weights, x, q, sf,
+                                                                  x if outw is None else outw, d, values.stride(0),
+                                                                  scales.stride(0), x.stride(0), q.stride(0),
+                                                                  sf.stride(0), HAS_VALUES=keep_rows,
+                                                                  HAS_WEIGHTS=weights is not None,
+                                                                  BLOCK=_block(values, d, 128))
     return x if keep_rows else None, q, sf, outw
 
 
@@ -222,8 +228,9 @@ def sum_rows(y: torch.Tensor, rows: torch.Tensor, k: int, weights: torch.Tensor 
     tokens, d = rows.numel() // k, y.shape[1]
     out = registry.empty(tokens, d, dtype=y.dtype, device=y.device)
     if tokens:
-        _sum_rows_kernel[(tokens,)](rows, y, y if weights is None else weights, out, k, d, y.stride(0), out.stride(0),
-                                    HAS_WEIGHTS=weights is not None, BLOCK=_block(y, d))
+        registry.wrap_triton(_sum_rows_kernel)[(tokens,)](rows, y, y if weights is None else weights, out, k, d,
+                                                          y.stride(0), out.stride(0), HAS_WEIGHTS=weights is not None,
+                                                          BLOCK=_block(y, d))
     return out
 
 
@@ -235,6 +242,6 @@ def spread(grad: torch.Tensor, y: torch.Tensor, assign: torch.Tensor, k: int, we
     dy = registry.empty(rows, d, dtype=y.dtype, device=y.device)
     dw = registry.empty(weights.numel(), dtype=torch.float32, device=y.device)
     if rows:
-        _spread_kernel[(rows,)](assign, grad, y, weights, dy, dw, k, d, grad.stride(0), y.stride(0), dy.stride(0),
-                                BLOCK=_block(y, d))
+        registry.wrap_triton(_spread_kernel)[(rows,)](assign, grad, y, weights, dy, dw, k, d, grad.stride(0),
+                                                      y.stride(0), dy.stride(0), BLOCK=_block(y, d))
     return dy, dw

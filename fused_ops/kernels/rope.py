@@ -91,7 +91,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     stride_cb = 0 if c3.shape[0] == 1 else c3.stride(0)
     kernel = _rope_interleaved_kernel if interleaved else _rope_half_kernel
     if x.numel():
-        kernel[(batch * seq, triton.cdiv(heads, BLOCK_H))](
+        registry.wrap_triton(kernel)[(batch * seq, triton.cdiv(heads, BLOCK_H))](
             x, out, c3, s3, seq, heads, *x.stride()[:3], *out.stride()[:3], stride_cb, c3.stride(1),
             -1.0 if inverse else 1.0, HALF=half, BLOCK_H=BLOCK_H)
     return out

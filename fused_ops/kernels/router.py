@@ -191,8 +191,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, topk: int, groups: int, topk
         raise registry.Unsupported(f"bias must be float32, got {bias.dtype}")
     (weights, indices, scores), consts = _selection(logits, topk, groups, topk_groups, nodes, max_nodes)
     if len(logits):
-        _route_kernel[(len(logits),)](logits, bias, weights, indices, scores, logits.shape[1], logits.stride(0),
-                                      route_scale, NORM=norm, **consts)
+        registry.wrap_triton(_route_kernel)[(len(logits),)](logits, bias, weights, indices, scores, logits.shape[1],
+                                                            logits.stride(0), route_scale, NORM=norm, **consts)
     return weights, indices, scores
 
 
@@ -201,8 +201,8 @@ def route_softmax(logits: torch.Tensor, topk: int, groups: int, topk_groups: int
     """(weights ``[T, topk]`` fp32, indices ``[T, topk]`` int64, scores ``[T, E]`` fp32)."""
     (weights, indices, scores), consts = _selection(logits, topk, groups, topk_groups, nodes, max_nodes)
     if len(logits):
-        _route_softmax_kernel[(len(logits),)](logits, weights, indices, scores, logits.shape[1], logits.stride(0),
-                                              route_scale, NORM=norm, **consts)
+        registry.wrap_triton(_route_softmax_kernel)[(len(logits),)](logits, weights, indices, scores, logits.shape[1],
+                                                                    logits.stride(0), route_scale, NORM=norm, **consts)
     return weights, indices, scores
 
 
@@ -216,10 +216,11 @@ def _backward(kernel, scores: torch.Tensor, indices: torch.Tensor, grad_weights:
         raise registry.Unsupported("grad_scores must be contiguous")
     dl = registry.empty(tokens, experts, dtype=torch.float32, device=scores.device)
     if tokens:
-        kernel[(tokens,)](scores, indices, grad_weights, scores if grad_scores is None else grad_scores, dl, experts,
-                          route_scale, HAS_GS=grad_scores is not None, TOPK=topk, NORM=norm,
-                          BLOCK=triton.next_power_of_2(experts), BLOCK_K=triton.next_power_of_2(topk),
-                          num_warps=WARPS)
+        registry.wrap_triton(kernel)[(tokens,)](scores, indices, grad_weights,
+                                                scores if grad_scores is None else grad_scores, dl, experts,
+                                                route_scale, HAS_GS=grad_scores is not None, TOPK=topk, NORM=norm,
+                                                BLOCK=triton.next_power_of_2(experts),
+                                                BLOCK_K=triton.next_power_of_2(topk), num_warps=WARPS)
     return dl
 
 

@@ -90,8 +90,9 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = registry.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        _swiglu_kernel[(rows,)](gate_up, gate_up if weights is None else weights, out, inter, gate_up.stride(0),
-                                out.stride(0), HAS_WEIGHTS=weights is not None, BLOCK=BLOCK)
+        registry.wrap_triton(_swiglu_kernel)[(rows,)](gate_up, gate_up if weights is None else weights, out, inter,
+                                                      gate_up.stride(0), out.stride(0), HAS_WEIGHTS=weights is not None,
+                                                      BLOCK=BLOCK)
     return out
 
 
@@ -101,9 +102,9 @@ def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None):
     q = registry.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     sf = registry.empty(rows, triton.cdiv(inter, 128), dtype=torch.float32, device=gate_up.device)
     if rows:
-        _swiglu_fp8_kernel[(rows,)](gate_up, gate_up if weights is None else weights, q, sf, inter,
-                                    gate_up.stride(0), q.stride(0), sf.stride(0), HAS_WEIGHTS=weights is not None,
-                                    BLOCK=BLOCK)
+        registry.wrap_triton(_swiglu_fp8_kernel)[(rows,)](gate_up, gate_up if weights is None else weights, q, sf,
+                                                          inter, gate_up.stride(0), q.stride(0), sf.stride(0),
+                                                          HAS_WEIGHTS=weights is not None, BLOCK=BLOCK)
     return q, sf
 
 
@@ -115,7 +116,8 @@ def swiglu_backward(gate_up: torch.Tensor, weights: torch.Tensor | None, grad: t
     dgu = registry.empty(rows, 2 * inter, dtype=gate_up.dtype, device=gate_up.device)
     dw = None if weights is None else registry.empty(rows, dtype=torch.float32, device=gate_up.device)
     if rows:
-        _swiglu_backward_kernel[(rows,)](gate_up, gate_up if weights is None else weights, grad, dgu,
-                                         dgu if dw is None else dw, inter, gate_up.stride(0), grad.stride(0),
-                                         dgu.stride(0), HAS_WEIGHTS=weights is not None, BLOCK=BLOCK)
+        registry.wrap_triton(_swiglu_backward_kernel)[(rows,)](gate_up, gate_up if weights is None else weights, grad,
+                                                               dgu, dgu if dw is None else dw, inter, gate_up.stride(0),
+                                                               grad.stride(0), dgu.stride(0),
+                                                               HAS_WEIGHTS=weights is not None, BLOCK=BLOCK)
     return dgu, dw
