@@ -262,7 +262,8 @@ def wrap_triton(kernel: Any) -> Any:
 
 
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
-             setup_context: Callable | None = None) -> Callable[[Callable], Any]:
+             setup_context: Callable | None = None, fake: Callable | None = None,
+             opaque: bool = False) -> Callable[[Callable], Any]:
     """Decorate ``fn``, the op's body (the kernel op called with flat, type-annotated arguments), into the custom
     op ``torch.ops.dsv3.<kernel's last name part>`` and record it as ``kernel.custom_op``.
 
@@ -272,22 +273,25 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
     and devices are the kernel's (the verifier checks that), and the Triton interpreter cannot run on fake
     tensors. On ``meta`` tensors (the memory measurement) it is the body as chosen: the Triton path's own
     allocations, its launch a no-op there. ``backward`` / ``setup_context``: its ``register_autograd`` (then
-    ``kernel.differentiable``).
+    ``kernel.differentiable``). ``fake``: the fake implementation instead, and ``opaque``: a ``custom_op``
+    despite a Triton implementation, for an op whose reference reads its inputs' values on the host (a group
+    layout, sequence lengths): fake tensors and ``torch.compile`` cannot trace that body, so the op stays one
+    opaque node with that fake.
     """
 
     def wrap(fn: Callable) -> Any:
         name = f"{NAMESPACE}::{kernel.name.rsplit('.', 1)[-1]}"
-        make = torch.library.triton_op if kernel._triton is not None else torch.library.custom_op
+        make = torch.library.triton_op if kernel._triton is not None and not opaque else torch.library.custom_op
         op = make(name, fn, mutates_args=tuple(mutates_args))
 
-        def fake(*args: Any, **kwargs: Any) -> Any:
+        def reference_fake(*args: Any, **kwargs: Any) -> Any:
             device = _first_device(args) or _first_device(kwargs)
             if device is not None and device.type == "meta":  # the chosen path's host logic; a launch is a no-op
                 return fn(*args, **kwargs)
             with force("reference"):
                 return fn(*args, **kwargs)
 
-        op.register_fake(fake)
+        op.register_fake(fake or reference_fake)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
         kernel.custom_op, kernel.differentiable = op, backward is not None

@@ -17,17 +17,6 @@ from deep_gemm.utils import BLOCK, FP8, MX_BLOCK, calc_diff, get_mn_major_tma_al
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _triton(along: str):
-    """The Triton cast, ``gran_k`` along the columns (``"token"``), the rows (``"channel"``) or both (``"block"``)."""
-    def run(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
-        from deep_gemm.kernels import cast
-
-        rows, cols = {"token": (1, gran_k), "channel": (gran_k, 1), "block": (gran_k, gran_k)}[along]
-        return cast.cast_tiles(x, rows, cols, use_ue8m0)
-
-    return run
-
-
 def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(shape["m"], shape["k"], generator=gen) * torch.exp(torch.randn(shape["m"], 1, generator=gen))
@@ -61,12 +50,29 @@ def _spec() -> VerifySpec:
 
 
 _per_token = registry.register("deep_gemm.per_token_cast_to_fp8", reference=reference.per_token_cast_reference,
-                               triton=_triton("token"), verify=_spec())
+                               triton="deep_gemm.kernels.cast:per_token_cast", verify=_spec())
 _per_channel = registry.register("deep_gemm.per_channel_cast_to_fp8",
-                                 reference=reference.per_channel_cast_reference, triton=_triton("channel"),
-                                 verify=_spec())
+                                 reference=reference.per_channel_cast_reference,
+                                 triton="deep_gemm.kernels.cast:per_channel_cast", verify=_spec())
 _per_block = registry.register("deep_gemm.per_block_cast_to_fp8", reference=reference.per_block_cast_reference,
-                               triton=_triton("block"), verify=_spec())
+                               triton="deep_gemm.kernels.cast:per_block_cast", verify=_spec())
+
+
+# The torch ops (docs/custom_ops.md); no autograd: e4m3 values carry no gradient.
+@registry.torch_op(_per_token)
+def _per_token_op(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    return _per_token(x, use_ue8m0, gran_k)
+
+
+@registry.torch_op(_per_channel)
+def _per_channel_op(x: torch.Tensor, use_ue8m0: bool = False,
+                    gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    return _per_channel(x, use_ue8m0, gran_k)
+
+
+@registry.torch_op(_per_block)
+def _per_block_op(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _per_block(x, use_ue8m0)
 
 
 def _check(name: str, x: object, dims: tuple[int, ...]) -> torch.Tensor:
@@ -94,7 +100,7 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     _check_gran(gran_k, use_ue8m0)
     if use_packed_ue8m0 and not use_ue8m0:
         raise ValueError("use_packed_ue8m0=True needs use_ue8m0=True (only power-of-two scales pack into bytes)")
-    q, sf = _per_token(_check("x", x, (2, 3)), use_ue8m0, gran_k)
+    q, sf = _per_token_op(_check("x", x, (2, 3)), use_ue8m0, gran_k)
     return (q, get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)) if use_packed_ue8m0 else (q, sf)
 
 
@@ -102,9 +108,9 @@ def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                             gran_k: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduction along rows (wgrad operands): ``x [k, n]`` -> (e4m3 ``[k, n]``, scales ``[ceil(k/gran_k), n]``)."""
     _check_gran(gran_k, use_ue8m0)
-    return _per_channel(_check("x", x, (2, 3)), use_ue8m0, gran_k)
+    return _per_channel_op(_check("x", x, (2, 3)), use_ue8m0, gran_k)
 
 
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights: ``w [n, k]`` (or ``[g, n, k]``) -> (e4m3 ``[n, k]``, scales ``[ceil(n/128), ceil(k/128)]``)."""
-    return _per_block(_check("x", x, (2, 3)), use_ue8m0)
+    return _per_block_op(_check("x", x, (2, 3)), use_ue8m0)

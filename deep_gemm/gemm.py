@@ -177,6 +177,42 @@ _OPS = {
 }
 
 
+def _torch_op(kind: str, fp8: bool):
+    """``dsv3::{fp8,bf16}_gemm_{kind}`` (docs/custom_ops.md): ``d`` written in place; an FP8 operand is its
+    ``[values, scales]`` list. ``accumulate`` without ``c`` means ``c is d`` (a mutated argument may not alias
+    another argument). No autograd: the training layers (``deep_gemm.linear``) own the backward."""
+    kernel = _OPS[kind, fp8]
+    if fp8:
+        def body(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, c: torch.Tensor | None = None,
+                 accumulate: bool = False) -> None:
+            kernel(tuple(a), tuple(b), d, d if accumulate and c is None else c)
+    else:
+        def body(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 accumulate: bool = False) -> None:
+            kernel(a, b, d, d if accumulate and c is None else c)
+    return registry.torch_op(kernel, mutates_args=("d",))(body)
+
+
+TORCH_OPS = {key: _torch_op(*key) for key in _OPS}
+
+
+def _c_args(d: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+    """``(c, accumulate)`` for an op: ``c`` that is ``d`` travels as ``accumulate=True`` alone."""
+    return (None, True) if c is d else (c, c is not None)
+
+
+def _fp8(kind: str, a, b, d: torch.Tensor, c: torch.Tensor | None, recipe) -> torch.Tensor:
+    a, b = check_fp8_args(kind, a, b, d, c, recipe)
+    TORCH_OPS[kind, True](list(a), list(b), d, *_c_args(d, c))
+    return d
+
+
+def _bf16(kind: str, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    check_bf16_args(kind, a, b, d, c)
+    TORCH_OPS[kind, False](a, b, d, *_c_args(d, c))
+    return d
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -188,57 +224,49 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=Non
     packed UE8M0 int32 (1x128, or 1x32 with ``recipe=(1, 1, 32)``). ``compiled_dims`` and ``disable_ue8m0_cast``
     are accepted for DeepGEMM compatibility (fp32 scales are used as they are, never cast). Returns ``d``.
     """
-    a, b = check_fp8_args("nt", a, b, d, c, recipe)
-    return _OPS["nt", True](a, b, d, c)
+    return _fp8("nt", a, b, d, c, recipe)
 
 
 def fp8_gemm_nn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "nk",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a @ b (+ c)``; ``a = (fp8 [m, k], sf [m, k/128])``, ``b = (fp8 [k, n], sf [k/128, ceil(n/128) or n])``."""
-    a, b = check_fp8_args("nn", a, b, d, c, recipe)
-    return _OPS["nn", True](a, b, d, c)
+    return _fp8("nn", a, b, d, c, recipe)
 
 
 def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b (+ c)`` with ``a = (fp8 [k, m], sf [k/128, m])``, ``b = (fp8 [k, n], sf [k/128, n])``."""
-    a, b = check_fp8_args("tn", a, b, d, c, recipe)
-    return _OPS["tn", True](a, b, d, c)
+    return _fp8("tn", a, b, d, c, recipe)
 
 
 def fp8_gemm_tt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, compiled_dims: str = "mn",
                 disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d = a^T @ b^T (+ c)``; ``a = (fp8 [k, m], sf [k/128, m])``, ``b`` as in ``fp8_gemm_nt``."""
-    a, b = check_fp8_args("tt", a, b, d, c, recipe)
-    return _OPS["tt", True](a, b, d, c)
+    return _fp8("tt", a, b, d, c, recipe)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "nk") -> torch.Tensor:
     """``d = a @ b^T (+ c)`` in bf16 with fp32 accumulation; ``a [m, k]``, ``b [n, k]``."""
-    check_bf16_args("nt", a, b, d, c)
-    return _OPS["nt", False](a, b, d, c)
+    return _bf16("nt", a, b, d, c)
 
 
 def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "nk") -> torch.Tensor:
     """``d = a @ b (+ c)``; ``a [m, k]``, ``b [k, n]``."""
-    check_bf16_args("nn", a, b, d, c)
-    return _OPS["nn", False](a, b, d, c)
+    return _bf16("nn", a, b, d, c)
 
 
 def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "mn") -> torch.Tensor:
     """``d = a^T @ b (+ c)``; ``a [k, m]``, ``b [k, n]``."""
-    check_bf16_args("tn", a, b, d, c)
-    return _OPS["tn", False](a, b, d, c)
+    return _bf16("tn", a, b, d, c)
 
 
 def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
                  compiled_dims: str = "mn") -> torch.Tensor:
     """``d = a^T @ b^T (+ c)``; ``a [k, m]``, ``b [n, k]``."""
-    check_bf16_args("tt", a, b, d, c)
-    return _OPS["tt", False](a, b, d, c)
+    return _bf16("tt", a, b, d, c)
 
 
 # DeepGEMM v1 name

@@ -18,7 +18,7 @@ import torch
 from accel import registry
 from accel.registry import Case, VerifySpec
 from deep_gemm import reference
-from deep_gemm.gemm import TRITON_ALLOW, quantize_operand
+from deep_gemm.gemm import TRITON_ALLOW, _c_args, quantize_operand
 from deep_gemm.utils import (
     BLOCK,
     FP8,
@@ -344,6 +344,66 @@ _k_grouped_bf16 = registry.register(
                  _bytes_k_grouped))
 
 
+# The torch ops (docs/custom_ops.md); an FP8 operand is its ``[values, scales]`` list, ``d`` is written in place,
+# no autograd (``grouped_linear`` owns it). The m-grouped references read the group layout on the host (a
+# ``nonzero`` per group, ``masked_m`` as a list), which fake tensors and torch.compile cannot trace: those ops are
+# opaque, with a fake that writes nothing (they only fill ``d``). The k-grouped ones take ``ks`` as a host list in
+# the schema, so torch.compile traces their body.
+
+
+def _no_fake(*args, **kwargs) -> None:
+    """Fake of an op that only writes its ``d`` in place: nothing to compute or allocate."""
+
+
+@registry.torch_op(_contiguous, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _contiguous_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    _contiguous(tuple(a), tuple(b), d, m_indices)
+
+
+@registry.torch_op(_contiguous_nn, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _contiguous_nn_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor,
+                      m_indices: torch.Tensor) -> None:
+    _contiguous_nn(tuple(a), tuple(b), d, m_indices)
+
+
+@registry.torch_op(_contiguous_bf16, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _contiguous_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    _contiguous_bf16(a, b, d, m_indices)
+
+
+@registry.torch_op(_masked, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _masked_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, masked_m: torch.Tensor,
+               expected_m: int) -> None:
+    _masked(tuple(a), tuple(b), d, masked_m, expected_m)
+
+
+@registry.torch_op(_masked_bf16, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _masked_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
+                    expected_m: int) -> None:
+    _masked_bf16(a, b, d, masked_m, expected_m)
+
+
+@registry.torch_op(_k_grouped, mutates_args=("d",))
+def _k_grouped_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, ks: list[int],
+                  ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                  accumulate: bool = False) -> None:
+    _k_grouped(tuple(a), tuple(b), d, list(ks), ks_tensor, d if accumulate and c is None else c)
+
+
+@registry.torch_op(_k_grouped_nt, mutates_args=("d",))
+def _k_grouped_nt_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, ks: list[int],
+                     ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                     accumulate: bool = False) -> None:
+    _k_grouped_nt(tuple(a), tuple(b), d, list(ks), ks_tensor, d if accumulate and c is None else c)
+
+
+@registry.torch_op(_k_grouped_bf16, mutates_args=("d",))
+def _k_grouped_bf16_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: list[int],
+                       ks_tensor: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                       accumulate: bool = False) -> None:
+    _k_grouped_bf16(a, b, d, list(ks), ks_tensor, d if accumulate and c is None else c)
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -358,7 +418,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]^T`` for rows with ``m_indices[r] >= 0``; ``a [M, k]``, ``b [G, n, k]``."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "nk", recipe)
-    return _contiguous(a, b, d, m_indices)
+    _contiguous_op(list(a), list(b), d, m_indices)
+    return d
 
 
 def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, recipe=None,
@@ -367,7 +428,8 @@ def m_grouped_fp8_gemm_nn_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     """``d[r] = a[r] @ b[m_indices[r]]`` with ``b [G, k, n]`` (MoE dgrad: output grads times expert weights)."""
     _no_psum(use_psum_layout)
     a, b = _check_contiguous_fp8(a, b, d, m_indices, "kn", recipe)
-    return _contiguous_nn(a, b, d, m_indices)
+    _contiguous_nn_op(list(a), list(b), d, m_indices)
+    return d
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
@@ -381,14 +443,16 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_out(d, (m, b.shape[1]), None, dtypes=(torch.bfloat16,))
     check_m_indices(m_indices, m, b.shape[0])
     check_same_device(a=a, b=b, d=d, m_indices=m_indices)
-    return _contiguous_bf16(a, b, d, m_indices)
+    _contiguous_bf16_op(a, b, d, m_indices)
+    return d
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe=None,
                                  compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> torch.Tensor:
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T``; ``a [G, m_max, k]``, ``b [G, n, k]``."""
     _check_masked_fp8(a, b, d, masked_m, expected_m)
-    return _masked((a[0], a[1]), (b[0], b[1]), d, masked_m, expected_m)
+    _masked_op([a[0], a[1]], [b[0], b[1]], d, masked_m, expected_m)
+    return d
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
@@ -400,7 +464,8 @@ def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Ten
     check_out(d, (g, m_max, b.shape[1]), None, dtypes=(torch.bfloat16,))
     _check_masked_m(masked_m, g, m_max, expected_m)
     check_same_device(a=a, b=b, d=d, masked_m=masked_m)
-    return _masked_bf16(a, b, d, masked_m, expected_m)
+    _masked_bf16_op(a, b, d, masked_m, expected_m)
+    return d
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,
@@ -414,7 +479,8 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     a, b = _check_k_grouped_fp8(a, b, d, ks, ks_tensor, c, recipe)
-    return _k_grouped(a, b, d, list(ks), ks_tensor, c)
+    _k_grouped_op(list(a), list(b), d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor: torch.Tensor | None = None,
@@ -428,7 +494,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks: Sequence[int], k
     """
     _no_psum(use_psum_layout)
     _check_k_grouped_nt_fp8(a, b, d, ks, ks_tensor, c)
-    return _k_grouped_nt((a[0], a[1]), (b[0], b[1]), d, list(ks), ks_tensor, c)
+    _k_grouped_nt_op([a[0], a[1]], [b[0], b[1]], d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks: Sequence[int],
@@ -442,7 +509,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     ks = _check_ks(ks, ks_tensor, sum_k, 1)
     check_out(d, (len(ks), m, b.shape[1]), c, dtypes=(torch.float32,))
     check_same_device(a=a, b=b, d=d, c=c)
-    return _k_grouped_bf16(a, b, d, ks, ks_tensor, c)
+    _k_grouped_bf16_op(a, b, d, list(ks), ks_tensor, *_c_args(d, c))
+    return d
 
 
 # DeepGEMM v1 and legacy names

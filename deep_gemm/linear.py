@@ -30,6 +30,7 @@ once when nothing collects). The weight's gradient therefore never flows through
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ from deep_gemm.grouped import (
 from deep_gemm.health import Fp8Health
 from deep_gemm.mxfp4 import mxfp4_fake_quant
 from deep_gemm.reference import dequantize
-from deep_gemm.utils import BLOCK, M_ALIGNMENT, MX_BLOCK, align
+from deep_gemm.utils import BLOCK, FP8, M_ALIGNMENT, MX_BLOCK, align
 
 FP8_RECIPES = ("blockwise", "mxfp8")  # DeepSeek-V3's 1x128 / 128x128 with fp32 scales; MXFP8's 1x32 with UE8M0
 
@@ -91,7 +92,8 @@ def takes_precast(fp8: object) -> bool:
 
 
 def out_is_view(fp8: object, out_features: int) -> bool:
-    """Whether ``linear``'s output is a view (of the FP8 GEMM's output padded to N = 128n): not to modify in place."""
+    """Whether ``linear``'s output may be a view (of the FP8 GEMM's output padded to N = 128n; the op's never is, the
+    health-monitored path's is): not to modify in place."""
     return fp8_recipe(fp8) is not None and out_features % BLOCK != 0
 
 
@@ -147,76 +149,162 @@ def _fp8_weight(weight: torch.Tensor, recipe: str, dgrad: bool = False) -> tuple
     return per_channel_cast_to_fp8(w, True, MX_BLOCK) if dgrad else per_token_cast_to_fp8(w, True, MX_BLOCK)
 
 
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
+                    health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(out, x's e4m3 cast or None)`` of ``x [m, K] @ weight^T + bias``."""
+    m, n = x.shape[0], weight.shape[0]
+    if fp8:
+        w_q = _fp8_weight(weight, fp8)
+        x_q = _act_cast(x, fp8) if x_q is None else x_q
+        if health is not None:
+            health.observe(weight, "fwd", "w", weight, w_q)
+            health.observe(weight, "fwd", "x", x, x_q)
+        d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
+        fp8_gemm_nt(x_q, w_q, d)
+        out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
+    else:
+        out = x @ weight.to(x.dtype).T
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out, x_q
+
+
+def _linear_backward(grad_out: torch.Tensor, saved: Sequence[torch.Tensor], weight: torch.Tensor, fp8: str | None,
+                     cached: bool, k: int, x_dtype: torch.dtype, health: Fp8Health | None, input_grad: bool,
+                     weight_grad: bool, bias_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_bias)``; the weight gradient goes to ``accel.wgrad`` (deferred) or straight into
+    ``accel.grads`` (``saved``: x, or its forward cast when ``cached``)."""
+    m = grad_out.shape[0]
+    grad_out = grad_out.contiguous()
+    grad_x = grad_bias = None
+    if input_grad:
+        if fp8:
+            w_q = _fp8_weight(weight, fp8, dgrad=True)
+            d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
+            dy_q = _act_cast(grad_out, fp8)
+            if health is not None:
+                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+            fp8_gemm_nn(dy_q, w_q, d)
+            grad_x = d[:, :k].to(x_dtype)
+        else:
+            grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
+    if weight_grad:
+
+        def weight_grad_closure() -> None:
+            if fp8:
+                x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
+                dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
+                x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
+                if health is not None:
+                    health.observe(weight, "wgrad", "dy", grad_out, dy_q)
+                    health.observe(weight, "wgrad", "x", x, x_q)
+                d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+                fp8_gemm_tn(dy_q, x_q, d)
+                g = d[: weight.shape[0], :k]
+            else:
+                g = grad_out.T @ saved[0].to(grad_out.dtype)
+            accumulate_grad(weight, g)
+
+        _run_or_defer(weight_grad_closure)
+    if bias_grad:
+        grad_bias = grad_out.sum(0)
+    return grad_x, grad_bias
+
+
 class _LinearFunction(torch.autograd.Function):
+    """The health-monitored path: ``Fp8Health`` (a Python observer of every cast) cannot cross an op schema, so a
+    call with an active health monitor runs the same math (``_linear_forward`` / ``_linear_backward``) here."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None,
                 fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None):
-        m, n = x.shape[0], weight.shape[0]
-        ctx.health = health
-        if fp8:
-            w_q = _fp8_weight(weight, fp8)
-            x_q = _act_cast(x, fp8) if x_q is None else x_q
-            if health is not None:
-                health.observe(weight, "fwd", "w", weight, w_q)
-                health.observe(weight, "fwd", "x", x, x_q)
-            d = torch.empty(m, w_q[0].shape[0], dtype=_gemm_out_dtype(x.dtype), device=x.device)
-            fp8_gemm_nt(x_q, w_q, d)
-            out = (d if d.shape[1] == n else d[:, :n]).to(x.dtype)  # a view only where N was padded
-            # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
-            # would cost a byte per parameter each
-            ctx.save_for_backward(*(x_q if fp8_cache else (x,)))
-        else:
-            out = x @ weight.to(x.dtype).T
-            ctx.save_for_backward(x)
+        out, x_q = _linear_forward(x, weight, bias, fp8, health, x_q)
+        # the FP8 weight is cast again in backward rather than saved: one copy per in-flight micro-batch
+        # would cost a byte per parameter each
+        ctx.save_for_backward(*(x_q if fp8 and fp8_cache else (x,)))
         # The weight itself, not a saved-tensor copy: its gradient is what the wgrad closure accumulates
         # into, which must be the real parameter even under non-reentrant checkpointing or offload hooks.
-        ctx.weight = weight
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        ctx.fp8, ctx.fp8_cache, ctx.has_bias = fp8, bool(fp8) and fp8_cache, bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.weight, ctx.health = weight, health
+        ctx.meta = (fp8, bool(fp8) and fp8_cache, bias is not None, x.shape[1], x.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        weight = ctx.weight
-        (m, k), x_dtype = ctx.x_shape, ctx.x_dtype
-        grad_out = grad_out.contiguous()
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8:
-                w_q = _fp8_weight(weight, ctx.fp8, dgrad=True)
-                d = torch.empty(m, w_q[0].shape[1], dtype=_gemm_out_dtype(grad_out.dtype), device=grad_out.device)
-                dy_q = _act_cast(grad_out, ctx.fp8)
-                if ctx.health is not None:
-                    ctx.health.observe(weight, "dgrad", "dy", grad_out, dy_q)
-                fp8_gemm_nn(dy_q, w_q, d)
-                grad_x = d[:, :k].to(x_dtype)
-            else:
-                grad_x = (grad_out @ weight.to(grad_out.dtype)).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            fp8, cached, health = ctx.fp8, ctx.fp8_cache, ctx.health
-            saved = ctx.saved_tensors
-
-            def weight_grad() -> None:
-                if fp8:
-                    x = dequantize(*saved) if cached else _forward_cast(saved[0], fp8)  # the forward's cast
-                    dy_q = _wgrad_cast(_pad(grad_out, BLOCK, BLOCK), fp8)
-                    x_q = _wgrad_cast(_pad(x, BLOCK, BLOCK), fp8)
-                    if health is not None:
-                        health.observe(weight, "wgrad", "dy", grad_out, dy_q)
-                        health.observe(weight, "wgrad", "x", x, x_q)
-                    d = torch.empty(dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
-                    fp8_gemm_tn(dy_q, x_q, d)
-                    g = d[: weight.shape[0], :k]
-                else:
-                    g = grad_out.T @ saved[0].to(grad_out.dtype)
-                accumulate_grad(weight, g)
-
-            _run_or_defer(weight_grad)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_out.sum(0)
+        fp8, cached, has_bias, k, x_dtype = ctx.meta
+        grad_x, grad_bias = _linear_backward(grad_out, ctx.saved_tensors, ctx.weight, fp8, cached, k, x_dtype,
+                                             ctx.health, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                             has_bias and ctx.needs_input_grad[2])
         return grad_x, None, grad_bias, None, None, None, None
+
+
+# The op form (docs/custom_ops.md): ``dsv3::linear`` returns the output and, with ``fp8_cache``, the e4m3 values
+# (as their bytes, uint8: an FP8 output would enter opcheck's and AOT's float bookkeeping, where float8 has no CPU
+# kernels) and 1x128 (MXFP8: 1x32) scales of the cast it made, which its registered autograd keeps for the wgrad
+# instead of x (issue 35's FP8 activation caching, in the GEMM op's autograd); a precast ``x_fp8`` is kept as given. Its
+# backward is the opaque op ``dsv3::linear_backward``: the input gradient it returns, the weight gradient it hands
+# to ``accel.wgrad`` / ``accel.grads`` as ``_LinearFunction`` does (never through autograd), so the deferred
+# zero-bubble W pass and ``main_grad`` accumulation are unchanged, compiled or not.
+@torch.library.custom_op("dsv3::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None, fp8_cache: bool,
+               x_values: torch.Tensor | None, x_scales: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither)."""
+    out, x_q = _linear_forward(x, weight, bias, fp8, None, None if x_values is None else (x_values, x_scales))
+    if fp8 and fp8_cache and x_values is None:
+        return out.contiguous(), x_q[0].view(torch.uint8), x_q[1]
+    return out.contiguous(), x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, fp8, fp8_cache, x_values, x_scales):
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    if fp8 and fp8_cache and x_values is None:
+        k = align(x.shape[1], BLOCK)
+        return out, x.new_empty(x.shape[0], k, dtype=torch.uint8), x.new_empty(
+            x.shape[0], k // (MX_BLOCK if fp8 == "mxfp8" else BLOCK), dtype=torch.float32)
+    return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv3::linear_backward", mutates_args=())
+def _linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, fp8: str | None,
+                        cached: bool, k: int, x_dtype: torch.dtype, input_grad: bool, weight_grad: bool,
+                        bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_bias = _linear_backward(grad_out, saved, weight, fp8, cached, k, x_dtype,
+                                         None, input_grad, weight_grad, bias_grad)
+    return (grad_out.new_empty(0) if grad_x is None else grad_x.contiguous(),
+            grad_out.new_empty(0) if grad_bias is None else grad_bias)
+
+
+@_linear_backward_op.register_fake
+def _(grad_out, saved, weight, fp8, cached, k, x_dtype, input_grad, weight_grad, bias_grad):
+    return (grad_out.new_empty(grad_out.shape[0], k, dtype=x_dtype) if input_grad else grad_out.new_empty(0),
+            grad_out.new_empty(weight.shape[0]) if bias_grad else grad_out.new_empty(0))
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fp8, fp8_cache, x_values, x_scales = inputs
+    _, values, scales = output
+    cached = bool(fp8) and fp8_cache
+    if not cached:
+        kept = (x,)
+    else:  # the precast as given, or the op's own cast (handed over as bytes)
+        kept = (x_values, x_scales) if x_values is not None else (values.view(FP8), scales)
+    ctx.save_for_backward(*kept)
+    ctx.weight = weight  # the parameter itself, as in _LinearFunction
+    ctx.meta = (fp8, cached, bias is not None, x.shape[1], x.dtype)
+    ctx.mark_non_differentiable(values, scales)
+
+
+def _linear_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales):
+    fp8, cached, has_bias, k, x_dtype = ctx.meta
+    input_grad, bias_grad = ctx.needs_input_grad[0], has_bias and ctx.needs_input_grad[2]
+    grad_x, grad_bias = _linear_backward_op(grad_out, list(ctx.saved_tensors), ctx.weight, fp8, cached, k, x_dtype,
+                                            input_grad, ctx.needs_input_grad[1], bias_grad)
+    return (grad_x if input_grad else None), None, (grad_bias if bias_grad else None), None, None, None, None
+
+
+_linear_op.register_autograd(_linear_autograd, setup_context=_linear_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
@@ -230,9 +318,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     The weight gradient is deferred through ``accel.wgrad`` (see the module docstring). ``health``: the run's
     ``deep_gemm.health.Fp8Health``, told about every FP8 cast of this call while it is active.
 
-    The output is a tensor of its own, which the caller may modify in place, except with ``fp8`` and N not a
-    multiple of 128 (``out_is_view``): then it is a view of the GEMM's padded output, and autograd forbids
-    in-place changes to a view made inside an ``autograd.Function``.
+    The output is a tensor of its own, which the caller may modify in place, except with an active ``health``,
+    ``fp8`` and N not a multiple of 128 (``out_is_view``, which callers check without knowing about health):
+    then it is a view of the GEMM's padded output, and autograd forbids in-place changes to a view made inside
+    an ``autograd.Function``.
 
     ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
     call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead
@@ -252,7 +341,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, rows = x.shape[:-1], x.numel() // max(x.shape[-1], 1)
     x_q = None if x_fp8 is None else _precast(x_fp8, x, rows, x.shape[-1], fp8)
     health = health if health is not None and health.active else None
-    out = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, bool(fp8_cache), health, x_q)
+    x2 = x.reshape(-1, x.shape[-1])
+    if health is not None:
+        out = _LinearFunction.apply(x2, weight, bias, recipe, bool(fp8_cache), health, x_q)
+    else:
+        out = _linear_op(x2, weight, bias, recipe, bool(fp8_cache), *(x_q or (None, None)))[0]
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -362,106 +455,188 @@ def _grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.
     return g_w
 
 
-def _grouped_backward_unquantized(ctx, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
-    """bf16/fp32 backward over ``ctx.runs``: dgrad of valid rows (padding rows get 0), deferred wgrad."""
-    runs = ctx.runs
+def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, host: torch.Tensor,
+                     fp8: str | None, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None,
+                     mxfp4: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(out, x's e4m3 cast or None)``; ``host``: ``m_indices`` on the CPU (the group layout is read there, and
+    checked there: inside the op, where torch.compile does not trace it). ``mxfp4``: QAT, the GEMM sees the
+    weight's MXFP4 fake quantisation (``deep_gemm.mxfp4``)."""
+    num_groups, n, k = weight.shape
+    check_m_indices(host, x.shape[0], num_groups, rows_of="x")
+    w = mxfp4_fake_quant(weight) if mxfp4 else weight
+    if mxfp4 and health is not None:
+        health.observe_mxfp4(weight, "fwd", "w_mxfp4" if fp8 else "w", weight)
+    if not fp8:
+        # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
+        return _segment_mm(x, w.to(x.dtype).transpose(1, 2), _row_runs(host), n), None
+    valid = (m_indices >= 0).unsqueeze(1)
+    # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
+    w_q = _fp8_weight(w, fp8)
+    x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
+    # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
+    x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
+    if health is not None:
+        health.observe(weight, "fwd", "w", weight, w_q)
+        health.observe(weight, "fwd", "x", x_valid, x_q)
+    d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
+    m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
+    return d[:, :n].to(x.dtype), x_q
+
+
+def _grouped_backward(grad_out: torch.Tensor, saved_x: Sequence[torch.Tensor], weight: torch.Tensor,
+                      m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool, x_dtype: torch.dtype,
+                      health: Fp8Health | None, input_grad: bool, weight_grad: bool,
+                      mxfp4: bool = False) -> torch.Tensor | None:
+    """The input gradient; the weight gradient deferred through ``accel.wgrad`` (``saved_x``: x, or its forward
+    cast when ``cached``; ``host``: ``m_indices`` on the CPU). ``mxfp4``: QAT, the input gradient through the
+    forward's MXFP4 weight (cast again, not saved), the weight gradient straight through to the master weight."""
+    num_groups, n, k = weight.shape
+    rows = m_indices.shape[0]
     grad_x = None
-    if ctx.needs_input_grad[0]:  # QAT: dgrad through the forward's MXFP4 weight (cast again, not saved)
-        w = mxfp4_fake_quant(weight) if ctx.mxfp4 else weight
-        grad_x = _segment_mm(grad_out, w.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
-    if ctx.needs_input_grad[1]:
+    if not fp8:
+        runs = _row_runs(host)
+        x, grad_out = saved_x[0], grad_out.contiguous()
+        if input_grad:
+            w = mxfp4_fake_quant(weight) if mxfp4 else weight
+            grad_x = _segment_mm(grad_out, w.to(grad_out.dtype), runs, x.shape[1]).to(x.dtype)
+        if weight_grad:
+            _run_or_defer(lambda: accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs)))
+        return grad_x
+    valid = (m_indices >= 0).unsqueeze(1)
+    grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
+    if input_grad:
+        w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8, dgrad=True)
+        d = torch.zeros(rows, w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
+        dy_q = _act_cast(grad_out, fp8)
+        if health is not None:
+            health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+        m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
+        grad_x = d[:, :k].to(x_dtype)
+        grad_x = grad_x * valid.to(grad_x.dtype)
+    if weight_grad:
+        owners = _block_owners(host)
 
-        def weight_grad() -> None:  # straight through to the master weight under QAT
-            accumulate_grad(weight, _grouped_weight_grad(grad_out, x, weight, runs))
+        def weight_grad_closure() -> None:
+            # the forward's 1x128 cast with its padding rows 0, kept (a precast's padding rows may hold anything)
+            # or made again from x with its padding rows zeroed
+            x = (torch.where(valid, dequantize(*saved_x), 0.0) if cached
+                 else _forward_cast(saved_x[0] * valid.to(x_dtype), fp8))
+            order, ks = _k_grouped_rows(owners, num_groups, x.device)
+            dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
+            dy_q = _wgrad_cast(_pad(dy, BLOCK), fp8)
+            x_q = _wgrad_cast(_pad(xs, BLOCK), fp8)
+            if health is not None:
+                health.observe(weight, "wgrad", "dy", dy, dy_q)
+                health.observe(weight, "wgrad", "x", xs, x_q)
+            d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
+            ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
+            k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
+            accumulate_grad(weight, d[:, :n, :k])
 
-        _run_or_defer(weight_grad)
-    return grad_x, None, None, None, None, None, None, None
+        _run_or_defer(weight_grad_closure)
+    return grad_x
+
+
+def _host(m_indices: torch.Tensor) -> torch.Tensor:
+    return m_indices.to("cpu", copy=True)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
+    """The health-monitored path (see ``_LinearFunction``), over the same helpers as the op."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
                 fp8_cache: bool, health: Fp8Health | None, x_q: tuple[torch.Tensor, torch.Tensor] | None,
                 mxfp4: bool = False):
-        num_groups, n, k = weight.shape
-        ctx.weight, ctx.health, ctx.mxfp4 = weight, health, mxfp4  # the parameter itself: see _LinearFunction
-        ctx.fp8, ctx.fp8_cache, ctx.x_shape, ctx.x_dtype = fp8, bool(fp8) and fp8_cache, x.shape, x.dtype
-        if not fp8:
-            # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
-            runs = _row_runs(m_indices)
-            w = mxfp4_fake_quant(weight) if mxfp4 else weight  # QAT: the GEMM sees the MXFP4 weight
-            if mxfp4 and health is not None:
-                health.observe_mxfp4(weight, "fwd", "w", weight)
-            out = _segment_mm(x, w.to(x.dtype).transpose(1, 2), runs, n)
-            ctx.save_for_backward(x, m_indices)
-            ctx.runs = runs
-            return out
-        valid = (m_indices >= 0).unsqueeze(1)
-        owners = _block_owners(m_indices)
-        # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
-        w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8)
-        x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
-        # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
-        x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
-        if health is not None and mxfp4:
-            health.observe_mxfp4(weight, "fwd", "w_mxfp4", weight)
-        if health is not None:
-            health.observe(weight, "fwd", "w", weight, w_q)
-            health.observe(weight, "fwd", "x", x_valid, x_q)
-        d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
-        m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
-        out = d[:, :n].to(x.dtype)
+        host = _host(m_indices)
+        out, x_q = _grouped_forward(x, weight, m_indices, host, fp8, health, x_q, mxfp4)
         # as in _LinearFunction: the FP8 weights are cast again in backward, not saved. Without caching x itself
         # is kept (masked again in backward), not a masked copy: under recompute it is the producer's output,
         # released and refilled, which a copy would not be.
-        ctx.save_for_backward(*(x_q if fp8_cache else (x,)), m_indices)
-        ctx.owners = owners
+        ctx.save_for_backward(*(x_q if fp8 and fp8_cache else (x,)), m_indices, host)
+        ctx.weight, ctx.health = weight, health  # the parameter itself: see _LinearFunction
+        ctx.meta = (fp8, bool(fp8) and fp8_cache, x.dtype, mxfp4)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        *saved_x, m_indices = ctx.saved_tensors
-        weight = ctx.weight
-        num_groups, n, k = weight.shape
-        if not ctx.fp8:
-            return _grouped_backward_unquantized(ctx, saved_x[0], weight, grad_out.contiguous())
-        valid = (m_indices >= 0).unsqueeze(1)
-        grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-        owners, cached, x_dtype, recipe, health = ctx.owners, ctx.fp8_cache, ctx.x_dtype, ctx.fp8, ctx.health
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            w_q = _fp8_weight(mxfp4_fake_quant(weight) if ctx.mxfp4 else weight, recipe, dgrad=True)
-            d = torch.zeros(ctx.x_shape[0], w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
-            dy_q = _act_cast(grad_out, recipe)
-            if health is not None:
-                health.observe(weight, "dgrad", "dy", grad_out, dy_q)
-            m_grouped_fp8_gemm_nn_contiguous(dy_q, w_q, d, m_indices)
-            grad_x = d[:, :k].to(x_dtype)
-            grad_x = grad_x * valid.to(grad_x.dtype)
-        if ctx.needs_input_grad[1]:
-
-            def weight_grad() -> None:
-                # the forward's 1x128 cast with its padding rows 0, kept (a precast's padding rows may hold anything)
-                # or made again from x with its padding rows zeroed
-                x = (torch.where(valid, dequantize(*saved_x), 0.0) if cached
-                     else _forward_cast(saved_x[0] * valid.to(x_dtype), recipe))
-                order, ks = _k_grouped_rows(owners, num_groups, x.device)
-                dy, xs = (grad_out, x) if order is None else (grad_out[order], x[order])
-                dy_q = _wgrad_cast(_pad(dy, BLOCK), recipe)
-                x_q = _wgrad_cast(_pad(xs, BLOCK), recipe)
-                if health is not None:
-                    health.observe(weight, "wgrad", "dy", dy, dy_q)
-                    health.observe(weight, "wgrad", "x", xs, x_q)
-                d = torch.empty(num_groups, dy_q[0].shape[1], x_q[0].shape[1], dtype=torch.float32, device=x.device)
-                ks_tensor = torch.tensor(ks, dtype=torch.int32, device=x.device)
-                k_grouped_fp8_gemm_tn_contiguous(dy_q, x_q, d, ks, ks_tensor)
-                accumulate_grad(weight, d[:, :n, :k])
-
-            _run_or_defer(weight_grad)
+        *saved_x, m_indices, host = ctx.saved_tensors
+        fp8, cached, x_dtype, mxfp4 = ctx.meta
+        grad_x = _grouped_backward(grad_out, saved_x, ctx.weight, m_indices, host, fp8, cached, x_dtype, ctx.health,
+                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1], mxfp4)
         return grad_x, None, None, None, None, None, None, None
 
 
 EXPERT_WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4_qat")
+
+
+# The op form, as dsv3::linear: both ops are opaque (the group layout is read on the host). The forward also
+# returns m_indices copied to the CPU, which its autograd keeps, so the backward reads the layout again there
+# without another device sync.
+@torch.library.custom_op("dsv3::grouped_linear", mutates_args=())
+def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
+                       fp8_cache: bool, x_values: torch.Tensor | None, x_scales: torch.Tensor | None,
+                       mxfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither); ``mxfp4``: MXFP4 QAT."""
+    host = _host(m_indices)
+    out, x_q = _grouped_forward(x, weight, m_indices, host, fp8, None,
+                                None if x_values is None else (x_values, x_scales), mxfp4)
+    if fp8 and fp8_cache and x_values is None:
+        return out.contiguous(), x_q[0].view(torch.uint8), x_q[1], host
+    return out.contiguous(), x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), host
+
+
+@_grouped_linear_op.register_fake
+def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4):
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    host = torch.empty(m_indices.shape, dtype=m_indices.dtype, device="cpu")
+    if fp8 and fp8_cache and x_values is None:
+        k = align(x.shape[1], BLOCK)
+        return out, x.new_empty(x.shape[0], k, dtype=torch.uint8), x.new_empty(
+            x.shape[0], k // (MX_BLOCK if fp8 == "mxfp8" else BLOCK), dtype=torch.float32), host
+    return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), host
+
+
+@torch.library.custom_op("dsv3::grouped_linear_backward", mutates_args=())
+def _grouped_linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor,
+                                m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool,
+                                x_dtype: torch.dtype, input_grad: bool, weight_grad: bool, mxfp4: bool) -> torch.Tensor:
+    grad_x = _grouped_backward(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype,
+                               None, input_grad, weight_grad, mxfp4)
+    return grad_out.new_empty(0) if grad_x is None else grad_x.contiguous()
+
+
+@_grouped_linear_backward_op.register_fake
+def _(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype, input_grad, weight_grad, mxfp4):
+    if not input_grad:
+        return grad_out.new_empty(0)
+    return grad_out.new_empty(m_indices.shape[0], weight.shape[2], dtype=x_dtype)
+
+
+def _grouped_setup(ctx, inputs, output) -> None:
+    x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4 = inputs
+    _, values, scales, host = output
+    cached = bool(fp8) and fp8_cache
+    if not cached:
+        kept = (x,)
+    else:  # the precast as given, or the op's own cast (handed over as bytes)
+        kept = (x_values, x_scales) if x_values is not None else (values.view(FP8), scales)
+    ctx.save_for_backward(*kept, m_indices, host)
+    ctx.weight = weight  # the parameter itself, as in _LinearFunction
+    ctx.meta = (fp8, cached, x.dtype, mxfp4)
+    ctx.mark_non_differentiable(values, scales, host)
+
+
+def _grouped_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales, _dhost):
+    *saved_x, m_indices, host = ctx.saved_tensors
+    fp8, cached, x_dtype, mxfp4 = ctx.meta
+    input_grad = ctx.needs_input_grad[0]
+    grad_x = _grouped_linear_backward_op(grad_out, saved_x, ctx.weight, m_indices, host, fp8, cached, x_dtype,
+                                         input_grad, ctx.needs_input_grad[1], mxfp4)
+    return (grad_x if input_grad else None), None, None, None, None, None, None, None
+
+
+_grouped_linear_op.register_autograd(_grouped_autograd, setup_context=_grouped_setup)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,
@@ -498,11 +673,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
         raise ValueError(f"m_indices must be an integer tensor [{x.shape[0]}] (x's rows), "
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
-    check_m_indices(m_indices, x.shape[0], weight.shape[0], rows_of="x")
     x_q = None if x_fp8 is None else _precast(x_fp8, x, x.shape[0], x.shape[1], fp8)
     health = health if health is not None and health.active else None
-    return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q,
-                                        weight_format == "mxfp4_qat")
+    mxfp4 = weight_format == "mxfp4_qat"
+    if health is not None:
+        return _GroupedLinearFunction.apply(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), health, x_q, mxfp4)
+    return _grouped_linear_op(x, weight, m_indices, fp8_recipe(fp8), bool(fp8_cache), *(x_q or (None, None)),
+                              mxfp4)[0]
 
 
 class GroupedLinear(nn.Module):

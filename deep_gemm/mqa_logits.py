@@ -86,7 +86,7 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     """Indexer logits ``[s_q, s_kv]`` fp32 (module docstring). ``clean_logits`` is accepted for DeepGEMM
     compatibility; both paths always write ``-inf`` outside ``[ks, ke)``, so it changes nothing."""
     k, scale = _check_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
-    return fp8_mqa_logits_op(q, (k, scale), weights, cu_seqlen_ks, cu_seqlen_ke)
+    return _fp8_mqa_logits_torch_op(q, [k, scale], weights, cu_seqlen_ks, cu_seqlen_ke)
 
 
 def _check_paged(q, kv_cache, weights, context_lens, block_table, max_model_len) -> None:
@@ -174,8 +174,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     page are never read, so they may hold anything.
     """
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_model_len)
-    return fp8_paged_mqa_logits_op(q, kv_cache, weights, context_lens, block_table, schedule_metadata,
-                                   max_model_len)
+    return _fp8_paged_mqa_logits_torch_op(q, kv_cache, weights, context_lens, block_table, schedule_metadata,
+                                           max_model_len)
 
 
 def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
@@ -270,3 +270,26 @@ fp8_paged_mqa_logits_op = registry.register(
         fp8=True,
     ),
 )
+
+
+# The torch ops (docs/custom_ops.md; no autograd: the indexer's logits only select rows). The paged reference walks
+# each sequence's pages on the host (its length as a Python int), so that op is opaque, its fake allocating the
+# logits.
+@registry.torch_op(fp8_mqa_logits_op)
+def _fp8_mqa_logits_torch_op(q: torch.Tensor, kv: list[torch.Tensor], weights: torch.Tensor,
+                             cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
+                             clean_logits: bool = True) -> torch.Tensor:
+    return fp8_mqa_logits_op(q, tuple(kv), weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+
+
+def _paged_fake(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_model_len, clean_logits=True):
+    return q.new_empty(q.shape[0] * q.shape[1], max_model_len, dtype=torch.float32)
+
+
+@registry.torch_op(fp8_paged_mqa_logits_op, fake=_paged_fake, opaque=True)
+def _fp8_paged_mqa_logits_torch_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                                   context_lens: torch.Tensor, block_table: torch.Tensor,
+                                   schedule_metadata: torch.Tensor | None, max_model_len: int,
+                                   clean_logits: bool = True) -> torch.Tensor:
+    return fp8_paged_mqa_logits_op(q, kv_cache, weights, context_lens, block_table, schedule_metadata,
+                                   max_model_len, clean_logits)

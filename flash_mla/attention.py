@@ -16,7 +16,8 @@ import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
-from flash_mla.reference_attention import blocked_attention
+from flash_mla.compare import compare_decode
+from flash_mla.reference_attention import blocked_attention, blocked_attention_backward, blocked_attention_forward
 
 OP_NAME = "flash_mla.mla_attention"
 BWD_OP_NAME = "flash_mla.mla_attention_backward"
@@ -88,9 +89,32 @@ def _flops(shape: dict) -> float:
     return 2.0 * b * h * pairs * (dqk + dv)
 
 
+def mla_attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                                    softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                                    max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's reference: ``(out, lse)``, lse natural-log fp32 ``[heads, total]`` as the kernel returns it (rows
+    ``b * s + t`` in the batched layout), out bit for bit ``mla_attention_reference``'s."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is None:
+        out, lse = blocked_attention_forward(q, k, v, causal, scale, with_lse=True)
+        return out.to(q.dtype), lse.transpose(0, 1).reshape(q.shape[2], -1)
+    bounds = cu_seqlens.tolist()
+    parts = [blocked_attention_forward(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), causal, scale,
+                                       with_lse=True) for a, b in zip(bounds[:-1], bounds[1:])]
+    return (torch.cat([o.squeeze(0) for o, _ in parts], dim=0).to(q.dtype),
+            torch.cat([lse.squeeze(0) for _, lse in parts], dim=1))
+
+
+def _compare_out(got, want) -> dict[str, tuple[float, float]]:
+    """``out`` by calc_diff (the spec's 1e-4); ``lse`` (natural log, fp32 scores of short dot products) to a
+    relative 1e-5 with the same infinities, as the decode ops' lse."""
+    errors = compare_decode((got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"]))
+    return {"out": (errors["out"][0], 1e-4), "lse": errors["lse"]}
+
+
 mla_attention_op = registry.register(
     OP_NAME,
-    reference=mla_attention_reference,
+    reference=mla_attention_forward_reference,
     triton="flash_mla.kernels.attention:mla_attention_triton",  # imported at first use: no Triton needed here
     verify=VerifySpec(
         make_case=_make_case,
@@ -99,6 +123,7 @@ mla_attention_op = registry.register(
         shapes=[dict(b=2, s=40, h=2, dqk=48, dv=32), dict(b=1, s=33, h=2, dqk=192, dv=128, causal=False)],
         bench_shapes=[dict(b=4, s=4096, h=16, dqk=192, dv=128), dict(b=1, s=8192, h=16, dqk=192, dv=128)],
         tolerance=1e-4,
+        compare=_compare_out,
         flops=_flops,
     ),
 )
@@ -106,13 +131,15 @@ mla_attention_op = registry.register(
 
 @registry.reference_for(BWD_OP_NAME)
 def mla_attention_backward_reference(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
-    """(dq, dk, dv) for the varlen layout ``[total, heads, d]`` by autograd through the fp32 reference
-    (``out`` and ``lse`` are what the kernel saves; the reference recomputes instead)."""
-    with torch.enable_grad():
-        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        o = mla_attention_reference.__wrapped__(*leaves, causal, softmax_scale, cu_seqlens, max_seqlen)
-        grads = torch.autograd.grad(o, leaves, dout.float())
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    """(dq, dk, dv) by the reference's own backward (``blocked_attention_backward``), per sequence with
+    ``cu_seqlens``; ``out`` and ``lse`` (what the kernel saves) are not read: the reference recomputes."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is None:
+        return blocked_attention_backward(dout, q, k, v, causal, scale)
+    bounds = cu_seqlens.tolist()
+    parts = [blocked_attention_backward(*(t[a:b].unsqueeze(0) for t in (dout, q, k, v)), causal, scale)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return tuple(torch.cat([p[i].squeeze(0) for p in parts], dim=0) for i in range(3))
 
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
@@ -149,7 +176,7 @@ def _backward_flops(shape: dict) -> float:
 mla_attention_backward_op = registry.register(
     BWD_OP_NAME,
     reference=mla_attention_backward_reference,
-    triton="flash_mla.kernels.attention:attention_backward",
+    triton="flash_mla.kernels.attention:mla_attention_backward_triton",
     verify=VerifySpec(
         make_case=_make_backward_case,
         # bf16: gradients rounded to bf16, delta = rowsum(dO * O) from the bf16 O, and on a GPU P and dS rounded
@@ -160,6 +187,52 @@ mla_attention_backward_op = registry.register(
         flops=_backward_flops,
     ),
 )
+
+
+def _backward_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The backward reads the sequence bounds on the host (the reference loops over them), so it is opaque.
+@registry.torch_op(mla_attention_backward_op, fake=_backward_fake, opaque=True)
+def _mla_attention_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                                     max_seqlen: int | None, causal: bool, softmax_scale: float | None
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = mla_attention_backward_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale)
+    return tuple(g.contiguous() for g in grads)  # the fake's layout whichever implementation ran
+
+
+def _setup(ctx, inputs, output) -> None:
+    """Keep what the backward that will run needs (the registry's choice for q's device): the Triton kernel
+    ``out`` and ``lse`` too (flash backward), the reference only q, k, v (it recomputes)."""
+    q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen = inputs
+    out, lse = output
+    kept = (out, lse) if keeps_output(q.device) else ()
+    ctx.save_for_backward(q, k, v, cu_seqlens, *kept)
+    ctx.args = (max_seqlen, causal, softmax_scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    q, k, v, cu_seqlens, *kept = ctx.saved_tensors
+    out, lse = kept or (q.new_empty(0), q.new_empty(0, dtype=torch.float32))
+    max_seqlen, causal, softmax_scale = ctx.args
+    dq, dk, dv = _mla_attention_backward_torch_op(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal,
+                                                  softmax_scale)
+    return dq, dk, dv, None, None, None, None
+
+
+def _forward_fake(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    rows = q.shape[0] if cu_seqlens is not None else q.shape[0] * q.shape[1]
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[-2], rows, dtype=torch.float32)
+
+
+@registry.torch_op(mla_attention_op, backward=_backward, setup_context=_setup, fake=_forward_fake)
+def _mla_attention_torch_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                            softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                            max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_attention_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
 
 
 def keeps_output(device: torch.device) -> bool:
@@ -180,5 +253,4 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     key j > query i. ``softmax_scale`` defaults to ``dqk ** -0.5``.
     """
     _check_args(q, k, v, cu_seqlens, max_seqlen)
-    return mla_attention_op(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                            max_seqlen=max_seqlen)
+    return _mla_attention_torch_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)[0]

@@ -12,8 +12,8 @@ import math
 import torch
 
 from accel import registry
-from accel.numerics import calc_diff
 from accel.registry import Case, VerifySpec
+from flash_mla.compare import compare_decode
 from flash_mla.fp8_cache import BYTES_PER_TOKEN, D_NOPE, D_ROPE, dequantize_kv_fp8, quantize_kv_fp8
 from flash_mla.metadata import BLOCK_SIZE, check_metadata, get_mla_metadata
 from flash_mla.sparse import LOG2E, sparse_attention_math
@@ -129,18 +129,6 @@ def flash_mla_with_kvcache_reference(q, k_cache, block_table, cache_seqlens, hea
     return out.to(q.dtype), lse
 
 
-def _flash_mla_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
-    if indices is not None:
-        from flash_mla.kernels.sparse import sparse_decode_triton
-
-        return sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices)
-    from flash_mla.kernels.decode import flash_mla_decode_triton
-
-    return flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                   num_splits, softmax_scale, causal, is_fp8_kvcache)
-
-
 def make_paged_case(b: int, s_q: int, h_q: int, h_kv: int, seqlens: list[int], fp8: bool, generator: torch.Generator,
                     device: torch.device | str, dtype: torch.dtype = torch.bfloat16, extra_blocks: int = 1):
     """Fresh random decode inputs in FlashMLA's test style: pages in a random order, every cache slot a
@@ -190,26 +178,6 @@ def _make_case(shape: dict, seed: int, device: torch.device) -> Case:
                 kwargs={"causal": shape.get("causal", s_q > 1), "is_fp8_kvcache": shape.get("fp8", False)})
 
 
-def compare_decode(got, want) -> dict[str, tuple[float, float]]:
-    """out: cosine diff < 1e-5 (FlashMLA's pass mark); lse: max relative error < 1e-5 over finite entries,
-    with Inf/NaN in the same places (an error of inf when they differ).
-
-    Where |lse| < 1 the error is taken relative to 1: an absolute lse error is already the relative error
-    of the softmax normaliser, and a row seeing one key has lse = its score, which may be ~0.
-    """
-    if isinstance(got, dict):  # verifier.verify names a returned tuple's tensors out[0], out[1]
-        got, want = (got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"])
-    (out, lse), (ref_out, ref_lse) = got, want
-    out_err = math.inf if not torch.isfinite(out).all() else calc_diff(out, ref_out)
-    same_special = torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.equal(
-        torch.isinf(lse) & (lse > 0), torch.isinf(ref_lse) & (ref_lse > 0)) and torch.equal(
-        torch.isinf(lse) & (lse < 0), torch.isinf(ref_lse) & (ref_lse < 0))
-    finite = torch.isfinite(ref_lse)
-    rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp_min(1.0)).max().item() \
-        if finite.any() else 0.0
-    return {"out": (out_err, 1e-5), "lse": (rel if same_special else math.inf, 1e-5)}
-
-
 def _sparse_slots(table: torch.Tensor, seqlens: list[int], s_q: int, topk: int, g: torch.Generator) -> torch.Tensor:
     """int32 ``[b, s_q, topk]`` cache slots (page * 64 + offset) of random tokens each sequence owns, -1 past its
     length (so short sequences leave slots invalid)."""
@@ -236,7 +204,7 @@ def _decode_flops(shape: dict) -> float:
 flash_mla_op = registry.register(
     OP_NAME,
     reference=flash_mla_with_kvcache_reference,
-    triton=_flash_mla_triton,
+    triton="flash_mla.kernels.kvcache:flash_mla_with_kvcache_triton",
     verify=VerifySpec(
         make_case=_make_case,
         shapes=[dict(b=2, s_q=1, h_q=16, s_k=150, first_len=0), dict(b=2, s_q=2, h_q=8, s_k=100, causal=True),
@@ -250,6 +218,26 @@ flash_mla_op = registry.register(
         bytes_moved=_decode_bytes,
     ),
 )
+
+
+def _decode_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                 softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, head_dim_v), q.new_empty(b, h_q, s_q, dtype=torch.float32)
+
+
+# The torch op (docs/custom_ops.md): the reference walks each sequence's pages on the host, so it is opaque; lse is
+# returned contiguous whichever implementation ran (the sparse path makes it as a transposed view).
+@registry.torch_op(flash_mla_op, fake=_decode_fake, opaque=True)
+def _flash_mla_with_kvcache_torch_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None,
+                                     cache_seqlens: torch.Tensor | None, head_dim_v: int,
+                                     tile_scheduler_metadata: torch.Tensor | None, num_splits: torch.Tensor | None,
+                                     softmax_scale: float | None = None, causal: bool = False,
+                                     is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = flash_mla_op(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                            softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)
+    return out.contiguous(), lse.contiguous()
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -273,5 +261,9 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     """
     _check_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, causal,
                 is_fp8_kvcache, indices)
-    return flash_mla_op(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    if indices is not None:  # sparse decoding reads neither the table, the lengths nor the plan
+        block_table = cache_seqlens = tile_scheduler_metadata = num_splits = None
+    return _flash_mla_with_kvcache_torch_op(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                            tile_scheduler_metadata, num_splits, scale, causal, is_fp8_kvcache,
+                                            indices)

@@ -36,63 +36,79 @@ def _causal_bias(n: int, device: torch.device) -> torch.Tensor:
     return torch.full((n, n), -math.inf, device=device).triu(1)
 
 
+def blocked_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                              block: int = CAUSAL_BLOCK, with_lse: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out ``[b, s, h, dv]`` fp32, natural-log lse ``[b, h, s]`` fp32 with ``with_lse``, else None), no autograd."""
+    b, s, h = q.shape[:3]
+    block = block if causal else max(s, 1)
+    if s == 0:  # an empty varlen sequence
+        return v.new_empty(v.shape, dtype=torch.float32), q.new_empty(b, h, 0, dtype=torch.float32)
+    q_scaled, k_t, v_h = _operands(q, k, v, scale)
+    bias = _causal_bias(block, q.device) if causal else None
+    outs, lses = [], []
+    for i in range(-(-s // block)):
+        p, keys = _block_probabilities(q_scaled, k_t, i, block, bias, lses if with_lse else None)
+        outs.append(torch.bmm(p, v_h[:, :keys]))
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses, dim=1).view(b, h, s) if with_lse else None
+    return out.view(b, h, s, -1).transpose(1, 2).contiguous(), lse
+
+
 class _BlockedAttention(torch.autograd.Function):
     """q/k ``[b, s, h, dqk]``, v ``[b, s, h, dv]`` -> out ``[b, s, h, dv]`` fp32; saves q, k, v only."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, block: int):
-        s = q.shape[1]
-        ctx.causal, ctx.scale, ctx.block = causal, scale, block if causal else max(s, 1)
+        ctx.causal, ctx.scale, ctx.block = causal, scale, block
         ctx.save_for_backward(q, k, v)
-        if s == 0:  # an empty varlen sequence
-            return v.new_empty(v.shape, dtype=torch.float32)
-        q_scaled, k_t, v_h = _operands(q, k, v, scale)
-        bias = _causal_bias(ctx.block, q.device) if causal else None
-        outs = []
-        for i in range(-(-s // ctx.block)):
-            p, keys = _block_probabilities(q_scaled, k_t, i, ctx.block, bias)
-            outs.append(torch.bmm(p, v_h[:, :keys]))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        b, h = q.shape[0], q.shape[2]
-        return out.view(b, h, s, -1).transpose(1, 2).contiguous()
+        return blocked_attention_forward(q, k, v, causal, scale, block)[0]
 
     @staticmethod
     @once_differentiable  # a hand-written backward: a double backward through it raises instead of going wrong
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v = ctx.saved_tensors
-        causal, scale, block = ctx.causal, ctx.scale, ctx.block
-        b, s, h = q.shape[:3]
-        if s == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
-        q_scaled, k_t, v_h = _operands(q, k, v, scale)
-        k_h = k_t.transpose(1, 2)
-        grad_out = _heads_first(grad_out)
-        v_t = v_h.transpose(1, 2)
-        bias = _causal_bias(block, q.device) if causal else None
-        n_blocks = -(-s // block)
-        grad_q = [None] * n_blocks
-        grad_k = grad_v = None
-        # last block first: it reaches every key, so it creates dK and dV and earlier blocks add to a prefix
-        for i in reversed(range(n_blocks)):
-            p, keys = _block_probabilities(q_scaled, k_t, i, block, bias)
-            r0, r1 = i * block, min((i + 1) * block, s)
-            d_o = grad_out[:, r0:r1]
-            d_p = torch.bmm(d_o, v_t[:, :, :keys])
-            d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)  # what autograd runs for softmax
-            grad_q[i] = torch.bmm(d_s, k_h[:, :keys])
-            dv_part = torch.bmm(p.transpose(1, 2), d_o)
-            dk_part = torch.bmm(d_s.transpose(1, 2), q_scaled[:, r0:r1])
-            if grad_v is None:
-                grad_v, grad_k = dv_part, dk_part
-            else:
-                grad_v[:, :keys] += dv_part
-                grad_k[:, :keys] += dk_part
-        grad_q = (torch.cat(grad_q, dim=1) if len(grad_q) > 1 else grad_q[0]).mul_(scale)
+        return (*blocked_attention_backward(grad_out, q, k, v, ctx.causal, ctx.scale, ctx.block), None, None, None)
 
-        def back(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            return g.view(b, h, s, -1).transpose(1, 2).to(like.dtype)
 
-        return back(grad_q, q), back(grad_k, k), back(grad_v, v), None, None, None
+def blocked_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               causal: bool, scale: float, block: int = CAUSAL_BLOCK
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``blocked_attention`` in q/k/v's dtypes, recomputing each block's probabilities with the
+    forward's ops (no autograd: the backward kernel op's reference runs below autograd)."""
+    b, s, h = q.shape[:3]
+    block = block if causal else max(s, 1)
+    if s == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    q_scaled, k_t, v_h = _operands(q, k, v, scale)
+    k_h = k_t.transpose(1, 2)
+    grad_out = _heads_first(grad_out)
+    v_t = v_h.transpose(1, 2)
+    bias = _causal_bias(block, q.device) if causal else None
+    n_blocks = -(-s // block)
+    grad_q = [None] * n_blocks
+    grad_k = grad_v = None
+    # last block first: it reaches every key, so it creates dK and dV and earlier blocks add to a prefix
+    for i in reversed(range(n_blocks)):
+        p, keys = _block_probabilities(q_scaled, k_t, i, block, bias)
+        r0, r1 = i * block, min((i + 1) * block, s)
+        d_o = grad_out[:, r0:r1]
+        d_p = torch.bmm(d_o, v_t[:, :, :keys])
+        d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)  # what autograd runs for softmax
+        grad_q[i] = torch.bmm(d_s, k_h[:, :keys])
+        dv_part = torch.bmm(p.transpose(1, 2), d_o)
+        dk_part = torch.bmm(d_s.transpose(1, 2), q_scaled[:, r0:r1])
+        if grad_v is None:
+            grad_v, grad_k = dv_part, dk_part
+        else:
+            grad_v[:, :keys] += dv_part
+            grad_k[:, :keys] += dk_part
+    grad_q = (torch.cat(grad_q, dim=1) if len(grad_q) > 1 else grad_q[0]).mul_(scale)
+
+    def back(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return g.view(b, h, s, -1).transpose(1, 2).to(like.dtype)
+
+    return back(grad_q, q), back(grad_k, k), back(grad_v, v)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -107,15 +123,18 @@ def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 
 def _block_probabilities(q_scaled: torch.Tensor, k_t: torch.Tensor, i: int, block: int,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+                         bias: torch.Tensor | None, lses: list | None = None) -> tuple[torch.Tensor, int]:
     """Query block ``i``'s softmax probabilities ``[n, rows, keys]`` and ``keys``; causal when ``bias``
-    (the -inf upper triangle) is given: the block sees keys ``[0, r1)`` only."""
+    (the -inf upper triangle) is given: the block sees keys ``[0, r1)`` only. ``lses``: append the block's
+    log-sum-exp ``[n, rows]`` to it."""
     s = q_scaled.shape[1]
     r0, r1 = i * block, min((i + 1) * block, s)
     keys = r1 if bias is not None else s
     scores = torch.bmm(q_scaled[:, r0:r1], k_t[:, :, :keys])
     if bias is not None:
         scores[:, :, r0:r1] += bias[: r1 - r0, : r1 - r0]
+    if lses is not None:
+        lses.append(scores.logsumexp(dim=-1))
     return scores.softmax(dim=-1), keys
 
 

@@ -35,6 +35,7 @@ import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
+from flash_mla.compare import compare_decode
 
 FWD_OP = "flash_mla.flash_mla_sparse_fwd"
 TRAIN_OP = "flash_mla.sparse_mla_attention"
@@ -156,8 +157,6 @@ def _make_fwd_case(shape: dict, seed: int, device: torch.device) -> Case:
 def compare_sparse(got, want) -> dict[str, tuple[float, float]]:
     """out: cosine diff < 1e-5 (FlashMLA's pass mark; bf16 rounding of out alone is ~1e-6); max_logits and
     lse: relative error < 1e-5 with the same Inf positions (fp32 scores of length-576 dot products)."""
-    from flash_mla.decode import compare_decode
-
     result = compare_decode((got["out[0]"], got["out[2]"]), (want["out[0]"], want["out[2]"]))
     result["max_logits"] = compare_decode((got["out[0]"], got["out[1]"]), (want["out[0]"], want["out[1]"]))["lse"]
     return result
@@ -185,7 +184,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     [s_q, h_q])``, both stats base 2 (module docstring). ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]`` (q's
     dtype), ``indices int32 [s_q, 1, topk]``: -1 or ``>= s_kv`` entries are ignored."""
     _check(q, kv, indices, d_v, "flash_mla_sparse_fwd", kv_dims=3)
-    return flash_mla_sparse_fwd_op(q, kv, indices, float(sm_scale), d_v=d_v)
+    return _sparse_fwd_torch_op(q, kv, indices, float(sm_scale), d_v)
 
 
 @registry.reference_for(TRAIN_OP)
@@ -201,9 +200,16 @@ def _make_train_case(shape: dict, seed: int, device: torch.device) -> Case:
     return Case(args=(q, kv, idx, scale), kwargs={"d_v": d_v})
 
 
+def sparse_mla_attention_forward_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                           sm_scale: float, d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training op's reference: ``(out, lse)``, lse base 2 ``[s_q, h_q]`` as the Triton forward keeps it."""
+    out, _, lse = sparse_attention_math(q, kv, indices, sm_scale, d_v)
+    return out.to(q.dtype), lse
+
+
 sparse_mla_attention_op = registry.register(
     TRAIN_OP,
-    reference=sparse_mla_attention_reference,
+    reference=sparse_mla_attention_forward_reference,
     triton="flash_mla.kernels.sparse:sparse_mla_attention_triton",
     verify=VerifySpec(make_case=_make_train_case, shapes=_FWD_SHAPES, bench_shapes=_BENCH, tolerance=1e-5,
                       flops=_fwd_flops),
@@ -214,12 +220,25 @@ sparse_mla_attention_op = registry.register(
 def sparse_mla_attention_backward_reference(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                                             indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                             sm_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dkv) by autograd through the fp32 math (``out`` and the base-2 ``lse`` are what the Triton forward
-    saves; the reference recomputes instead)."""
-    with torch.enable_grad():
-        q32, kv32 = (t.detach().float().requires_grad_() for t in (q, kv))
-        o = sparse_attention_math(q32, kv32, indices, sm_scale, d_v)[0]
-        dq, dkv = torch.autograd.grad(o, (q32, kv32), dout.float())
+    """(dq, dkv) of ``sparse_attention_math`` in fp32, written out (an op body runs below autograd): P recomputed
+    with the forward's ops, ``dS = P * (dP - rowsum(dP * P))``, each gathered key's gradient added back into its
+    row of ``kv`` (a duplicate adds twice). ``out`` and ``lse`` (what the Triton forward keeps) are not read."""
+    valid = (indices >= 0) & (indices < kv.shape[0])
+    rows = indices.long().clamp(0, kv.shape[0] - 1)
+    keys = torch.where(valid[..., None], kv.float()[rows], 0.0)
+    live = valid.any(-1)[:, None, None]
+    q32, do = q.float(), dout.float()
+    scores = torch.einsum("shd,skd->shk", q32, keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], -math.inf).masked_fill(~live, 0.0)
+    p = torch.exp(scores - scores.logsumexp(-1, keepdim=True)) * live
+    dp = torch.einsum("shd,skd->shk", do, keys[..., :d_v])
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = torch.einsum("shk,skd->shd", ds, keys) * sm_scale
+    dkeys = torch.einsum("shk,shd->skd", ds, q32) * sm_scale
+    dkeys[..., :d_v] += torch.einsum("shk,shd->skd", p, do)
+    dkeys = torch.where(valid[..., None], dkeys, 0.0)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv.index_put_((rows.reshape(-1),), dkeys.reshape(-1, kv.shape[-1]), accumulate=True)
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
@@ -252,6 +271,45 @@ sparse_mla_attention_backward_op = registry.register(
 )
 
 
+# The torch ops (docs/custom_ops.md). The training op's registered autograd keeps what the implementation that
+# ran needs (Triton: out and its lse too) and calls the backward op.
+@registry.torch_op(flash_mla_sparse_fwd_op)
+def _sparse_fwd_torch_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                         d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_mla_sparse_fwd_op(q, kv, indices, sm_scale, d_v)
+
+
+@registry.torch_op(sparse_mla_attention_backward_op)
+def _sparse_backward_torch_op(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+                              d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dq, dkv = sparse_mla_attention_backward_op(dout, q, kv, indices, out, lse, sm_scale, d_v)
+    return dq.contiguous(), dkv.contiguous()  # one layout whichever implementation ran
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, kv, indices, sm_scale, d_v = inputs
+    out, lse = output
+    # what the backward that will run needs (the registry's choice): the Triton one reads out and lse too
+    triton = sparse_mla_attention_backward_op.resolve(q.device)[0] == "triton"
+    ctx.save_for_backward(q, kv, indices, *((out, lse) if triton else ()))
+    ctx.args = (sm_scale, d_v)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    q, kv, indices, *kept = ctx.saved_tensors
+    out, lse = kept or (q.new_empty(0), q.new_empty(0, dtype=torch.float32))
+    dq, dkv = _sparse_backward_torch_op(dout, q, kv, indices, out, lse, *ctx.args)
+    return dq, dkv, None, None, None
+
+
+@registry.torch_op(sparse_mla_attention_op, backward=_backward, setup_context=_setup)
+def _sparse_mla_attention_torch_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                                   d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_attention_op(q, kv, indices, sm_scale, d_v)
+
+
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          d_v: int = 512) -> torch.Tensor:
     """Sparse MLA attention for training: ``out [s_q, h_q, d_v]``, differentiable in ``q`` and ``kv``.
@@ -261,4 +319,4 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     row), -1 or ``>= s_kv`` ignored, duplicates counted twice. A query with no valid index gets 0.
     """
     _check(q, kv, indices, d_v, "sparse_mla_attention", kv_dims=2)
-    return sparse_mla_attention_op(q, kv, indices, float(sm_scale), d_v=d_v)
+    return _sparse_mla_attention_torch_op(q, kv, indices, float(sm_scale), d_v)[0]

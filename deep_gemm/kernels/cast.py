@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from accel import registry
+from accel.registry import wrap_triton
 from deep_gemm.kernels.gemm import require_fp8_hardware
 from deep_gemm.kernels.rounding import round_to_e4m3_grid
-from deep_gemm.utils import FP8, ceil_div
+from deep_gemm.utils import BLOCK, FP8, ceil_div
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     block_r = 32 if tile_rows == 1 else tile_rows
     block_c = 64 if tile_cols == 1 else tile_cols
     grid = (ceil_div(rows, block_r), ceil_div(cols, block_c), batch)
-    _cast_kernel[grid](
+    wrap_triton(_cast_kernel)[grid](
         x3, q, sf, rows, cols, *x3.stride(), *q.stride(), *sf.stride(),
         TILE_R=tile_rows, TILE_C=tile_cols, BLOCK_R=block_r, BLOCK_C=block_c,
         AMAX_FLOOR=1e-4, UE8M0=use_ue8m0, num_warps=cast_warps(tile_rows, tile_cols),
@@ -84,3 +85,18 @@ def cast_tiles(x: torch.Tensor, tile_rows: int, tile_cols: int, use_ue8m0: bool 
     if x.dim() == 2:
         return q[0], sf[0]
     return q, sf
+
+
+def per_token_cast(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    """Triton path of ``deep_gemm.per_token_cast_to_fp8``: 1 x ``gran_k`` tiles."""
+    return cast_tiles(x, 1, gran_k, use_ue8m0)
+
+
+def per_channel_cast(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK):
+    """Triton path of ``deep_gemm.per_channel_cast_to_fp8``: ``gran_k`` x 1 tiles."""
+    return cast_tiles(x, gran_k, 1, use_ue8m0)
+
+
+def per_block_cast(x: torch.Tensor, use_ue8m0: bool = False):
+    """Triton path of ``deep_gemm.per_block_cast_to_fp8``: 128 x 128 tiles."""
+    return cast_tiles(x, BLOCK, BLOCK, use_ue8m0)

@@ -25,6 +25,7 @@ import triton.language as tl
 
 import accel
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from deep_gemm.kernels.rounding import round_to_bf16
 from deep_gemm.utils import get_num_sms
 
@@ -358,9 +359,9 @@ def gemm(layout: str, a, b, d: torch.Tensor, c: torch.Tensor | None = None, spli
     if split > 1:  # a fp32 workspace that holds c (or 0); the K slices add their partial sums into it
         out = d.float() if c is not None else torch.zeros(m, n, dtype=torch.float32, device=d.device)
     if d.numel():
-        _dense_kernel[_grid(m, n, split)](a, b, out, m, n, k, _bucket(m), *a.stride(), *b.stride(), *_scales(sfa, 2, d),
-                                          *_scales(sfb, 2, d), ACCUMULATE=c is not None and split == 1, SPLIT_K=split,
-                                          **static)
+        wrap_triton(_dense_kernel)[_grid(m, n, split)](
+            a, b, out, m, n, k, _bucket(m), *a.stride(), *b.stride(), *_scales(sfa, 2, d), *_scales(sfb, 2, d),
+            ACCUMULATE=c is not None and split == 1, SPLIT_K=split, **static)
     if out is not d:
         d.copy_(out)
     return d
@@ -375,8 +376,8 @@ def m_grouped_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, nn: boo
     a, b, sfa, sfb, static = _operands(a, b, transpose_b=nn)
     (m, k), n = a.shape, b.shape[1]
     if d.numel():
-        _contiguous_kernel[_grid(m, n, 1)](a, b, d, m_indices, m, n, k, _bucket(m), *b.stride(), *_scales(sfa, 2, d),
-                                           *_scales(sfb, 3, d), **static)
+        wrap_triton(_contiguous_kernel)[_grid(m, n, 1)](
+            a, b, d, m_indices, m, n, k, _bucket(m), *b.stride(), *_scales(sfa, 2, d), *_scales(sfb, 3, d), **static)
     return d
 
 
@@ -389,7 +390,7 @@ def m_grouped_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: 
     groups, m, k = a.shape
     n = b.shape[1]
     if d.numel():
-        _masked_kernel[_grid(m, n, groups)](a, b, d, masked_m, m, n, k, _bucket(m), *_scales(sfa, 3, d),
+        wrap_triton(_masked_kernel)[_grid(m, n, groups)](a, b, d, masked_m, m, n, k, _bucket(m), *_scales(sfa, 3, d),
                                             *_scales(sfb, 3, d), **static)
     return d
 
@@ -408,9 +409,9 @@ def k_grouped(a, b, d: torch.Tensor, ks, ks_tensor=None, c: torch.Tensor | None 
         d.copy_(c)
     if d.numel():
         offsets = torch.tensor(list(itertools.accumulate(ks, initial=0)), dtype=torch.int32, device=d.device)
-        _k_grouped_kernel[_grid(m, n, groups)](a, b, d, offsets, m, n, sum_k, _bucket(m), *a.stride(), *b.stride(),
-                                               *_scales(sfa, 2, d), *_scales(sfb, 2, d), ACCUMULATE=c is not None,
-                                               PACKED=packed, **static)
+        wrap_triton(_k_grouped_kernel)[_grid(m, n, groups)](
+            a, b, d, offsets, m, n, sum_k, _bucket(m), *a.stride(), *b.stride(), *_scales(sfa, 2, d),
+            *_scales(sfb, 2, d), ACCUMULATE=c is not None, PACKED=packed, **static)
     return d
 
 

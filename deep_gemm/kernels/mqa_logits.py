@@ -16,6 +16,7 @@ import triton.language as tl
 
 from accel import registry
 from accel.backend import triton_interpreted
+from accel.registry import wrap_triton
 from deep_gemm.mqa_logits import split_paged_cache
 
 
@@ -116,7 +117,7 @@ def fp8_mqa_logits_triton(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logi
     block_n, tiles = (16, 2) if triton_interpreted() else (128, 4)
     grid = (triton.cdiv(s_q, block_q), triton.cdiv(k.shape[0], block_n * tiles))
     if s_q and k.shape[0]:
-        _mqa_logits_kernel[grid](q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, s_q, k.shape[0],
+        wrap_triton(_mqa_logits_kernel)[grid](q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, s_q, k.shape[0],
                                  q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
                                  out.stride(0), H=heads, D=d, BLOCK_Q=block_q, BLOCK_N=block_n, TILES=tiles,
                                  num_warps=8, num_stages=1)
@@ -140,7 +141,8 @@ def fp8_paged_mqa_logits_triton(q, kv_cache, weights, context_lens, block_table,
     grid = (b, triton.cdiv(triton.cdiv(max_model_len, page), tiles))
     # at least 16 query rows per dot (the tensor-core minimum); the padding rows are masked
     block_q = max(triton.next_power_of_2(next_n), triton.cdiv(16, heads))
-    _paged_mqa_logits_kernel[grid](q2, keys, scales, weights, context_lens, block_table, out, max_model_len,
+    wrap_triton(_paged_mqa_logits_kernel)[grid](q2, keys, scales, weights, context_lens, block_table, out,
+                                   max_model_len,
                                    q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), scales.stride(0),
                                    weights.stride(0), weights.stride(1), block_table.stride(0), out.stride(0),
                                    H=heads, D=d, NEXT_N=next_n, LENS_2D=context_lens.dim() == 2, BLOCK_Q=block_q,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from accel import autotune, registry
-from flash_mla.attention import mla_attention_backward_op  # the registered op: verifiable, strict-aware
+from accel.registry import wrap_triton
 from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, split_head_dim
 
 LOG2E = 1.4426950408889634
@@ -345,7 +345,7 @@ def attention_forward(q, k, v, cu, max_seqlen: int, causal: bool, scale: float):
     batch = cu.numel() - 1
     fwd, _, _ = _kernels()
     grid = lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)
-    fwd[grid](q, k, v, out, lse, cu, scale * LOG2E,
+    wrap_triton(fwd)[grid](q, k, v, out, lse, cu, scale * LOG2E,
               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               out.stride(0), out.stride(1), lse.stride(0), heads, **static_args(dqk, dv, causal))
     return out, lse
@@ -358,7 +358,7 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     dout = unit_stride(dout)
     delta = torch.empty(heads, total, dtype=torch.float32, device=q.device)
     block_t = 16 if interpreted() else 64
-    _delta_kernel[(triton.cdiv(total, block_t), heads)](
+    wrap_triton(_delta_kernel)[(triton.cdiv(total, block_t), heads)](
         out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0), total,
         DV=dv_dim, BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)), BLOCK_T=block_t, num_warps=4)
     dq = registry.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -369,10 +369,10 @@ def attention_backward(dout, q, k, v, out, lse, cu, max_seqlen: int, causal: boo
     static = static_args(dqk, dv_dim, causal)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               dout.stride(0), dout.stride(1))
-    dkdv_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_N"]), batch * heads)](
+    wrap_triton(dkdv_kernel)[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_N"]), batch * heads)](
         q, k, v, dout, lse, delta, dk, dv, cu, scale, scale * LOG2E, *common,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), heads, **static)
-    dq_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)](
+    wrap_triton(dq_kernel)[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), batch * heads)](
         q, k, v, dout, lse, delta, dq, cu, scale, scale * LOG2E, *common,
         dq.stride(0), dq.stride(1), lse.stride(0), heads, **static)
     return dq, dk, dv
@@ -383,33 +383,32 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class _MLAAttention(torch.autograd.Function):
-    """The Triton forward kernel; its backward is the registered backward op (verifiable, strict-aware)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_seqlen, causal, scale):
-        out, lse = attention_forward(q, k, v, cu, max_seqlen, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.args = (max_seqlen, causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        max_seqlen, causal, scale = ctx.args
-        dq, dk, dv = mla_attention_backward_op(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale)
-        return dq, dk, dv, None, None, None, None
-
-
-def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
-    """Triton path of ``flash_mla.mla_attention`` (arguments already validated)."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+def _flat(q, k, v, cu_seqlens, max_seqlen):
+    """The varlen form the kernels take: ``[total, heads, d]`` views (unit stride in d), ``cu``, ``max_seqlen``."""
     if cu_seqlens is None:
         b, s, h, _ = q.shape
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        flat = [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
-        out = _MLAAttention.apply(*flat, cu, s, causal, scale)
-        return out.view(b, s, h, v.shape[-1])
+        return [unit_stride(t).reshape(b * s, h, t.shape[-1]) for t in (q, k, v)], cu, s
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _MLAAttention.apply(unit_stride(q), unit_stride(k), unit_stride(v), cu_seqlens, max_seqlen, causal, scale)
+    return [unit_stride(t) for t in (q, k, v)], cu_seqlens, max_seqlen
+
+
+def mla_attention_triton(q, k, v, causal=True, softmax_scale=None, cu_seqlens=None, max_seqlen=None):
+    """Triton path of ``flash_mla.mla_attention`` (arguments already validated): ``(out, lse [heads, total])``,
+    the log-sum-exp the backward reads."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    (qf, kf, vf), cu, max_len = _flat(q, k, v, cu_seqlens, max_seqlen)
+    out, lse = attention_forward(qf, kf, vf, cu, max_len, causal, scale)
+    return out.view(*q.shape[:-1], v.shape[-1]), lse
+
+
+def mla_attention_backward_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    """Triton path of ``flash_mla.mla_attention_backward``, in either layout of the forward."""
+    if lse.numel() == 0:
+        raise registry.Unsupported("no log-sum-exp: the forward ran the reference, which keeps none")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    (qf, kf, vf), cu, max_len = _flat(q, k, v, cu_seqlens, max_seqlen)
+    dq, dk, dv = attention_backward(dout.reshape(-1, *dout.shape[-2:]), qf, kf, vf, out.reshape(-1, *out.shape[-2:]),
+                                    lse, cu, max_len, causal, scale)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

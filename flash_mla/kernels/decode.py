@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
 from flash_mla.kernels.common import cast_out, cuda_capability, interpreted, pipeline_stages, round_to_bf16_grid
 from flash_mla.metadata import BLOCK_SIZE
@@ -249,7 +250,7 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     if meta.shape[0]:
         kernel = _decode_kernel_tuned(bool(is_fp8_kvcache))
-        kernel[lambda m: (triton.cdiv(rows, m["BLOCK_H"]), meta.shape[0], h_kv)](
+        wrap_triton(kernel)[lambda m: (triton.cdiv(rows, m["BLOCK_H"]), meta.shape[0], h_kv)](
             q, k_nope, k_rope, k_scale, block_table, meta, out, lse, part_out, part_lse,
             q.stride(0), q.stride(1), q.stride(2),
             *k_nope.stride()[:3], *k_rope.stride()[:3], *k_scale.stride()[:3], block_table.stride(0),
@@ -259,7 +260,7 @@ def flash_mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, 
             PAGE_IDS=_INTERP_PAGE_IDS if interpreted() else PAGE_IDS, UPCAST=interpreted(),
         )
     block_r = 16 if interpreted() else 8
-    _combine_kernel[(b, h_kv, triton.cdiv(rows, block_r))](
+    wrap_triton(_combine_kernel)[(b, h_kv, triton.cdiv(rows, block_r))](
         num_splits, part_out, part_lse, out, lse, *part_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), rows, ngroups,
         D_NOPE=D_NOPE, BLOCK_R=block_r, INTERPRETED=interpreted(), num_warps=4,

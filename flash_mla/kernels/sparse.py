@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from accel import autotune, registry
+from accel.registry import wrap_triton
 from flash_mla.fp8_cache import D_NOPE, D_ROPE, split_fp8_cache
 from flash_mla.kernels.common import cast_out, interpreted, pipeline_stages
 from flash_mla.kernels.decode import _dequant_fp8
-from flash_mla.sparse import sparse_mla_attention_backward_op
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -237,7 +237,7 @@ def sparse_forward(q, kv, indices, sm_scale: float, d_v: int, lse_scale: float =
     max_logits = registry.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = registry.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     if s_q:
-        _kernel("fwd", _sparse_fwd_kernel, FWD_CONFIGS)[_head_grid(s_q, h_q)](
+        wrap_triton(_kernel("fwd", _sparse_fwd_kernel, FWD_CONFIGS))[_head_grid(s_q, h_q)](
             q, kv, indices, out, max_logits, lse, kv.shape[0], h_q, indices.shape[1], sm_scale * LOG2E, lse_scale,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1), **tile_args(d_qk, d_v))
@@ -251,42 +251,30 @@ def sparse_fwd_triton(q, kv, indices, sm_scale, d_v=512):
 
 def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     """Triton path of the backward op: (dq, dkv) from the forward's out and base-2 lse."""
+    if lse.numel() == 0:
+        raise registry.Unsupported("no log-sum-exp: the forward ran the reference, which keeps none")
     q, kv, indices, dout, out = (_unit(t) for t in (q, kv, indices, dout, out))
     s_q, h_q, d_qk = q.shape
     dq = registry.empty(q.shape, dtype=q.dtype, device=q.device)
     dkv = registry.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the atomics' accumulator
     if s_q:
-        _kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"])[_head_grid(s_q, h_q)](
+        wrap_triton(_kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"]))[_head_grid(s_q, h_q)](
             q, kv, indices, out, dout, lse, dq, dkv32, kv.shape[0], h_q, indices.shape[1], sm_scale,
             sm_scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dkv32.stride(0),
             **tile_args(d_qk, d_v))
     block = 1024
-    _cast_kernel[(triton.cdiv(dkv.numel(), block),)](dkv32, dkv, dkv.numel(), UPCAST=interpreted(), BLOCK=block)
+    wrap_triton(_cast_kernel)[(triton.cdiv(dkv.numel(), block),)](dkv32, dkv, dkv.numel(), UPCAST=interpreted(),
+                                                                   BLOCK=block)
     return dq, dkv
 
 
-class _SparseMLA(torch.autograd.Function):
-    """The Triton forward; its backward is the registered backward op (verifiable, strict-aware)."""
-
-    @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v):
-        out, _, lse = sparse_forward(q, kv, indices, sm_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.args = (sm_scale, d_v)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, kv, indices, out, lse = ctx.saved_tensors
-        dq, dkv = sparse_mla_attention_backward_op(dout, q, kv, indices, out, lse, *ctx.args)
-        return dq, dkv, None, None, None
-
-
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512):
-    """Triton path of ``flash_mla.sparse_mla_attention`` (arguments already validated)."""
-    return _SparseMLA.apply(q, kv, indices, float(sm_scale), d_v)
+    """Triton path of ``flash_mla.sparse_mla_attention`` (arguments already validated): ``(out, lse)``, the
+    base-2 log-sum-exp the backward reads."""
+    out, _, lse = sparse_forward(q, kv, indices, float(sm_scale), d_v)
+    return out, lse
 
 
 def sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, indices):
@@ -307,7 +295,7 @@ def sparse_decode_triton(q, k_cache, head_dim_v, softmax_scale, is_fp8_kvcache, 
     max_logits = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)  # not returned by decoding
     lse = registry.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
     if b * s_q:
-        _kernel("decode_fp8", _sparse_decode_fp8_kernel, DECODE_FP8_CONFIGS)[_head_grid(b * s_q, h_q)](
+        wrap_triton(_kernel("decode_fp8", _sparse_decode_fp8_kernel, DECODE_FP8_CONFIGS))[_head_grid(b * s_q, h_q)](
             q2, values, scales, rope, idx, out, max_logits, lse, values.shape[0], h_q, idx.shape[1], scale * LOG2E,
             LN2, q2.stride(0), q2.stride(1), values.stride(0), scales.stride(0), rope.stride(0), idx.stride(0),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), UPCAST=interpreted())
