@@ -14,7 +14,7 @@ import torch
 
 from accel import registry
 from accel.registry import Case, VerifySpec
-from deep_gemm.grouped import _group_sizes, check_m_indices, contiguous_layout
+from deep_gemm.grouped import _group_sizes, _no_fake, check_m_indices, contiguous_layout
 from deep_gemm.mxfp4 import pack_mxfp4, unpack_mxfp4
 from deep_gemm.utils import FP8, MX_BLOCK
 
@@ -99,8 +99,15 @@ _op = registry.register(
                                                                  + 2 * s["m_per_group"] * s["n"])), fp8=True))
 
 
+# opaque: the reference reads the group layout on the host (as the other m-grouped GEMMs, deep_gemm.grouped)
+@registry.torch_op(_op, mutates_args=("d",), fake=_no_fake, opaque=True)
+def _fp8_fp4_op(a: list[torch.Tensor], b: list[torch.Tensor], d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    _op(tuple(a), tuple(b), d, m_indices)
+
+
 def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
     """``d[r] = a[r] @ b[m_indices[r]]^T`` for FP8 rows ``a = (e4m3 [M, K], UE8M0 [M, K/32])`` and MXFP4 weights
     ``b = (int8 [G, N, K/2], E8M0 [G, N, K/32])`` (``pack_mxfp4``); rows with ``m_indices = -1`` untouched."""
     _check(a, b, d, m_indices)
-    return _op(tuple(a), tuple(b), d, m_indices.to(torch.int32).contiguous())
+    _fp8_fp4_op(list(a), list(b), d, m_indices.to(torch.int32).contiguous())
+    return d

@@ -576,7 +576,7 @@ EXPERT_WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4_qat")
 @torch.library.custom_op("dsv3::grouped_linear", mutates_args=())
 def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
                        fp8_cache: bool, x_values: torch.Tensor | None, x_scales: torch.Tensor | None,
-                       mxfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       mxfp4: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x_values`` / ``x_scales``: the precast ``x_fp8`` (both or neither); ``mxfp4``: MXFP4 QAT."""
     host = _host(m_indices)
     out, x_q = _grouped_forward(x, weight, m_indices, host, fp8, None,
@@ -587,7 +587,7 @@ def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.T
 
 
 @_grouped_linear_op.register_fake
-def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4):
+def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4=False):
     out = x.new_empty(x.shape[0], weight.shape[1])
     host = torch.empty(m_indices.shape, dtype=m_indices.dtype, device="cpu")
     if fp8 and fp8_cache and x_values is None:
@@ -600,14 +600,15 @@ def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4):
 @torch.library.custom_op("dsv3::grouped_linear_backward", mutates_args=())
 def _grouped_linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor,
                                 m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool,
-                                x_dtype: torch.dtype, input_grad: bool, weight_grad: bool, mxfp4: bool) -> torch.Tensor:
+                                x_dtype: torch.dtype, input_grad: bool, weight_grad: bool, mxfp4: bool = False
+                                ) -> torch.Tensor:
     grad_x = _grouped_backward(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype,
                                None, input_grad, weight_grad, mxfp4)
     return grad_out.new_empty(0) if grad_x is None else grad_x.contiguous()
 
 
 @_grouped_linear_backward_op.register_fake
-def _(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype, input_grad, weight_grad, mxfp4):
+def _(grad_out, saved, weight, m_indices, host, fp8, cached, x_dtype, input_grad, weight_grad, mxfp4=False):
     if not input_grad:
         return grad_out.new_empty(0)
     return grad_out.new_empty(m_indices.shape[0], weight.shape[2], dtype=x_dtype)
