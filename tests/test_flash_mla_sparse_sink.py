@@ -1,0 +1,137 @@
+"""DeepSeek-V4 sparse attention (flash_mla.sparse_sink): the reference and the Triton kernels (in the interpreter)
+against float64 dense attention over every key with a sink column, written out here independently of the gather
+the implementations use; forward and the gradients of q, kv (K = V) and the sink.
+
+Every case draws fresh index rows with duplicates, -1 and out-of-range entries, rows with fewer valid keys than
+top-k (causal selection) and a row with no valid key at all (its output is 0: the sink takes all the weight);
+every kv row no query selects is NaN, so reading one shows up as NaN in a result.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_mla
+from accel import registry
+from flash_mla.sparse import poison_unselected, random_selection
+from flash_mla.sparse_sink import sparse_sink_attention_backward_reference, sparse_sink_attention_reference
+from verifier.verify import calc_diff
+
+LOG2E = 1.4426950408889634
+
+
+def _dense_float64(q, kv, indices, sink, scale):
+    """float64 softmax over [all s_kv keys | sink], key s weighted by how often row t lists it (0: masked), the
+    sink column dropped from the output: (out, lse base 2). Differentiable in q, kv and sink."""
+    s_kv = kv.shape[0]
+    valid = (indices >= 0) & (indices < s_kv)
+    counts = torch.zeros(q.shape[0], s_kv, dtype=torch.float64)
+    counts.scatter_add_(1, indices.long().clamp(0, s_kv - 1), valid.double())
+    kv = torch.where(counts.sum(0)[:, None] > 0, kv.double(), 0.0)  # never-selected rows are NaN-poisoned
+    scores = torch.einsum("thd,sd->ths", q.double(), kv) * scale
+    logits = torch.where(counts[:, None, :] > 0, scores, -math.inf)
+    sink = sink.double()[None, :].expand(q.shape[0], -1)
+    top = torch.maximum(logits.amax(-1), sink)
+    weights = counts[:, None, :] * torch.exp(logits - top[..., None])
+    denom = weights.sum(-1) + torch.exp(sink - top)
+    out = torch.einsum("ths,sd->thd", weights / denom[..., None], kv)
+    return out, (torch.log(denom) + top) * LOG2E
+
+
+def _case(s_q, s_kv, h, d, topk, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, d, generator=g).to(dtype)
+    kv = torch.randn(s_kv, d, generator=g).to(dtype)
+    sink = torch.randn(h, generator=g) * 2
+    idx = random_selection(s_q, s_kv, topk, g, causal=True)
+    idx[s_q // 2] = -1  # a query with no valid key
+    poison_unselected(kv, idx)
+    dout = torch.randn(s_q, h, d, generator=g).to(dtype)
+    return q, kv, idx, sink, dout
+
+
+def _lse_atol(q, kv, indices, scale):
+    """Bound on a base-2 lse's fp32 error: a length-d dot product of fp32 products is within d * 2^-24 *
+    sum|q_i k_i| (Higham) and the lse moves by at most the largest score error; plus fp32 exp/log rounding."""
+    valid = (indices >= 0) & (indices < kv.shape[0])
+    keys = torch.where(valid[..., None], kv.double()[indices.long().clamp(0, kv.shape[0] - 1)], 0.0)
+    magnitude = torch.einsum("thd,tkd->thk", q.double().abs(), keys.abs()).amax() * scale * LOG2E
+    return float(2 * q.shape[-1] * 2.0 ** -24 * magnitude) + 1e-6 * 16
+
+
+def _want(q, kv, idx, sink, dout, scale):
+    q64, kv64, sink64 = (t.double().requires_grad_() for t in (q, kv, sink))
+    out, lse = _dense_float64(q64, kv64, idx, sink64, scale)
+    grads = torch.autograd.grad(out, (q64, kv64, sink64), dout.double())
+    return out.detach(), lse.detach(), *grads
+
+
+def test_reference_matches_float64_dense():
+    """fp32 reference (forward and the written-out backward) vs float64 on the same inputs: only fp32 rounding
+    (~1e-7 relative, so calc_diff ~1e-14; 1e-10 leaves room and still flags any wrong weight)."""
+    q, kv, idx, sink, dout = _case(13, 29, 3, 40, 17, torch.float32, seed=0)
+    scale = 0.21
+    want_out, want_lse, want_dq, want_dkv, want_dsink = _want(q, kv, idx, sink, dout, scale)
+    out, lse = sparse_sink_attention_reference(q, kv, idx, sink, scale)
+    assert calc_diff(out, want_out) < 1e-10 and (out[6] == 0).all()
+    assert (lse.double() - want_lse).abs().max() <= _lse_atol(q, kv, idx, scale) * max(1, want_lse.abs().max())
+    dq, dkv, dsink = sparse_sink_attention_backward_reference(dout, q, kv, idx, sink, out, lse, scale)
+    for name, got, ref in (("dq", dq, want_dq), ("dkv", dkv, want_dkv), ("dsink", dsink, want_dsink)):
+        assert torch.isfinite(got).all() and calc_diff(got, ref) < 1e-10, name
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(indices=lambda i: i.long()), "indices must be int32"),
+    (dict(kv=lambda k: k[:, :8]), "kv's last dim"),
+    (dict(indices=lambda i: i[:3]), "one row per query"),
+    (dict(sink=lambda s: s[:1]), "one logit per head"),
+    (dict(sink=lambda s: s[None]), "sink must be a 1-d tensor"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    q, kv, idx, sink, _ = _case(6, 10, 2, 48, 5, torch.bfloat16, seed=1)
+    args = dict(q=q, kv=kv, indices=idx, sink=sink, sm_scale=0.1)
+    for key, fn in bad.items():
+        args[key] = fn(args[key])
+    with pytest.raises(ValueError, match=match):
+        flash_mla.sparse_sink_attention(**args)
+
+
+# (s_q, s_kv, h_q, d, topk, dtype): top-k above the causal valid prefix, odd sizes padded inside the tiles (d 40
+# in a 64-wide tile, 5 and 3 heads in a 16-head tile), V4's 512-wide head, and fp32 where only summation order
+# differs.
+KERNEL_CASES = [
+    (9, 20, 3, 48, 20, torch.bfloat16),
+    (13, 40, 5, 40, 16, torch.float32),
+    (4, 70, 16, 512, 32, torch.bfloat16),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("s_q,s_kv,h,d,topk,dtype", KERNEL_CASES)
+def test_triton_matches_float64_dense(s_q, s_kv, h, d, topk, dtype):
+    q, kv, idx, sink, dout = _case(s_q, s_kv, h, d, topk, dtype, seed=s_q + d + torch.randint(1 << 20, ()).item())
+    scale = d ** -0.5
+    with registry.force("triton"), registry.poisoned_outputs():
+        qr, kvr, sinkr = q.clone().requires_grad_(), kv.clone().requires_grad_(), sink.clone().requires_grad_()
+        out = flash_mla.sparse_sink_attention(qr, kvr, idx, sinkr, scale)
+        dq, dkv, dsink = torch.autograd.grad(out, (qr, kvr, sinkr), dout)
+        _, lse = torch.ops.dsv3.sparse_sink_attention(q, kv, idx, sink, scale)
+    for name in ("flash_mla.sparse_sink_attention", "flash_mla.sparse_sink_attention_backward"):
+        assert registry.get(name).last_impl == "triton", name
+    want_out, want_lse, want_dq, want_dkv, want_dsink = _want(q, kv, idx, sink, dout, scale)
+    # fp32: the same math in another summation order (calc_diff ~1e-14). bf16: results rounded to bf16 (~1e-6)
+    # and the backward's rowsum(dO * O) (also dsink's factor) uses the bf16 O as every flash kernel does (~1e-5);
+    # a masking, sink, duplicate or indexing bug moves a result by > 1e-2.
+    tol = 1e-10 if dtype == torch.float32 else 5e-5
+    for name, got, ref in (("out", out, want_out), ("dq", dq, want_dq), ("dkv", dkv, want_dkv),
+                           ("dsink", dsink, want_dsink)):
+        assert torch.isfinite(got).all(), name
+        assert calc_diff(got, ref) < tol, f"{name}: {calc_diff(got, ref)}"
+    assert out.dtype == dq.dtype == dkv.dtype == dtype and dsink.dtype == torch.float32
+    assert (out[s_q // 2] == 0).all() and (dq[s_q // 2] == 0).all()
+    unselected = torch.isnan(kv[:, 0])
+    assert unselected.any() and (dkv[unselected] == 0).all()  # poisoned rows: never read, gradient exactly 0
+    assert (lse.double() - want_lse).abs().max() <= _lse_atol(q, kv, idx, scale) * max(1, want_lse.abs().max())
+    # the lonely row's lse is the sink's logit exactly
+    assert torch.equal(lse[s_q // 2], sink * LOG2E) or calc_diff(lse[s_q // 2], sink * LOG2E) < 1e-12
