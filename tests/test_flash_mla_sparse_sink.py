@@ -135,3 +135,58 @@ def test_triton_matches_float64_dense(s_q, s_kv, h, d, topk, dtype):
     assert (lse.double() - want_lse).abs().max() <= _lse_atol(q, kv, idx, scale) * max(1, want_lse.abs().max())
     # the lonely row's lse is the sink's logit exactly
     assert torch.equal(lse[s_q // 2], sink * LOG2E) or calc_diff(lse[s_q // 2], sink * LOG2E) < 1e-12
+
+
+def _dense_sink_attention(q, kv, visible, sink, scale):
+    """The V4 model's former dense form, in float64: ``softmax([q.k * scale | sink])`` under the ``visible [b, s, n]``
+    mask, the sink column dropped, times ``kv``."""
+    logits = torch.einsum("bshd,bnd->bhsn", q.double(), kv.double()) * scale
+    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    sinks = sink.double().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhsn,bnd->bshd", probs, kv.double())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["window", "hca", "csa"])
+def test_v4_attention_over_index_lists_equals_the_dense_masked_form(kind):
+    """The V4 layer's index lists (window + HCA's causal entries or CSA's top-k) name exactly the dense form's
+    visible keys, and the sparse op over them (reference and Triton in the interpreter, fp32) gives the dense
+    float64 output and gradients to fp32 rounding (calc_diff ~1e-14 seen; 1e-10 flags any missing or extra key)."""
+    from models.deepseek_v4.model import (
+        attention_rows,
+        compressed_visible,
+        select_topk,
+        sparse_sink_attention,
+        window_visible,
+    )
+
+    g = torch.Generator().manual_seed(torch.randint(1 << 20, ()).item())
+    b, s, h, d, window, ratio, topk = 2, 23, 4, 32, 5, 4, 3
+    n = 0 if kind == "window" else s // ratio
+    q = torch.randn(b, s, h, d, generator=g)
+    kv = torch.randn(b, s + n, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    dout = torch.randn(b, s, h, d, generator=g)
+    causal = compressed_visible(s, n, ratio).expand(b, -1, -1)
+    chosen = {"window": None, "hca": causal,
+              "csa": select_topk(torch.randn(b, s, n, generator=g).masked_fill(~causal, -math.inf), topk)}[kind]
+    rows = attention_rows(s, window, chosen, topk if kind == "csa" else None)
+    visible = window_visible(s, window).expand(b, s, s)
+    if chosen is not None:
+        visible = torch.cat([visible, chosen], dim=-1)
+    listed = torch.zeros(b, s, s + n + 1, dtype=torch.int64)
+    listed.scatter_add_(-1, torch.where(rows >= 0, rows, s + n).long().expand(b, -1, -1), torch.ones_like(
+        rows.expand(b, -1, -1), dtype=torch.int64))
+    assert torch.equal(listed[..., :-1] > 0, visible) and listed[..., :-1].max() == 1  # each key once
+    q64, kv64, sink64 = (t.double().requires_grad_() for t in (q, kv, sink))
+    want = _dense_sink_attention(q64, kv64, visible, sink64, d ** -0.5)
+    wants = torch.autograd.grad(want, (q64, kv64, sink64), dout.double())
+    for impl in ("reference", "triton"):
+        qr, kvr, sinkr = (t.clone().requires_grad_() for t in (q, kv, sink))
+        with registry.force(impl), registry.poisoned_outputs():
+            out = sparse_sink_attention(qr, kvr, rows, sinkr, d ** -0.5)
+            grads = torch.autograd.grad(out, (qr, kvr, sinkr), dout)
+        assert registry.get("flash_mla.sparse_sink_attention").last_impl == impl
+        for name, got, ref in zip(("out", "dq", "dkv", "dsink"), (out, *grads), (want, *wants)):
+            assert calc_diff(got, ref) < 1e-10, f"{impl} {name}: {calc_diff(got, ref)}"
