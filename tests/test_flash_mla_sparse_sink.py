@@ -190,3 +190,17 @@ def test_v4_attention_over_index_lists_equals_the_dense_masked_form(kind):
         assert registry.get("flash_mla.sparse_sink_attention").last_impl == impl
         for name, got, ref in zip(("out", "dq", "dkv", "dsink"), (out, *grads), (want, *wants)):
             assert calc_diff(got, ref) < 1e-10, f"{impl} {name}: {calc_diff(got, ref)}"
+
+
+def test_compiles_whole_and_matches_eager():
+    """``torch.compile(fullgraph=True)`` (aot_eager: the op's autograd and fake as compile sees them) over the op,
+    forward and backward: no graph break, results bitwise eager's (same reference kernels, same order)."""
+    q, kv, idx, sink, dout = _case(7, 19, 3, 32, 9, torch.float32, seed=5)
+    fn = flash_mla.sparse_sink_attention
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        qr, kvr, sinkr = (t.clone().requires_grad_() for t in (q, kv, sink))
+        out = run(qr, kvr, idx, sinkr, 0.3)
+        results.append((out, *torch.autograd.grad(out, (qr, kvr, sinkr), dout)))
+    for name, got, want in zip(("out", "dq", "dkv", "dsink"), *results):
+        assert torch.equal(got, want), name
