@@ -191,15 +191,21 @@ def dsa_cases() -> list[Case]:
 
     cases = []
     tiles = {**sparse.tile_args(576, 512), "UPCAST": False}
-    fwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "OUT": "*bf16", "MAXL": "*fp32", "LSE": "*fp32"}
+    fwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "SINK": "*fp32", "OUT": "*bf16", "MAXL": "*fp32",
+                "LSE": "*fp32"}
     fp8_ptrs = {"Q": "*bf16", "KN": "*fp8e4nv", "KS": "*fp32", "KR": "*bf16", "IDX": "*i32", "OUT": "*bf16",
                 "MAXL": "*fp32", "LSE": "*fp32"}
-    bwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
-                "DQ": "*bf16", "DKV": "*fp32"}
+    bwd_ptrs = {"Q": "*bf16", "KV": "*bf16", "IDX": "*i32", "SINK": "*fp32", "O": "*bf16", "DO": "*bf16",
+                "LSE": "*fp32", "DQ": "*bf16", "DKV": "*fp32", "DSINK": "*fp32"}
+    # DeepSeek-V4: one 512-wide K = V head (no RoPE columns apart), a sink logit per head
+    v4 = {**sparse.tile_args(512, 512), "UPCAST": False, "HAS_SINK": True}
+    tiles["HAS_SINK"] = False
     kernels = [("fwd[576/512]", sparse._sparse_fwd_kernel, sparse.FWD_CONFIGS, fwd_ptrs, tiles),
                ("decode[fp8]", sparse._sparse_decode_fp8_kernel, sparse.DECODE_FP8_CONFIGS, fp8_ptrs,
                 {"UPCAST": False}),
-               ("bwd[576/512]", sparse._sparse_bwd_kernel, sparse.BWD_CONFIGS, bwd_ptrs, tiles)]
+               ("bwd[576/512]", sparse._sparse_bwd_kernel, sparse.BWD_CONFIGS, bwd_ptrs, tiles),
+               ("fwd[512/512 sink]", sparse._sparse_fwd_kernel, sparse.FWD_CONFIGS, fwd_ptrs, v4),
+               ("bwd[512/512 sink]", sparse._sparse_bwd_kernel, sparse.BWD_CONFIGS, bwd_ptrs, v4)]
     for name, fn, configs, pointers, consts in kernels:
         strides = [n for n in fn.arg_names if n.startswith("stride_")]
         unit = {"stride_sh": 1}  # lse / max_logits [s_q, h_q]: heads contiguous

@@ -43,6 +43,7 @@ KERNELS = {  # every kernel variant each table must hold
     "flash_mla.attention.bwd_dkdv[192/128 causal]", "flash_mla.attention.bwd_dq[192/128 causal]",
     "flash_mla.attention.delta",
     "flash_mla.sparse.fwd[576/512]", "flash_mla.sparse.decode[fp8]", "flash_mla.sparse.bwd[576/512]",
+    "flash_mla.sparse.fwd[512/512 sink]", "flash_mla.sparse.bwd[512/512 sink]",
     "deep_gemm.mqa_logits", "deep_gemm.paged_mqa_logits",
     "fused_ops.rmsnorm[bf16 +residual]", "fused_ops.rmsnorm_fp8[bf16 +residual]",
     "fused_ops.rmsnorm_backward[bf16 +residual grad]", "fused_ops.swiglu[bf16 weighted]",

@@ -47,9 +47,13 @@ def _load_indices(IDX, t, stride_it, k0, topk, s_kv, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2):
-    """One online-softmax step over a gathered key tile (scores in log2 units; value tile = ``k_v``)."""
-    s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
+def _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2, HAS_ROPE: tl.constexpr):
+    """One online-softmax step over a gathered key tile (scores in log2 units; value tile = ``k_v``; without
+    RoPE columns, d_qk = d_v as in V4, the key is the value tile alone)."""
+    if HAS_ROPE:
+        s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
+    else:
+        s = tl.dot(q_v, tl.trans(k_v))
     s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet stay at 0
@@ -69,10 +73,11 @@ def _load_heads(X, t, heads, h_q, stride_t, stride_h, cols, limit, UPCAST: tl.co
 
 
 @triton.jit
-def _store_out(OUT, MAXL, LSE, acc, m_i, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh, cols_v,
-               lse_scale, D_V: tl.constexpr, UPCAST: tl.constexpr):
-    """out = acc / l (0 for a query with no valid key), max_logits = m (-inf there), lse = (m + log2 l) *
-    ``lse_scale`` (+inf there): base 2 with lse_scale 1, natural with ln 2."""
+def _store_out(OUT, MAXL, LSE, acc, m_i, m_keys, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh,
+               cols_v, lse_scale, D_V: tl.constexpr, UPCAST: tl.constexpr):
+    """out = acc / l (0 for a query with no valid key), max_logits = ``m_keys`` (-inf there), lse = (m + log2 l) *
+    ``lse_scale`` (+inf there): base 2 with lse_scale 1, natural with ln 2. ``m_i`` is ``m_keys`` unless a sink
+    joined the softmax (then l > 0 on every row and the lse counts the sink)."""
     live = l_i > 0
     h_ok = heads < h_q
     o = tl.where(live[:, None], acc / tl.where(live, l_i, 1.0)[:, None], 0.0)
@@ -80,30 +85,42 @@ def _store_out(OUT, MAXL, LSE, acc, m_i, l_i, t, heads, h_q, stride_ot, stride_o
              UPCAST), mask=h_ok[:, None] & (cols_v < D_V)[None, :])
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * lse_scale, float("inf"))
     tl.store(LSE + t * stride_st + heads * stride_sh, lse, mask=h_ok)
-    tl.store(MAXL + t * stride_st + heads * stride_sh, m_i, mask=h_ok)
+    tl.store(MAXL + t * stride_st + heads * stride_sh, m_keys, mask=h_ok)
 
 
 @triton.jit
-def _sparse_fwd_kernel(Q, KV, IDX, OUT, MAXL, LSE, s_kv, h_q, topk, qk_scale_log2, lse_scale,
+def _sparse_fwd_kernel(Q, KV, IDX, SINK, OUT, MAXL, LSE, s_kv, h_q, topk, qk_scale_log2, lse_scale,
                        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_st, stride_sh,
                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_ROPE: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols_v = tl.arange(0, BLOCK_V)
     cols_r = D_V + tl.arange(0, BLOCK_R)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     q_v = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_v, D_V, UPCAST)
-    q_r = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_r, D_QK, UPCAST)
+    q_r = q_v
+    if HAS_ROPE:
+        q_r = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_r, D_QK, UPCAST)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     for k0 in range(0, topk, BLOCK_K):
         rows, valid = _load_indices(IDX, t, stride_it, k0, topk, s_kv, BLOCK_K)
         k_v = _gather_rows(KV, rows, valid, stride_kv, cols_v, D_V, UPCAST)
-        k_r = _gather_rows(KV, rows, valid, stride_kv, cols_r, D_QK, UPCAST)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2)
-    _store_out(OUT, MAXL, LSE, acc, m_i, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh, cols_v,
-               lse_scale, D_V, UPCAST)
+        k_r = k_v
+        if HAS_ROPE:
+            k_r = _gather_rows(KV, rows, valid, stride_kv, cols_r, D_QK, UPCAST)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2, HAS_ROPE)
+    m_keys = m_i
+    if HAS_SINK:  # one more logit per head, with no value: it joins l (and the lse), never acc
+        sink = tl.load(SINK + heads, mask=heads < h_q, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.maximum(m_keys, sink)
+        alpha = tl.exp2(m_keys - m_i)
+        l_i = l_i * alpha + tl.exp2(sink - m_i)
+        acc = acc * alpha[:, None]
+    _store_out(OUT, MAXL, LSE, acc, m_i, m_keys, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh,
+               cols_v, lse_scale, D_V, UPCAST)
 
 
 @triton.jit
@@ -128,52 +145,63 @@ def _sparse_decode_fp8_kernel(Q, KN, KS, KR, IDX, OUT, MAXL, LSE, s_kv, h_q, top
         scale = tl.load(KS + rows[:, None] * stride_ks + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0.0)
         k_v = _dequant_fp8(k_v, scale, BLOCK_K, UPCAST)
         k_r = _gather_rows(KR, rows, valid, stride_kr, cols_r, 64, UPCAST)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2)
-    _store_out(OUT, MAXL, LSE, acc, m_i, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh, cols_v,
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_v, q_r, k_v, k_r, valid, qk_scale_log2, True)
+    _store_out(OUT, MAXL, LSE, acc, m_i, m_i, l_i, t, heads, h_q, stride_ot, stride_oh, stride_st, stride_sh, cols_v,
                lse_scale, 512, UPCAST)
 
 
 @triton.jit
-def _sparse_bwd_kernel(Q, KV, IDX, O, DO, LSE, DQ, DKV, s_kv, h_q, topk, sm_scale, qk_scale_log2,
+def _sparse_bwd_kernel(Q, KV, IDX, SINK, O, DO, LSE, DQ, DKV, DSINK, s_kv, h_q, topk, sm_scale, qk_scale_log2,
                        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_dot, stride_doh,
                        stride_st, stride_sh, stride_dqt, stride_dqh, stride_dkv,
                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_ROPE: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols_v = tl.arange(0, BLOCK_V)
     cols_r = D_V + tl.arange(0, BLOCK_R)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     q_v = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_v, D_V, UPCAST)
-    q_r = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_r, D_QK, UPCAST)
+    q_r = q_v
+    if HAS_ROPE:
+        q_r = _load_heads(Q, t, heads, h_q, stride_qt, stride_qh, cols_r, D_QK, UPCAST)
     do = _load_heads(DO, t, heads, h_q, stride_dot, stride_doh, cols_v, D_V, True)
     o = _load_heads(O, t, heads, h_q, stride_ot, stride_oh, cols_v, D_V, True)
     delta = tl.sum(o * do, 1)  # rowsum(dO * O): the softmax-gradient term
     do = do.to(q_v.dtype)
     # a query with no valid key saved lse = +inf: its P is 0 and it adds nothing anywhere
     lse = tl.load(LSE + t * stride_st + heads * stride_sh, mask=heads < h_q, other=float("inf"))
+    if HAS_SINK:  # d lse / d sink = P_sink, so d loss / d sink = -P_sink * rowsum(dO * O), summed over queries
+        sink = tl.load(SINK + heads, mask=heads < h_q, other=0.0).to(tl.float32) * 1.4426950408889634
+        tl.atomic_add(DSINK + heads, -tl.exp2(sink - lse) * delta, mask=heads < h_q)
     dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for k0 in range(0, topk, BLOCK_K):
         rows, valid = _load_indices(IDX, t, stride_it, k0, topk, s_kv, BLOCK_K)
         k_v = _gather_rows(KV, rows, valid, stride_kv, cols_v, D_V, UPCAST)
-        k_r = _gather_rows(KV, rows, valid, stride_kv, cols_r, D_QK, UPCAST)
-        s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
+        if HAS_ROPE:
+            k_r = _gather_rows(KV, rows, valid, stride_kv, cols_r, D_QK, UPCAST)
+            s = tl.dot(q_v, tl.trans(k_v), tl.dot(q_r, tl.trans(k_r)))
+        else:
+            s = tl.dot(q_v, tl.trans(k_v))
         p = tl.where(valid[None, :], tl.exp2(s * qk_scale_log2 - lse[:, None]), 0.0)
         ds = (p * (tl.dot(do, tl.trans(k_v)) - delta[:, None])).to(q_v.dtype)
         # each dkv part is added as soon as it exists, so the two never hold registers at once
         dkv_rows = DKV + rows[:, None] * stride_dkv
         dk_v = tl.dot(tl.trans(ds), q_v) * sm_scale + tl.dot(tl.trans(p.to(do.dtype)), do)
         tl.atomic_add(dkv_rows + cols_v[None, :], dk_v, mask=valid[:, None] & (cols_v < D_V)[None, :])
-        dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
-        tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
+        if HAS_ROPE:
+            dk_r = tl.dot(tl.trans(ds), q_r) * sm_scale
+            tl.atomic_add(dkv_rows + cols_r[None, :], dk_r, mask=valid[:, None] & (cols_r < D_QK)[None, :])
+            dq_r = tl.dot(ds, k_r, dq_r)
         dq_v = tl.dot(ds, k_v, dq_v)
-        dq_r = tl.dot(ds, k_r, dq_r)
     dq_ptr = DQ + t * stride_dqt + heads[:, None] * stride_dqh
     h_ok = (heads < h_q)[:, None]
     tl.store(dq_ptr + cols_v[None, :], cast_out(dq_v * sm_scale, DQ.dtype.element_ty, UPCAST),
              mask=h_ok & (cols_v < D_V)[None, :])
-    tl.store(dq_ptr + cols_r[None, :], cast_out(dq_r * sm_scale, DQ.dtype.element_ty, UPCAST),
-             mask=h_ok & (cols_r < D_QK)[None, :])
+    if HAS_ROPE:
+        tl.store(dq_ptr + cols_r[None, :], cast_out(dq_r * sm_scale, DQ.dtype.element_ty, UPCAST),
+                 mask=h_ok & (cols_r < D_QK)[None, :])
 
 
 @triton.jit
@@ -216,9 +244,11 @@ def _kernel(name: str, fn, configs, reset_to_zero: list[str] | None = None):
 
 
 def tile_args(d_qk: int, d_v: int) -> dict:
-    """Constexprs of the bf16 kernels: the value part padded to a power of two, the rest likewise."""
+    """Constexprs of the bf16 kernels: the value part padded to a power of two, the rest (RoPE columns; none when
+    d_qk = d_v, V4's shared K = V head) likewise."""
     return dict(D_QK=d_qk, D_V=d_v, BLOCK_V=max(16, triton.next_power_of_2(d_v)),
-                BLOCK_R=max(16, triton.next_power_of_2(max(d_qk - d_v, 1))), UPCAST=interpreted())
+                BLOCK_R=max(16, triton.next_power_of_2(max(d_qk - d_v, 1))), HAS_ROPE=d_qk > d_v,
+                UPCAST=interpreted())
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -229,8 +259,9 @@ def _head_grid(s_q: int, h_q: int):
     return lambda meta: (s_q, triton.cdiv(h_q, meta["BLOCK_H"]))
 
 
-def sparse_forward(q, kv, indices, sm_scale: float, d_v: int, lse_scale: float = 1.0):
-    """q [s_q, h_q, d_qk], kv [s_kv, d_qk], indices [s_q, topk] -> (out, max_logits, lse) (lse x ``lse_scale``)."""
+def sparse_forward(q, kv, indices, sm_scale: float, d_v: int, lse_scale: float = 1.0, sink=None):
+    """q [s_q, h_q, d_qk], kv [s_kv, d_qk], indices [s_q, topk] -> (out, max_logits, lse) (lse x ``lse_scale``);
+    ``sink [h_q]``: a natural-log logit per head joining every row's softmax (max_logits stays the keys')."""
     q, kv, indices = _unit(q), _unit(kv), _unit(indices)
     s_q, h_q, d_qk = q.shape
     out = registry.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device)
@@ -238,9 +269,9 @@ def sparse_forward(q, kv, indices, sm_scale: float, d_v: int, lse_scale: float =
     lse = registry.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     if s_q:
         wrap_triton(_kernel("fwd", _sparse_fwd_kernel, FWD_CONFIGS))[_head_grid(s_q, h_q)](
-            q, kv, indices, out, max_logits, lse, kv.shape[0], h_q, indices.shape[1], sm_scale * LOG2E, lse_scale,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1), **tile_args(d_qk, d_v))
+            q, kv, indices, lse if sink is None else sink, out, max_logits, lse, kv.shape[0], h_q, indices.shape[1],
+            sm_scale * LOG2E, lse_scale, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0),
+            out.stride(1), lse.stride(0), lse.stride(1), HAS_SINK=sink is not None, **tile_args(d_qk, d_v))
     return out, max_logits, lse
 
 
@@ -249,8 +280,8 @@ def sparse_fwd_triton(q, kv, indices, sm_scale, d_v=512):
     return sparse_forward(q, kv[:, 0], indices[:, 0], float(sm_scale), d_v)
 
 
-def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
-    """Triton path of the backward op: (dq, dkv) from the forward's out and base-2 lse."""
+def sparse_backward(dout, q, kv, indices, out, lse, sm_scale: float, d_v: int, sink=None):
+    """(dq, dkv, dsink fp32 [h_q] or None) from the forward's out and base-2 lse (which counts ``sink``)."""
     if lse.numel() == 0:
         raise registry.Unsupported("no log-sum-exp: the forward ran the reference, which keeps none")
     q, kv, indices, dout, out = (_unit(t) for t in (q, kv, indices, dout, out))
@@ -258,16 +289,38 @@ def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
     dq = registry.empty(q.shape, dtype=q.dtype, device=q.device)
     dkv = registry.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the atomics' accumulator
+    # always a buffer of its own: the autotuner zeroes DSINK between trials, so it must never alias another argument
+    dsink = torch.zeros(h_q, dtype=torch.float32, device=q.device)
     if s_q:
-        wrap_triton(_kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV"]))[_head_grid(s_q, h_q)](
-            q, kv, indices, out, dout, lse, dq, dkv32, kv.shape[0], h_q, indices.shape[1], sm_scale,
+        wrap_triton(_kernel("bwd", _sparse_bwd_kernel, BWD_CONFIGS, reset_to_zero=["DKV", "DSINK"]))[
+            _head_grid(s_q, h_q)](
+            q, kv, indices, lse if sink is None else sink, out, dout, lse, dq, dkv32,
+            dsink, kv.shape[0], h_q, indices.shape[1], sm_scale,
             sm_scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
             dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dkv32.stride(0),
-            **tile_args(d_qk, d_v))
+            HAS_SINK=sink is not None, **tile_args(d_qk, d_v))
     block = 1024
     wrap_triton(_cast_kernel)[(triton.cdiv(dkv.numel(), block),)](dkv32, dkv, dkv.numel(), UPCAST=interpreted(),
                                                                    BLOCK=block)
-    return dq, dkv
+    return dq, dkv, None if sink is None else dsink
+
+
+def sparse_backward_triton(dout, q, kv, indices, out, lse, sm_scale, d_v):
+    """Triton path of the backward op: (dq, dkv) from the forward's out and base-2 lse."""
+    return sparse_backward(dout, q, kv, indices, out, lse, sm_scale, d_v)[:2]
+
+
+def sparse_sink_attention_triton(q, kv, indices, sink, sm_scale):
+    """Triton path of ``flash_mla.sparse_sink_attention`` (V4: K = V = ``kv``, a sink logit per head):
+    ``(out, lse)``, lse base 2 and counting the sink."""
+    out, _, lse = sparse_forward(q, kv, indices, float(sm_scale), kv.shape[-1], sink=_unit(sink))
+    return out, lse
+
+
+def sparse_sink_attention_backward_triton(dout, q, kv, indices, sink, out, lse, sm_scale):
+    """Triton path of ``flash_mla.sparse_sink_attention_backward``: (dq, dkv, dsink in sink's dtype)."""
+    dq, dkv, dsink = sparse_backward(dout, q, kv, indices, out, lse, float(sm_scale), kv.shape[-1], _unit(sink))
+    return dq, dkv, dsink.to(sink.dtype)
 
 
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import flash_mla
 from models.deepseek_v4.args import ModelArgs
 
 __all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
@@ -214,7 +215,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(rms_scale(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps), angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)  # [b, s, d]: keys and values
-        visible = window_visible(s, self.window, x.device).expand(b, s, s)
+        chosen = None
         if self.compressor is not None:
             ckv = self.compressor(x, angles)
             if self.indexer is not None:
@@ -222,8 +223,9 @@ class Attention(nn.Module):
             else:
                 chosen = compressed_visible(s, ckv.shape[1], self.ratio, x.device).expand(b, -1, -1)
             kv = torch.cat([kv, ckv], dim=1)
-            visible = torch.cat([visible, chosen], dim=-1)
-        o = sink_attention(q, kv, visible, self.attn_sink, self.softmax_scale)
+        rows = attention_rows(s, self.window, chosen, self.indexer.topk if self.indexer is not None else None,
+                              x.device)
+        o = sparse_sink_attention(q, kv, rows, self.attn_sink, self.softmax_scale)
         o = apply_rope(o, angles, inverse=True)
         # grouped low-rank output: o_g [b, s, H*d/G] times wo_a's block g, then wo_b over all groups
         wo_a = self.wo_a.weight.view(self.o_groups, -1, self.wo_a.in_features)
@@ -231,15 +233,33 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(2))
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``softmax([q.k * scale | sink])`` over the visible keys, the sink column dropped, times ``kv``.
-    ``q [b, s, h, d]``, ``kv [b, n, d]``, ``visible [b, s, n]`` -> ``[b, s, h, d]``."""
-    logits = torch.einsum("bshd,bnd->bhsn", q, kv) * scale
-    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    sinks = sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhsn,bnd->bshd", probs.to(kv.dtype), kv)
+def attention_rows(s: int, window: int, chosen: torch.Tensor | None, topk: int | None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Each query's index list ``[b, s, width]`` (int32, -1 = unused slot) into its sequence's ``cat([kv, ckv])``:
+    its window ``t - window < u <= t``, then ``s + w`` for every compressed entry w that ``chosen [b, s, n]``
+    marks (the indexer's top-k: at most ``topk`` per row; ``None``: every marked entry, HCA's causal set).
+    ``chosen`` None: a window-only layer (``b`` = 1, broadcast by the caller)."""
+    t = torch.arange(s, device=device)[:, None]
+    rows = t - torch.arange(min(window, s), device=device)
+    rows = rows.masked_fill(rows < 0, -1)[None]
+    if chosen is None:
+        return rows.int()
+    width = chosen.shape[-1] if topk is None else min(topk, chosen.shape[-1])
+    marked = chosen.to(torch.uint8).sort(dim=-1, descending=True, stable=True)  # marked entries first
+    entries = torch.where(marked.values[..., :width] > 0, marked.indices[..., :width] + s, -1)
+    return torch.cat([rows.expand(chosen.shape[0], -1, -1), entries], dim=-1).int()
+
+
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """``softmax([q.k * scale | sink])`` over each query's listed keys, the sink dropped, times ``kv`` (K = V), by
+    ``flash_mla.sparse_sink_attention`` over the batch flattened (each sequence's rows offset by its start).
+    ``q [b, s, h, d]``, ``kv [b, n, d]``, ``rows [b or 1, s, width]`` -> ``[b, s, h, d]``."""
+    b, s, h, d = q.shape
+    offsets = torch.arange(b, device=q.device, dtype=torch.int32).view(b, 1, 1) * kv.shape[1]
+    rows = torch.where(rows >= 0, rows + offsets, -1).flatten(0, 1)
+    out = flash_mla.sparse_sink_attention(q.flatten(0, 1), kv.flatten(0, 1), rows, sink, scale)
+    return out.view(b, s, h, d)
 
 
 # ---------------------------------------------------------------------------------------------------- MoE
