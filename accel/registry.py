@@ -257,8 +257,29 @@ def wrap_triton(kernel: Any) -> Any:
     verifier, whose operator recorder would otherwise meet a higher-order operator) and under Triton's interpreter
     (torch before 2.12 refuses to wrap an interpreted kernel, pytorch/pytorch#152868; it cannot be traced)."""
     if triton_interpreted() or not torch.compiler.is_compiling():
-        return kernel
+        return _EagerLaunch(kernel)
     return torch.library.wrap_triton(kernel)
+
+
+class _EagerLaunch:
+    """``kernel[grid](...)`` launched eagerly, except on ``meta`` tensors, where nothing is computed: the wrapper
+    around the launch (its checks, allocations, what its op saves for backward) runs as on the device, which is
+    what the memory measurement (``planner.memory_measure``) counts."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
+                return None
+            return launch(*args, **kwargs)
+
+        return run
 
 
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
