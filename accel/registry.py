@@ -282,6 +282,29 @@ class _EagerLaunch:
         return run
 
 
+_BODIES: dict[str, Callable[..., Any]] = {}  # "dsv3::name" -> the op's Python body
+
+
+def library_op(name: str, *, mutates_args: Sequence[str] = (), triton: bool = False) -> Callable[[Callable], Any]:
+    """``torch.library.triton_op`` (``triton``) or ``custom_op`` for ``fn``, named ``name``, its body kept for
+    ``body``."""
+
+    def wrap(fn: Callable) -> Any:
+        make = torch.library.triton_op if triton else torch.library.custom_op
+        op = make(name, fn, mutates_args=tuple(mutates_args))
+        _BODIES[name] = fn
+        return op
+
+    return wrap
+
+
+def body(op: Any) -> Callable[..., Any] | None:
+    """The Python body of a ``dsv3`` op (an ``OpOverload``), or None for any other op: what the op runs below
+    autograd, so that a dispatch mode (the memory meter, ``planner.memory_measure``) can run it and see the
+    operators inside, which the op itself hides."""
+    return _BODIES.get(op.name()) if getattr(op, "namespace", None) == NAMESPACE else None
+
+
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
              setup_context: Callable | None = None, fake: Callable | None = None,
              opaque: bool = False) -> Callable[[Callable], Any]:
@@ -302,8 +325,7 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
 
     def wrap(fn: Callable) -> Any:
         name = f"{NAMESPACE}::{kernel.name.rsplit('.', 1)[-1]}"
-        make = torch.library.triton_op if kernel._triton is not None and not opaque else torch.library.custom_op
-        op = make(name, fn, mutates_args=tuple(mutates_args))
+        op = library_op(name, mutates_args=mutates_args, triton=kernel._triton is not None and not opaque)(fn)
 
         def reference_fake(*args: Any, **kwargs: Any) -> Any:
             device = _first_device(args) or _first_device(kwargs)

@@ -158,7 +158,20 @@ class LiveBytes(TorchDispatchMode):
 
     # dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = self._run(func, args, kwargs or {})
+        body = registry.body(func)
+        if body is not None:  # a kernel op: its body, with this mode on, so that what it allocates inside counts
+            with self:
+                out = body(*args, **(kwargs or {}))
+        else:
+            if _COMPOSITE.get(func, True):
+                # inside a kernel op's body (below autograd) a composite op (``Tensor.to``) is not decomposed yet:
+                # its decomposition, seen op by op (``decompose`` runs nothing for any other op)
+                with self:
+                    out = func.decompose(*args, **(kwargs or {}))
+                _COMPOSITE[func] = out is not NotImplemented
+                if _COMPOSITE[func]:
+                    return out
+            out = self._run(func, args, kwargs or {})
         inputs = {id(s) for s in _storages((args, kwargs))}
         self._resync()
         for storage in _storages(out):
@@ -242,6 +255,7 @@ class LiveBytes(TorchDispatchMode):
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
+_COMPOSITE: dict = {}  # op -> whether it is a composite (decomposes into other ops)
 # ops that make a tensor from a shape (and a template's dtype): integer/bool ones get values, on the CPU
 _FACTORIES = {aten.empty.memory_format, aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default,
               aten.arange.start, aten.arange.start_step, aten.empty_strided.default, aten.scalar_tensor.default,
