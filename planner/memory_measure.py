@@ -301,13 +301,6 @@ def _as_gpu() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _untracked(meter: LiveBytes) -> Iterator[None]:
-    """Storages made inside the block are not counted by ``meter`` (they stay untracked for good)."""
-    with torch.utils._python_dispatch._disable_current_modes():
-        yield
-
-
 # ---- one piece ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -332,27 +325,37 @@ def measure(piece: Callable[..., object], inputs: list[torch.Tensor], accelerato
             params: list[torch.Tensor] = (), own_inputs: bool = True) -> Measured:
     """Run ``piece(*copies)`` forward, then backward from gradients of its floating outputs, inside
     ``LiveBytes``; ``copies`` are made inside (so an input the graph keeps is counted as saved; with
-    ``own_inputs=False`` they are not: the input is another piece's to count) from ``inputs`` (which require
-    grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
+    ``own_inputs=False`` they are made before the count starts: the input is another piece's to count) from
+    ``inputs`` (which require grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
     keep_main_grads([p for p in params if p.requires_grad and not hasattr(p, "main_grad")])
     impl = _as_gpu() if accelerator else registry.force("reference")
+    meter = LiveBytes()
     # the training step skips the FP8 GEMMs' scale-value checks too (its scales come from its own casts)
-    with impl, unchecked_scale_values(), LiveBytes() as meter:
-        with contextlib.nullcontext() if own_inputs else _untracked(meter):
-            copies = [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep values
-        out = piece(*copies)
-        del copies
-        outputs = _tensors(out)
-        out_bytes = meter.bytes_of(outputs)
-        saved = meter.live - out_bytes
-        forward_peak = meter.peak
-        diff = [t for t in outputs if t.requires_grad]
-        grads = [torch.ones_like(t) for t in diff]
-        meter.mark()
-        torch.autograd.backward(diff, grads)
-        backward_peak = meter.peak
-        del out, outputs, diff, grads
+    with impl, unchecked_scale_values():
+        with contextlib.nullcontext() if own_inputs else LiveBytes() as outside:
+            copies = None if own_inputs else _copies(inputs)
+        if outside is not None:  # the integers' values travel with them
+            meter.values.update(outside.values)
+        with meter:
+            if copies is None:
+                copies = _copies(inputs)
+            out = piece(*copies)
+            del copies
+            outputs = _tensors(out)
+            out_bytes = meter.bytes_of(outputs)
+            saved = meter.live - out_bytes
+            forward_peak = meter.peak
+            diff = [t for t in outputs if t.requires_grad]
+            grads = [torch.ones_like(t) for t in diff]
+            meter.mark()
+            torch.autograd.backward(diff, grads)
+            backward_peak = meter.peak
+            del out, outputs, diff, grads
     return Measured(saved, max(0, max(forward_peak, backward_peak) - saved - out_bytes))
+
+
+def _copies(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep their values
 
 
 # ---- the model's pieces -------------------------------------------------------------------------------
