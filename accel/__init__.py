@@ -7,20 +7,24 @@ require_supported_torch()  # before anything else: an untested torch is refused 
 from accel import registry, specs  # noqa: E402
 from accel.backend import (  # noqa: E402
     BACKENDS,
+    HOPPER,
     BackendError,
     Event,
+    TargetDevice,
     backend,
     current_stream,
     default_device,
     detect_backend,
     device_capability,
     device_module,
+    device_multiprocessors,
     device_name,
     dist_backend,
     empty_cache,
     fp8_native,
     local_rank,
     max_memory_allocated,
+    planning_for,
     reset,
     reset_peak_memory_stats,
     stream_guard,
@@ -34,9 +38,10 @@ from accel.specs import DeviceSpec, lookup, mfu  # noqa: E402
 from accel.timing import do_bench  # noqa: E402
 
 __all__ = [
-    "BACKENDS", "BackendError", "Case", "DeviceSpec", "Event", "KernelFallbackError", "Unsupported", "VerifySpec",
-    "backend", "current_stream", "default_device", "detect_backend", "device_capability", "device_module",
-    "device_name", "dist_backend", "do_bench", "empty_cache", "fp8_native", "local_rank", "lookup",
-    "max_memory_allocated", "mfu", "registry", "reset", "reset_peak_memory_stats", "specs", "stream_guard",
-    "synchronize", "triton_available", "triton_interpreted", "triton_unavailable_reason",
+    "BACKENDS", "BackendError", "Case", "DeviceSpec", "Event", "HOPPER", "KernelFallbackError", "TargetDevice",
+    "Unsupported", "VerifySpec", "backend", "current_stream", "default_device", "detect_backend", "device_capability",
+    "device_module", "device_multiprocessors", "device_name", "dist_backend", "do_bench", "empty_cache", "fp8_native",
+    "local_rank", "lookup", "max_memory_allocated", "mfu", "planning_for", "registry", "reset",
+    "reset_peak_memory_stats", "specs", "stream_guard", "synchronize", "triton_available", "triton_interpreted",
+    "triton_unavailable_reason",
 ]

@@ -12,8 +12,11 @@ import functools
 import importlib
 import importlib.util
 import os
+import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -127,7 +130,45 @@ def device_name() -> str:
     return mod.get_device_name(default_device())
 
 
+@dataclass(frozen=True)
+class TargetDevice:
+    """The device whose kernels' host logic runs on ``meta`` tensors: its compute capability and multiprocessors."""
+
+    capability: tuple[int, int]
+    multiprocessors: int
+
+
+HOPPER = TargetDevice((9, 0), 132)  # H100/H200/H800 SXM
+_target = threading.local()
+
+
+@contextmanager
+def planning_for(device: TargetDevice) -> Iterator[None]:
+    """Within the block (this thread), ``device_capability``, ``fp8_native`` and ``device_multiprocessors``
+    describe ``device``: the memory measurement runs the kernels' wrappers on ``meta`` tensors as on that GPU."""
+    previous = getattr(_target, "device", None)
+    _target.device = device
+    try:
+        yield
+    finally:
+        _target.device = previous
+
+
+def device_multiprocessors() -> int | None:
+    """The device's streaming multiprocessors (``planning_for``'s inside it), or None on the cpu."""
+    target = getattr(_target, "device", None)
+    if target is not None:
+        return target.multiprocessors
+    module = device_module()
+    if module is None or backend() == "cpu":
+        return None
+    return int(module.get_device_properties(default_device()).multi_processor_count)
+
+
 def device_capability() -> tuple[int, int] | None:
+    target = getattr(_target, "device", None)
+    if target is not None:
+        return target.capability
     mod = device_module()
     if mod is None:
         return None

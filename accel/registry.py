@@ -257,8 +257,52 @@ def wrap_triton(kernel: Any) -> Any:
     verifier, whose operator recorder would otherwise meet a higher-order operator) and under Triton's interpreter
     (torch before 2.12 refuses to wrap an interpreted kernel, pytorch/pytorch#152868; it cannot be traced)."""
     if triton_interpreted() or not torch.compiler.is_compiling():
-        return kernel
+        return _EagerLaunch(kernel)
     return torch.library.wrap_triton(kernel)
+
+
+class _EagerLaunch:
+    """``kernel[grid](...)`` launched eagerly, except on ``meta`` tensors, where nothing is computed: the wrapper
+    around the launch (its checks, allocations, what its op saves for backward) runs as on the device, which is
+    what the memory measurement (``planner.memory_measure``) counts."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
+                return None
+            return launch(*args, **kwargs)
+
+        return run
+
+
+_BODIES: dict[str, Callable[..., Any]] = {}  # "dsv3::name" -> the op's Python body
+
+
+def library_op(name: str, *, mutates_args: Sequence[str] = (), triton: bool = False) -> Callable[[Callable], Any]:
+    """``torch.library.triton_op`` (``triton``) or ``custom_op`` for ``fn``, named ``name``, its body kept for
+    ``body``."""
+
+    def wrap(fn: Callable) -> Any:
+        make = torch.library.triton_op if triton else torch.library.custom_op
+        op = make(name, fn, mutates_args=tuple(mutates_args))
+        _BODIES[name] = fn
+        return op
+
+    return wrap
+
+
+def body(op: Any) -> Callable[..., Any] | None:
+    """The Python body of a ``dsv3`` op (an ``OpOverload``), or None for any other op: what the op runs below
+    autograd, so that a dispatch mode (the memory meter, ``planner.memory_measure``) can run it and see the
+    operators inside, which the op itself hides."""
+    return _BODIES.get(op.name()) if getattr(op, "namespace", None) == NAMESPACE else None
 
 
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
@@ -281,8 +325,7 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
 
     def wrap(fn: Callable) -> Any:
         name = f"{NAMESPACE}::{kernel.name.rsplit('.', 1)[-1]}"
-        make = torch.library.triton_op if kernel._triton is not None and not opaque else torch.library.custom_op
-        op = make(name, fn, mutates_args=tuple(mutates_args))
+        op = library_op(name, mutates_args=mutates_args, triton=kernel._triton is not None and not opaque)(fn)
 
         def reference_fake(*args: Any, **kwargs: Any) -> Any:
             device = _first_device(args) or _first_device(kwargs)

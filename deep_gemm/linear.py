@@ -245,7 +245,7 @@ class _LinearFunction(torch.autograd.Function):
 # backward is the opaque op ``dsv3::linear_backward``: the input gradient it returns, the weight gradient it hands
 # to ``accel.wgrad`` / ``accel.grads`` as ``_LinearFunction`` does (never through autograd), so the deferred
 # zero-bubble W pass and ``main_grad`` accumulation are unchanged, compiled or not.
-@torch.library.custom_op("dsv3::linear", mutates_args=())
+@registry.library_op("dsv3::linear")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None, fp8_cache: bool,
                x_values: torch.Tensor | None, x_scales: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,7 +266,7 @@ def _(x, weight, bias, fp8, fp8_cache, x_values, x_scales):
     return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32)
 
 
-@torch.library.custom_op("dsv3::linear_backward", mutates_args=())
+@registry.library_op("dsv3::linear_backward")
 def _linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor, fp8: str | None,
                         cached: bool, k: int, x_dtype: torch.dtype, input_grad: bool, weight_grad: bool,
                         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -573,7 +573,7 @@ EXPERT_WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4_qat")
 # The op form, as dsv3::linear: both ops are opaque (the group layout is read on the host). The forward also
 # returns m_indices copied to the CPU, which its autograd keeps, so the backward reads the layout again there
 # without another device sync.
-@torch.library.custom_op("dsv3::grouped_linear", mutates_args=())
+@registry.library_op("dsv3::grouped_linear")
 def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: str | None,
                        fp8_cache: bool, x_values: torch.Tensor | None, x_scales: torch.Tensor | None,
                        mxfp4: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -597,7 +597,7 @@ def _(x, weight, m_indices, fp8, fp8_cache, x_values, x_scales, mxfp4=False):
     return out, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), host
 
 
-@torch.library.custom_op("dsv3::grouped_linear_backward", mutates_args=())
+@registry.library_op("dsv3::grouped_linear_backward")
 def _grouped_linear_backward_op(grad_out: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor,
                                 m_indices: torch.Tensor, host: torch.Tensor, fp8: str | None, cached: bool,
                                 x_dtype: torch.dtype, input_grad: bool, weight_grad: bool, mxfp4: bool = False

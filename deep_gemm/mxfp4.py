@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from accel import registry
 from deep_gemm.utils import MX_BLOCK
 
 E2M1_MAX = 6.0
@@ -88,7 +89,7 @@ def dequantize_mxfp4(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.
     return out.to(dtype)
 
 
-@torch.library.custom_op("dsv3::mxfp4_fake_quant", mutates_args=())
+@registry.library_op("dsv3::mxfp4_fake_quant")
 def _fake_quant(w: torch.Tensor) -> torch.Tensor:
     return dequantize_mxfp4(*quantize_mxfp4(w), dtype=w.dtype)
 

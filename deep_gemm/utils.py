@@ -56,17 +56,14 @@ def set_num_sms(num_sms: int) -> None:
 
 
 def get_num_sms() -> int:
-    """The SM count set by ``set_num_sms``, else the device's (1 on the cpu)."""
+    """The SM count set by ``set_num_sms``, else the device's (``accel.planning_for``'s inside it; 1 on the cpu)."""
     if _num_sms is not None:
         return _num_sms
     return _device_sms() or 1
 
 
 def _device_sms() -> int | None:
-    module = accel.device_module()
-    if module is None or accel.backend() == "cpu":
-        return None
-    return int(module.get_device_properties(accel.default_device()).multi_processor_count)
+    return accel.device_multiprocessors()
 
 
 def get_mn_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from accel import registry
 from fused_ce.ops import accumulation_dtype, cross_entropy_backward, cross_entropy_forward
 
 
@@ -27,7 +28,7 @@ def _chunks(rows: int, chunk: int):
     return [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
 
 
-@torch.library.custom_op("dsv3::linear_cross_entropy", mutates_args=())
+@registry.library_op("dsv3::linear_cross_entropy")
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                           reduction: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss, each row's log-sum-exp): what the backward needs besides the inputs (the logits are not kept)."""
@@ -47,7 +48,7 @@ def _(hidden, weight, targets, ignore_index, reduction, chunk):
     return hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape[0], dtype=acc)
 
 
-@torch.library.custom_op("dsv3::linear_cross_entropy_backward", mutates_args=())
+@registry.library_op("dsv3::linear_cross_entropy_backward")
 def _linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                    targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str,
                                    chunk: int, need_hidden: bool = True,

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from accel import registry
 from fused_ops import custom, ops
@@ -81,7 +80,7 @@ def swiglu_fp8(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> tu
     return custom.swiglu_fp8(gate_up.detach(), w)
 
 
-@triton_op("dsv3::apply_rope", mutates_args=())
+@registry.library_op("dsv3::apply_rope", triton=True)
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool) -> Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     custom.rope(x, cos, sin, out, interleaved=interleaved, inverse=inverse)
@@ -137,7 +136,7 @@ def _flat_weights(weights: torch.Tensor | None) -> torch.Tensor | None:
     return None if weights is None else weights.reshape(-1).float().contiguous()
 
 
-@triton_op("dsv3::permute", mutates_args=())
+@registry.library_op("dsv3::permute", triton=True)
 def _permute(x: Tensor, weights: Tensor | None, assign: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
     grouped, _, grouped_w = custom.permute_gather(x, assign, k, None, weights)
     return grouped, grouped_w
@@ -187,7 +186,7 @@ def permute(x: torch.Tensor, layout: Grouping, weights: torch.Tensor | None = No
     return q, sf, None if w is None else grouped_w
 
 
-@triton_op("dsv3::unpermute", mutates_args=())
+@registry.library_op("dsv3::unpermute", triton=True)
 def _unpermute(y: Tensor, weights: Tensor | None, assign: Tensor, rows: Tensor, k: int) -> Tensor:
     return custom.unpermute_sum(y, rows, k, weights)
 
@@ -238,7 +237,7 @@ def _gather_backward(ctx, grad: Tensor, *_wire):
     return dx, dc, *(None,) * (len(ctx.needs_input_grad) - 2)
 
 
-@triton_op("dsv3::gather_rows_differentiable", mutates_args=())
+@registry.library_op("dsv3::gather_rows_differentiable", triton=True)
 def _gather_rows(x: Tensor, columns: Tensor | None, assign: Tensor, inverse: Tensor, k: int) -> Tensor:
     return custom.gather_rows(x, assign, k, columns)
 
@@ -246,7 +245,7 @@ def _gather_rows(x: Tensor, columns: Tensor | None, assign: Tensor, inverse: Ten
 _gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
-@triton_op("dsv3::pack_rows_fp8", mutates_args=())
+@registry.library_op("dsv3::pack_rows_fp8", triton=True)
 def _pack_rows_fp8(x: Tensor, columns: Tensor | None, assign: Tensor, inverse: Tensor, k: int,
                    x_fp8: Tensor | None, x_fp8_scales: Tensor | None) -> tuple[Tensor, Tensor]:
     if x_fp8 is None:  # cast on the way
@@ -313,7 +312,7 @@ def _check_gather(name: str, x: torch.Tensor, inverse: torch.Tensor, k: int, col
                          f"{columns.dtype} {list(columns.shape)}")
 
 
-@triton_op("dsv3::regroup_rows", mutates_args=())
+@registry.library_op("dsv3::regroup_rows", triton=True)
 def _regroup_rows(rows: Tensor, dim: int, assign: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:
     values = rows[:, :dim]
     weights = rows[:, dim:].float().sum(1) if rows.shape[1] > dim else None  # a column or two: plain torch
@@ -343,7 +342,7 @@ def _regroup_backward(ctx, grad: Tensor, grad_w: Tensor, *_fp8):
 _regroup_rows.register_autograd(_regroup_backward, setup_context=_regroup_setup)
 
 
-@triton_op("dsv3::regroup_rows_fp8", mutates_args=())
+@registry.library_op("dsv3::regroup_rows_fp8", triton=True)
 def _regroup_rows_fp8(rows: Tensor, wire: Tensor, dim: int, assign: Tensor, inverse: Tensor,
                       keep_rows: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     blocks = -(-dim // 128)

@@ -9,7 +9,7 @@ estimate by itself.
 ``LiveBytes`` (a ``TorchDispatchMode``) counts what stays *alive*, not what autograd's hooks see, so any
 mechanism that keeps or frees memory is measured as it behaves: every storage an op creates inside the
 block is tracked (by storage identity, so views count once) until it dies (a finalizer on the storage),
-and its size is read live, so a storage resized to 0 (``recompute.produce_consume`` releases a producer's
+and its size is re-read at every op, so a storage resized to 0 (``recompute.produce_consume`` releases a producer's
 output that way) counts 0. After a piece's forward, the bytes still alive that its outputs do not account
 for are its saved-for-backward bytes; the highest count during its forward and backward, less those, is
 its transient.
@@ -17,9 +17,10 @@ its transient.
 Running on ``meta``:
 
 - accelerator path: the GPU kernels' Python wrappers run as on a Hopper GPU (``_as_gpu``: the registry's
-  automatic choice, which is Triton for a non-CPU device; FP8 tensor cores; 132 SMs), so each saves exactly
-  what the GPU path saves (flash attention: q, k, v, out, lse; the FP8 GEMMs their e4m3 casts); only the
-  Triton launches are skipped (``_skip_triton_launches``). The CPU path forces the PyTorch references
+  automatic choice, which is Triton for a non-CPU device; ``accel.planning_for(accel.HOPPER)``: FP8 tensor
+  cores, 132 SMs), so each saves exactly what the GPU path saves (flash attention: q, k, v, out, lse; the FP8
+  GEMMs their e4m3 casts); a Triton launch on meta tensors does nothing (``registry.wrap_triton``).
+  Nothing of torch, Triton or the project is patched. The CPU path forces the PyTorch references
   (``accel.registry.force("reference")``), as a CPU run uses them.
 - values: integer tensors (indices, masks) are meta tensors whose values ``LiveBytes`` computes alongside on
   the CPU (``LiveBytes.values``) whenever every input of the op has known values; an op whose meta kernel
@@ -48,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+import accel
 from accel import registry
 from accel.grads import keep_main_grads
 from deep_gemm.utils import unchecked_scale_values
@@ -96,80 +98,87 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created inside the block that are alive now (``live``) and at most (``peak``).
 
     A storage is counted from the op that creates it (an output whose storage is none of the op's inputs')
-    until it dies; its size is re-read when it is resized (``UntypedStorage.resize_``). Storages that existed
-    before the block (parameters, inputs made outside) are never counted. Works on real tensors too (the
-    tests compare it with the CPU allocator). ``mark()`` restarts the peak from the current count.
+    until it dies (a finalizer on it). Storages are told apart by identity: ``Tensor.untyped_storage()`` is one
+    Python object for the storage's whole life, shared by its views. Sizes are re-read at every op, so a storage
+    resized in between (``recompute.produce_consume`` releases a producer's outputs to 0 bytes and refills them
+    before their backward) counts what it holds. Storages that existed before the block (parameters, inputs made
+    outside) are never counted. Works on real tensors too (the tests compare it with the CPU allocator).
+    ``mark()`` restarts the peak from the current count.
     """
 
     def __init__(self, balanced_topk: bool = True):
         super().__init__()
-        self.sizes: dict[int, int] = {}  # storage id -> bytes counted for it
-        self.live = 0
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted for it
+        self._alive: dict[int, weakref.ref] = {}  # id(storage) -> the storage
+        self._live = 0  # as of the last re-read
         self.peak = 0
         self.balanced_topk = balanced_topk
         self.values = WeakIdKeyDictionary()  # meta integer tensor -> its values (a CPU tensor)
-        self._open = False
 
     # tracking
     def _track(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
+        key = id(storage)
         n = storage.nbytes()
         self.sizes[key] = n
-        self.live += n
+        self._alive[key] = weakref.ref(storage)
+        self._live += n
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key, 0)
+        self._live -= self.sizes.pop(key, 0)
+        self._alive.pop(key, None)
 
-    def _resized(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        if key in self.sizes:
-            n = storage.nbytes()
-            self.live += n - self.sizes[key]
-            self.sizes[key] = n
-            self.peak = max(self.peak, self.live)
+    def _resync(self) -> None:
+        """Re-read every counted storage's size (one resized since the last op counts what it holds now)."""
+        sizes = self.sizes
+        for key, ref in self._alive.items():
+            storage = ref()
+            if storage is not None:
+                n = storage.nbytes()
+                if n != sizes[key]:
+                    self._live += n - sizes[key]
+                    sizes[key] = n
+
+    @property
+    def live(self) -> int:
+        """Bytes counted now (sizes re-read)."""
+        self._resync()
+        return self._live
 
     def mark(self) -> int:
-        self.peak = self.live
-        return self.live
+        self._resync()
+        self.peak = self._live
+        return self._live
 
     def bytes_of(self, obj) -> int:
         """Counted bytes of the distinct storages of the tensors in ``obj``."""
-        seen = {s._cdata: s for s in _storages(obj)}
+        self._resync()
+        seen = {id(s) for s in _storages(obj)}
         return sum(self.sizes.get(k, 0) for k in seen)
-
-    def __enter__(self):
-        meter = self
-        self._resize = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            out = meter._resize(storage, size)
-            if meter._open:
-                meter._resized(storage)
-            return out
-
-        # every meta storage's address is 0; code that tells storages apart by address (``produce_consume``
-        # finds the producer outputs to release that way) gets a distinct one
-        self._data_ptr = torch.UntypedStorage.data_ptr
-        torch.UntypedStorage.data_ptr = lambda s: s._cdata if s.device.type == "meta" else meter._data_ptr(s)
-        torch.UntypedStorage.resize_ = resize_
-        self._open = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._open = False
-        torch.UntypedStorage.resize_ = self._resize
-        torch.UntypedStorage.data_ptr = self._data_ptr
-        return super().__exit__(*exc)
 
     # dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = self._run(func, args, kwargs or {})
-        inputs = {s._cdata for s in _storages((args, kwargs))}
+        body = registry.body(func)
+        if body is not None:  # a kernel op: its body, with this mode on, so that what it allocates inside counts
+            with self:
+                out = body(*args, **(kwargs or {}))
+        else:
+            if _COMPOSITE.get(func, True):
+                # inside a kernel op's body (below autograd) a composite op (``Tensor.to``) is not decomposed yet:
+                # its decomposition, seen op by op (``decompose`` runs nothing for any other op)
+                with self:
+                    out = func.decompose(*args, **(kwargs or {}))
+                _COMPOSITE[func] = out is not NotImplemented
+                if _COMPOSITE[func]:
+                    return out
+            out = self._run(func, args, kwargs or {})
+        inputs = {id(s) for s in _storages((args, kwargs))}
+        self._resync()
         for storage in _storages(out):
-            if storage._cdata not in self.sizes and storage._cdata not in inputs:
+            key = id(storage)
+            if key not in self.sizes and key not in inputs:
                 self._track(storage)
-        self.peak = max(self.peak, self.live)
+        self.peak = max(self.peak, self._live)
         return out
 
     def _run(self, func, args, kwargs):
@@ -246,6 +255,7 @@ class LiveBytes(TorchDispatchMode):
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
+_COMPOSITE: dict = {}  # op -> whether it is a composite (decomposes into other ops)
 # ops that make a tensor from a shape (and a template's dtype): integer/bool ones get values, on the CPU
 _FACTORIES = {aten.empty.memory_format, aten.zeros.default, aten.ones.default, aten.full.default, aten.arange.default,
               aten.arange.start, aten.arange.start_step, aten.empty_strided.default, aten.scalar_tensor.default,
@@ -284,55 +294,10 @@ def _balanced_choice(shape: torch.Size, n: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _skip_triton_launches() -> Iterator[None]:
-    """``kernel[grid](...)`` does nothing when a meta tensor is among its arguments (the wrappers around the
-    launch, their allocations and what they save for backward, run as on a GPU)."""
-    try:
-        from triton.runtime.jit import KernelInterface
-    except ImportError:  # no Triton: the registry runs the references anyway
-        yield
-        return
-    original = KernelInterface.__getitem__
-
-    def getitem(self, grid):
-        launch = original(self, grid)
-
-        def run(*args, **kwargs):
-            if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in (*args, *kwargs.values())):
-                return None
-            return launch(*args, **kwargs)
-
-        return run
-
-    KernelInterface.__getitem__ = getitem
-    try:
-        yield
-    finally:
-        KernelInterface.__getitem__ = original
-
-
-HOPPER_SMS = 132  # H100/H200/H800 SXM: what the FP8 GEMMs plan their split-K for (a workspace size)
-
-
-@contextlib.contextmanager
 def _as_gpu() -> Iterator[None]:
-    """The kernels' host logic as on a Hopper GPU: FP8 tensor cores present, ``HOPPER_SMS`` multiprocessors."""
-    import accel
-    import deep_gemm.utils as dgu
-
-    fp8_native, sms = accel.fp8_native, dgu._num_sms
-    accel.fp8_native, dgu._num_sms = (lambda: True), HOPPER_SMS
-    try:
-        with registry.force("auto"):  # the GPU's choice, whatever DSV3_KERNEL_IMPL says for this process
-            yield
-    finally:
-        accel.fp8_native, dgu._num_sms = fp8_native, sms
-
-
-@contextlib.contextmanager
-def _untracked(meter: LiveBytes) -> Iterator[None]:
-    """Storages made inside the block are not counted by ``meter`` (they stay untracked for good)."""
-    with torch.utils._python_dispatch._disable_current_modes():
+    """The kernels' host logic as on a Hopper GPU (``accel.HOPPER``: FP8 tensor cores, 132 multiprocessors), with
+    the registry's automatic choice (Triton for a non-CPU device, whatever ``DSV3_KERNEL_IMPL`` says here)."""
+    with accel.planning_for(accel.HOPPER), registry.force("auto"):
         yield
 
 
@@ -360,27 +325,37 @@ def measure(piece: Callable[..., object], inputs: list[torch.Tensor], accelerato
             params: list[torch.Tensor] = (), own_inputs: bool = True) -> Measured:
     """Run ``piece(*copies)`` forward, then backward from gradients of its floating outputs, inside
     ``LiveBytes``; ``copies`` are made inside (so an input the graph keeps is counted as saved; with
-    ``own_inputs=False`` they are not: the input is another piece's to count) from ``inputs`` (which require
-    grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
+    ``own_inputs=False`` they are made before the count starts: the input is another piece's to count) from
+    ``inputs`` (which require grad when their gradient flows). ``params`` get ``main_grad`` buffers first."""
     keep_main_grads([p for p in params if p.requires_grad and not hasattr(p, "main_grad")])
     impl = _as_gpu() if accelerator else registry.force("reference")
+    meter = LiveBytes()
     # the training step skips the FP8 GEMMs' scale-value checks too (its scales come from its own casts)
-    with impl, unchecked_scale_values(), _skip_triton_launches(), LiveBytes() as meter:
-        with contextlib.nullcontext() if own_inputs else _untracked(meter):
-            copies = [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep values
-        out = piece(*copies)
-        del copies
-        outputs = _tensors(out)
-        out_bytes = meter.bytes_of(outputs)
-        saved = meter.live - out_bytes
-        forward_peak = meter.peak
-        diff = [t for t in outputs if t.requires_grad]
-        grads = [torch.ones_like(t) for t in diff]
-        meter.mark()
-        torch.autograd.backward(diff, grads)
-        backward_peak = meter.peak
-        del out, outputs, diff, grads
+    with impl, unchecked_scale_values():
+        with contextlib.nullcontext() if own_inputs else LiveBytes() as outside:
+            copies = None if own_inputs else _copies(inputs)
+        if outside is not None:  # the integers' values travel with them
+            meter.values.update(outside.values)
+        with meter:
+            if copies is None:
+                copies = _copies(inputs)
+            out = piece(*copies)
+            del copies
+            outputs = _tensors(out)
+            out_bytes = meter.bytes_of(outputs)
+            saved = meter.live - out_bytes
+            forward_peak = meter.peak
+            diff = [t for t in outputs if t.requires_grad]
+            grads = [torch.ones_like(t) for t in diff]
+            meter.mark()
+            torch.autograd.backward(diff, grads)
+            backward_peak = meter.peak
+            del out, outputs, diff, grads
     return Measured(saved, max(0, max(forward_peak, backward_peak) - saved - out_bytes))
+
+
+def _copies(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() if x.is_floating_point() else x.to(META) for x in inputs]  # integers keep their values
 
 
 # ---- the model's pieces -------------------------------------------------------------------------------

@@ -272,3 +272,45 @@ def test_one_more_saved_tensor_shows_in_the_estimate(monkeypatch):
     tokens = cfg.data.seq_len * cfg.data.micro_batch
     blocks = args.n_layers + args.n_mtp_layers
     assert after - before == blocks * tokens * args.dim * 4
+
+
+def test_measurement_patches_nothing_and_plans_for_hopper():
+    """The GPU path's measurement runs the kernels' wrappers as on a Hopper GPU (FP8 tensor cores, 132 SMs) by
+    passing the target (``accel.planning_for``), not by swapping torch's, Triton's or the project's functions:
+    inside the piece every one of them is the object it was before, and afterwards the CPU answers again."""
+    import triton.runtime.jit as triton_jit
+
+    import accel
+    import deep_gemm
+
+    def objects():
+        return (torch.UntypedStorage.resize_, torch.UntypedStorage.data_ptr, triton_jit.KernelInterface.__getitem__,
+                accel.fp8_native, deep_gemm.utils._num_sms, deep_gemm.get_num_sms)
+
+    before, seen = objects(), []
+
+    def piece(x):
+        seen.append((objects(), accel.fp8_native(), deep_gemm.get_num_sms(), accel.device_capability()))
+        return (x * 2,)
+
+    memory_measure.measure(piece, [torch.empty(4, 8, device="meta", requires_grad=True)], accelerator=True)
+    assert seen == [(before, True, 132, (9, 0))]
+    assert objects() == before
+    assert accel.device_capability() is None and not accel.fp8_native() and deep_gemm.get_num_sms() == 1
+
+
+def test_a_triton_launch_on_meta_tensors_runs_nothing():
+    """``registry.wrap_triton(kernel)[grid](...)`` on meta tensors is a no-op (the wrapper's allocations are what
+    the measurement counts); on a CPU without the interpreter a real launch would fail."""
+    import triton
+    import triton.language as tl
+
+    from accel import registry
+
+    @triton.jit
+    def double(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+    x = torch.empty(100, device="meta")
+    assert registry.wrap_triton(double)[(1,)](x, 100, BLOCK=128) is None

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import accel
-from accel import autotune
+from accel import autotune, registry
 from deep_gemm.kernels.rounding import round_to_bf16
 
 BLOCK_K = 128  # four 32-blocks of scales per step
@@ -85,6 +85,7 @@ def m_grouped_fp8_fp4_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor)
     n = w.shape[1]
     if d.numel():
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        fp8_fp4_contiguous_kernel[grid](x, sa.view(torch.uint8), w.view(torch.uint8), sb.view(torch.uint8), d,
-                                        m_indices, m, n, k, INTERPRETED=accel.triton_interpreted(), BLOCK_K=BLOCK_K)
+        launch = registry.wrap_triton(fp8_fp4_contiguous_kernel)[grid]
+        launch(x, sa.view(torch.uint8), w.view(torch.uint8), sb.view(torch.uint8), d, m_indices, m, n, k,
+               INTERPRETED=accel.triton_interpreted(), BLOCK_K=BLOCK_K)
     return d

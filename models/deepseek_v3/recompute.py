@@ -136,16 +136,18 @@ class Dropped:
             # saved is read by this same backward, and the checkpoint may stop recomputing before any refill
             return
         self._node = None
-        kept = {t.untyped_storage().data_ptr() for t in _tensors(result)}
+        # storages told apart by identity (a tensor's ``untyped_storage()`` is the same object for every view of
+        # it), not by address: every meta storage's address is 0
+        kept = {id(t.untyped_storage()) for t in _tensors(result)}
         storages, seen = [], set()
         for out in self.outputs:
             storage = out.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in kept:
+            key = id(storage)
+            if key in kept:
                 raise ValueError("produce_consume: the consumer returned (a view of) a producer output; "
                                  "it would be released")
-            storages.append(None if ptr in seen else (storage, storage.nbytes()))
-            seen.add(ptr)
+            storages.append(None if key in seen else (storage, storage.nbytes()))
+            seen.add(key)
         node.storages = storages
         for storage in storages:
             if storage is not None:
