@@ -83,7 +83,10 @@ class _View:
 
     def value(self) -> torch.Tensor:
         made = self.of.value()
-        return _root(made).as_strided(self.size, self.stride, self.offset)
+        # a recipe remakes the whole storage the view lived in; an FP8 cast (of a tensor that was all of its storage)
+        # dequantises into a tensor of its own, which may itself be a slice of a padded buffer
+        base = _root(made) if isinstance(self.of, _Recipe) else _alone(made)
+        return base.as_strided(self.size, self.stride, self.offset)
 
 
 def _value(x):
@@ -99,6 +102,19 @@ def _kept_tensors(x) -> Iterator[torch.Tensor]:
 
 def _root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor that is all of its storage (a copy where it is not)."""
+    return t if t._base is None and t.storage_offset() == 0 and t.is_contiguous() else t.clone(
+        memory_format=torch.contiguous_format)
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage, contiguous from its start (its views are then views of its cast)."""
+    root = _root(t)
+    return (t.is_contiguous() and root.is_contiguous() and t.numel() == root.numel()
+            and t.storage_offset() == 0 == root.storage_offset())
 
 
 class MemoryPolicy:
@@ -170,11 +186,13 @@ class MemoryPolicy:
         self._remember(out, recipe)
 
     def _remember(self, t: torch.Tensor, how: _Recipe | _Fp8) -> None:
-        """``t`` is kept as ``how``; a view of the storage a remade ``t`` lives in is kept as a view of it."""
+        """``t`` is kept as ``how``; a view of the storage a remade ``t`` lives in is kept as a view of it. An FP8
+        cast covers views of ``t`` only where ``t`` is all of its storage (a kernel op's wrapper hands the op
+        ``t.reshape(rows, dim)``, which autograd then saves)."""
         for x, table in ((t, self._made), (_root(t), self._bases)):
             key = id(x)
             table[key] = (weakref.ref(x, lambda _, key=key, table=table: table.pop(key, None)), how)
-            if not isinstance(how, _Recipe):  # an FP8 cast is of that tensor only
+            if not isinstance(how, _Recipe) and not _whole(t):  # else an FP8 cast is of that tensor only
                 break
 
     def _form(self, t: torch.Tensor):
