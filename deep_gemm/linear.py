@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.node import has_side_effect
 
 import accel.wgrad
 from accel import registry
@@ -305,6 +306,10 @@ def _linear_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales):
 
 
 _linear_op.register_autograd(_linear_autograd, setup_context=_linear_setup)
+# The weight gradient is this op's side effect (accumulated outside autograd, above), so a compiled backward must
+# keep the op where its returned input gradient goes unused (an input that needs no gradient, e.g. the V3.2
+# indexer's detached ones): without this, dead-code elimination drops the call and the weight silently gets none.
+has_side_effect(torch.ops.dsv3.linear_backward.default)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: bool | str = False,
@@ -638,6 +643,7 @@ def _grouped_autograd(ctx, grad_out: torch.Tensor, _dvalues, _dscales, _dhost):
 
 
 _grouped_linear_op.register_autograd(_grouped_autograd, setup_context=_grouped_setup)
+has_side_effect(torch.ops.dsv3.grouped_linear_backward.default)  # as dsv3::linear_backward's
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, fp8: bool | str = False,

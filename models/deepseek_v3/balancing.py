@@ -278,9 +278,10 @@ class ExpertBalancer(nn.Module):
         self.counts_for_metrics = torch.zeros(num_experts, device="cpu")  # since the last metrics collection
         self.counts_total = torch.zeros(num_experts, dtype=torch.float64, device="cpu")  # since start
         self.dropped = torch.zeros((), dtype=torch.int64, device="cpu")
-        self.assignments = 0
+        # counted in tensors, not Python ints: a compiled forward would guard on (and recompile for) every value
+        self.assignments = torch.zeros((), dtype=torch.int64, device="cpu")
         self.loss_sums: dict[str, torch.Tensor] = {}
-        self.loss_calls = 0
+        self.loss_calls = torch.zeros((), dtype=torch.int64, device="cpu")
 
     def _counters_on(self, device: torch.device) -> None:
         if self.counts_for_update.device != device:
@@ -288,6 +289,8 @@ class ExpertBalancer(nn.Module):
             self.counts_for_metrics = torch.zeros(self.num_experts, device=device)
             self.counts_total = torch.zeros(self.num_experts, dtype=torch.float64, device=device)
             self.dropped = torch.zeros((), dtype=torch.int64, device=device)
+            self.assignments = torch.zeros((), dtype=torch.int64, device=device)
+            self.loss_calls = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def node_limit(self) -> tuple[int, int] | None:
@@ -349,14 +352,15 @@ class ExpertBalancer(nn.Module):
             "entropy": float(load_entropy(counts)),
             "dropped": float(self.dropped),
             "tokens_per_expert_mean": float(counts.mean()),
-            "drop_frac": float(self.dropped) / max(self.assignments, 1),
+            "drop_frac": float(self.dropped) / max(int(self.assignments), 1),
         }
         for name, total in self.loss_sums.items():
-            out[f"loss_{name}"] = float(total) / max(self.loss_calls, 1)
+            out[f"loss_{name}"] = float(total) / max(int(self.loss_calls), 1)
         if reset:
             self.counts_for_metrics.zero_()
             self.dropped.zero_()
-            self.assignments = self.loss_calls = 0
+            self.assignments.zero_()
+            self.loss_calls.zero_()
             self.loss_sums = {}
         return out
 

@@ -48,15 +48,16 @@ class IndexerStats(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, torch.Tensor] = {}
-        self.calls: dict[str, int] = {}
+        # counts as tensors, not Python ints: a compiled forward would guard on (and recompile for) every value
+        self.calls: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def record(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
-        self.calls[name] = self.calls.get(name, 0) + 1
+        self.calls[name] = self.calls.get(name, 0) + torch.ones((), dtype=torch.int64, device=value.device)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        out = {name: float(total) / self.calls[name] for name, total in self.sums.items()}
+        out = {name: float(total) / int(self.calls[name]) for name, total in self.sums.items()}
         if reset:
             self.sums, self.calls = {}, {}
         return out

@@ -48,7 +48,9 @@ def permute(x: torch.Tensor, indices: torch.Tensor, num_experts: int, alignment:
     rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
     rows = torch.empty_like(flat)
     rows[order] = group_start[sorted_experts] + rank_in_expert
-    total = int(padded.sum())
+    total = padded.sum().item()
+    # at least one row per assignment: a compiled graph then knows the grouped buffer is never empty
+    torch._check(total >= flat.numel())
     m_indices = torch.full((total,), -1, dtype=torch.int32, device=x.device)
     m_indices[rows] = flat.to(torch.int32)
     # one gather from x plus a zero row (index num_tokens) for the padding: ~35% faster fwd+bwd on a CPU

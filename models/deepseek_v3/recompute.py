@@ -90,8 +90,10 @@ _recomputing: ContextVar[bool] = ContextVar("dsv3_recomputing", default=False)
 
 def recomputing() -> bool:
     """Whether this forward is a ``maybe_recompute`` region run again in backward (its counters must not count
-    twice, and its producers keep their outputs: see ``Dropped.release``)."""
-    return _recomputing.get()
+    twice, and its producers keep their outputs: see ``Dropped.release``). Always false in a ``torch.compile``d
+    region: there the checkpoint's recomputation is the compiler's, inside the backward graph, and never reruns
+    the Python forward."""
+    return not torch.compiler.is_compiling() and _recomputing.get()
 
 
 def maybe_recompute(fn: Callable, *args: torch.Tensor, enabled: bool):

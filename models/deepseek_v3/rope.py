@@ -70,8 +70,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fuse
     else:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     pairs = x.float().unflatten(-1, (-1, 2))
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-2]) or pairs.stride(-1) != 1:
-        pairs = pairs.contiguous()  # view_as_complex needs (re, im) pairs at even offsets
+    # view_as_complex needs (re, im) pairs at even offsets. Eager keeps a view where it may (no copy kept for
+    # backward); a compiled graph cannot read the storage offset, so there the pairs are made contiguous (the same
+    # values, and the compiler decides what backward keeps)
+    if (torch.compiler.is_compiling() or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-2])
+            or pairs.stride(-1) != 1):
+        pairs = pairs.contiguous()
     # one complex multiply, (x0 + i x1)(cos + i sin) = (x0 cos - x1 sin) + i (x1 cos + x0 sin): the same
     # products as four real multiplies and a stack, ~3x faster forward+backward on a CPU
     y = torch.view_as_complex(pairs) * torch.complex(cos, sin)
