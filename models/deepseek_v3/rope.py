@@ -24,9 +24,15 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 def inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies ``[qk_rope_head_dim / 2]`` (fp32), YaRN-corrected when enabled."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
+    return yarn_inv_freq(args, args.qk_rope_head_dim, args.rope_theta, args.yarn, device)
+
+
+def yarn_inv_freq(args, dim: int, base: float, yarn: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    """``1 / base^(2i / dim)`` for the ``dim / 2`` pairs, with YaRN's ramp between ``args.beta_fast`` and
+    ``args.beta_slow`` rotations over ``args.original_seq_len`` (frequencies divided by ``args.rope_factor``)
+    when ``yarn``. ``args``: any arguments object with those fields (V3's and V4's ``ModelArgs``)."""
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    if not args.yarn:
+    if not yarn:
         return freqs
 
     def correction_dim(rotations: float) -> float:

@@ -16,13 +16,12 @@ checkpoint's, except the routed experts, held as ``[E, ...]`` tensors (``Experts
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import flash_mla
+from models.deepseek_v3.rope import yarn_inv_freq
 from models.deepseek_v4.args import ModelArgs
 
 __all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
@@ -52,22 +51,9 @@ def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
 def inv_freq(args: ModelArgs, compressed: bool, device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies ``[rope_head_dim / 2]``: theta ``rope_theta`` for window-only layers;
     ``compress_rope_theta`` with YaRN's ramp (no cos/sin scaling) for compressed layers, their compressors
-    and indexers. Same formula as V3's ``rope.inv_freq`` (could be shared once V3's settles)."""
-    dim = args.rope_head_dim
+    and indexers (V3's formula, ``models.deepseek_v3.rope.yarn_inv_freq``)."""
     base = args.compress_rope_theta if compressed else args.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    if not (compressed and args.yarn):
-        return freqs
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(args.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(args.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    return freqs / args.rope_factor * ramp + freqs * (1 - ramp)
+    return yarn_inv_freq(args, args.rope_head_dim, base, compressed and args.yarn, device)
 
 
 def rope_angles(args: ModelArgs, positions: torch.Tensor, compressed: bool) -> torch.Tensor:
