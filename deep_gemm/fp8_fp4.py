@@ -16,7 +16,7 @@ from accel import registry
 from accel.registry import Case, VerifySpec
 from deep_gemm.grouped import _group_sizes, _no_fake, check_m_indices, contiguous_layout
 from deep_gemm.mxfp4 import pack_mxfp4, unpack_mxfp4
-from deep_gemm.utils import FP8, MX_BLOCK
+from deep_gemm.utils import FP8, MX_BLOCK, dot_scaled_interpreter_gap
 
 K_ALIGN = 128  # the kernel's K step (four 32-blocks)
 _SCALE = (torch.uint8, torch.float8_e8m0fnu)
@@ -96,7 +96,8 @@ _op = registry.register(
                       bench_shapes=[dict(groups=8, m_per_group=4096, n=4096, k=7168)], tolerance=1e-5,
                       flops=lambda s: 2.0 * s["groups"] * s["m_per_group"] * s["n"] * s["k"],
                       bytes_moved=lambda s: float(s["groups"] * (s["m_per_group"] * s["k"] + s["n"] * s["k"] / 2
-                                                                 + 2 * s["m_per_group"] * s["n"])), fp8=True))
+                                                                 + 2 * s["m_per_group"] * s["n"])), fp8=True,
+                      interpreter_gap=dot_scaled_interpreter_gap))
 
 
 # opaque: the reference reads the group layout on the host (as the other m-grouped GEMMs, deep_gemm.grouped)

@@ -7,6 +7,7 @@ The checks turn what DeepGEMM would assert in C++ (or silently compute wrong) in
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 from collections.abc import Iterator, Sequence
 
@@ -264,3 +265,15 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:
         raise ValueError("all tensors must be on one device, got " + ", ".join(f"{k}: {v}" for k, v in devices.items()))
+
+
+def dot_scaled_interpreter_gap() -> str | None:
+    """Triton before 3.9 cannot interpret ``tl.dot_scaled`` with format strings (its interpreter fails with "'str'
+    object has no attribute 'value'"); 3.9's can. The compiled kernel is checked on both (tests/test_kernel_compile)."""
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) >= (3, 9):
+        return None
+    return f"Triton {version}'s interpreter cannot run tl.dot_scaled with format strings (3.9's can)"

@@ -11,7 +11,9 @@ bf16 ulp (2^-8 relative); the flip reaches the update through five iterations wh
 3.4445 at most each, and the update is ``lr x 0.2 sqrt(max(m, n)) x O`` with ``|O|_F <= 1.5 sqrt(min(m, n))``.
 For the demo model (lr 3e-3, 64-wide matrices, ~50 of them) even one flipped element per matrix moves step 2's
 loss by <= ||g|| x ||dW|| ~ 1 x sqrt(50) x 3e-3 x 1.6 x 2^-8 x 3.4445^5 / 64 ~ 1e-4, where the reordering alone
-gives ~1e-6: LOSS_ATOL = 1e-4 from step 2 on; step 1's loss (no update yet) keeps 1e-5. A lost momentum buffer, a
+gives ~1e-6: LOSS_ATOL = 1e-4 per update, and each later update can flip as many again, so step s (after s - 1
+updates) is held to (s - 1) x LOSS_ATOL (torch 2.11 reaches 1.2e-4 at step 4); step 1's loss (no update yet) keeps
+1e-5. A lost momentum buffer, a
 matrix updated twice or by the wrong rank's gradient moves step 2+ by >= 1e-3 (the negative control below)."""
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _ckpt(run_dir: Path, step: int) -> Path:
 def _close(a: dict[int, float], b: dict[int, float]) -> None:
     assert sorted(a) == sorted(b), (a, b)
     for step in a:
-        assert abs(a[step] - b[step]) <= (STEP1_ATOL if step == 1 else LOSS_ATOL), (step, a, b)
+        assert abs(a[step] - b[step]) <= (STEP1_ATOL if step == 1 else (step - 1) * LOSS_ATOL), (step, a, b)
 
 
 @pytest.mark.dist

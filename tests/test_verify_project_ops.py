@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+import accel
 from accel import registry
 from verifier import verify
 
@@ -26,6 +27,8 @@ def test_every_kernel_package_registered_ops():
 @pytest.mark.parametrize("name", OPS)
 def test_project_op_passes_the_fallback_gate(name):
     op = registry.get(name)
+    if op.verify.interpreter_gap and op.verify.interpreter_gap() and accel.triton_interpreted():
+        pytest.skip(op.verify.interpreter_gap())
     for reason in op.verify.allow.values():
         assert len(reason) > 30  # a declared operator says why
     [result] = verify.verify_op(name, shapes=op.verify.shapes[:1], seeds=[1234], bench=False)

@@ -16,6 +16,7 @@ import triton.language as tl
 import accel
 from accel import autotune, registry
 from deep_gemm.kernels.rounding import round_to_bf16
+from deep_gemm.utils import dot_scaled_interpreter_gap
 
 BLOCK_K = 128  # four 32-blocks of scales per step
 # (BLOCK_N, warps, stages) per capability, 128-row tiles: compile evidence (recipes.kernels_compiled): on sm_90a
@@ -83,6 +84,9 @@ def m_grouped_fp8_fp4_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor)
     (x, sa), (w, sb) = a, b
     m, k = x.shape
     n = w.shape[1]
+    gap = dot_scaled_interpreter_gap() if accel.triton_interpreted() else None
+    if gap:
+        raise registry.Unsupported(gap)
     if d.numel():
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
         launch = registry.wrap_triton(fp8_fp4_contiguous_kernel)[grid]
