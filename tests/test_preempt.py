@@ -159,14 +159,15 @@ def test_sigint_never_prints_a_traceback_and_a_failed_save_exits_3(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_time_budget_stops_with_a_checkpoint_and_bad_budgets_are_refused(tmp_path, capsys):
-    """``run.max_minutes=0.02`` (1.2 s, less than start-up): the first step boundary sees that another step
-    and a save would pass the budget; the run saves step 1 (checkpointing otherwise off) and exits 0 with one
+    """``run.max_minutes=0.001`` (60 ms, less than building the model and running one step on any machine; 1.2 s
+    was not always, on a fast machine): the first step boundary sees that another step and a save would pass the
+    budget; the run saves step 1 (checkpointing otherwise off) and exits 0 with one
     line. ``-1``, ``nan`` and ``inf`` are refused with one line naming the key, before anything starts."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = _start(_cmd(run, 1, SINGLE + OVERRIDES + ["checkpoint.interval=0", "run.max_minutes=0.02"]), log)
+    proc = _start(_cmd(run, 1, SINGLE + OVERRIDES + ["checkpoint.interval=0", "run.max_minutes=0.001"]), log)
     rc, out, err = _finish(proc, log)
     assert rc == 0, out[-3000:] + err[-3000:]
-    step, line = _stop_line(out, "stopped for the time budget (run.max_minutes=0.02)")
+    step, line = _stop_line(out, "stopped for the time budget (run.max_minutes=0.001)")
     assert step == 1 and line.endswith(f"checkpoint {fmt.step_dirname(1)} committed in {run / 'checkpoints'}; "
                                        "resume with --resume auto")
     _assert_committed(run, 1)
