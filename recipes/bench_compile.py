@@ -21,7 +21,9 @@ from models.deepseek_v3.model import lm_losses_from_hidden
 from recipes.benchutil import print_report
 
 
-def _loss_fn(model: Transformer):
+def next_token_loss(model: Transformer):
+    """``loss(tokens)``: the model's next-token loss (MTP included) on ``tokens``, as training takes it (the fused
+    head, no logits kept); what the benchmark times and ``tests/test_compile.py`` compiles."""
     args = model.args
 
     def loss(tokens: torch.Tensor) -> torch.Tensor:
@@ -60,9 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     model = Transformer(ModelArgs.preset("debug_tiny", n_layers=3, n_dense_layers=1, n_mtp_layers=1)).train()
     layers = model.args.n_layers + model.args.n_mtp_layers
     tokens = torch.randint(0, model.args.vocab_size, (2, 33))
-    eager = _loss_fn(model)
+    eager = next_token_loss(model)
     with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
-        compiled = torch.compile(_loss_fn(model), fullgraph=True, backend=opts.backend)
+        compiled = torch.compile(next_token_loss(model), fullgraph=True, backend=opts.backend)
         start = time.perf_counter()
         _, _, got = _step(model, compiled, tokens)
         compile_s = time.perf_counter() - start

@@ -24,21 +24,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from models.deepseek_v3 import ModelArgs, Transformer
-from models.deepseek_v3.model import lm_losses_from_hidden
+from recipes.bench_compile import next_token_loss
 
 _SMALL = dict(n_layers=3, n_dense_layers=1, n_mtp_layers=1, dim=32, inter_dim=64, moe_inter_dim=16, n_heads=2,
               q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-
-
-def _loss_fn(model: Transformer):
-    args = model.args
-
-    def loss(tokens: torch.Tensor) -> torch.Tensor:
-        inp, labels = tokens[:, :-1], tokens[:, 1:]
-        h = model.run_layers(model.embed_tokens(inp))
-        return lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inp, labels)["loss"]
-
-    return loss
 
 
 def _loss_and_grads(model: Transformer, fn, tokens: torch.Tensor):
@@ -62,11 +51,11 @@ def test_model_compiles_whole_and_matches_eager(preset):
     model = Transformer(ModelArgs.preset(preset, **_SMALL)).train()
     assert any(b.ffn.__class__.__name__ == "MoE" for b in model.layers) and len(model.mtp) == 1
     tokens = torch.randint(0, model.args.vocab_size, (2, 21))
-    want_loss, want = _loss_and_grads(model, _loss_fn(model), tokens)
+    want_loss, want = _loss_and_grads(model, next_token_loss(model), tokens)
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
-        compiled = torch.compile(_loss_fn(model), fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(next_token_loss(model), fullgraph=True, backend="aot_eager")
         got_loss, got = _loss_and_grads(model, compiled, tokens)
         if preset == "debug":  # a second step reuses the graph: no Python counter in the forward forces a recompile
             _loss_and_grads(model, compiled, torch.randint(0, model.args.vocab_size, (2, 21)))
