@@ -6,13 +6,12 @@ rank, an MTP module's input projection, a loss head) runs forward and backward a
 on the ``meta`` device, where nothing is allocated and a V3 layer takes milliseconds. A change to the model changes the
 estimate by itself.
 
-``LiveBytes`` (a ``TorchDispatchMode``) counts what stays *alive*, not what autograd's hooks see, so any
-mechanism that keeps or frees memory is measured as it behaves: every storage an op creates inside the
-block is tracked (by storage identity, so views count once) until it dies (a finalizer on the storage),
-and its size is re-read at every op, so a storage resized to 0 (``recompute.produce_consume`` releases a producer's
-output that way) counts 0. After a piece's forward, the bytes still alive that its outputs do not account
-for are its saved-for-backward bytes; the highest count during its forward and backward, less those, is
-its transient.
+``LiveBytes`` (a ``TorchDispatchMode``) counts what stays *alive*, not what autograd's hooks see, so any mechanism
+that keeps or frees memory is measured as it behaves: every storage an op creates inside the block is tracked (by
+storage identity, so views count once) at the size it was made with until it dies (a finalizer on the storage);
+nothing in the project resizes a storage. After a piece's forward, the bytes still alive that its outputs do not
+account for are its saved-for-backward bytes; the highest count during its forward and backward, less those, is its
+transient.
 
 Running on ``meta``:
 
@@ -54,7 +53,6 @@ from accel import registry
 from accel.grads import keep_main_grads
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import Block, ModelArgs
-from models.deepseek_v3.block import run_block
 from models.deepseek_v3.model import head_loss
 from models.deepseek_v3.moe import Experts
 from models.deepseek_v3.mtp import MTPModule
@@ -98,19 +96,17 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created inside the block that are alive now (``live``) and at most (``peak``).
 
     A storage is counted from the op that creates it (an output whose storage is none of the op's inputs')
-    until it dies (a finalizer on it). Storages are told apart by identity: ``Tensor.untyped_storage()`` is one
-    Python object for the storage's whole life, shared by its views. Sizes are re-read at every op, so a storage
-    resized in between (``recompute.produce_consume`` releases a producer's outputs to 0 bytes and refills them
-    before their backward) counts what it holds. Storages that existed before the block (parameters, inputs made
-    outside) are never counted. Works on real tensors too (the tests compare it with the CPU allocator).
+    until it dies (a finalizer on it), at the size it was made with. Storages are told apart by identity:
+    ``Tensor.untyped_storage()`` is one Python object for the storage's whole life, shared by its views.
+    Storages that existed before the block (parameters, inputs made outside) are never counted. Works on real
+    tensors too (the tests compare it with the CPU allocator).
     ``mark()`` restarts the peak from the current count.
     """
 
     def __init__(self, balanced_topk: bool = True):
         super().__init__()
-        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted for it
-        self._alive: dict[int, weakref.ref] = {}  # id(storage) -> the storage
-        self._live = 0  # as of the last re-read
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted for it (of the storages alive)
+        self.live = 0  # bytes counted now
         self.peak = 0
         self.balanced_topk = balanced_topk
         self.values = WeakIdKeyDictionary()  # meta integer tensor -> its values (a CPU tensor)
@@ -120,39 +116,19 @@ class LiveBytes(TorchDispatchMode):
         key = id(storage)
         n = storage.nbytes()
         self.sizes[key] = n
-        self._alive[key] = weakref.ref(storage)
-        self._live += n
+        self.live += n
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
-        self._live -= self.sizes.pop(key, 0)
-        self._alive.pop(key, None)
-
-    def _resync(self) -> None:
-        """Re-read every counted storage's size (one resized since the last op counts what it holds now)."""
-        sizes = self.sizes
-        for key, ref in self._alive.items():
-            storage = ref()
-            if storage is not None:
-                n = storage.nbytes()
-                if n != sizes[key]:
-                    self._live += n - sizes[key]
-                    sizes[key] = n
-
-    @property
-    def live(self) -> int:
-        """Bytes counted now (sizes re-read)."""
-        self._resync()
-        return self._live
+        self.live -= self.sizes.pop(key, 0)
 
     def mark(self) -> int:
-        self._resync()
-        self.peak = self._live
-        return self._live
+        """Restart the peak from the bytes counted now."""
+        self.peak = self.live
+        return self.live
 
     def bytes_of(self, obj) -> int:
         """Counted bytes of the distinct storages of the tensors in ``obj``."""
-        self._resync()
         seen = {id(s) for s in _storages(obj)}
         return sum(self.sizes.get(k, 0) for k in seen)
 
@@ -173,12 +149,11 @@ class LiveBytes(TorchDispatchMode):
                     return out
             out = self._run(func, args, kwargs or {})
         inputs = {id(s) for s in _storages((args, kwargs))}
-        self._resync()
         for storage in _storages(out):
             key = id(storage)
             if key not in self.sizes and key not in inputs:
                 self._track(storage)
-        self.peak = max(self.peak, self._live)
+        self.peak = max(self.peak, self.live)
         return out
 
     def _run(self, func, args, kwargs):
@@ -413,12 +388,12 @@ def _block(args: ModelArgs, layer_id: int, micro_batch: int, seq: int, act: floa
     dtype = _dtype(act)
     block = _build(lambda: Block(args, layer_id), dtype)
     cos, sin = _rope(args, seq, dtype)
+    policy = MemoryPolicy(block, args)  # as the trainer applies it, whole-block recompute included
     if part == "attention":
         fn = lambda x: attention_piece(block, x, cos, sin)  # noqa: E731
     else:
-        fn = lambda x: run_block(block, x, cos, sin)  # noqa: E731
-    return measure(_under(MemoryPolicy(block, args), fn), [_hidden(args, micro_batch, seq, dtype)], accelerator,
-                   list(block.parameters()))
+        fn = lambda x: policy.recomputed(block, block)(x, cos, sin)  # noqa: E731
+    return measure(_under(policy, fn), [_hidden(args, micro_batch, seq, dtype)], accelerator, list(block.parameters()))
 
 
 def _under(policy: MemoryPolicy, fn: Callable[..., object]) -> Callable[..., object]:

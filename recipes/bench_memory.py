@@ -72,12 +72,14 @@ def ours(args, state: dict, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[i
     model.train()
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
-    def forward() -> torch.Tensor:
-        h = model.run_layers(model.embed_tokens(inputs))
-        return lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs,
-                                     labels)["loss"]
+    policy = MemoryPolicy(model, args)  # as the trainer applies it, whole-block recompute included
 
-    nbytes, loss = saved_bytes(forward, model, MemoryPolicy(model, args))
+    def forward() -> torch.Tensor:
+        h = model.run_layers(model.embed_tokens(inputs), wrap=policy.recomputed)
+        return lm_losses_from_hidden(args, model.norm, model.head, model.mtp, model.embed, h, inputs,
+                                     labels, wrap=policy.recomputed)["loss"]
+
+    nbytes, loss = saved_bytes(forward, model, policy)
     loss.backward()  # the recomputed paths must also run backward
     return nbytes, float(loss.detach())
 

@@ -208,23 +208,34 @@ def test_balancer_counts_nothing_in_eval_mode():
 
 
 def test_recomputed_forward_is_not_counted_twice():
-    """The model recomputes through ``recompute.maybe_recompute``; its recomputation does not count again."""
+    """Whole-block recompute is applied from outside (``training.recompute.checkpointed``): its replay in backward
+    leaves the balancer's counts and loss sums as the one forward made them (the model itself counts every
+    forward), and the gradient is that of no recompute."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    from models.deepseek_v3.recompute import maybe_recompute
+    from training.recompute import checkpointed
 
-    moe = _FakeMoE(experts=4, top_k=1, strategy="aux_free+seq_aux")
-    logits = torch.randn(8, 4, requires_grad=True)
+    results = []
+    for recompute in (False, True):
+        moe = _FakeMoE(experts=4, top_k=1, strategy="aux_free+seq_aux")
+        logits = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
 
-    def routed(lg):
-        scores = lg.sigmoid()
-        idx = scores.topk(1, -1).indices
-        return moe.balancer(scores, lg, idx, scores.gather(1, idx), seq_len=4)[1] * 2
+        def routed(lg, moe=moe):
+            scores = lg.sigmoid()
+            idx = scores.topk(1, -1).indices
+            return moe.balancer(scores, lg, idx, scores.gather(1, idx), seq_len=4)[1] * 2
 
-    with set_checkpoint_early_stop(False):  # the whole forward re-runs in backward, the balancer included
-        maybe_recompute(routed, logits, enabled=True).sum().backward()
-    assert moe.balancer.counts_total.sum() == 8
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+        with set_checkpoint_early_stop(False):  # the whole forward re-runs in backward, the balancer included
+            out = checkpointed(routed, moe, logits) if recompute else routed(logits)
+            out.sum().backward()
+        b = moe.balancer
+        results.append((b.counts_total.clone(), b.counts_for_update.clone(), int(b.loss_calls),
+                        {k: v.clone() for k, v in b.loss_sums.items()}, logits.grad))
+    (counts, update, calls, sums, grad), again = results
+    assert counts.sum() == 8 and calls == 1
+    assert torch.equal(again[0], counts) and torch.equal(again[1], update) and again[2] == calls
+    assert again[3].keys() == sums.keys() and all(torch.equal(again[3][k], sums[k]) for k in sums)
+    assert torch.isfinite(grad).all() and torch.equal(again[4], grad)  # the replay computes the same ops
 
 
 def test_moe_rejects_aux_free_on_a_gate_without_bias_before_training():

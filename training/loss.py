@@ -61,7 +61,8 @@ class StageLoss:
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
         with st.applied():
-            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels)
+            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels,
+                                          wrap=st.wrap)
         return self._total(parts, labels)
 
     def pieces(self, windows: torch.Tensor) -> list[Piece]:
@@ -69,7 +70,7 @@ class StageLoss:
         overlapped pipeline hides), then the heads, ending in ``loss``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens)
+        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens, wrap=st.wrap)
 
         def loss(h: torch.Tensor, *mtp_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
             parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels)

@@ -11,14 +11,18 @@ unpack (in backward) remakes the value without a graph. Nothing on the model cha
 its gradients are those of no policy bit for bit (the remake runs the same module on the same input).
 
 Which modules: the kinds of ``ModelArgs.recompute`` (``norm``: every RMSNorm whose output feeds a GEMM, the
-final and MTP head norms and MTP's enorm/hnorm included; ``swiglu``), per layer (``recompute_layers``), and
-``fp8_cache`` (the SwiGLU recomputed, its input kept in FP8). ``mla_up`` and ``block`` are not here yet: the
-model still applies them itself (``recompute.produce_consume``, ``block.run_block``); inside a whole-block
-checkpoint its own hooks decide (it keeps only the block's input).
+final and MTP head norms and MTP's enorm/hnorm included; ``mla_up``: what reaches MLA's attention core, the
+per-head q, k, v or the absorbed queries and latent rows, remade by the MLA's own ``up_project`` / ``absorb`` from
+the latents it keeps anyway, and the q/kv norms' outputs its GEMMs read; ``swiglu``), per layer
+(``recompute_layers``), and ``fp8_cache`` (the SwiGLU recomputed, its input kept in FP8). ``block`` (whole-block
+recompute) is ``recomputed``: the wrapper that whoever runs a layer (the layer loop, the MTP depths, the
+overlapped plan's pieces) takes, ``torch.utils.checkpoint`` around the layer (``training.recompute``); inside it
+the checkpoint's own hooks decide (it keeps only the layer's input).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +35,9 @@ from deep_gemm.reference import dequantize
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.block import Block
 from models.deepseek_v3.layers import RMSNorm, SwiGLU
+from models.deepseek_v3.mla import MLA
 from models.deepseek_v3.mtp import MTPModule
+from training.recompute import checkpointed
 
 
 class _Fp8:
@@ -70,12 +76,27 @@ class _Recipe:
         return self.made
 
 
+class _Part:
+    """Output ``index`` of a recipe that makes several (the MLA up-projection's q, k, v)."""
+
+    __slots__ = ("of", "index", "__weakref__")
+
+    def __init__(self, of: _Recipe, index: int):
+        self.of, self.index = of, index
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from self.of.tensors()
+
+    def value(self) -> torch.Tensor:
+        return self.of.value()[self.index]
+
+
 class _View:
     """A saved view (``size``, ``stride``, ``offset``) of the storage a remade tensor lives in."""
 
     __slots__ = ("of", "size", "stride", "offset")
 
-    def __init__(self, of: _Recipe, t: torch.Tensor):
+    def __init__(self, of: _Recipe | _Part | _Fp8, t: torch.Tensor):
         self.of, self.size, self.stride, self.offset = of, t.size(), t.stride(), t.storage_offset()
 
     def tensors(self) -> Iterator[torch.Tensor]:
@@ -85,18 +106,18 @@ class _View:
         made = self.of.value()
         # a recipe remakes the whole storage the view lived in; an FP8 cast (of a tensor that was all of its storage)
         # dequantises into a tensor of its own, which may itself be a slice of a padded buffer
-        base = _root(made) if isinstance(self.of, _Recipe) else _alone(made)
+        base = _root(made) if isinstance(self.of, (_Recipe, _Part)) else _alone(made)
         return base.as_strided(self.size, self.stride, self.offset)
 
 
 def _value(x):
-    return x.value() if isinstance(x, (_Recipe, _Fp8, _View)) else x
+    return x.value() if isinstance(x, (_Recipe, _Part, _Fp8, _View)) else x
 
 
 def _kept_tensors(x) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
-    elif isinstance(x, (_Recipe, _Fp8, _View)):
+    elif isinstance(x, (_Recipe, _Part, _Fp8, _View)):
         yield from x.tensors()
 
 
@@ -123,8 +144,9 @@ class MemoryPolicy:
 
     def __init__(self, model: nn.Module, args: ModelArgs, layer_id: int | None = None):
         """``layer_id``: the layer of SwiGLUs outside any ``Block`` of ``model`` (a lone ``Experts`` or ``MLP``)."""
-        self._made: dict[int, tuple[weakref.ref, _Recipe | _Fp8]] = {}  # id(tensor) -> (the tensor, how to keep it)
-        self._bases: dict[int, tuple[weakref.ref, _Recipe]] = {}  # the same for the base of a remade view
+        self._args = args
+        self._made: dict[int, tuple[weakref.ref, _Recipe | _Part | _Fp8]] = {}  # id(tensor) -> (it, how to keep it)
+        self._bases: dict[int, tuple[weakref.ref, _Recipe | _Part]] = {}  # the same for the base of a remade view
         self._last: dict[nn.Module, _Recipe] = {}  # each MTP norm's last output recipe (its eh_proj input's parts)
         self._mtp_norms: set[nn.Module] = set()
         self._handles: list = []
@@ -133,12 +155,15 @@ class MemoryPolicy:
         for module in model.modules():
             if isinstance(module, Block):
                 layer_of.update({id(m): module.layer_id for m in module.modules()})
+                norms = []
                 if args.recomputes("norm", module.layer_id):
-                    norms = [module.attn_norm, module.ffn_norm]
-                    if not args.recomputes("mla_up", module.layer_id):  # else inside the recomputed up-projection
-                        norms += [getattr(module.attn, "q_norm", None), module.attn.kv_norm]
-                    for norm in filter(None, norms):
-                        self._add_norm(norm)
+                    norms += [module.attn_norm, module.ffn_norm]
+                if args.recomputes("norm", module.layer_id) or args.recomputes("mla_up", module.layer_id):
+                    norms += [getattr(module.attn, "q_norm", None), module.attn.kv_norm]
+                for norm in filter(None, norms):
+                    self._add_norm(norm)
+                if args.recomputes("mla_up", module.layer_id) and not args.recomputes("block", module.layer_id):
+                    self._add_mla_up(module.attn)
             elif isinstance(module, MTPModule) and args.recomputes("norm", module.layer_id):
                 self._add_mtp_input(module)
                 self._add_norm(module.norm)
@@ -164,6 +189,43 @@ class MemoryPolicy:
         self._handles.append(act.register_forward_pre_hook(before))
         self._handles.append(act.register_forward_hook(lambda m, args, out: self._note(out, m, args)))
 
+    def _add_mla_up(self, mla: MLA) -> None:
+        """Keep MLA's latents (the query latent before ``q_norm``, ``wkv_a``'s output) instead of what its forward
+        makes of them for the attention core: remade by ``mla.up_project`` / ``mla.absorb``, as V3 recomputes the
+        up-projections."""
+        call: dict[str, torch.Tensor] = {}  # the forward in flight: its latents and RoPE tables
+
+        def start(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            call.clear()
+            if torch.is_grad_enabled():
+                x, cos, sin = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(("x", "cos", "sin")))
+                call.update(q_latent=x, cos=cos, sin=sin)  # without q LoRA the query latent is x itself
+
+        def latent(name: str) -> Callable:
+            def note(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if call:
+                    call[name] = out
+            return note
+
+        def core(make: Callable, m: nn.Module, args: tuple) -> None:
+            if not (call and "kv" in call and torch.is_grad_enabled()):
+                return
+            cos, sin = call["cos"], call["sin"]
+            recipe = _Recipe(lambda q_latent, kv: make(q_latent, *mla.kv_parts(kv, cos, sin), cos, sin),
+                             (self._form(call["q_latent"]), self._form(call["kv"])))
+            for i, t in enumerate(args):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self._remember(t, _Part(recipe, i))
+
+        self._handles += [mla.register_forward_pre_hook(start, with_kwargs=True),
+                          mla.register_forward_hook(lambda m, args, out: call.clear()),
+                          mla.wkv_a.register_forward_hook(latent("kv")),
+                          mla.inner_attention.register_forward_pre_hook(functools.partial(core, mla.up_project))]
+        if mla.q_lora_rank:
+            self._handles.append(mla.wq_a.register_forward_hook(latent("q_latent")))
+        if mla.sparse_attention is not None:
+            self._handles.append(mla.sparse_attention.register_forward_pre_hook(functools.partial(core, mla.absorb)))
+
     def _add_mtp_input(self, module: MTPModule) -> None:
         """MTP's ``eh_proj`` saves ``cat[enorm(emb), hnorm(h)]``: remade from the two norms' recipes."""
         for norm in (module.enorm, module.hnorm):
@@ -185,14 +247,14 @@ class MemoryPolicy:
             self._last[fn] = recipe
         self._remember(out, recipe)
 
-    def _remember(self, t: torch.Tensor, how: _Recipe | _Fp8) -> None:
+    def _remember(self, t: torch.Tensor, how: _Recipe | _Part | _Fp8) -> None:
         """``t`` is kept as ``how``; a view of the storage a remade ``t`` lives in is kept as a view of it. An FP8
         cast covers views of ``t`` only where ``t`` is all of its storage (a kernel op's wrapper hands the op
         ``t.reshape(rows, dim)``, which autograd then saves)."""
         for x, table in ((t, self._made), (_root(t), self._bases)):
             key = id(x)
             table[key] = (weakref.ref(x, lambda _, key=key, table=table: table.pop(key, None)), how)
-            if not isinstance(how, _Recipe) and not _whole(t):  # else an FP8 cast is of that tensor only
+            if isinstance(how, _Fp8) and not _whole(t):  # else an FP8 cast is of that tensor only
                 break
 
     def _form(self, t: torch.Tensor):
@@ -223,6 +285,15 @@ class MemoryPolicy:
                 yield
         finally:
             self._observe = previous
+
+    def recomputed(self, layer: nn.Module, fn: Callable) -> Callable:
+        """``fn``, a compute of ``layer`` (a ``Block``: its forward, or one of its plan pieces), as this policy runs
+        it: recomputed whole in backward where the layer recomputes "block" (``training.recompute.checkpointed``),
+        else ``fn`` itself. What the layer loop, the MTP depths and the plan's pieces take as ``wrap``
+        (``models.deepseek_v3.block.LayerWrap``)."""
+        if not self._args.recomputes("block", layer.layer_id):
+            return fn
+        return functools.partial(checkpointed, fn, layer)
 
     def remove(self) -> None:
         """Take the policy's hooks off the model."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v3.block import LayerWrap
 from models.deepseek_v3.model import run_layers
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
@@ -160,6 +161,11 @@ class DeepSeekV3Stage(nn.Module):
             out.update(norm=self.norm, head=self.head, mtp=self.mtp)
         return out
 
+    @property
+    def wrap(self) -> LayerWrap | None:
+        """How this stage runs a layer: the policy's whole-block recompute (``MemoryPolicy.recomputed``), if any."""
+        return None if self.policy is None else self.policy.recomputed
+
     def applied(self) -> contextlib.AbstractContextManager:
         """The memory policy's context for a forward of this stage's modules (nothing without a policy)."""
         return contextlib.nullcontext() if self.policy is None else self.policy.applied()
@@ -178,7 +184,7 @@ class DeepSeekV3Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.applied():
             h = self.embed(x) if self.is_first else x
-            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h)
+            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, wrap=self.wrap)
         return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
 
     # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
@@ -189,7 +195,7 @@ class DeepSeekV3Stage(nn.Module):
             pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
         cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
         for i in range(self.start, self.end):
-            pieces += layer_pieces(self.layers[str(i)], cos, sin)
+            pieces += layer_pieces(self.layers[str(i)], cos, sin, wrap=self.wrap)
         return self.under_policy(pieces)
 
     def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:

@@ -33,8 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.deepseek_v3.recompute import recomputing
-
 STRATEGY_PARTS = ("none", "aux_free", "seq_aux", "aux", "z_loss")
 DROP_POLICIES = ("probs", "position")
 
@@ -323,7 +321,7 @@ class ExpertBalancer(nn.Module):
             weights = weights * keep.to(weights.dtype)
         if losses:
             weights = attach_aux_loss(weights, sum(losses.values()))
-        if self.training and not recomputing():
+        if self.training:
             self.record(indices, losses)
         return indices, weights
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -9,23 +12,22 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import MLP, RMSNorm
 from models.deepseek_v3.mla import MLA, LatentCache
 from models.deepseek_v3.moe import MoE
-from models.deepseek_v3.recompute import maybe_recompute
 
 
 class Block(nn.Module):
     """Pre-norm residual block: ``h = x + attn(attn_norm(x))``, then ``h + ffn(ffn_norm(h))``.
 
-    One hidden-state tensor goes in and one comes out. What backward keeps (V3's norm and SwiGLU recompute,
-    FP8 caching) is the memory policy's (``training.memory_policy``); whole-block recompute ("block") is
-    applied by the caller (``run_block``). The overlapped pipeline runs an expert-parallel layer as the pieces
-    in ``models.deepseek_v3.plan``, which call ``attention``, ``ffn_norm`` and the MoE's ``send`` /
-    ``expert_rows`` / ``combined``.
+    One hidden-state tensor goes in and one comes out. What backward keeps (V3's norm, MLA up-projection and SwiGLU
+    recompute, FP8 caching) and whole-block recompute ("block") are the memory policy's
+    (``training.memory_policy``), applied from outside: whoever runs the layer takes the policy's wrapper
+    (``LayerWrap``). The overlapped pipeline runs an expert-parallel layer as the pieces in
+    ``models.deepseek_v3.plan``, which call ``attention``, ``ffn_norm`` and the MoE's ``send`` / ``expert_rows`` /
+    ``combined``.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
         super().__init__()
         self.layer_id = layer_id
-        self.recompute_block = args.recomputes("block", layer_id)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_ops)
@@ -50,10 +52,12 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoE) and self.ffn.ep is not None
 
 
-def run_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
-              start_pos: int = 0) -> torch.Tensor:
-    """``block(x, ...)``, keeping only ``x`` for backward (whole-block recompute) where the layer asks for it and
-    no cache is written (a recomputed forward would write it twice)."""
-    if block.recompute_block and cache is None:
-        return maybe_recompute(lambda x: block(x, cos, sin), x, enabled=True)
-    return block(x, cos, sin, cache, start_pos)
+
+# ``wrap(layer, fn) -> fn'``: how a layer's compute ``fn`` is run, given from outside by whoever runs the layers
+# (``fn`` itself, or ``fn`` recomputed whole in backward: ``training.memory_policy.MemoryPolicy.recomputed``)
+LayerWrap = Callable[[Block, Callable[..., Any]], Callable[..., Any]]
+
+
+def call(block: Block, wrap: LayerWrap | None) -> Callable[..., torch.Tensor]:
+    """``block`` as ``wrap`` runs it (``block`` itself without a wrapper)."""
+    return block if wrap is None else wrap(block, block)

@@ -29,7 +29,6 @@ from torch.utils.checkpoint import checkpoint
 import deep_gemm
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import Linear
-from models.deepseek_v3.recompute import recomputing
 from models.deepseek_v3.rope import apply_rotary_emb_half
 
 QUERY_CHUNK = 256  # queries per chunk of the loss: bounds the [chunk, heads, keys] products it makes
@@ -245,8 +244,6 @@ def record_recall(stats: IndexerStats, p: torch.Tensor, q_i: torch.Tensor, k_i: 
                   rows: torch.Tensor, topk: int) -> None:
     """Record the top-k recall of the main attention's top keys (by ``p``) by the indexer's, for a chunk of
     queries (``q_i``, ``w``, ``p``, ``rows`` of the same queries) over their candidates; a metric, not a loss."""
-    if recomputing():
-        return
     with torch.no_grad():
         recall = topk_recall(p, _scores(q_i, k_i, w, rows), rows, topk)
     if recall is not None:

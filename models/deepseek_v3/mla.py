@@ -43,7 +43,6 @@ from models.deepseek_v3.indexer import (
     select_rows,
 )
 from models.deepseek_v3.layers import Linear, Precast, RMSNorm
-from models.deepseek_v3.recompute import produce_consume, recomputing
 from models.deepseek_v3.rope import apply_rotary_emb
 
 
@@ -56,10 +55,36 @@ class LatentCache(Protocol):
     def index_keys(self, layer_id: int, start_pos: int, keys: torch.Tensor) -> torch.Tensor: ...
 
 
+class InnerAttention(nn.Module):
+    """The naive form's attention core, no parameters: per-head ``q, k [b, s, h, qk_head_dim]``, ``v [b, s, h,
+    v_head_dim]`` -> ``[b, s, h * v_head_dim]``, causal. A module of its own so that what reaches it is visible from
+    outside: V3's up-projection recompute (``training.memory_policy``) keeps the latents instead of q, k, v."""
+
+    def __init__(self, softmax_scale: float):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
+
+
+class SparseInnerAttention(nn.Module):
+    """The sparse form's attention core, no parameters: absorbed queries ``[t, h, 576]`` over the latent rows
+    ``[t, 576]`` each selected (``rows [t, 1, topk]``) -> ``[t, h, kv_lora_rank]`` (``InnerAttention``'s role)."""
+
+    def __init__(self, softmax_scale: float, d_v: int):
+        super().__init__()
+        self.softmax_scale, self.d_v = softmax_scale, d_v
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return flash_mla.sparse_mla_attention(q, kv, rows, self.softmax_scale, d_v=self.d_v)
+
+
 class MLA(nn.Module):
-    """MLA. Recompute (V3 report 3.2.3): with "mla_up" the up-projections (both norms, ``wq_b``,
-    ``wkv_b``, RoPE of q) are recomputed for the attention backward from the latents, so the per-head
-    q, k, v (``n_heads * 448`` values per token at V3's sizes) are never kept."""
+    """MLA. What backward keeps is the memory policy's, applied from outside: with V3's "mla_up" recompute
+    (report 3.2.3) the up-projections (``up_project`` / ``absorb``: both norms, ``wq_b``, ``wkv_b``, RoPE) are
+    remade for the attention backward from the latents, so the per-head q, k, v (``n_heads * 512`` values per
+    token at V3's sizes) are never kept."""
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
@@ -69,11 +94,10 @@ class MLA(nn.Module):
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.qk_head_dim, self.v_head_dim = args.qk_head_dim, args.v_head_dim
         self.softmax_scale = args.softmax_scale
-        self.recompute_up = args.recomputes("mla_up", layer_id)
-        # The GEMMs whose input is remade (the norms' outputs by the memory policy under "norm", the
-        # up-projections' inputs here under "mla_up") keep no FP8 copy of it.
+        # The GEMMs whose input the memory policy remakes (the norms' outputs under "norm", the up-projections'
+        # inputs under "mla_up") keep no FP8 copy of it.
         input_recomputed = args.recomputes("norm", layer_id)
-        up_recomputed = self.recompute_up or input_recomputed
+        up_recomputed = args.recomputes("mla_up", layer_id) or input_recomputed
         fp8, cache = args.fp8, args.fp8_cache
         if self.q_lora_rank:
             self.wq_a = Linear(self.dim, self.q_lora_rank, fp8=fp8, fp8_cache=cache and not input_recomputed)
@@ -96,6 +120,8 @@ class MLA(nn.Module):
         self.sparse = args.sparse
         self.fp8_index = bool(args.fp8)  # the indexer scores in FP8 (DeepGEMM's fp8_mqa_logits) when the GEMMs do
         self.indexer = Indexer(args) if args.index_topk else None
+        self.inner_attention = InnerAttention(self.softmax_scale)
+        self.sparse_attention = SparseInnerAttention(self.softmax_scale, self.kv_lora_rank) if self.indexer else None
 
     # ---- shared by both forms ---------------------------------------------------------------------
     def _q_latent(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
@@ -113,12 +139,18 @@ class MLA(nn.Module):
     def _kv_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    x_fp8: Precast | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c_kv [b, s, kv_lora] before kv_norm, rope(k_pe) [b, s, 1, rope_dim])``."""
-        c_kv, k_pe = self.wkv_a(x, x_fp8).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return self.kv_parts(self.wkv_a(x, x_fp8), cos, sin)
+
+    def kv_parts(self, kv_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv_a``'s output split into ``c_kv`` (before kv_norm) and the RoPE'd shared key ``k_pe``."""
+        c_kv, k_pe = kv_latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return c_kv, apply_rotary_emb(k_pe.unsqueeze(2), cos, sin, self.fused)
 
     # ---- naive form -------------------------------------------------------------------------------
-    def _up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def up_project(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-head ``q, k, v`` of the naive form from the latents (q's before ``q_norm``)."""
         q = self._q_up(q_latent)
         if self.fused and fused_ops.kernels_run(q.device) and not self.q_is_view:
             # the rotary dims rotated where they sit in the heads: no second copy of q to join nope and rope parts
@@ -132,9 +164,6 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
         return q, k, v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 start_pos: int = 0, x_fp8: Precast | None = None) -> torch.Tensor:
         """x ``[b, s, dim]``; cos/sin for positions ``start_pos .. start_pos+s``. With ``cache``: absorbed form.
@@ -147,20 +176,16 @@ class MLA(nn.Module):
         c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
         learn = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
-            return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
-                                                q_latent, c_kv, k_pe, enabled=self.recompute_up))
+            return self._output(self.inner_attention(*self.up_project(q_latent, c_kv, k_pe, cos, sin)))
         # the indexer reads the layer's input and query residual detached: only its own loss trains it
         q_i, k_i, w = self._index(x.detach(), q_latent.detach(), cos, sin)
         b, s = x.shape[:2]
         if self.sparse:
             rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index)
-            out = produce_consume(lambda a, b_, c: self._absorb(a, b_, c, cos, sin),
-                                  lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
-                                  q_latent, c_kv, k_pe, enabled=self.recompute_up)
+            out = self._attend_sparse(*self.absorb(q_latent, c_kv, k_pe, cos, sin), rows).unflatten(0, (b, s))
         else:
             rows = None  # the warm-up's candidates: every causal key (``dense_indexer_kl`` makes them per chunk)
-            out = produce_consume(lambda a, b_, c: self._up_project(a, b_, c, cos, sin), self._attend, q_latent,
-                                  c_kv, k_pe, enabled=self.recompute_up)
+            out = self.inner_attention(*self.up_project(q_latent, c_kv, k_pe, cos, sin))
         out = self._output(out)
         if learn:
             out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
@@ -179,8 +204,8 @@ class MLA(nn.Module):
         q_resid = self.q_norm(q_latent).detach()  # q_norm's weight belongs to the main graph
         return self.indexer.queries(q_resid, cos, sin), self.indexer.keys(x, cos, sin), self.indexer.head_weights(x)
 
-    def _absorb(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def absorb(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed queries ``[b * s, h, 576]`` and latents ``[b * s, 576]`` (``[kv_norm(c_kv), rope(k_pe)]``)."""
         kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1)
         return self._absorb_queries(q_latent, cos, sin).flatten(0, 1), kv.flatten(0, 1)
@@ -195,7 +220,7 @@ class MLA(nn.Module):
 
     def _attend_sparse(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Each query over its selected latent rows, then ``wkv_b``'s value half: ``[b * s, h * v_head_dim]``."""
-        out = flash_mla.sparse_mla_attention(q, kv, rows, self.softmax_scale, d_v=self.kv_lora_rank)
+        out = self.sparse_attention(q, kv, rows)
         _, w_uv = self._absorbed_weights()
         return torch.einsum("thc,hdc->thd", out, w_uv.to(out.dtype)).flatten(1)
 
@@ -209,10 +234,9 @@ class MLA(nn.Module):
         stats = self.indexer.stats
         if rows is not None:
             with torch.no_grad():
-                p = attention_target(*self._absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
+                p = attention_target(*self.absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
             loss = indexer_kl(p, q_i, k_i, w, rows)
-            if not recomputing():
-                stats.record("kl", loss)
+            stats.record("kl", loss)
             return loss
         with torch.no_grad():  # what the target is remade from: the query latents and the 576-wide latents
             q_latent = q_latent.detach().flatten(0, 1)
@@ -228,11 +252,10 @@ class MLA(nn.Module):
         # each candidate costs a gathered latent and a logit per head (main side), or D + H (indexer side)
         chunk = dense_chunk(s, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
         loss = dense_indexer_kl(target, q_i, k_i, w, chunk)
-        if not recomputing():
-            stats.record("kl", loss)
-            last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
-            p, cand = target(last, q_i.shape[0] - last)
-            record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
+        stats.record("kl", loss)
+        last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
+        p, cand = target(last, q_i.shape[0] - last)
+        record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
         return loss
 
     # ---- absorbed form ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 
 from fused_ce import linear_cross_entropy
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block, run_block
+from models.deepseek_v3.block import Block, LayerWrap, call
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.mla import LatentCache
 from models.deepseek_v3.moe import Experts, Gate
@@ -54,12 +54,12 @@ class Transformer(nn.Module):
         return self.embed(tokens)
 
     def run_layers(self, h: torch.Tensor, start: int = 0, end: int | None = None, start_pos: int = 0,
-                   cache: LatentCache | None = None) -> torch.Tensor:
-        """Run layers ``start .. end`` (global ids) on hidden states ``h [b, s, dim]``."""
+                   cache: LatentCache | None = None, wrap: LayerWrap | None = None) -> torch.Tensor:
+        """Run layers ``start .. end`` (global ids) on hidden states ``h [b, s, dim]``, each as ``wrap`` runs it."""
         end = self.args.n_layers if end is None else end
         if not 0 <= start <= end <= self.args.n_layers:
             raise ValueError(f"run_layers: need 0 <= start <= end <= n_layers={self.args.n_layers}, got {start}, {end}")
-        return run_layers(self.args, self.layers[start:end], h, start_pos, cache)
+        return run_layers(self.args, self.layers[start:end], h, start_pos, cache, wrap)
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: logits ``[b, s, vocab]``."""
@@ -150,21 +150,25 @@ def head_losses(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[M
 
 def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
                           embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
-                          ignore_index: int = -100) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+                          ignore_index: int = -100, wrap: LayerWrap | None = None
+                          ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """``lm_losses`` of the logits ``head(norm(h))`` and ``mtp_logits(...)``, from the last hidden state ``h``
-    (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits."""
-    hidden = mtp_hidden(args, mtp, embed, h, tokens)
+    (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits. ``wrap``:
+    how the MTP blocks run (``run_layers``)."""
+    hidden = mtp_hidden(args, mtp, embed, h, tokens, wrap)
     return head_losses(args, norm, head, mtp, h, hidden, labels, ignore_index)
 
 
 def run_layers(args: ModelArgs, layers: Iterable[Block], h: torch.Tensor, start_pos: int = 0,
-               cache: LatentCache | None = None) -> torch.Tensor:
+               cache: LatentCache | None = None, wrap: LayerWrap | None = None) -> torch.Tensor:
     """The layer loop: ``layers`` in order on hidden states ``h [b, s, dim]`` at positions ``start_pos..``
-    (the whole model's, and a pipeline stage's slice of it); each layer's output is the next one's input."""
+    (the whole model's, and a pipeline stage's slice of it); each layer's output is the next one's input.
+    ``wrap``: how each layer runs (the memory policy's whole-block recompute, ``block.LayerWrap``); none with a
+    ``cache`` (generation: a replayed forward would write the cache twice)."""
     s = h.shape[1]
     if start_pos + s > args.max_seq_len:
         raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
     cos, sin = rope_cos_sin(args, torch.arange(start_pos, start_pos + s, device=h.device))
     for layer in layers:
-        h = run_block(layer, h, cos, sin, cache, start_pos)
+        h = call(layer, wrap if cache is None else None)(h, cos, sin, cache, start_pos)
     return h

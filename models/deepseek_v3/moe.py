@@ -37,7 +37,6 @@ from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, check_ex
 from models.deepseek_v3.expert_parallel import ExpertParallel, Received, SendPlan, arrived
 from models.deepseek_v3.layers import MLP, Precast, SwiGLU, grouped_linear
 from models.deepseek_v3.permute import PermuteState, group_weights, permute, permute_fp8, unpermute
-from models.deepseek_v3.recompute import recomputing
 
 
 @dataclass
@@ -295,7 +294,7 @@ class MoE(nn.Module):
     def expert_rows(self, rows: torch.Tensor, received: Received) -> torch.Tensor:
         """Between the dispatch and the combine: this rank's experts on the rows that arrived (arrival order in
         and out), each scaled by the routing weight that travelled with it; counts them."""
-        if self.training and not recomputing():
+        if self.training:
             n = received.tokens_per_expert.sum().double()
             self.received_rows = n if self.received_rows is None else self.received_rows + n
         # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast; the bf16

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.deepseek_v3.args import ModelArgs
-from models.deepseek_v3.block import Block, run_block
+from models.deepseek_v3.block import Block, LayerWrap, call
 from models.deepseek_v3.layers import Linear, RMSNorm
 from models.deepseek_v3.plan import Compute, Piece, layer_pieces
 from models.deepseek_v3.rope import rope_cos_sin
@@ -38,7 +38,7 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h ``[b, n, dim]`` (previous depth, already truncated), emb ``[b, n, dim]`` of the tokens k ahead."""
-        return run_block(self.block, self.project(h, emb), cos, sin)
+        return self.block(self.project(h, emb), cos, sin)
 
 
 def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor) -> Iterator[tuple]:
@@ -52,32 +52,35 @@ def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor)
 
 
 def mtp_hidden(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, h: torch.Tensor,
-               tokens: torch.Tensor) -> list[torch.Tensor]:
+               tokens: torch.Tensor, wrap: LayerWrap | None = None) -> list[torch.Tensor]:
     """MTP hidden states per depth k = 1..D (before each depth's ``norm``) from the main model's last
     hidden state ``h`` (before the final norm); depth k's ``[b, s - k, dim]``. Takes the modules
-    explicitly so that a pipeline's last stage runs exactly this with the modules it holds."""
+    explicitly so that a pipeline's last stage runs exactly this with the modules it holds. ``wrap``: how each
+    depth's block runs (``model.run_layers``)."""
     out = []
     for k, n, module, cos, sin in _depths(args, modules, tokens):
-        h = module(h[:, :n], embed(tokens[:, k:]), cos, sin)
+        h = call(module.block, wrap)(module.project(h[:, :n], embed(tokens[:, k:])), cos, sin)
         out.append(h)
     return out
 
 
 def mtp_pieces(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, tokens: torch.Tensor,
-               stream: str = "h") -> tuple[list[Piece], list[str]]:
+               stream: str = "h", wrap: LayerWrap | None = None) -> tuple[list[Piece], list[str]]:
     """``mtp_hidden`` as plan pieces (``models.deepseek_v3.plan``) reading the main hidden state ``stream``;
-    also the names of the depths' hidden states."""
+    also the names of the depths' hidden states. ``wrap``: as in ``plan.layer_pieces``."""
     pieces, names, prev = [], [], stream
     for k, n, module, cos, sin in _depths(args, modules, tokens):
         name = f"mtp{k}"
         project = lambda h, module=module, n=n, k=k, name=name: {name: module.project(h[:, :n], embed(tokens[:, k:]))}  # noqa: E731
-        pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)), *layer_pieces(module.block, cos, sin, name)]
+        pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)),
+                   *layer_pieces(module.block, cos, sin, name, wrap)]
         names.append(name)
         prev = name
     return pieces, names
 
 
 def mtp_logits(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, head: nn.Module, h: torch.Tensor,
-               tokens: torch.Tensor) -> list[torch.Tensor]:
-    """MTP logits per depth k = 1..D: depth k's ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``."""
-    return [head(module.norm(hk)) for module, hk in zip(modules, mtp_hidden(args, modules, embed, h, tokens))]
+               tokens: torch.Tensor, wrap: LayerWrap | None = None) -> list[torch.Tensor]:
+    """MTP logits per depth k = 1..D: depth k's ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``.
+    ``wrap``: as in ``mtp_hidden``."""
+    return [head(module.norm(hk)) for module, hk in zip(modules, mtp_hidden(args, modules, embed, h, tokens, wrap))]

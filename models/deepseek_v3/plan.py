@@ -44,9 +44,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from models.deepseek_v3.block import Block, run_block
+from models.deepseek_v3.block import Block, LayerWrap, call
 from models.deepseek_v3.expert_parallel import CommHandle
-from models.deepseek_v3.recompute import maybe_recompute
 
 
 @dataclass(frozen=True)
@@ -79,12 +78,14 @@ class Exchange:
 Piece = Compute | Exchange
 
 
-def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str = "h") -> list[Piece]:
-    """One layer as pieces from and to the hidden state named ``stream``; whole-block recompute recomputes each
-    compute piece on its own (the exchanges are never run twice)."""
+def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str = "h",
+                 wrap: LayerWrap | None = None) -> list[Piece]:
+    """One layer as pieces from and to the hidden state named ``stream``. ``wrap(block, fn)`` runs each piece's
+    compute (the memory policy's whole-block recompute then recomputes each compute piece on its own: the
+    exchanges are never run twice)."""
     if not block.expert_parallel:
-        return [Compute(f"layer {block.layer_id}", lambda x: {stream: run_block(block, x, cos, sin)}, (stream,),
-                        (stream,))]
+        layer = call(block, wrap)
+        return [Compute(f"layer {block.layer_id}", lambda x: {stream: layer(x, cos, sin)}, (stream,), (stream,))]
     moe = block.ffn
 
     def attention(x: torch.Tensor) -> dict[str, Any]:
@@ -96,14 +97,14 @@ def layer_pieces(block: Block, cos: torch.Tensor, sin: torch.Tensor, stream: str
     def output(h: torch.Tensor, back: torch.Tensor, plan, shared: torch.Tensor | None) -> dict[str, Any]:
         return {stream: h + moe.combined(back, plan, shared).view_as(h)}
 
-    def recomputed(fn: Callable[..., dict]) -> Callable[..., dict]:
-        return lambda *args: maybe_recompute(fn, *args, enabled=block.recompute_block)
+    def wrapped(fn: Callable[..., dict]) -> Callable[..., dict]:
+        return fn if wrap is None else wrap(block, fn)
 
     return [
-        Compute("attention", recomputed(attention), (stream,), (stream, "send", "plan", "shared")),
+        Compute("attention", wrapped(attention), (stream,), (stream, "send", "plan", "shared")),
         Exchange("dispatch", lambda send, plan: moe.ep.post_dispatch(send, plan, moe.dim), ("send", "plan"),
                  lands="rows", info="received"),
-        Compute("experts", recomputed(lambda rows, received: {"y": moe.expert_rows(rows, received)}),
+        Compute("experts", wrapped(lambda rows, received: {"y": moe.expert_rows(rows, received)}),
                 ("rows", "received"), ("y",)),
         Exchange("combine", moe.ep.post_combine, ("y", "received"), lands="back"),
         Compute("output", output, (stream, "back", "plan", "shared"), (stream,)),
