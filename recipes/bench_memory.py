@@ -5,7 +5,8 @@
 
 What is counted: every tensor autograd saves during one training forward (model + loss), through
 ``torch.autograd.graph.saved_tensors_hooks``, as distinct storages whose size is read *after* the
-forward, i.e. what stays allocated until backward (a storage the recompute released counts 0).
+forward, i.e. what stays allocated until backward (a tensor the memory policy remakes in backward is not kept:
+what it is remade from is counted instead).
 Parameters and buffers are not counted (they are not activations). That is what a GPU run holds for
 backward: our CPU attention reference keeps what the flash kernel keeps (q, k, v), and the FP8
 paths save the same e4m3 + scale tensors on either device. transformers runs its default
@@ -48,13 +49,15 @@ def saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
     """(bytes of the distinct storages autograd saved while ``forward()`` ran, measured after it returned;
     ``module``'s parameters and buffers excluded; the loss it returned). ``policy``: the forward runs under that
     memory policy, which reports what it keeps."""
-    skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    # storages told apart by identity: ``untyped_storage()`` is one Python object for a storage's whole life,
+    # shared by its views (held here, so no other storage takes its id)
+    skip = {id(s): s for s in (t.untyped_storage() for t in (*module.parameters(), *module.buffers()))}
     storages: dict[int, torch.UntypedStorage] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            storages.setdefault(storage._cdata, storage)
+        if id(storage) not in skip:
+            storages.setdefault(id(storage), storage)
         return t
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if policy is None else policy.applied(pack)

@@ -345,21 +345,33 @@ def test_warmup_loss_remade_per_chunk_equals_the_stored_target():
 
 @pytest.mark.parametrize("warmup", [True, False])
 def test_recompute_kinds_give_identical_gradients(warmup: bool):
-    """Both stages under every recompute kind (the indexer loss's own chunk recompute nested inside whole-block
-    recompute or the MLA up-projections' produce_consume): gradients equal to no recompute (measured bit-equal;
-    test_model's tolerance for a different accumulation order)."""
-    grads = {}
+    """Both stages under every recompute kind, applied from outside as the trainer applies them (the memory policy's
+    saved-tensor hooks and its whole-block wrapper; the indexer loss's own chunk recompute nested inside):
+    gradients equal to no recompute bit for bit (the same fp32 ops, the same backward graph), and the indexer's
+    statistics (loss and recall sums and call counts) are those of one forward: a block's replay does not count
+    again."""
+    from training.memory_policy import MemoryPolicy
+
+    grads, stats = {}, {}
     for kinds in ((), ("block",), ("norm", "mla_up"), ("swiglu",)):
         args = ModelArgs.preset("debug_tiny", **DSA_TINY, dsa_warmup=warmup, recompute=kinds)
         torch.manual_seed(0)
         model = randomize(Transformer(args)).train()
-        model(torch.randint(0, args.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))).square().mean(
-            ).backward()
+        policy = MemoryPolicy(model, args)
+        tokens = torch.randint(0, args.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))
+        with policy.applied():
+            logits = model.final(model.run_layers(model.embed_tokens(tokens), wrap=policy.recomputed))
+        logits.square().mean().backward()
         grads[kinds] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    base = grads.pop(())
+        stats[kinds] = [(dict(m.indexer.stats.sums), dict(m.indexer.stats.calls)) for m in
+                        (layer.attn for layer in model.layers)]
+    base, base_stats = grads.pop(()), stats.pop(())
     assert any(".indexer." in n for n in base)
+    assert all(calls and all(int(c) == 1 for c in calls.values()) for _, calls in base_stats)
     for kinds, got in grads.items():
         assert got.keys() == base.keys(), kinds
-        for name, g in got.items():  # the same fp32 ops replayed: equal up to autograd's accumulation order
-            torch.testing.assert_close(g, base[name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m, n=name, k=kinds: f"{k} {n}: {m}")
+        for name, g in got.items():
+            assert torch.equal(g, base[name]), (kinds, name)
+        for (sums, calls), (want_sums, want_calls) in zip(stats[kinds], base_stats):
+            assert calls.keys() == want_calls.keys() and all(int(calls[k]) == int(want_calls[k]) for k in calls)
+            assert all(torch.equal(sums[k], want_sums[k]) for k in want_sums), kinds
