@@ -108,9 +108,10 @@ def _model_run(fused: bool, tokens: torch.Tensor, **overrides):
                             n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, fp8=True, **overrides)
     model = randomize(Transformer(args))
     with registry.force("auto"):
-        with MemoryPolicy(model, args).applied():  # as the trainer applies it
-            logits, mtp = model.forward_with_mtp(tokens[:, :-1])
-        loss = lm_losses(args, logits, mtp, tokens[:, 1:])["loss"]
+        policy = MemoryPolicy(model, args)
+        with policy.applied():  # as the trainer applies it, whole-block recompute included
+            logits = model.final(model.run_layers(model.embed_tokens(tokens[:, :-1]), wrap=policy.recomputed))
+        loss = lm_losses(args, logits, [], tokens[:, 1:])["loss"]
         loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
