@@ -147,6 +147,7 @@ def _plan_rank(rank, world):
     from models.deepseek_v3.moe import MoE
     from models.deepseek_v3.plan import Run, layer_pieces
     from models.deepseek_v3.rope import rope_cos_sin
+    from training.memory_policy import MemoryPolicy
     from training.stages import expert_range
 
     os.environ["DSV3_KERNEL_IMPL"] = "auto"
@@ -177,7 +178,7 @@ def _plan_rank(rank, world):
         cos, sin = rope_cos_sin(args, torch.arange(6))
         registry.get("fused_ops.gather_dequant_fp8").last_impl = None
         if path == "stage":
-            run = Run(layer_pieces(block, cos, sin), h=h)
+            run = Run(layer_pieces(block, cos, sin, wrap=MemoryPolicy(block, args).recomputed), h=h)
             y = run.forward()["h"]
             run.backward(h=torch.randn(y.shape, generator=g))
         else:
