@@ -55,8 +55,7 @@ def check_compile(args: ModelArgs, fp8_health_every: int, inject_fp8_scale_error
     if fp8_health_every:
         raise ValueError(f"run.compile=true with FP8 / MXFP4 GEMMs and logging.fp8_health_every={fp8_health_every}: "
                          "the FP8 health report observes the GEMMs' casts from Python; set logging.fp8_health_every=0 "
-                         "or "
-                         "run.compile=false")
+                         "or run.compile=false")
     if inject_fp8_scale_error:
         raise ValueError("run.compile=true with fault.inject_fp8_scale_error_at_step: the fault is a forward hook "
                          "reading the step; set run.compile=false for that test")
