@@ -79,7 +79,7 @@ def _compare(eager: Path, compiled: Path, world: int, fp8: bool) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     loss_atol, norm_rtol = (FP8_LOSS_ATOL, FP8_RTOL) if fp8 else (LOSS_ATOL, GRAD_NORM_RTOL)
     for w, g in zip(want, got):
-        for key in ("loss", "total_loss", "mtp_loss"):
+        for key in ("loss", "total_loss", "mtp_loss")[:3 if "mtp_loss" in w else 2]:
             assert abs(g[key] - w[key]) <= (LOSS_ATOL if w["step"] == 1 else loss_atol), (w["step"], key, g, w)
         assert abs(g["grad_norm"] - w["grad_norm"]) <= norm_rtol * w["grad_norm"], (w["step"], g, w)
     for rank in range(world):
