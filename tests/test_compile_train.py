@@ -17,6 +17,7 @@ so the one-process test also counts the compiled graphs (and 0 graph breaks).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,28 @@ def test_dualpipev_ep_fp8_mtp_compiled_equals_eager(tmp_path):
     _train(tmp_path / "eager", FOUR, nproc=4)
     _train(tmp_path / "compiled", FOUR + ["run.compile=true"], nproc=4)
     _compare(tmp_path / "eager", tmp_path / "compiled", 4, fp8=True)
+
+
+# the other schedules on pp 2 x dp 2 (EP 2 where the layout allows it, MTP where the schedule puts the embedding
+# beside the head): opt-in, ~2-5 minutes each on 2 cores
+SCHEDULES = {
+    "1f1b": ["parallel.schedule=1f1b", "parallel.ep=2", "model.overrides.n_layers=4", "model.overrides.n_mtp_layers=0"],
+    "zb1p": ["parallel.schedule=zb1p", "parallel.ep=2", "model.overrides.n_layers=4", "model.overrides.n_mtp_layers=0"],
+    "zbv": ["parallel.schedule=zbv", "parallel.ep=1", "model.overrides.n_layers=3", "model.overrides.n_mtp_layers=1"],
+    "dualpipe": ["parallel.schedule=dualpipe", "parallel.ep=2", "model.overrides.n_layers=3",
+                 "model.overrides.n_mtp_layers=1"],
+    "interleaved1f1b": ["parallel.schedule=interleaved1f1b", "parallel.vpp=2", "parallel.ep=2",
+                        "model.overrides.n_layers=4", "model.overrides.n_mtp_layers=0"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.skipif(os.environ.get("DSV3_COMPILE_ALL_SCHEDULES") != "1",
+                    reason="opt-in: DSV3_COMPILE_ALL_SCHEDULES=1 (each schedule trains twice on 4 processes)")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_compiled_equals_eager(schedule, tmp_path):
+    sets = ["parallel.pp=2", "parallel.dp=2", "model.fp8=false", *SCHEDULES[schedule]]
+    _train(tmp_path / "eager", sets, nproc=4)
+    _train(tmp_path / "compiled", sets + ["run.compile=true"], nproc=4)
+    _compare(tmp_path / "eager", tmp_path / "compiled", 4, fp8=False)
