@@ -25,7 +25,7 @@ TESTS211 ?= \
 	tests/test_combinations.py tests/test_training_overlap.py tests/test_model_recompute.py \
 	tests/test_training_recompute.py tests/test_training.py tests/test_training_dualpipe.py \
 	tests/test_training_eplb.py tests/test_v3_layout.py tests/test_expert_parallel.py tests/test_expert_parallel_fused.py \
-	tests/test_interleaved_schedule.py tests/test_training_interleaved.py tests/test_compile.py \
+	tests/test_interleaved_schedule.py tests/test_training_interleaved.py tests/test_compile.py tests/test_compile_train.py tests/test_compile_bench.py \
 	tests/test_dualpipe_runtime.py tests/test_trace.py tests/test_run_teardown.py tests/test_model.py tests/test_model_checkpoint.py \
 	tests/test_model_generate.py tests/test_model_gpu.py tests/test_deep_gemm_cast.py \
 	tests/test_deep_gemm_gemm.py tests/test_deep_gemm_grouped.py tests/test_deep_gemm_linear.py \

@@ -155,9 +155,14 @@ def force(impl: str) -> Iterator[None]:
         _local.forced = previous
 
 
+# looked up once, at import: an op's dispatch asks on every call, also while torch.compile traces it, and torch 2.11's
+# dynamo refuses to trace ``importlib.util.find_spec``
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why a Triton kernel cannot run on tensors of ``device``, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "the 'triton' package is not installed"
     if device.type == "cpu" and not triton_interpreted():
         return "inputs are on the cpu and TRITON_INTERPRET=1 is not set"

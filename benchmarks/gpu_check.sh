@@ -7,7 +7,8 @@
 #              config on the host's cores, in parallel, into Triton's cache (so no benchmark waits on ptxas)
 #   deep_gemm, flash_mla   the kernel benchmarks (benchmarks/gpu_check.d/<area>.sh, header "# timeout: SECONDS");
 #              each row is appended to <area>/*.rows.jsonl the moment it is measured
-#   model, experts, fused  the other areas with GPU performance targets
+#   model, experts, fused, compile  the other areas with GPU performance targets (compile: eager vs torch.compile
+#              and CUDA graphs of a block, recipes.bench_compile)
 #   pytest     pytest -m gpu over tests/ (after the benchmarks: a failing test cannot cost a number)
 #   verify     python -m recipes.verify_kernels --bench-shapes (strict); an area script of a core step's name
 #              (gpu_check.d/verify.sh) replaces it
@@ -183,11 +184,11 @@ run_named() {
     fi
     case "$name" in
         env) run_step env 15 bash -c env_report ;;
-        warm) run_step warm 105 "$PY" -m recipes.warm_kernels --jobs "${GPU_CHECK_JOBS:-$(nproc)}" --timeout 95 ;;
+        warm) run_step warm 100 "$PY" -m recipes.warm_kernels --jobs "${GPU_CHECK_JOBS:-$(nproc)}" --timeout 90 ;;
         # --continue-on-collection-errors: a module needing a package this machine lacks must not hide the rest.
-        pytest) run_step pytest 70 env DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-            --continue-on-collection-errors --timeout 60 tests ;;
-        verify) run_step verify 45 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
+        pytest) run_step pytest 55 env DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+            --continue-on-collection-errors --timeout 45 tests ;;
+        verify) run_step verify 40 env DSV3_STRICT_KERNELS=1 DSV3_DEEP_GEMM_AUTOTUNE=0 "$PY" -m recipes.verify_kernels --bench-shapes --seeds 2 \
             --json "$OUTDIR/verify_kernels.json" ;;
         *)
             printf '%-24s %-8s %6s  %s\n' "$name" UNKNOWN - "no such step (env, warm, pytest, verify, or $AREA_DIR/*.sh)" \
@@ -198,10 +199,10 @@ run_named() {
     esac
 }
 
-# Default order: env, the compile warm-up, the areas whose performance targets have no GPU figure yet
+# Default order: env, the kernel warm-up, the areas whose performance targets have no GPU figure yet
 # (benchmarks first), pytest, verify, then the other areas alphabetically. GPU_CHECK_STEPS picks and orders.
 CORE=(env warm pytest verify)
-FIRST=(env warm deep_gemm flash_mla model experts fused pytest verify)
+FIRST=(env warm deep_gemm flash_mla model experts fused compile pytest verify)
 if [[ -n "$ONLY" ]]; then
     read -r -a ORDER <<<"$ONLY"
 else

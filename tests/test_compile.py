@@ -24,6 +24,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v3.layers import swiglu
 from recipes.bench_compile import next_token_loss
 
 _SMALL = dict(n_layers=3, n_dense_layers=1, n_mtp_layers=1, dim=32, inter_dim=64, moe_inter_dim=16, n_heads=2,
@@ -37,14 +38,6 @@ def _loss_and_grads(model: Transformer, fn, tokens: torch.Tensor):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-# torch 2.11 compiles the model whole too, but its compiled backward gives the embedding a gradient far from eager's
-# (|diff| 0.019 against max |g| 0.16, 2026-12-07): a known, open bug of the compiled path on 2.11 (no training path
-# compiles yet); strict, so a fix shows up as an unexpected pass
-_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
-
-@pytest.mark.xfail(_TORCH < (2, 13), strict=True, reason="torch 2.11: the compiled backward's embedding gradient "
-                   "differs from eager's (open)")
 @pytest.mark.parametrize("preset", ["debug", "debug_dsa"])
 def test_model_compiles_whole_and_matches_eager(preset):
     torch.manual_seed(0)
@@ -66,3 +59,23 @@ def test_model_compiles_whole_and_matches_eager(preset):
     for name, g in want.items():
         assert torch.isfinite(g).all() and g.abs().max() > 0, name
         assert (got[name] - g).abs().max() <= tol * g.abs().max(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_swiglu_compiles_to_eager_gradients(dtype):
+    """The MoE's routing-weighted SwiGLU (``layers.swiglu`` with fp32 weights): the compiled backward gives eager's
+    input and weight gradients. Its output was once a no-op ``.to`` of an intermediate in fp32, which torch 2.11's
+    compiled backward turned into input gradients of 0 (every MoE gradient of the compiled model was then wrong).
+    The backward is elementwise but for the weights' gradient, a sum over the row's 2 x 16 products: at most 32
+    roundings of the dtype apart, relative to the gradient's largest element."""
+    torch.manual_seed(0)
+    gate_up, weights = torch.randn(24, 32, dtype=dtype), torch.rand(24)
+    probe = torch.randn(24, 16, dtype=dtype)
+    grads = []
+    for fn in (swiglu, torch.compile(swiglu, fullgraph=True, backend="aot_eager")):
+        x, w = gate_up.clone().requires_grad_(), weights.clone().requires_grad_()
+        (fn(x, w) * probe).sum().backward()
+        grads.append((x.grad, w.grad))
+    for want, got in zip(*grads):
+        assert torch.isfinite(want).all() and want.abs().max() > 0
+        assert (got - want).abs().max() <= 32 * torch.finfo(want.dtype).eps * want.abs().max()

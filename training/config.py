@@ -45,6 +45,7 @@ MOMENT_DTYPES = ("param", "bfloat16")
 MASTER_DTYPES = ("param", "float32")
 SCHEDULES = ("none", *schedules.SCHEDULES)
 FP8_SHADOW_ACTIONS = ("bf16", "warn")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile backends run.compile_backend may name
 INT64 = 1 << 63
 # run.steps at most 10^9 - 1: checkpoint folders are named step_NNNNNNNNN with nine digits, so that a listing sorts
 # them by step; no run comes near (V3's 14.8T tokens: 235,000 steps, recipes/configs/deepseek_v3_671b.toml)
@@ -77,6 +78,9 @@ class RunConfig:
     # seconds without a completed pipeline action or collective after which every rank dumps its flight recorder
     # to RUN_DIR/flight/ (python -m recipes.diagnose RUN_DIR); below timeout_s, so it dumps first; 0 = off
     watchdog_s: float = 60.0
+    # torch.compile(fullgraph=True) of each block from outside (training.compile), on every schedule; training only
+    compile: bool = False
+    compile_backend: str = "inductor"  # inductor | aot_eager (dynamo + AOTAutograd, no code generation) | eager
 
 
 @dataclass
@@ -530,6 +534,8 @@ def validate(cfg: TrainConfig) -> None:
                          f"recorder is dumped before the collective timeout ends the run, got {r.watchdog_s:g}")
     if r.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"run.dtype must be float32, float64 or bfloat16, got {r.dtype!r}")
+    if r.compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"run.compile_backend must be one of {', '.join(COMPILE_BACKENDS)}, got {r.compile_backend!r}")
     if r.max_minutes < 0:  # (check_finite above has refused nan and inf)
         raise ValueError(f"run.max_minutes must be a finite number >= 0 (0 = no time budget), got {r.max_minutes}")
     for key in ("pp", "dp", "ep", "cp"):
@@ -729,7 +735,8 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 # Keys that do not change what is computed: a resume may change them freely.
 _HASH_EXCLUDED = {"run": {"name", "nproc", "runs_root", "sample_prompt", "sample_tokens", "sample_temperature",
-                          "timeout_s", "watchdog_s", "steps", "threads", "max_minutes"},
+                          "timeout_s", "watchdog_s", "steps", "threads", "max_minutes",
+                          "compile", "compile_backend"},  # the same math, compiled or not
                   "logging": "*", "checkpoint": "*", "fault": "*",
                   "optim": {"ema_decay"},  # the EMA watches the weights, it does not change them
                   # EPLB moves experts between GPUs, not the math: a run may switch it on or off on resume

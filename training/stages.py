@@ -244,8 +244,11 @@ def _output_grads(loss: torch.Tensor | None, grads: list) -> dict[str, torch.Ten
 
 def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank: int, ep_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int, physical_experts: Sequence[int] | None = None,
-                 vpp: int = 1) -> tuple[Transformer, list[DeepSeekV3Stage]]:
+                 vpp: int = 1, memory_policy: bool = True) -> tuple[Transformer, list[DeepSeekV3Stage]]:
     """This rank's stages, materialised on ``device`` in ``dtype``; the rest of the model stays on meta.
+
+    memory_policy: the stages run under ``training.memory_policy`` (false under ``run.compile``: its saved-tensor
+    hooks are eager machinery, and ``training.compile.check_compile`` has refused every setting that needs them).
 
     physical_experts: under EPLB, the logical expert of each physical slot this rank hosts in every
     MoE layer (replicas start as exact copies: experts are initialised per logical id).
@@ -263,7 +266,7 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.experts = Experts(args, physical_experts)
-    policy = MemoryPolicy(model, args)
+    policy = MemoryPolicy(model, args) if memory_policy else None
     stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], policy) for s in stage_ids(schedule, pp, pp_rank, vpp)]
     owned: dict[str, nn.Module] = {}
     for st in stages:

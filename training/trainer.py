@@ -46,6 +46,7 @@ from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
+from training.compile import check_compile, compile_stages, eager, tracing
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict, schedule_of
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
@@ -128,6 +129,10 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
+    if cfg.run.compile:
+        low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"
+        check_compile(args, cfg.logging.fp8_health_every if low_precision else 0,
+                      bool(cfg.fault.inject_fp8_scale_error_at_step))
     init_missing = cfg.model.init_from and not Path(cfg.model.init_from).exists()
     if cfg.model.init_from and not (allow_missing_init and init_missing) \
             and not (Path(cfg.model.init_from) / "config.json").is_file():
@@ -195,13 +200,16 @@ class Trainer:
             physical = local_physical_experts(initial_plan(cfg, self.args), c.ep_rank, cfg.parallel.ep).tolist()
         self.model, self.stages = build_stages(self.args, cfg.parallel.schedule, cfg.parallel.pp, c.pp_rank,
                                                c.ep_rank, cfg.parallel.ep, self.device, self.dtype, cfg.run.seed,
-                                               physical_experts=physical, vpp=cfg.parallel.vpp)
+                                               physical_experts=physical, vpp=cfg.parallel.vpp,
+                                               memory_policy=not cfg.run.compile)
         self.modules = nn.ModuleList(self.stages)
         if cfg.model.init_from:
             init_from_hf(self.model, cfg.model.init_from)
         if self.args.dsa_warmup:  # DSA stage 1: only the indexers train; nothing else reaches the optimizer
             freeze_all_but_indexers(self.stages)
         wire_moe_layers(self.stages, cfg, ps, recorder, self.flight)  # expert parallelism and balancing here
+        if cfg.run.compile:  # after the EP wiring: an expert-parallel block compiles the pieces between its all-to-alls
+            compile_stages(self.stages, cfg.run.compile_backend)
         self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight)
                          if cfg.parallel.schedule != "none" else None)
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
@@ -359,6 +367,14 @@ class Trainer:
         stack.enter_context(self.flight.record("action", name))
         return stack
 
+    def _compiling(self) -> contextlib.AbstractContextManager:
+        """Dynamo's settings for the training step's compiled modules (``run.compile``)."""
+        return tracing() if self.cfg.run.compile else contextlib.nullcontext()
+
+    def _eager(self) -> contextlib.AbstractContextManager:
+        """No-grad passes (evaluation, sampling, the FP8 shadow) run the compiled modules eager (``run.compile``)."""
+        return eager() if self.cfg.run.compile else contextlib.nullcontext()
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if accel.backend() != "cpu" and self.cfg.run.autocast_bf16 and self.dtype != torch.float64:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -386,7 +402,7 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.fp8_health is not None:
             self.fp8_health.active = (step + 1) % cfg.logging.fp8_health_every == 0
-        with unchecked_scale_values():  # FP8: a NaN must reach the loss / gradient norm, where the guard sees it
+        with unchecked_scale_values(), self._compiling():  # FP8: a NaN must reach the loss / gradient norm
             criterion = self._forward_backward(windows, chunks, point.mtp_lambda)
         reduce_gradients(self.optimizer, self.ps.group("dp"), self.ps.group("edp"), cfg.parallel.dp, self.flight)
         grad_sync_s = None
@@ -488,7 +504,7 @@ class Trainer:
     @torch.no_grad()
     def _main_loss(self, windows: torch.Tensor) -> float:
         """Mean next-token loss of ``windows [b, s + 1]`` (one per data-parallel rank) through the pipeline."""
-        with self._autocast():
+        with self._autocast(), self._eager():
             h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, windows[:, :-1], self.dtype)
             loss = None
             if h is not None:
@@ -524,22 +540,24 @@ class Trainer:
         total, n = 0.0, 0
         for b in range(batches):
             inputs, labels = self.corpus.valid_batch(b * self.cfg.parallel.dp + self.ps.coords.dp_rank, size)
-            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
-            if h is not None:
-                st = self.loss_stage
-                logits = st.head(st.norm(h))
-                total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                                 labels.to(self.device).flatten()))
-                n += 1
+            with self._eager():
+                h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
+                if h is not None:
+                    st = self.loss_stage
+                    logits = st.head(st.norm(h))
+                    total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                                     labels.to(self.device).flatten()))
+                    n += 1
         return self._global_mean(total / max(n, 1), 1 if n else 0)
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int) -> str:
         """Continuation of ``prompt`` through the pipeline (every rank must call it), sampled at
         ``run.sample_temperature`` (0 = greedy)."""
-        return pipeline_generate(self.stages, self.cfg.parallel, self.ps, self.tokenizer, self.corpus, prompt,
-                                 max_new_tokens, self.cfg.data.seq_len, self.dtype, self.device,
-                                 temperature=self.cfg.run.sample_temperature, seed=self.cfg.run.seed)
+        with self._eager():
+            return pipeline_generate(self.stages, self.cfg.parallel, self.ps, self.tokenizer, self.corpus, prompt,
+                                     max_new_tokens, self.cfg.data.seq_len, self.dtype, self.device,
+                                     temperature=self.cfg.run.sample_temperature, seed=self.cfg.run.seed)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def start_logging(self, total_steps: int) -> None:

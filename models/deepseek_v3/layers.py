@@ -115,7 +115,10 @@ class _SwiGLUFunction(torch.autograd.Function):
         gate, up = gate_up.chunk(2, dim=-1)
         out = F.silu(gate) * up
         if weights is not None:
-            out = (out * weights.unsqueeze(-1)).to(out.dtype)
+            weighted = out * weights.unsqueeze(-1)
+            # cast back only where the product promoted (bf16 rows, fp32 weights): torch 2.11's compiled backward of
+            # this Function is wrong when its output is a no-op ``.to`` of an intermediate (benchmarks/compile.md)
+            out = weighted if weighted.dtype == out.dtype else weighted.to(out.dtype)
         ctx.save_for_backward(gate_up, weights)
         return out
 
