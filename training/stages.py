@@ -345,8 +345,7 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
     experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
     v4_model = isinstance(args, v4.ModelArgs)
     if v4_model and physical_experts is not None:
-        raise ValueError("eplb.enabled with a DeepSeek-V4 model: expert replicas are not built for V4 yet; set "
-                         "eplb.enabled=false")
+        raise ValueError("physical_experts (EPLB) with a DeepSeek-V4 model: its replicas are built for V3 only")
     with torch.device("meta"):
         model = (v4.Transformer if v4_model else Transformer)(args, expert_ids=experts)
         if physical_experts is not None:
