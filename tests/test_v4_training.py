@@ -1,7 +1,7 @@
 """DeepSeek-V4 in training (issue 37 item 5): the config selects it, its pipeline stages pass the 4-stream
 residual (and the token ids hash routing reads) from stage to stage, plainly and as the per-layer plan's pieces,
 and equal the plain model; whole-block recompute keeps the gradients and drops the activations; FP8 reaches the
-routed experts. The multi-process runs through ``recipes.train`` are in ``test_v4_training_slow.py``."""
+linears V3 runs in FP8. The multi-process runs through ``recipes.train`` are in ``test_v4_training_slow.py``."""
 
 from __future__ import annotations
 
@@ -175,18 +175,24 @@ def test_block_recompute_keeps_only_block_inputs():
     assert recomputed < 0.5 * full, (recomputed, full)
 
 
-def test_fp8_reaches_the_routed_experts():
-    """``fp8`` runs V4's routed experts through the FP8 grouped GEMM (blockwise e4m3, 1x128 / 128x128 scales): the
-    loss moves off fp32's by rounding (e4m3 keeps 3 mantissa bits: ~2^-5 relative per product, averaged over
-    dim 64 and inter 32 long dot products and diluted by the attention and shared expert's fp32 paths) but stays
-    within 1e-2 of it, and every gradient is finite."""
+def test_fp8_reaches_the_linears_v3_runs_in_fp8():
+    """``fp8`` runs what V3 runs in FP8 (and V4's release stores in FP8): the routed experts' grouped GEMMs, the
+    shared expert and the attention's and indexer's query / key-value / output projections (blockwise e4m3, 1x128
+    activations, 128x128 weights); the compressors, the indexer's head weights, routers, mHC, embedding and head
+    stay as they are. The loss moves off fp32's by rounding (e4m3 keeps 3 mantissa bits: ~2^-5 relative per
+    product, averaged over the 32-64 long dot products) but stays within 1e-2 of it; every gradient is finite."""
     windows = _windows()
     losses = []
     for fp8 in (False, "blockwise"):
         args = _args(fp8=fp8)
         (stage,) = _stages(args, "none", 1).values()
+        layer = stage.layers["1"]  # a CSA layer: attention, indexer and compressor
+        for m in (layer.attn.wq_a, layer.attn.wq_b, layer.attn.wkv, layer.attn.wo_b, layer.attn.indexer.wq_b,
+                  layer.ffn.shared_experts.w1, layer.ffn.experts):
+            assert m.fp8 == fp8
+        assert not hasattr(layer.attn.compressor.wkv, "fp8") and not hasattr(stage.head, "fp8")
         loss = StageLoss(stage, args.mtp_loss_weight)(stage(windows[:, :-1]), windows)
         loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in stage.parameters() if p.grad is not None)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[0] != losses[1] and math.isclose(losses[0], losses[1], rel_tol=1e-2), losses

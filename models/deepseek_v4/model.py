@@ -24,6 +24,7 @@ import deep_gemm
 import flash_mla
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
 from models.deepseek_v3.expert_parallel import SendPlan, arrived
+from models.deepseek_v3.layers import Linear
 from models.deepseek_v3.moe import Experts as V3Experts
 from models.deepseek_v3.moe import MoE as V3MoE
 from models.deepseek_v3.moe import Routing
@@ -127,7 +128,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ratio = (args.index_n_heads, args.index_head_dim,
                                                               args.index_topk, ratio)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8)
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
 
@@ -189,15 +190,15 @@ class Attention(nn.Module):
         self.window, self.eps, self.o_groups = args.window_size, args.norm_eps, args.o_groups
         self.ratio = args.compress_ratios[layer_id]
         self.softmax_scale = self.head_dim ** -0.5
-        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, fp8=args.fp8)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8)
+        self.wkv = Linear(args.dim, self.head_dim, fp8=args.fp8)
         self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
         # block-diagonal: group g maps heads [g*H/G, (g+1)*H/G) to rows [g*o_lora_rank, (g+1)*o_lora_rank)
         self.wo_a = nn.Linear(self.n_heads * self.head_dim // args.o_groups, args.o_groups * args.o_lora_rank,
                               bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, fp8=args.fp8)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.compressor = Compressor(args, self.ratio, self.head_dim) if self.ratio else None
         self.indexer = Indexer(args, self.ratio) if self.ratio == 4 else None
@@ -266,12 +267,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class Expert(nn.Module):
     """The shared expert: a clamped SwiGLU FFN (``w1`` gate, ``w3`` up, ``w2`` down)."""
 
-    def __init__(self, dim: int, inter_dim: int, limit: float):
+    def __init__(self, dim: int, inter_dim: int, limit: float, fp8: bool | str = False):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w1 = Linear(dim, inter_dim, fp8=fp8)
+        self.w2 = Linear(inter_dim, dim, fp8=fp8)
+        self.w3 = Linear(dim, inter_dim, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
@@ -353,7 +354,7 @@ class MoE(V3MoE):
         self.layer_id, self.dim = layer_id, args.dim
         self.gate = Gate(args, layer_id)
         self.experts = Experts(args, expert_ids)
-        self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, args.fp8)
                                if args.n_shared_experts else None)
         self.n_routed_experts, self.fused = args.n_routed_experts, args.fused_ops
         self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout()
