@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import models.deepseek_v4 as v4
 from models.deepseek_v3 import ModelArgs as V3Args
+from recipes.train import main as train_main
 from training.config import load_config
 from training.loss import StageLoss
 from training.stages import DeepSeekV4Stage, build_stages
@@ -196,3 +197,21 @@ def test_fp8_reaches_the_linears_v3_runs_in_fp8():
         assert all(torch.isfinite(p.grad).all() for p in stage.parameters() if p.grad is not None)
         losses.append(float(loss.detach()))
     assert losses[0] != losses[1] and math.isclose(losses[0], losses[1], rel_tol=1e-2), losses
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("model.hf_config={tmp}/missing", "error: model.hf_config="),
+    ("model.init_from={tmp}", "error: model.init_from="),
+    ("eplb.enabled=true", "error: eplb.enabled with model 'debug_v4'"),
+    ("model.overrides.recompute=[\"norm\"]", "error: ModelArgs: recompute=['norm']"),
+])
+def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
+    """What V4 training does not do yet, or cannot read, is refused before any process starts, in one line naming
+    the key (exit 2); the dry run of the demo config passes the same checks and says it has no memory estimate."""
+    (tmp_path / "config.json").write_text(json.dumps(_args().to_hf_config()))
+    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run", "--set", setting.format(tmp=tmp_path)]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert train_main(["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run"]) == 0
+    assert "no estimate for DeepSeek-V4" in capsys.readouterr().out

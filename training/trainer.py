@@ -156,6 +156,10 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
             and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
+    if cfg.model.init_from and isinstance(args, v4.ModelArgs):
+        raise ValueError(f"model.init_from={cfg.model.init_from!r} with a DeepSeek-V4 model: loading an HF checkpoint "
+                         "into V4 pipeline stages is not built yet; model.hf_config takes a V4 config.json's "
+                         "architecture (with seeded weights)")
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")
