@@ -10,14 +10,19 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import models.deepseek_v4 as v4
 from models.deepseek_v3 import ModelArgs as V3Args
+from models.deepseek_v3.expert_parallel import ExpertParallel
+from models.deepseek_v3.plan import Run, overlapped
+from models.deepseek_v4 import plan as v4_plan
 from recipes.train import main as train_main
+from tests.dist_utils import run_distributed
 from training.config import load_config
 from training.loss import StageLoss
-from training.stages import DeepSeekV4Stage, build_stages
+from training.stages import DeepSeekV4Stage, build_stages, expert_range
 from training.trainer import model_args
 
 # fp32 throughout (V4's sparse attention has no float64 kernel). The stage path and the plain model run the same
@@ -215,3 +220,74 @@ def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
     assert message in err and len(err.splitlines()) == 1, err
     assert train_main(["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run"]) == 0
     assert "no estimate for DeepSeek-V4" in capsys.readouterr().out
+
+
+def _ep_plan_rank(rank: int, world: int) -> dict[str, float]:
+    """One EP rank: a hash-routed and a scored V4 layer as plan pieces over the EP all-to-alls, micro-batch a's
+    forward overlapped with micro-batch b's backward, against the full model run plainly on every rank's data."""
+    args = _args(n_layers=2, n_mtp_layers=0)
+    torch.manual_seed(0)
+    full = v4.Transformer(args)  # every rank draws the same weights
+    with torch.device("meta"):
+        model = v4.Transformer(args, expert_ids=expert_range(args, rank, world))
+    model.to_empty(device="cpu")
+    experts = model.layers[0].ffn.experts.expert_ids
+    with torch.no_grad():
+        for (name, p), src in zip(model.named_parameters(), full.parameters()):
+            p.copy_(src[experts.start:experts.stop] if ".experts." in name else src)
+        for b, src in zip(model.buffers(), full.buffers()):
+            b.copy_(src)
+    for block in model.layers:
+        block.ffn.ep = ExpertParallel(args.n_routed_experts, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(1)
+    data = [[(torch.randint(0, 256, (1, 48), generator=gen), torch.randn(1, 48, args.hc_mult, args.dim, generator=gen),
+              torch.randn(1, 48, args.hc_mult, args.dim, generator=gen)) for _ in range(2)] for _ in range(world)]
+    rope = v4_plan.angles(args, 48, "cpu")
+
+    def run(mb: int) -> tuple[Run, torch.Tensor]:
+        tokens, h, _ = data[rank][mb]
+        h = h.clone().requires_grad_()
+        pieces = [p for block in model.layers for p in v4_plan.layer_pieces(block, rope)]
+        assert len(pieces) == 10  # five per expert-parallel layer
+        return Run(pieces, keep=("h", "tokens"), h=h, tokens=tokens), h
+
+    run_b, h_b = run(1)
+    run_b.forward()
+    run_a, h_a = run(0)
+    overlapped(run_a, run_b, h=data[rank][1][2])
+    run_a.backward(h=data[rank][0][2])
+    inputs, dense, routed = [], {}, {}
+    for r in range(world):  # the reference: the plain layers on rank r's micro-batches
+        full.zero_grad()
+        for tokens, h, g in data[r]:
+            h = h.clone().requires_grad_()
+            y = h
+            for block in full.layers:
+                y = block(y, rope, tokens)
+            y.backward(g)
+            inputs.append(h.grad)
+        for name, p in full.layers.named_parameters(prefix="layers"):
+            if p.grad is None:  # the indexer: its selection carries no gradient (it learns from indexer_loss)
+                continue
+            if ".experts." in name:  # the experts see every rank's tokens
+                routed[name] = routed.get(name, 0) + p.grad[experts.start:experts.stop]
+            elif r == rank:  # the rest this rank's only
+                dense[name] = p.grad.clone()
+    errors = {"input": max(_rel(a, b) for a, b in zip((h_a.grad, h_b.grad), inputs[2 * rank: 2 * rank + 2]))}
+    for name, p in model.layers.named_parameters(prefix="layers"):
+        if name in routed or name in dense:
+            errors[name] = _rel(p.grad, routed[name] if name in routed else dense[name])
+        else:
+            assert p.grad is None, name
+    return errors
+
+
+@pytest.mark.dist
+def test_ep_plan_pieces_overlapped_equal_the_plain_layers():
+    """Two EP ranks run a hash-routed and a scored layer as the per-layer plan's pieces (attention with the mHC
+    collapse / dispatch / experts / combine / output with the mHC spread), one micro-batch's forward interleaved with
+    the other's backward (DualPipe's overlapped chunk): every gradient equals the plain layers' (the experts' summed
+    over both ranks' tokens) within REL: no loss head here, the sums differ only in the order the experts' rows
+    come back (measured: <= 1e-7 relative)."""
+    for errors in run_distributed(_ep_plan_rank, 2, timeout=150):
+        assert len(errors) > 40 and all(e < REL for e in errors.values()), {k: e for k, e in errors.items() if e >= REL}

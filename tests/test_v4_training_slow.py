@@ -71,8 +71,8 @@ def test_v4_zbv_with_mtp_and_block_recompute_matches_one_process(tmp_path):
     """PP=2 ZB-V (4 stages in a V, weight gradients deferred), MTP on the rank holding the embedding, whole-block
     recompute, against one process without recompute."""
     one = _train(tmp_path, "one", 1, SHORT + SINGLE)
-    two = _train(tmp_path, "two", 2, SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=zbv",
-                                      'model.overrides.recompute=["block"]'])
+    two = _train(tmp_path, "two", 2, SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
+                                              "parallel.schedule=zbv", 'model.overrides.recompute=["block"]'])
     _equal(two, one, ("loss", "mtp_loss", "grad_norm"))
 
 
