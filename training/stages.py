@@ -16,6 +16,11 @@ rank 0 as in V3), or two mirrored (``dualpipe``: stage ``r`` and ``pp - 1 - r``,
 the world), or ``vpp`` model chunks (``interleaved1f1b``: stages ``r, r + pp, ...`` of ``pp x vpp`` equal
 chunks, ``chunk_layers``). MTP needs the embedding beside the head, so it is refused for ``1f1b``/``zb1p`` at pp > 1.
 
+A DeepSeek-V4 model (``models.deepseek_v4``, chosen by its ``ModelArgs``) gets ``DeepSeekV4Stage``s: the same
+interface over its residual streams ``[b, s, hc, dim]``, which travel with the token ids; what the pipeline and
+evaluation need of a stage's messages and head (``input_specs``, ``logits``, ``lm_losses``, ``loss_pieces``) is
+asked of the stage, never assumed to be one ``[b, s, dim]`` tensor.
+
 Initialisation does not depend on the layout: every tensor is drawn from a generator seeded by
 (seed, parameter name[, global expert id]), so a 1-process and a PP x EP run start identical.
 """
