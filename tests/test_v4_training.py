@@ -15,13 +15,16 @@ import torch.nn.functional as F
 
 import models.deepseek_v4 as v4
 from models.deepseek_v3 import ModelArgs as V3Args
+from models.deepseek_v3.balancing import update_expert_biases
 from models.deepseek_v3.expert_parallel import ExpertParallel
 from models.deepseek_v3.plan import Run, overlapped
 from models.deepseek_v4 import plan as v4_plan
 from recipes.train import main as train_main
 from tests.dist_utils import run_distributed
 from training.config import load_config
+from training.experts import wire_moe_layers
 from training.loss import StageLoss
+from training.parallel import single_process
 from training.stages import DeepSeekV4Stage, build_stages, expert_range
 from training.trainer import model_args
 
@@ -36,6 +39,7 @@ from training.trainer import model_args
 # gradient (>= 100% of itself) cannot meet.
 REL = 256 * 2.0**-24
 PARAM_REL = 1e-2
+SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
 
 
 def _args(**changes) -> v4.ModelArgs:
@@ -291,3 +295,19 @@ def test_ep_plan_pieces_overlapped_equal_the_plain_layers():
     come back (measured: <= 1e-7 relative)."""
     for errors in run_distributed(_ep_plan_rank, 2, timeout=150):
         assert len(errors) > 40 and all(e < REL for e in errors.values()), {k: e for k, e in errors.items() if e >= REL}
+
+
+def test_hash_layers_are_measured_but_not_balanced():
+    """Under ``balance.strategy = "aux_free"`` the scored layers' biases move with their loads; a hash-routed layer
+    (``fixed_routing``: no router decision, no bias) gets a measuring balancer and the bias update passes it by."""
+    args = _args(n_layers=2, n_mtp_layers=0)
+    model = v4.Transformer(args)
+    cfg = load_config(None, ["model.preset=debug_v4", "balance.strategy=aux_free", *SINGLE])
+    layers = [block.ffn for block in model.layers]
+    assert [m.fixed_routing for m in layers] == [True, False]
+    wire_moe_layers([model], cfg, single_process(cfg.parallel))
+    assert [m.balancer.config.uses_bias for m in layers] == [False, True]
+    model(_windows()[:, :-1])
+    assert all(m.balancer.counts_for_update.sum() == 2 * 64 * args.n_activated_experts for m in layers)
+    assert update_expert_biases(model, gamma=0.1) == 1
+    assert layers[0].gate.bias is None and layers[1].gate.bias.abs().sum() > 0
