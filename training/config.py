@@ -98,6 +98,9 @@ class ModelConfig:
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields to change from the preset
+    # an HF config.json (or a folder holding one) whose architecture replaces the preset's: DeepSeek-V3 / V3.2, or
+    # V4 (model_type "deepseek_v4"); the overrides apply on top ("" = the preset)
+    hf_config: str = ""
     # an HF checkpoint folder the run's weights start from ("" = the seeded init); a DeepSeek-V3 one starts a
     # V3.2 model (index_topk > 0) with a freshly initialised indexer. A resumed run reads its own checkpoint.
     init_from: str = ""

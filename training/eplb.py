@@ -64,6 +64,9 @@ def check_eplb(cfg: TrainConfig, args: ModelArgs) -> None:
     """The ``[eplb]`` checks that need the model: slots divide over EP, the policy's arguments divide."""
     if not cfg.eplb.enabled:
         return
+    if not isinstance(args, ModelArgs):
+        raise ValueError(f"eplb.enabled with model {cfg.model.preset!r} ({type(args).__module__}): EPLB's expert "
+                         "replicas are built for DeepSeek-V3 models only; set eplb.enabled=false")
     experts, redundant, ep = args.n_routed_experts, cfg.eplb.redundant_experts, cfg.parallel.ep
     if args.n_layers <= args.n_dense_layers and not args.n_mtp_layers:
         raise ValueError("eplb.enabled: the model has no MoE layer (model n_layers <= n_dense_layers)")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -38,8 +39,9 @@ def moe_layers(modules: list[nn.Module]) -> list[MoE]:
 
 def wire_moe_layers(stages: list[nn.Module], cfg: TrainConfig, ps: ParallelState,
                     recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None) -> None:
-    balance = cfg.balance
     for moe in moe_layers(stages):
+        # a layer with fixed routing (V4's hash layers) has no bias or router to balance: measured only
+        balance = dataclasses.replace(cfg.balance, strategy="none") if moe.fixed_routing else cfg.balance
         moe.balancer = ExpertBalancer(moe.n_routed_experts, moe.gate.topk, balance)
         if cfg.parallel.ep > 1:
             # V3 dispatches tokens in FP8 (1x128 scales) when training in FP8

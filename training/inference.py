@@ -47,23 +47,27 @@ def pipeline_hidden(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Para
     me = ps.coords.pp_rank
     local = {st.stage_id: st for st in stages}
     pp_ranks = ps.ranks["pp"]
-    h: torch.Tensor | None = None
-    shape = (*tokens.shape, stages[0].args.dim)
+    out: list[torch.Tensor] = []  # the last stage's output: what the next stage takes (DeepSeekV3Stage.input_specs)
     with eval_mode(stages):
         for s in range(len(owner)):
             if owner[s] != me:
                 continue
             if s == 0:
-                x = tokens
+                xs = [tokens]
             elif owner[s - 1] == me:
-                x = h
+                xs = out
             else:
-                x = torch.empty(shape, dtype=dtype, device=tokens.device)
-                dist.recv(x, src=pp_ranks[owner[s - 1]], group=ps.group("pp"))
-            h = local[s](x)
+                xs = [torch.empty(shape, dtype=dt, device=tokens.device)
+                      for shape, dt in local[s].input_specs(tokens, dtype)]
+                for x in xs:
+                    dist.recv(x, src=pp_ranks[owner[s - 1]], group=ps.group("pp"))
+            y = local[s](*xs)
+            out = [y] if isinstance(y, torch.Tensor) else list(y)
             nxt = s + 1
             if nxt < len(owner) and owner[nxt] != me:
-                dist.send(h.contiguous(), dst=pp_ranks[owner[nxt]], group=ps.group("pp"))
+                for t in out:
+                    dist.send(t.contiguous(), dst=pp_ranks[owner[nxt]], group=ps.group("pp"))
+    h = out[0] if out else None
     return h if owner[-1] == me else None
 
 
@@ -94,7 +98,7 @@ def pipeline_generate(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Pa
         if h is not None:
             st = next(s for s in stages if s.is_last)
             with eval_mode(stages):
-                logits = st.head(st.norm(h[:, -1])).float()
+                logits = st.logits(h[:, -1:])[:, -1].float()
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1)
                     nxt.copy_(torch.multinomial(probs, 1, generator=gen).squeeze(1))

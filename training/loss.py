@@ -25,8 +25,7 @@ from torch import nn
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.checkpoint import load_hf_checkpoint
 from models.deepseek_v3.indexer import Indexer, IndexerStats
-from models.deepseek_v3.model import Transformer, head_losses, lm_losses_from_hidden
-from models.deepseek_v3.mtp import mtp_pieces
+from models.deepseek_v3.model import Transformer
 from models.deepseek_v3.plan import Compute, Piece
 from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
@@ -61,8 +60,7 @@ class StageLoss:
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
         with st.applied():
-            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels,
-                                          wrap=st.wrap)
+            parts = st.lm_losses(self.args, h, tokens, labels)
         return self._total(parts, labels)
 
     def pieces(self, windows: torch.Tensor) -> list[Piece]:
@@ -70,11 +68,10 @@ class StageLoss:
         overlapped pipeline hides), then the heads, ending in ``loss``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens, wrap=st.wrap)
+        pieces, hidden, losses = st.loss_pieces(self.args, tokens, labels)
 
         def loss(h: torch.Tensor, *mtp_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-            parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels)
-            return {"loss": self._total(parts, labels)}
+            return {"loss": self._total(losses(h, *mtp_hidden), labels)}
 
         return st.under_policy([*pieces, Compute("loss", loss, ("h", *hidden), ("loss",))])
 

@@ -16,6 +16,11 @@ rank 0 as in V3), or two mirrored (``dualpipe``: stage ``r`` and ``pp - 1 - r``,
 the world), or ``vpp`` model chunks (``interleaved1f1b``: stages ``r, r + pp, ...`` of ``pp x vpp`` equal
 chunks, ``chunk_layers``). MTP needs the embedding beside the head, so it is refused for ``1f1b``/``zb1p`` at pp > 1.
 
+A DeepSeek-V4 model (``models.deepseek_v4``, chosen by its ``ModelArgs``) gets ``DeepSeekV4Stage``s: the same
+interface over its residual streams ``[b, s, hc, dim]``, which travel with the token ids; what the pipeline and
+evaluation need of a stage's messages and head (``input_specs``, ``logits``, ``lm_losses``, ``loss_pieces``) is
+asked of the stage, never assumed to be one ``[b, s, dim]`` tensor.
+
 Initialisation does not depend on the layout: every tensor is drawn from a generator seeded by
 (seed, parameter name[, global expert id]), so a 1-process and a PP x EP run start identical.
 """
@@ -25,17 +30,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+import models.deepseek_v4 as v4
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.block import LayerWrap
-from models.deepseek_v3.model import run_layers
+from models.deepseek_v3.model import head_losses, lm_losses_from_hidden, run_layers
 from models.deepseek_v3.moe import Experts, MoE
+from models.deepseek_v3.mtp import mtp_pieces
 from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
 from models.deepseek_v3.rope import rope_cos_sin
+from models.deepseek_v4 import plan as v4_plan
 from training.config import pipeline_layout
 from training.memory_policy import MemoryPolicy
 
@@ -166,6 +174,26 @@ class DeepSeekV3Stage(nn.Module):
         """How this stage runs a layer: the policy's whole-block recompute (``MemoryPolicy.recomputed``), if any."""
         return None if self.policy is None else self.policy.recomputed
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits of its output ``h`` (evaluation and sampling)."""
+        return self.head(self.norm(h))
+
+    def input_specs(self, tokens: torch.Tensor, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor this (non-first) stage takes for ``tokens [b, s]``: the hidden state."""
+        return [((*tokens.shape, self.args.dim), dtype)]
+
+    def lm_losses(self, args: ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The last stage's losses from its output ``h`` (``args``: the model's, with the step's MTP weight)."""
+        return lm_losses_from_hidden(args, self.norm, self.head, self.mtp, self.embed, h, tokens, labels,
+                                     wrap=self.wrap)
+
+    def loss_pieces(self, args: ModelArgs, tokens: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[list[Piece], tuple[str, ...], Callable[..., dict]]:
+        """``lm_losses`` as plan pieces after the stage's: the MTP pieces, the names they write, and the heads'
+        losses of ``(h, *those values)``."""
+        pieces, hidden = mtp_pieces(args, self.mtp, self.embed, tokens, wrap=self.wrap)
+        return pieces, tuple(hidden), lambda h, *mtp: head_losses(args, self.norm, self.head, self.mtp, h, mtp, labels)
+
     def applied(self) -> contextlib.AbstractContextManager:
         """The memory policy's context for a forward of this stage's modules (nothing without a policy)."""
         return contextlib.nullcontext() if self.policy is None else self.policy.applied()
@@ -236,6 +264,76 @@ class DeepSeekV3Stage(nn.Module):
         return *module0.run_result(run0), run0
 
 
+class DeepSeekV4Stage(DeepSeekV3Stage):
+    """A stage of a DeepSeek-V4 ``Transformer`` (``models.deepseek_v4``): the same interface, over V4's residual.
+
+    The residual is ``hc_mult`` streams ``[b, s, hc, dim]`` and the first ``n_hash_layers`` layers route by token
+    id, so every stage but the last passes on ``(streams, tokens)`` and every stage but the first takes them; the
+    first embeds tokens into streams, the last holds ``hc_head``, the final norm, the head and the MTP blocks.
+    The per-layer plan's pieces are ``models.deepseek_v4.plan``'s. No memory policy (V4 recomputes whole blocks).
+    """
+
+    def __init__(self, model: v4.Transformer, stage_id: int, num_stages: int, layer_range: tuple[int, int]):
+        super().__init__(model, stage_id, num_stages, layer_range, None)
+        if self.is_last:
+            self.hc_head = model.hc_head
+
+    def owned_modules(self) -> dict[str, nn.Module]:
+        out = super().owned_modules()
+        if self.is_last:
+            out["hc_head"] = self.hc_head
+        return out
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x``: tokens ``[b, s]`` (first stage) or streams ``[b, s, hc, dim]`` with their ``tokens``."""
+        if self.is_first:
+            tokens, h = x, v4_plan.embed_streams(self.args, self.embed, x)
+        else:
+            h = x
+        h = v4_plan.run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, tokens)
+        h = h.clone() if h is x else h
+        return h if self.is_last else (h, tokens.clone())  # (a fresh tokens tensor: never a micro-batch's view)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.hc_head(h)))
+
+    def input_specs(self, tokens: torch.Tensor, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((*tokens.shape, self.args.hc_mult, self.args.dim), dtype), (tuple(tokens.shape), tokens.dtype)]
+
+    def lm_losses(self, args: v4.ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+        return v4_plan.lm_losses_from_hidden(args, self.hc_head, self.norm, self.head, self.mtp, self.embed, h,
+                                             tokens, labels)
+
+    def loss_pieces(self, args: v4.ModelArgs, tokens: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[list[Piece], tuple[str, ...], Callable[..., dict]]:
+        pieces, hidden = v4_plan.mtp_pieces(args, self.mtp, self.embed, tokens)
+        return pieces, tuple(hidden), lambda h, *mtp: v4_plan.head_losses(args, self.hc_head, self.norm, self.head,
+                                                                          self.mtp, h, mtp, labels)
+
+    def pieces(self, seq_len: int, device: torch.device) -> list[Piece]:
+        pieces: list[Piece] = []
+        if self.is_first:
+            pieces.append(Compute("embed", lambda tokens: {"h": v4_plan.embed_streams(self.args, self.embed, tokens)},
+                                  ("tokens",), ("h",)))
+        rope = v4_plan.angles(self.args, seq_len, device)
+        for i in range(self.start, self.end):
+            pieces += v4_plan.layer_pieces(self.layers[str(i)], rope)
+        return pieces
+
+    def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:
+        x, tokens = (inputs[0], inputs[0]) if self.is_first else inputs
+        pieces = self.pieces(x.shape[1], x.device)
+        if criterion is not None:
+            pieces += criterion.pieces(*labels)
+        given = {"tokens": tokens} if self.is_first else {"h": x, "tokens": tokens}
+        return Run(pieces, keep=("h", "loss", "tokens"), **given)
+
+    def run_result(self, run: Run) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        h, loss = super().run_result(run)
+        return (h if self.is_last else (h, run.values["tokens"].clone())), loss
+
+
 def _output_grads(loss: torch.Tensor | None, grads: list) -> dict[str, torch.Tensor]:
     if loss is not None:
         return {"loss": torch.ones_like(loss)}
@@ -260,14 +358,21 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
                          "model.overrides.n_mtp_layers=0")
     ranges = chunk_layers(args, pp, vpp) if vpp > 1 else split_layers(args, num_stages)
     experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
+    v4_model = isinstance(args, v4.ModelArgs)
+    if v4_model and physical_experts is not None:
+        raise ValueError("physical_experts (EPLB) with a DeepSeek-V4 model: its replicas are built for V3 only")
     with torch.device("meta"):
-        model = Transformer(args, expert_ids=experts)
+        model = (v4.Transformer if v4_model else Transformer)(args, expert_ids=experts)
         if physical_experts is not None:
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.experts = Experts(args, physical_experts)
-    policy = MemoryPolicy(model, args) if memory_policy else None
-    stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], policy) for s in stage_ids(schedule, pp, pp_rank, vpp)]
+    held = stage_ids(schedule, pp, pp_rank, vpp)
+    if v4_model:
+        stages = [DeepSeekV4Stage(model, s, num_stages, ranges[s]) for s in held]
+    else:
+        policy = MemoryPolicy(model, args) if memory_policy else None
+        stages = [DeepSeekV3Stage(model, s, num_stages, ranges[s], policy) for s in held]
     owned: dict[str, nn.Module] = {}
     for st in stages:
         owned.update(st.owned_modules())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accel
+import models.deepseek_v4 as v4
 from accel import grads
 from accel.flight import FlightRecorder, flight_path, record_collective
 from accel.trace import TraceRecorder
@@ -44,6 +46,8 @@ from deep_gemm.health import Fp8Health, merge_counts
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
+from models.deepseek_v4.args import PRESETS as V4_PRESETS
+from models.deepseek_v4.model import param_counts as v4_param_counts
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.compile import check_compile, compile_stages, eager, tracing
@@ -75,16 +79,35 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 log = logging.getLogger(__name__)
 
 
-def model_args(cfg: TrainConfig) -> ModelArgs:
-    """The model's arguments: the preset, the overrides, and the config's FP8 / fused-ops / MTP switches."""
+def model_args(cfg: TrainConfig) -> ModelArgs | v4.ModelArgs:
+    """The model's arguments: the preset (a DeepSeek-V4 one builds ``models.deepseek_v4``), or the architecture of
+    ``model.hf_config`` (V3 or V4 by its ``model_type``), then the overrides and the config's FP8 / fused-ops /
+    MTP switches."""
+    fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
+    changes = {**cfg.model.overrides, "fp8": fp8, "fused_ops": cfg.model.fused_ops,
+               "expert_weight_format": cfg.model.expert_weight_format, "mtp_loss_weight": cfg.model.mtp_lambda}
     try:
-        fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
-        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
-                                                     "fused_ops": cfg.model.fused_ops,
-                                                     "expert_weight_format": cfg.model.expert_weight_format,
-                                                     "mtp_loss_weight": cfg.model.mtp_lambda})
+        if cfg.model.hf_config:
+            try:
+                return hf_model_family(cfg.model.hf_config).from_hf_config(cfg.model.hf_config, **changes)
+            except ValueError as exc:
+                raise ValueError(f"model.hf_config={cfg.model.hf_config!r}: {exc}") from None
+        family = v4.ModelArgs if cfg.model.preset in V4_PRESETS else ModelArgs
+        return family.preset(cfg.model.preset, **changes)
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None
+
+
+def hf_model_family(path: str | Path) -> type[ModelArgs] | type[v4.ModelArgs]:
+    """The ``ModelArgs`` class that reads the ``config.json`` at ``path`` (a file or a folder holding one): V4's
+    for ``model_type = "deepseek_v4"``, else V3's (an unreadable file is left to its ``from_hf_config`` to name)."""
+    file = Path(path).expanduser()
+    file = file / "config.json" if file.is_dir() else file
+    try:
+        kind = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    return v4.ModelArgs if kind == "deepseek_v4" else ModelArgs
 
 
 def set_cpu_threads(threads: int) -> None:
@@ -129,6 +152,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     check_eplb(cfg, args)
+    if cfg.run.compile and isinstance(args, v4.ModelArgs):
+        raise ValueError("run.compile=true with a DeepSeek-V4 model: only V3's blocks are compiled so far; set "
+                         "run.compile=false")
     if cfg.run.compile:
         low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"
         check_compile(args, cfg.logging.fp8_health_every if low_precision else 0,
@@ -138,6 +164,10 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
             and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
+    if cfg.model.init_from and isinstance(args, v4.ModelArgs):
+        raise ValueError(f"model.init_from={cfg.model.init_from!r} with a DeepSeek-V4 model: loading an HF checkpoint "
+                         "into V4 pipeline stages is not built yet; model.hf_config takes a V4 config.json's "
+                         "architecture (with seeded weights)")
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")
@@ -509,7 +539,7 @@ class Trainer:
             loss = None
             if h is not None:
                 st = self.loss_stage
-                loss = float(F.cross_entropy(st.head(st.norm(h)).flatten(0, 1).float(), windows[:, 1:].flatten()))
+                loss = float(F.cross_entropy(st.logits(h).flatten(0, 1).float(), windows[:, 1:].flatten()))
         return self._global_mean(loss or 0.0, 0 if loss is None else 1)
 
     def _inject_fp8_scale_error(self, name: str, at_step: int) -> None:
@@ -544,7 +574,7 @@ class Trainer:
                 h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
                 if h is not None:
                     st = self.loss_stage
-                    logits = st.head(st.norm(h))
+                    logits = st.logits(h)
                     total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                                      labels.to(self.device).flatten()))
                     n += 1
@@ -563,7 +593,7 @@ class Trainer:
     def start_logging(self, total_steps: int) -> None:
         if self.ps.rank != 0:
             return
-        counts = self.args.param_counts()
+        counts = v4_param_counts(self.args) if isinstance(self.args, v4.ModelArgs) else self.args.param_counts()
         fpt = model_flops_per_token(counts["activated"], self.args.n_layers, self.args.n_heads,
                                     self.args.qk_head_dim, self.args.v_head_dim, self.cfg.data.seq_len)
         self.logger = MetricsLogger(self.run_dir, total_steps, self.step, self.cfg.to_dict(), self.wandb_mode,

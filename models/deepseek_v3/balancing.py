@@ -398,7 +398,7 @@ def check_expert_biases(model: nn.Module) -> list[tuple[torch.Tensor, ExpertBala
     """
     out = []
     for name, owner, balancer in _named_balancers(model):
-        if not balancer.config.uses_bias:
+        if not balancer.config.uses_bias or getattr(owner, "fixed_routing", False):
             continue
         bias = _expert_bias(owner)
         if bias is None:
@@ -423,6 +423,8 @@ def update_expert_biases(model: nn.Module, gamma: float, recenter: bool = False,
     layers = list(_named_balancers(model))
     if not layers:
         raise ValueError("update_expert_biases: the model has no MoE layer (no ExpertBalancer found)")
+    # layers with fixed routing (V4's hash layers, ``MoE.fixed_routing``) have no bias: nothing to update
+    layers = [(n, o, b) for n, o, b in layers if not getattr(o, "fixed_routing", False)]
     targets = check_expert_biases(model)
     if len(targets) != len(layers):
         name, _, balancer = next((n, o, b) for n, o, b in layers if not b.config.uses_bias)

@@ -204,6 +204,8 @@ class MoE(nn.Module):
     (``training.experts.wire_moe_layers``): its all-to-alls replace permute/unpermute.
     """
 
+    fixed_routing = False  # True where tokens go to fixed experts (V4's hash layers): the balancer only measures
+
     def __init__(self, args: ModelArgs, layer_id: int = 0, expert_ids: range | None = None,
                  balance: BalanceConfig | None = None):
         super().__init__()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESS_RATIOS = (0, 4, 128)  # per layer: window only, CSA (overlapping windows + indexer), HCA
+COMPRESS_RATIOS = (0, 4, 128)
+RECOMPUTE_KINDS = ("block",)  # per layer: window only, CSA (overlapping windows + indexer), HCA
 _LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
@@ -70,10 +71,21 @@ class ModelArgs:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     init_std: float = 0.02
+    # training switches (not part of the checkpoint's config.json), with V3's meanings (``models.deepseek_v3.args``):
+    # FP8 for the routed experts' grouped GEMMs (False, True / "blockwise", or "mxfp8"), their weight format, and
+    # whole-block recompute ("block") for the layers ``recompute_layers`` (None: every layer; MTP is n_layers + k)
+    fp8: bool | str = False
+    fused_ops: bool = True
+    expert_weight_format: str = "bf16"
+    recompute: tuple[str, ...] = ()
+    recompute_layers: tuple[int, ...] | None = None
     # config.json fields this model does not use (tokenizer ids, generation defaults ...), kept for round trips
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.recompute = (self.recompute,) if isinstance(self.recompute, str) else tuple(self.recompute)
+        if self.recompute_layers is not None:
+            self.recompute_layers = tuple(self.recompute_layers)
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
         n = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) < n:  # an MTP layer without an entry attends its window only
@@ -101,6 +113,8 @@ class ModelArgs:
             (self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1"),
             (self.index_topk > 0 or 4 not in self.compress_ratios, "CSA layers need index_topk > 0"),
             (self.window_size > 0, f"window_size={self.window_size} must be positive"),
+            (set(self.recompute) <= set(RECOMPUTE_KINDS),
+             f"recompute={list(self.recompute)}: V4 recomputes {list(RECOMPUTE_KINDS)} (whole blocks)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -109,6 +123,29 @@ class ModelArgs:
     @property
     def yarn(self) -> bool:
         return self.rope_factor > 1 and self.original_seq_len > 0
+
+    @property
+    def fp8_cache(self) -> bool:
+        """FP8 activation caching (V3's ``fp8_cache_activations``): not implemented for V4, always off."""
+        return False
+
+    @property
+    def dsa_warmup(self) -> bool:
+        """V3.2's dense indexer warm-up stage (``freeze_all_but_indexers``): not a V4 training stage here."""
+        return False
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width (the shared K = V head), for V3's FLOP counter."""
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+    def recomputes(self, kind: str, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` (MTP depth k: ``n_layers + k - 1``) recomputes ``kind`` (only "block")."""
+        return kind in self.recompute and (self.recompute_layers is None or layer_id in self.recompute_layers)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelArgs:

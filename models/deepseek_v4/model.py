@@ -20,12 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import deep_gemm
 import flash_mla
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
+from models.deepseek_v3.expert_parallel import SendPlan, arrived
+from models.deepseek_v3.layers import Linear
+from models.deepseek_v3.moe import Experts as V3Experts
+from models.deepseek_v3.moe import MoE as V3MoE
+from models.deepseek_v3.moe import Routing
+from models.deepseek_v3.permute import group_weights
 from models.deepseek_v3.rope import yarn_inv_freq
 from models.deepseek_v4.args import ModelArgs
 
 __all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
-           "Transformer", "hc_post", "hc_pre"]
+           "Transformer", "hc_post", "hc_pre", "param_counts"]
 
 
 # ---------------------------------------------------------------------------------------------------- basics
@@ -120,7 +128,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ratio = (args.index_n_heads, args.index_head_dim,
                                                               args.index_topk, ratio)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8)
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
 
@@ -182,15 +190,15 @@ class Attention(nn.Module):
         self.window, self.eps, self.o_groups = args.window_size, args.norm_eps, args.o_groups
         self.ratio = args.compress_ratios[layer_id]
         self.softmax_scale = self.head_dim ** -0.5
-        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, fp8=args.fp8)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8)
+        self.wkv = Linear(args.dim, self.head_dim, fp8=args.fp8)
         self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
         # block-diagonal: group g maps heads [g*H/G, (g+1)*H/G) to rows [g*o_lora_rank, (g+1)*o_lora_rank)
         self.wo_a = nn.Linear(self.n_heads * self.head_dim // args.o_groups, args.o_groups * args.o_lora_rank,
                               bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, fp8=args.fp8)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.compressor = Compressor(args, self.ratio, self.head_dim) if self.ratio else None
         self.indexer = Indexer(args, self.ratio) if self.ratio == 4 else None
@@ -259,36 +267,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class Expert(nn.Module):
     """The shared expert: a clamped SwiGLU FFN (``w1`` gate, ``w3`` up, ``w2`` down)."""
 
-    def __init__(self, dim: int, inter_dim: int, limit: float):
+    def __init__(self, dim: int, inter_dim: int, limit: float, fp8: bool | str = False):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w1 = Linear(dim, inter_dim, fp8=fp8)
+        self.w2 = Linear(inter_dim, dim, fp8=fp8)
+        self.w3 = Linear(dim, inter_dim, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
-class Experts(nn.Module):
-    """The routed experts as grouped weights: ``w13 [E, 2 * inter, dim]`` (gate rows, then up rows) and
-    ``w2 [E, dim, inter]`` -- V3's ``Experts`` layout (shareable once V3's module settles)."""
+class ClampedSwiGLU(nn.Module):
+    """``swiglu(gate, up, limit)`` of the fused ``[..., 2 * inter]`` gate/up output, each row times its routing
+    weight when given (in fp32, one rounding): V3's ``SwiGLU`` interface with V4's clamp."""
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, limit: float):
+    def __init__(self, limit: float):
         super().__init__()
         self.limit = limit
-        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """``x [t, dim]``, ``weights`` / ``indices [t, k]`` -> ``sum_k weights * expert_k(x)``."""
-        y = torch.zeros_like(x, dtype=torch.float32)  # summed in fp32, rounded once (MoE.forward)
-        for e in indices.unique().tolist():
-            token, slot = torch.where(indices == e)
-            gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
-            out = F.linear(swiglu(gate, up, self.limit), self.w2[e]).float() * weights[token, slot, None]
-            y = y.index_add(0, token, out)
-        return y
+    def forward(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = swiglu(gate, up, self.limit)
+        return out if weights is None else (out.float() * weights.float().unsqueeze(-1)).to(out.dtype)
+
+
+class Experts(V3Experts):
+    """The routed experts as grouped weights, V3's ``Experts`` (``w13 [E, 2 * inter, dim]``: gate rows, then up
+    rows; ``w2 [E, dim, inter]``; one grouped GEMM each, FP8 under ``args.fp8``; an expert-parallel rank holds
+    ``expert_ids``) with the clamped SwiGLU."""
+
+    def __init__(self, args: ModelArgs, expert_ids: range | None = None):
+        super().__init__(args, expert_ids)
+        self.act = ClampedSwiGLU(args.swiglu_limit)
 
 
 class Gate(nn.Module):
@@ -299,7 +310,7 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
-        self.hash = layer_id < args.n_hash_layers
+        self.layer_id, self.hash = layer_id, layer_id < args.n_hash_layers
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.long))
@@ -307,7 +318,9 @@ class Gate(nn.Module):
         else:
             self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, dim]`` -> ``(weights, indices)`` ``[T, k]``, and the fp32 ``scores`` and ``logits`` ``[T, E]``."""
         logits = F.linear(x.float(), self.weight.float())
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
@@ -322,26 +335,67 @@ class Gate(nn.Module):
         weights = scores.gather(1, indices)
         if self.score_func != "softmax":
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, indices
+        return weights * self.route_scale, indices, scores, logits
 
 
-class MoE(nn.Module):
-    """Routed experts (top-k per token) plus the shared expert."""
+class MoE(V3MoE):
+    """Routed experts (top-k per token, or the token's fixed experts in a hash layer) plus the shared expert.
 
-    def __init__(self, args: ModelArgs, layer_id: int):
-        super().__init__()
+    V3's ``MoE`` steps (permute / grouped experts / unpermute on one rank; ``send`` / ``expert_rows`` /
+    ``combined`` around the expert-parallel all-to-alls, ``ep`` set by ``training.experts.wire_moe_layers``) with
+    V4's router, which also reads the token ids. Its own parts are built here, not by V3's constructor (whose
+    router and shared experts are V3's). A hash layer (``fixed_routing``) has no bias to balance: its
+    balancer only measures.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
+        nn.Module.__init__(self)
+        self.ep = None
+        self.layer_id, self.dim = layer_id, args.dim
         self.gate = Gate(args, layer_id)
-        self.experts = Experts(args.n_routed_experts, args.dim, args.moe_inter_dim, args.swiglu_limit)
-        self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.experts = Experts(args, expert_ids)
+        self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, args.fp8)
                                if args.n_shared_experts else None)
+        self.n_routed_experts, self.fused = args.n_routed_experts, args.fused_ops
+        self.m_alignment = deep_gemm.get_m_alignment_for_contiguous_layout()
+        self.fixed_routing = self.gate.hash
+        self.balancer = ExpertBalancer(args.n_routed_experts, args.n_activated_experts, BalanceConfig(strategy="none"))
+        self.received_rows = None
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor, seq_len: int | None = None) -> Routing:
+        """``x [T, dim]`` and its token ids (any shape of T elements) -> ``Routing``, after the balancer."""
+        weights, indices, scores, logits = self.gate(x, tokens)
+        indices, weights = self.balancer(scores, logits, indices, weights, seq_len)
+        return Routing(weights=weights, indices=indices, scores=scores, logits=logits)
+
+    def shared(self, x: torch.Tensor, x_fp8: None = None) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    def send(self, x: torch.Tensor, tokens: torch.Tensor, seq_len: int | None = None
+             ) -> tuple[torch.Tensor, SendPlan, torch.Tensor | None]:
+        """Before the dispatch (V3's ``MoE.send`` with the token ids): route, gather the rows to send, run the
+        shared expert."""
+        routing = self.route(x, tokens, seq_len)
+        send, plan = self.ep.gather(x, routing.weights, self.ep.plan_send(routing.indices), None)
+        return send, plan, self.shared(x)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        flat = x.flatten(0, 1)
-        weights, indices = self.gate(flat, tokens)
-        y = self.experts(flat, weights, indices).view(x.shape)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        """``x [b, s, dim]`` and ``tokens [b, s]`` -> the routed experts' weighted sum plus the shared expert."""
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        if self.ep is None:
+            routing = self.route(x, tokens, shape[-2])
+            x_grouped, m_indices, state = self.permute(x, routing)
+            rows = group_weights(routing.weights, state, len(m_indices))
+            y = self.unpermute(self.experts(x_grouped, m_indices, rows), state)
+            z = self.shared(x)
+        else:
+            send, plan, z = self.send(x, tokens, shape[-2])
+            received = self.ep.post_dispatch(send, plan, self.dim).wait()
+            y = self.expert_rows(arrived(send, received.rows, received.exchanged), received)
+            back = self.ep.post_combine(y, received).wait()
+            y = self.ep.scatter_back(arrived(y, back.rows, back.exchanged), plan)
+        return (y if z is None else y + z).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------------- mHC
@@ -395,14 +449,19 @@ class HCHead(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------- blocks
 class Block(nn.Module):
-    """Attention and MoE, each between an mHC collapse and spread of the ``hc_mult`` residual streams."""
+    """Attention and MoE, each between an mHC collapse and spread of the ``hc_mult`` residual streams.
 
-    def __init__(self, args: ModelArgs, layer_id: int):
+    ``run`` is the layer; the overlapped pipeline runs an expert-parallel layer as the pieces of
+    ``models.deepseek_v4.plan``, which call ``attention``, ``ffn_pre`` and the MoE's steps."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
         super().__init__()
+        self.layer_id = layer_id
+        self.recompute_block = args.recomputes("block", layer_id)
         self.norm_eps, self.hc_eps, self.iters = args.norm_eps, args.hc_eps, args.hc_sinkhorn_iters
         self.compressed = args.compress_ratios[layer_id] > 0
         self.attn = Attention(args, layer_id)
-        self.ffn = MoE(args, layer_id)
+        self.ffn = MoE(args, layer_id, expert_ids)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
@@ -413,22 +472,40 @@ class Block(nn.Module):
         self.hc_attn_scale = nn.Parameter(torch.ones(3))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        """``h [b, s, hc, dim]``; ``angles[compressed]`` the rope angles of positions ``0..s-1``."""
+    def attention(self, h: torch.Tensor, angles: dict[bool, torch.Tensor]) -> torch.Tensor:
+        """The attention sublayer between its mHC collapse and spread: streams in, streams out."""
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.norm_eps,
                                self.hc_eps, self.iters)
-        h = hc_post(self.attn(self.attn_norm(x), angles[self.compressed]), h, post, comb)
+        return hc_post(self.attn(self.attn_norm(x), angles[self.compressed]), h, post, comb)
+
+    def ffn_pre(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE sublayer's input ``ffn_norm(x) [b, s, dim]`` and its mHC ``post`` / ``comb`` weights."""
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.norm_eps,
                                self.hc_eps, self.iters)
-        return hc_post(self.ffn(self.ffn_norm(x), tokens), h, post, comb)
+        return self.ffn_norm(x), post, comb
+
+    def run(self, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """``h [b, s, hc, dim]``; ``angles[compressed]`` the rope angles of positions ``0..s-1``; ``tokens [b, s]``
+        the token ids (hash routing)."""
+        h = self.attention(h, angles)
+        x, post, comb = self.ffn_pre(h)
+        return hc_post(self.ffn(x, tokens), h, post, comb)
+
+    def forward(self, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        return self.run(h, angles, tokens)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this layer's MoE exchanges tokens with other ranks (it then has all-to-alls to overlap)."""
+        return self.ffn.ep is not None
 
 
 class MTPBlock(Block):
     """Multi-token prediction: ``e_proj(enorm(embed(t_{i+k}))) + h_proj(hnorm(h_i))`` through a full V4 block,
     collapsed by its own ``hc_head`` and normed by its own ``norm``; the embedding and head are the model's."""
 
-    def __init__(self, args: ModelArgs, layer_id: int):
-        super().__init__(args, layer_id)
+    def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
+        super().__init__(args, layer_id, expert_ids)
         self.e_proj = nn.Linear(args.dim, args.dim, bias=False)
         self.h_proj = nn.Linear(args.dim, args.dim, bias=False)
         self.enorm = RMSNorm(args.dim, args.norm_eps)
@@ -436,11 +513,14 @@ class MTPBlock(Block):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.hc_head = HCHead(args)
 
+    def project(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The block's input streams from ``h [b, s, hc, dim]`` and the next tokens' embeddings ``emb [b, s, dim]``."""
+        return self.e_proj(self.enorm(emb)).unsqueeze(2) + self.h_proj(self.hnorm(h))
+
     def forward(self, h: torch.Tensor, emb: torch.Tensor, angles: dict[bool, torch.Tensor],
                 tokens: torch.Tensor) -> torch.Tensor:
         """Streams ``h [b, s, hc, dim]`` and the next tokens' embeddings ``emb [b, s, dim]`` -> new streams."""
-        x = self.e_proj(self.enorm(emb)).unsqueeze(2) + self.h_proj(self.hnorm(h))
-        return super().forward(x, angles, tokens)
+        return self.run(self.project(h, emb), angles, tokens)
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -448,17 +528,19 @@ class Transformer(nn.Module):
     """DeepSeek-V4 causal LM. ``forward(tokens)`` -> logits ``[b, s, vocab]``; ``return_mtp`` adds the MTP
     logits (depth k's ``[b, s - k, vocab]`` at position i predict ``tokens[i + k + 1]``)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, expert_ids: range | None = None):
+        """``expert_ids`` (a contiguous range) builds only those routed experts in every MoE layer, for an
+        expert-parallel rank."""
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i, expert_ids) for i in range(args.n_layers))
         self.hc_head = HCHead(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.head.weight = self.embed.weight
-        self.mtp = nn.ModuleList(MTPBlock(args, args.n_layers + k) for k in range(args.n_mtp_layers))
+        self.mtp = nn.ModuleList(MTPBlock(args, args.n_layers + k, expert_ids) for k in range(args.n_mtp_layers))
         if not self.embed.weight.is_meta:
             self.init_weights()
 
@@ -502,23 +584,36 @@ class Transformer(nn.Module):
         return (logits, self.mtp_logits(h, tokens)) if return_mtp else logits
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """normal(0, init_std) for linears, embeddings, experts, routers and mHC projections; norms and mHC
-        scales 1; mHC biases, sinks and position biases 0; hash tables a fixed pseudo-random assignment."""
+    def init_weights(self, module: nn.Module | None = None) -> None:
+        """Initialise ``module`` (default: the whole model; its own parameters and its children's): normal(0,
+        init_std) for linears, embeddings, experts, routers and mHC projections; norms and mHC scales 1; mHC
+        biases, sinks and position biases 0; hash tables a fixed pseudo-random assignment per layer (every
+        process builds the same one)."""
         std = self.args.init_std
-        gen = torch.Generator().manual_seed(0)  # a fixed table: every process builds the same one
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf.endswith("_scale") or (leaf == "weight" and "norm" in name.rsplit(".", 2)[-2]):
-                p.fill_(1.0)
-            elif leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std)
-        for module in self.modules():
-            if isinstance(module, Gate) and module.hash:
-                vocab, n_exp = module.tid2eid.shape[0], module.weight.shape[0]
-                table = torch.rand(vocab, n_exp, generator=gen).argsort(dim=-1)[:, : module.topk]
-                module.tid2eid.copy_(table)
-            elif isinstance(module, Gate):
-                module.bias.zero_()
+        for m in (module or self).modules():
+            for leaf, p in m.named_parameters(recurse=False):
+                if p.is_meta:
+                    continue
+                if leaf.endswith("_scale") or (leaf == "weight" and isinstance(m, RMSNorm)):
+                    p.fill_(1.0)
+                elif leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std)
+            if isinstance(m, Gate) and not m.weight.is_meta:
+                if m.hash:
+                    gen = torch.Generator().manual_seed(m.layer_id)
+                    vocab, n_exp = m.tid2eid.shape[0], m.weight.shape[0]
+                    m.tid2eid.copy_(torch.rand(vocab, n_exp, generator=gen).argsort(dim=-1)[:, : m.topk])
+                else:
+                    m.bias.zero_()
+
+
+def param_counts(args: ModelArgs, include_mtp: bool = False) -> dict[str, int]:
+    """``total`` parameters of the model ``args`` builds and those ``activated`` per token (the routed experts
+    counted ``n_activated_experts`` times), as V3's ``ModelArgs.param_counts``: counted on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(args if include_mtp else args.replace(n_mtp_layers=0))
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    return {"total": total, "activated": total - routed + routed * args.n_activated_experts // args.n_routed_experts}

@@ -1,0 +1,96 @@
+"""DeepSeek-V4 through ``python -m recipes.train`` on gloo: 1F1B, ZB-V and the demo's DualPipeV x EP x DP with FP8
+and MTP (the per-layer plan's overlapped forward-and-backward, the EP all-to-alls inside it) equal one process.
+
+DualPipe, interleaved 1F1B and ZB1P go through the same stage interface (checked by hand, equal to one process).
+
+Tolerances: fp32 runs differ in summation order only (``REL``: the mean over a step's 16 x 64 = 1024 tokens,
+1024 x 2^-24 = 6e-5 relative; a lost or doubled gradient moves step 2's loss by > 1e-2). FP8 quantises the same
+values on both sides in the forward (activations and the dispatch per token, weights per block; each data-parallel
+rank's micro-batches are some of the reference's), so step 1's loss keeps ``REL``; the backward's casts are taken
+over other row sets, as in ``tests/test_combinations.py`` (whose derivation gives FP8_RTOL for the gradient norm and
+FP8_LOSS_ATOL for later losses)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_combinations import FP8_LOSS_ATOL, FP8_RTOL
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "recipes/configs/v4_tiny_cpu.toml"
+QUICK = ["run.steps=3", "run.sample_tokens=4", "data.seq_len=64", "data.global_batch=16", "data.micro_batch=2",
+         "logging.progress=false", "logging.eval_batches=1", "logging.wandb=disabled", "run.threads=1",
+         "optim.warmup_steps=2", "checkpoint.interval=0", "checkpoint.final=false"]
+SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
+# the two-process schedules: 2 steps (step 2's loss sees step 1's update) of 4 micro-batches of 2 sequences
+SHORT = ["run.steps=2", "data.global_batch=8"]
+REL = 1024 * 2.0**-24
+
+
+def _train(tmp_path: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "recipes.train", "--config", CONFIG, "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    for o in QUICK + overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _equal(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
+    assert len(got) == len(want) >= 2
+    for key in keys:
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=REL), key
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_1f1b_matches_one_process(tmp_path):
+    """PP=2 1F1B (one stage per rank: the streams and token ids cross ranks once each way); MTP needs the embedding
+    beside the head, which 1F1B does not give, so both runs have none."""
+    common = SHORT + ["model.overrides.n_mtp_layers=0"]
+    one = _train(tmp_path, "one", 1, common + SINGLE)
+    two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
+                                               "parallel.schedule=1f1b"])
+    _equal(two, one, ("loss", "grad_norm"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_zbv_with_mtp_and_block_recompute_matches_one_process(tmp_path):
+    """PP=2 ZB-V (4 stages in a V, weight gradients deferred), MTP on the rank holding the embedding, whole-block
+    recompute, against one process without recompute."""
+    one = _train(tmp_path, "one", 1, SHORT + SINGLE)
+    two = _train(tmp_path, "two", 2, SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
+                                              "parallel.schedule=zbv", 'model.overrides.recompute=["block"]'])
+    _equal(two, one, ("loss", "mtp_loss", "grad_norm"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_v4_demo_dualpipev_ep_fp8_mtp_matches_one_process(tmp_path):
+    """The demo layout (``v4_tiny_cpu.toml``: PP=2 DualPipeV, EP=2 over DP=2, the per-layer plan's overlapped F&B
+    with the hash-routed and scored MoE layers' all-to-alls in it) with FP8 experts and MTP, against one process
+    with FP8; both runs' losses fall from a fresh model's ln 256."""
+    one = _train(tmp_path, "one", 1, SINGLE + ["model.fp8=true"])
+    four = _train(tmp_path, "four", 4, ["model.fp8=true"])
+    for runs in (one, four):
+        assert runs[0]["loss"] == pytest.approx(math.log(256), abs=0.15)
+        assert runs[-1]["loss"] < runs[0]["loss"] - 0.2, [r["loss"] for r in runs]
+        assert "ep_imbalance" in runs[-1] or runs is one
+    for key in ("loss", "mtp_loss"):
+        assert four[0][key] == pytest.approx(one[0][key], rel=REL), key
+        for a, b in zip(four[1:], one[1:]):
+            assert abs(a[key] - b[key]) <= FP8_LOSS_ATOL, (key, a[key], b[key])
+    assert [r["grad_norm"] for r in four] == pytest.approx([r["grad_norm"] for r in one], rel=FP8_RTOL)
