@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,7 @@ from models.deepseek_v3.rope import rope_cos_sin
 from models.deepseek_v4 import plan as v4_plan
 from training.config import pipeline_layout
 from training.memory_policy import MemoryPolicy
+from training.recompute import checkpointed
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int, vpp: int = 1) -> list[int]:
@@ -278,6 +280,12 @@ class DeepSeekV4Stage(DeepSeekV3Stage):
         if self.is_last:
             self.hc_head = model.hc_head
 
+    @property
+    def wrap(self) -> LayerWrap:
+        """Whole-block recompute where the layer asks for it (``recompute = ["block"]``), as V3's policy does."""
+        return lambda layer, fn: (functools.partial(checkpointed, fn, layer)
+                                  if self.args.recomputes("block", layer.layer_id) else fn)
+
     def owned_modules(self) -> dict[str, nn.Module]:
         out = super().owned_modules()
         if self.is_last:
@@ -291,7 +299,8 @@ class DeepSeekV4Stage(DeepSeekV3Stage):
             tokens, h = x, v4_plan.embed_streams(self.args, self.embed, x)
         else:
             h = x
-        h = v4_plan.run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, tokens)
+        h = v4_plan.run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, tokens,
+                               self.wrap)
         h = h.clone() if h is x else h
         return h if self.is_last else (h, tokens.clone())  # (a fresh tokens tensor: never a micro-batch's view)
 
@@ -303,11 +312,11 @@ class DeepSeekV4Stage(DeepSeekV3Stage):
 
     def lm_losses(self, args: v4.ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
         return v4_plan.lm_losses_from_hidden(args, self.hc_head, self.norm, self.head, self.mtp, self.embed, h,
-                                             tokens, labels)
+                                             tokens, labels, wrap=self.wrap)
 
     def loss_pieces(self, args: v4.ModelArgs, tokens: torch.Tensor, labels: torch.Tensor
                     ) -> tuple[list[Piece], tuple[str, ...], Callable[..., dict]]:
-        pieces, hidden = v4_plan.mtp_pieces(args, self.mtp, self.embed, tokens)
+        pieces, hidden = v4_plan.mtp_pieces(args, self.mtp, self.embed, tokens, wrap=self.wrap)
         return pieces, tuple(hidden), lambda h, *mtp: v4_plan.head_losses(args, self.hc_head, self.norm, self.head,
                                                                           self.mtp, h, mtp, labels)
 
@@ -318,7 +327,7 @@ class DeepSeekV4Stage(DeepSeekV3Stage):
                                   ("tokens",), ("h",)))
         rope = v4_plan.angles(self.args, seq_len, device)
         for i in range(self.start, self.end):
-            pieces += v4_plan.layer_pieces(self.layers[str(i)], rope)
+            pieces += v4_plan.layer_pieces(self.layers[str(i)], rope, wrap=self.wrap)
         return pieces
 
     def start_run(self, inputs: list, criterion=None, labels: Sequence = ()) -> Run:

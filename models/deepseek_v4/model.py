@@ -457,7 +457,6 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, expert_ids: range | None = None):
         super().__init__()
         self.layer_id = layer_id
-        self.recompute_block = args.recomputes("block", layer_id)
         self.norm_eps, self.hc_eps, self.iters = args.norm_eps, args.hc_eps, args.hc_sinkhorn_iters
         self.compressed = args.compress_ratios[layer_id] > 0
         self.attn = Attention(args, layer_id)

@@ -12,8 +12,9 @@ expert-parallel V4 layer as five pieces, cut at the all-to-alls as V3's::
     combine    y -> back                                         all-to-all
     output     h, back, plan, shared, post, comb -> h            hc_post(MoE.combined(...), h, post, comb)
 
-A layer without all-to-alls is one piece (``Block.run``). Whole-block recompute (``recompute = ["block"]``)
-recomputes each compute piece on its own, never an exchange.
+A layer without all-to-alls is one piece (``Block.run``). Whole-block recompute is the caller's ``wrap``
+(``models.deepseek_v3.block.LayerWrap``, given by the trainer from ``recompute = ["block"]``): it wraps each compute
+piece on its own, never an exchange.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.deepseek_v3.block import LayerWrap
 from models.deepseek_v3.model import head_loss
 from models.deepseek_v3.plan import Compute, Exchange, Piece
-from models.deepseek_v3.recompute import maybe_recompute
 from models.deepseek_v4.args import ModelArgs
 from models.deepseek_v4.model import Block, HCHead, MTPBlock, RMSNorm, hc_post, rope_angles
 
@@ -49,30 +50,37 @@ def embed_streams(args: ModelArgs, embed: nn.Embedding, tokens: torch.Tensor) ->
     return embed(tokens).unsqueeze(2).repeat(1, 1, args.hc_mult, 1)
 
 
-def run_block(block: Block, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """``block.run(h, ...)``, keeping only ``h`` for backward where the layer recomputes whole blocks."""
-    return maybe_recompute(lambda x: block.run(x, angles, tokens), h, enabled=block.recompute_block)
+def run_block(block: Block, h: torch.Tensor, angles: dict[bool, torch.Tensor], tokens: torch.Tensor,
+              wrap: LayerWrap | None = None) -> torch.Tensor:
+    """``block.run(h, ...)`` as ``wrap`` runs the layer (whole-block recompute keeps only ``h`` for backward)."""
+    return _wrapped(block, wrap, lambda x: block.run(x, angles, tokens))(h)
 
 
-def run_layers(args: ModelArgs, layers: Sequence[Block], h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The layer loop on streams ``h [b, s, hc, dim]`` at positions ``0..s-1`` (a pipeline stage's slice)."""
+def _wrapped(block: Block, wrap: LayerWrap | None, fn: Callable) -> Callable:
+    return fn if wrap is None else wrap(block, fn)
+
+
+def run_layers(args: ModelArgs, layers: Sequence[Block], h: torch.Tensor, tokens: torch.Tensor,
+               wrap: LayerWrap | None = None) -> torch.Tensor:
+    """The layer loop on streams ``h [b, s, hc, dim]`` at positions ``0..s-1`` (a pipeline stage's slice);
+    ``wrap``: how each layer runs (whole-block recompute, from outside)."""
     rope = angles(args, h.shape[1], h.device)
     for layer in layers:
-        h = run_block(layer, h, rope, tokens)
+        h = run_block(layer, h, rope, tokens, wrap)
     return h
 
 
 def layer_pieces(block: Block, rope: dict[bool, torch.Tensor], stream: str = "h", tokens: str = "tokens",
-                 token_ids: torch.Tensor | None = None) -> list[Piece]:
+                 token_ids: torch.Tensor | None = None, wrap: LayerWrap | None = None) -> list[Piece]:
     """One layer as pieces from and to the streams named ``stream``; the token ids are the value ``tokens``, or
-    ``token_ids`` when given (an MTP depth's shifted tokens)."""
+    ``token_ids`` when given (an MTP depth's shifted tokens). ``wrap`` wraps each compute piece (recompute)."""
     reads = (stream,) if token_ids is not None else (stream, tokens)
 
     def ids(args: tuple) -> torch.Tensor:
         return token_ids if token_ids is not None else args[-1]
 
     def recomputed(fn: Callable[..., dict]) -> Callable[..., dict]:
-        return lambda *args: maybe_recompute(fn, *args, enabled=block.recompute_block)
+        return _wrapped(block, wrap, fn)
 
     if not block.expert_parallel:
         return [Compute(f"layer {block.layer_id}", recomputed(lambda x, *t: {stream: block.run(x, rope, ids(t))}),
@@ -111,25 +119,25 @@ def _depths(args: ModelArgs, modules: Sequence[MTPBlock], tokens: torch.Tensor) 
 
 
 def mtp_hidden(args: ModelArgs, modules: Sequence[MTPBlock], embed: nn.Module, h: torch.Tensor,
-               tokens: torch.Tensor) -> list[torch.Tensor]:
+               tokens: torch.Tensor, wrap: LayerWrap | None = None) -> list[torch.Tensor]:
     """Each MTP depth's streams (before its ``hc_head``) from the main model's last streams ``h``."""
     out = []
     for k, n, module, rope in _depths(args, modules, tokens):
         nxt = tokens[:, k:]
-        h = run_block(module, module.project(h[:, :n], embed(nxt)), rope, nxt)
+        h = run_block(module, module.project(h[:, :n], embed(nxt)), rope, nxt, wrap)
         out.append(h)
     return out
 
 
 def mtp_pieces(args: ModelArgs, modules: Sequence[MTPBlock], embed: nn.Module, tokens: torch.Tensor,
-               stream: str = "h") -> tuple[list[Piece], list[str]]:
+               stream: str = "h", wrap: LayerWrap | None = None) -> tuple[list[Piece], list[str]]:
     """``mtp_hidden`` as plan pieces reading the main streams ``stream``; also the depths' value names."""
     pieces, names, prev = [], [], stream
     for k, n, module, rope in _depths(args, modules, tokens):
         name, nxt = f"mtp{k}", tokens[:, k:]
         project = lambda h, module=module, n=n, nxt=nxt, name=name: {name: module.project(h[:, :n], embed(nxt))}  # noqa: E731
         pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)),
-                   *layer_pieces(module, rope, name, token_ids=nxt)]
+                   *layer_pieces(module, rope, name, token_ids=nxt, wrap=wrap)]
         names.append(name)
         prev = name
     return pieces, names
@@ -151,7 +159,7 @@ def head_losses(args: ModelArgs, hc_head: HCHead, norm: RMSNorm, head: nn.Linear
 
 def lm_losses_from_hidden(args: ModelArgs, hc_head: HCHead, norm: RMSNorm, head: nn.Linear,
                           mtp: Sequence[MTPBlock], embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
-                          labels: torch.Tensor, ignore_index: int = -100) -> dict:
+                          labels: torch.Tensor, ignore_index: int = -100, wrap: LayerWrap | None = None) -> dict:
     """The next-token and MTP losses from the main model's last streams ``h`` (``head_losses`` of ``mtp_hidden``)."""
-    hidden = mtp_hidden(args, mtp, embed, h, tokens)
+    hidden = mtp_hidden(args, mtp, embed, h, tokens, wrap)
     return head_losses(args, hc_head, norm, head, mtp, h, hidden, labels, ignore_index)
