@@ -45,6 +45,7 @@ from accel.cli import (
     check_output_file,
     positive_int,
 )
+from models.deepseek_v4.args import PRESETS as V4_PRESETS
 from training.checkpoint import format as fmt
 from training.checkpoint.writer import CheckpointWriteError
 from training.config import TrainConfig, load_config, schedule_of
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is planned but not yet executable "
                              "(the planner, the memory model and --dry-run know it; the trainer does not run it yet); "
                              "use --dry-run, or parallel.cp=1")
+        if cfg.model.preset in V4_PRESETS:
+            raise ValueError(f"model.preset={cfg.model.preset!r}: training DeepSeek-V4 is not wired into the trainer "
+                             "yet (the memory model, the planner and --dry-run know it); use --dry-run")
         check_paths(ns, cfg)
         from training.run import RunOptions, run_training
 

@@ -44,6 +44,8 @@ from deep_gemm.health import Fp8Health, merge_counts
 from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
+from models.deepseek_v4 import ModelArgs as V4ModelArgs
+from models.deepseek_v4.args import PRESETS as V4_PRESETS
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict, schedule_of
@@ -74,11 +76,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 log = logging.getLogger(__name__)
 
 
-def model_args(cfg: TrainConfig) -> ModelArgs:
-    """The model's arguments: the preset, the overrides, and the config's FP8 / fused-ops / MTP switches."""
+def model_args(cfg: TrainConfig) -> ModelArgs | V4ModelArgs:
+    """The model's arguments: the preset (a DeepSeek-V4 one gives ``models.deepseek_v4.ModelArgs``), the overrides,
+    and the config's FP8 / fused-ops / MTP switches."""
     try:
         fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
-        return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
+        cls = V4ModelArgs if cfg.model.preset in V4_PRESETS else ModelArgs
+        return cls.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "fused_ops": cfg.model.fused_ops,
                                                      "expert_weight_format": cfg.model.expert_weight_format,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
@@ -112,6 +116,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
+    if isinstance(args, V4ModelArgs) and (par.cp > 1 or cfg.eplb.enabled):
+        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 is planned without context parallelism and "
+                         f"EPLB for now; set parallel.cp=1 and eplb.enabled=false")
     if par.vpp > 1:
         chunk_layers(args, par.pp, par.vpp)
     else:

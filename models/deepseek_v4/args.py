@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESS_RATIOS = (0, 4, 128)  # per layer: window only, CSA (overlapping windows + indexer), HCA
+COMPRESS_RATIOS = (0, 4, 128)
+RECOMPUTE_KINDS = ("block",)  # per layer: window only, CSA (overlapping windows + indexer), HCA
 _LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
@@ -70,10 +71,21 @@ class ModelArgs:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     init_std: float = 0.02
+    # training switches (not part of the checkpoint's config.json), with V3's meanings (``models.deepseek_v3.args``):
+    # FP8 for the routed experts' grouped GEMMs (False, True / "blockwise", or "mxfp8"), their weight format, and
+    # whole-block recompute ("block") for the layers ``recompute_layers`` (None: every layer; MTP is n_layers + k)
+    fp8: bool | str = False
+    fused_ops: bool = True
+    expert_weight_format: str = "bf16"
+    recompute: tuple[str, ...] = ()
+    recompute_layers: tuple[int, ...] | None = None
     # config.json fields this model does not use (tokenizer ids, generation defaults ...), kept for round trips
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.recompute = (self.recompute,) if isinstance(self.recompute, str) else tuple(self.recompute)
+        if self.recompute_layers is not None:
+            self.recompute_layers = tuple(self.recompute_layers)
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
         n = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) < n:  # an MTP layer without an entry attends its window only
@@ -101,6 +113,8 @@ class ModelArgs:
             (self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1"),
             (self.index_topk > 0 or 4 not in self.compress_ratios, "CSA layers need index_topk > 0"),
             (self.window_size > 0, f"window_size={self.window_size} must be positive"),
+            (set(self.recompute) <= set(RECOMPUTE_KINDS),
+             f"recompute={list(self.recompute)}: V4 recomputes {list(RECOMPUTE_KINDS)} (whole blocks)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -109,6 +123,24 @@ class ModelArgs:
     @property
     def yarn(self) -> bool:
         return self.rope_factor > 1 and self.original_seq_len > 0
+
+    @property
+    def fp8_cache(self) -> bool:
+        """FP8 activation caching (V3's ``fp8_cache_activations``): not implemented for V4, always off."""
+        return False
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width (the shared K = V head), for V3's FLOP counter."""
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+    def recomputes(self, kind: str, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` (MTP depth k: ``n_layers + k - 1``) recomputes ``kind`` (only "block")."""
+        return kind in self.recompute and (self.recompute_layers is None or layer_id in self.recompute_layers)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelArgs:
@@ -215,6 +247,52 @@ class ModelArgs:
 
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)
+
+    def layer_params(self, layer_id: int) -> dict[str, int]:
+        """Parameters of block ``layer_id`` (MTP depth k: ``n_layers + k - 1``) by part: ``attention`` (projections,
+        norms, sink, compressor and indexer of its kind), ``mhc`` (its two mHC units), ``routed`` (all routed
+        experts), ``ffn`` (the rest of the MoE: router, shared expert, norm). Closed form from the shapes
+        (``models.deepseek_v4.model``); buffers (router bias, ``tid2eid``) are not parameters."""
+        d, h, hd = self.dim, self.n_heads, self.head_dim
+        attn = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * hd + d * hd + hd
+                + h * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d + h + d)  # + attn_norm
+
+        def compressor(ratio: int, width: int) -> int:
+            coff = 2 if ratio == 4 else 1
+            return 2 * d * coff * width + ratio * coff * width + width
+
+        ratio = self.compress_ratios[layer_id]
+        if ratio:
+            attn += compressor(ratio, hd)
+        if ratio == 4:  # the indexer: wq_b, weights_proj, its own compressor
+            attn += self.q_lora_rank * self.index_n_heads * self.index_head_dim + d * self.index_n_heads
+            attn += compressor(4, self.index_head_dim)
+        mix = (2 + self.hc_mult) * self.hc_mult
+        expert = 3 * d * self.moe_inter_dim
+        return {"attention": attn, "mhc": 2 * (mix * self.hc_mult * d + mix + 3),
+                "routed": self.n_routed_experts * expert,
+                "ffn": self.n_routed_experts * d + self.n_shared_experts * expert + d}
+
+    def param_counts(self, include_mtp: bool = False) -> dict[str, int]:
+        """Total and activated-per-token parameter counts, as DeepSeek publishes them (V4-Flash 284B / 13B): MTP
+        excluded unless asked for, "activated" without the input embedding (a lookup) and with ``n_activated``
+        of the routed experts. Closed form (``layer_params``), independent of the modules."""
+        d, v, hc = self.dim, self.vocab_size, self.hc_mult
+        hc_head = hc * hc * d + hc + 1
+        lookup = v * d
+        total = lookup + (0 if self.tie_word_embeddings else v * d) + d + hc_head  # + final norm, hc_head
+        active = total - lookup
+        layers = list(range(self.n_layers))
+        if include_mtp:
+            layers += [self.n_layers + k for k in range(self.n_mtp_layers)]
+            mtp = self.n_mtp_layers * (2 * d * d + 3 * d + hc_head)  # e_proj, h_proj, enorm, hnorm, norm, hc_head
+            total, active = total + mtp, active + mtp
+        for i in layers:
+            p = self.layer_params(i)
+            dense = p["attention"] + p["mhc"] + p["ffn"]
+            total += dense + p["routed"]
+            active += dense + p["routed"] * self.n_activated_experts // self.n_routed_experts
+        return {"total": total, "activated": active}
 
 
 # what from_hf_config reads or rewrites (the rest of a config.json travels in ``extra``); the quantisation
