@@ -45,7 +45,6 @@ failed (disk full, ...): ``--out`` is then as it was.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -61,6 +60,7 @@ from accel.cli import BAD_INPUT, FAILED, OK, ArgumentParser, check_output_dir
 from models import deepseek_v4
 from models.deepseek_v3 import Transformer
 from models.deepseek_v3.checkpoint import INDEX_NAME, save_hf_checkpoint
+from models.deepseek_v4.args import hf_model_type
 from training.checkpoint import CheckpointManager, CheckpointMismatchError
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
@@ -202,15 +202,6 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
         raise ValueError(f"no valid checkpoint under {str(path)!r}: {'; '.join(invalid)}")
     raise ValueError(f"no checkpoint under {str(path)!r}; expected a step_* folder holding "
                      f"{fmt.METADATA_FILE}, or a checkpoints root holding such folders")
-
-
-def hf_model_type(folder: Path) -> str | None:
-    """``model_type`` of ``folder/config.json`` (None when it is unreadable or has none: the loader names why)."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def _verify(folder: Path) -> tuple[str, str] | None:

@@ -131,3 +131,17 @@ def test_v3_only_paths_name_a_v4_checkpoint_in_one_line(tmp_path, capsys):
     (v4 / "config.json").write_text(json.dumps(ModelArgs.preset("debug_v4").to_hf_config()))
     with pytest.raises(ValueError, match="deepseek_v4"):
         V3Args.from_hf_config(v4)
+
+
+def test_a_v4_checkpoint_cannot_start_a_v3_run(tmp_path, capsys):
+    """``model.init_from`` pointing at a V4 folder with a V3 preset is refused by the launch's checks (the dry run
+    too), in one line naming both, before anything runs."""
+    from recipes import train
+
+    folder = tmp_path / "v4"
+    save_hf_checkpoint(Transformer(ModelArgs.preset("debug_v4")), folder)
+    status = train.main(["--config", "recipes/configs/tiny_cpu.toml", "--dry-run", "--set",
+                         f"model.init_from={folder}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "is a DeepSeek-V4 checkpoint" in err[0] and "model.preset='debug'" in err[0]

@@ -46,6 +46,7 @@ from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from models.deepseek_v4 import ModelArgs as V4ModelArgs
 from models.deepseek_v4.args import PRESETS as V4_PRESETS
+from models.deepseek_v4.args import hf_model_type
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict, schedule_of
@@ -140,6 +141,11 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
             and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
+    v4_start = cfg.model.init_from and hf_model_type(cfg.model.init_from) == "deepseek_v4"
+    if v4_start and not isinstance(args, V4ModelArgs):
+        raise ValueError(f"model.init_from={cfg.model.init_from!r} is a DeepSeek-V4 checkpoint (model_type "
+                         f"'deepseek_v4') and model.preset={cfg.model.preset!r} a V3 model; a V4 checkpoint starts a "
+                         "V4 preset (deepseek_v4_flash, deepseek_v4_pro, debug_v4)")
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")

@@ -325,6 +325,16 @@ _HF_FIELDS = {
 _HF_READ = _HF_READ_BASE | set(_HF_FIELDS.values())
 
 
+def hf_model_type(folder: str | Path) -> str | None:
+    """``model_type`` of ``folder/config.json`` ("deepseek_v4", "deepseek_v3", ...): which model a checkpoint folder
+    holds. None when the file is unreadable or names none (the loader then says why)."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
+
+
 def _alternating(n: int, head: tuple[int, ...], first: int, second: int) -> tuple[int, ...]:
     """``head`` then ``first, second, first, ...`` up to n layers."""
     return head + tuple(first if i % 2 == 0 else second for i in range(n - len(head)))
