@@ -4,6 +4,8 @@ long-context ratio, the measured pieces' 4-stream residual, the V4-Flash config'
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -166,3 +168,15 @@ def test_planner_times_a_v4_layout():
     assert ev.status == "ok", ev
     assert 0 < ev.mfu < 0.6 and ev.step_time_s > 0
     assert evaluate(req, Layout(**{**lay.__dict__, "recompute": "v3"})).status == "illegal"
+
+
+def test_plan_reads_a_v4_config_json(tmp_path):
+    """``recipes.plan --model`` given a V4 ``config.json`` plans V4 with that file's architecture."""
+    from recipes.plan import base_config
+    from training.trainer import model_args
+
+    args = ModelArgs.preset("deepseek_v4_flash", n_layers=20, compress_ratios=(0, 4) * 10, index_topk=1024,
+                            tie_word_embeddings=True, rope_factor=1.0, original_seq_len=0)
+    (tmp_path / "config.json").write_text(json.dumps(args.to_hf_config()))
+    got = model_args(base_config(str(tmp_path), []))
+    assert isinstance(got, ModelArgs) and got == args.replace(fp8=False)
