@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.deepseek_v3.args import read_hf_config
+
 COMPRESS_RATIOS = (0, 4, 128)
 RECOMPUTE_KINDS = ("block",)  # per layer: window only, CSA (overlapping windows + indexer), HCA
 _LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -154,26 +156,7 @@ class ModelArgs:
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> ModelArgs:
         """From a V4 ``config.json`` (file, folder holding one, or dict), either spelling. A file that is not
         JSON, or whose values do not make a valid config, is a ValueError naming the file."""
-        if isinstance(path_or_dict, dict):
-            return cls._from_hf_dict(dict(path_or_dict), overrides)
-        path = Path(path_or_dict)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"from_hf_config: no config.json at {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"from_hf_config: {path} is not readable JSON: {' '.join(str(exc).split())}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"from_hf_config: {path} holds a JSON {type(cfg).__name__}; expected an object")
-        try:
-            return cls._from_hf_dict(cfg, overrides)
-        except KeyError as exc:
-            raise ValueError(f"from_hf_config: {path}: missing key {exc}") from None
-        except (ValueError, TypeError, AttributeError) as exc:
-            what = " ".join(str(exc).split()).removeprefix("from_hf_config: ")
-            raise ValueError(f"from_hf_config: {path}: {what}") from None
+        return read_hf_config(path_or_dict, lambda cfg: cls._from_hf_dict(cfg, overrides))
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any], overrides: dict[str, Any]) -> ModelArgs:
