@@ -23,6 +23,7 @@ TORCH211_PINS ?= torch==2.11.0 "numpy<2.4"
 TESTS211 ?= \
 	tests/test_v4_hf_parity.py tests/test_v4_checkpoint.py tests/test_v4_model.py tests/test_v4_generate.py \
 	tests/test_v4_training.py tests/test_v4_training_slow.py \
+	tests/test_v4_planner.py tests/test_v4_export.py \
 	tests/test_combinations.py tests/test_training_overlap.py tests/test_model_recompute.py \
 	tests/test_training_recompute.py tests/test_training.py tests/test_training_dualpipe.py \
 	tests/test_training_eplb.py tests/test_v3_layout.py tests/test_expert_parallel.py tests/test_expert_parallel_fused.py \

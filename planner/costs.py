@@ -48,6 +48,9 @@ import torch
 
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_ALIASES
+from models.deepseek_v4 import ModelArgs as V4Args
+from models.deepseek_v4 import Transformer as V4Transformer
+from planner import costs_v4
 from planner.system import System
 from training.optim import is_expert_param, muon_matrices, newton_schulz_flops, uses_muon
 from training.stages import expert_range
@@ -342,11 +345,15 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     (``Durations``) from where each op runs: before the dispatch (attention, router, permute: the forward's head,
     and with the shared experts the backward's tail) or after the combine (unpermute)."""
     fp8 = w.fp8 and timer.system.fp8_tflops > 0
-    core = dsa_ops(args, w.tokens, w.seq_len, fp8) if args.index_topk else [attention_core(args, w.tokens, w.seq_len)]
-    ops = [op for op in attention_ops(args, w.tokens, fp8) if not (args.sparse and op.name == "wkv_b")]
-    ops += core + [gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
-    ops += context_parallel_ops(args, w, fp8)
-    ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
+    if isinstance(args, V4Args):  # DeepSeek-V4: window / CSA / HCA attention, mHC, MoE on every layer
+        ops = costs_v4.block_ops(args, layer_id, w.tokens, w.seq_len, w.ep, fp8, w.imbalance)
+    else:
+        core = (dsa_ops(args, w.tokens, w.seq_len, fp8) if args.index_topk
+                else [attention_core(args, w.tokens, w.seq_len)])
+        ops = [op for op in attention_ops(args, w.tokens, fp8) if not (args.sparse and op.name == "wkv_b")]
+        ops += core + [gemm("wo", w.tokens, args.dim, args.n_heads * args.v_head_dim, fp8)]
+        ops += context_parallel_ops(args, w, fp8)
+        ops += ffn_ops(args, layer_id, w.tokens, w.ep, fp8, w.imbalance)
     full_block = "block" in w.recompute
     f = i = wg = flops = q_f = q_b = 0.0
     phase_f, phase_b = dict.fromkeys(("pre", "hidden", "mid", "post"), 0.0), dict.fromkeys(("pre", "hidden", "mid",
@@ -369,7 +376,7 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     f, i = f + cp_f, i + cp_b
     phase_f["pre"] += cp_f
     phase_b["pre"] += cp_b
-    if not (args.is_moe_layer(layer_id) and w.ep > 1):
+    if not (_is_moe_layer(args, layer_id) and w.ep > 1):
         return Durations(f, i, wg, flops=flops)
     dispatch = 1 + FP8_SCALE_BYTES[timer.recipe] if fp8 else BF16
     comm = sum(all_to_all_seconds(args, w.tokens, w.ep, timer.system, b, w.max_nodes, w.imbalance)
@@ -379,6 +386,18 @@ def block_durations(timer: OpTimer, args: ModelArgs, layer_id: int, w: Workload)
     head_b = phase_f["pre"] if full_block else phase_b["post"]
     return Durations(f, i, wg, comm_f, comm + (comm_f if full_block else 0.0), flops, head_f=phase_f["pre"],
                      tail_f=phase_f["post"], head_b=head_b, tail_b=phase_b["pre"] + phase_b["hidden"])
+
+
+def _is_moe_layer(args: ModelArgs | V4Args, layer_id: int) -> bool:
+    return isinstance(args, V4Args) or args.is_moe_layer(layer_id)  # V4: every layer is MoE
+
+
+def _layer_key(args: ModelArgs | V4Args, layer_id: int) -> tuple:
+    """What a block's durations depend on besides the workload: dense or MoE (V3); compress ratio, hash routing
+    and MTP (V4)."""
+    if isinstance(args, V4Args):
+        return args.compress_ratios[layer_id], layer_id < args.n_hash_layers
+    return (args.is_moe_layer(layer_id),)
 
 
 def context_parallel_ops(args: ModelArgs, w: Workload, fp8: bool) -> list[Op]:
@@ -423,7 +442,7 @@ def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], fir
     """A pipeline stage: blocks ``[lo, hi)``, the embedding on the first, head + MTP on the last.
     ``block_cache`` memoises per-block durations by (dense/MoE) and workload: the inner loop of a search."""
     def block(layer_id: int) -> Durations:
-        key = (args.is_moe_layer(layer_id), w)
+        key = (*_layer_key(args, layer_id), w)
         if key not in block_cache:
             block_cache[key] = block_durations(timer, args, layer_id, w)
         return block_cache[key]
@@ -434,9 +453,11 @@ def part_durations(timer: OpTimer, args: ModelArgs, layers: tuple[int, int], fir
     for layer in range(*layers):
         total = total + block(layer)
     if last:  # the criterion runs the MTP depths first, then the shared head for the trunk and each depth
+        v4 = isinstance(args, V4Args)
+        extra, heads = (costs_v4.mtp_extra_ops, costs_v4.head_ops) if v4 else (mtp_extra_ops, head_ops)
         for k in range(args.n_mtp_layers):
-            total = total + ops_durations(timer, mtp_extra_ops(args, w.tokens)) + block(args.n_layers + k)
-        total = total + ops_durations(timer, head_ops(args, w.tokens) * (1 + args.n_mtp_layers))
+            total = total + ops_durations(timer, extra(args, w.tokens)) + block(args.n_layers + k)
+        total = total + ops_durations(timer, heads(args, w.tokens) * (1 + args.n_mtp_layers))
     return total
 
 
@@ -450,8 +471,9 @@ def muon_flops_per_param(args: ModelArgs, ep: int, steps: int = 5) -> tuple[floa
     matrix split (each expert, each half of a fused ``w13``)."""
     key = (repr(args), ep, steps)
     if key not in _MUON:
-        with torch.device("meta"):
-            model = Transformer(args, expert_ids=expert_range(args, 0, ep) if ep > 1 else None)
+        with torch.device("meta"):  # (V4's model holds every expert: the per-parameter average is the same)
+            model = (V4Transformer(args) if isinstance(args, V4Args)
+                     else Transformer(args, expert_ids=expert_range(args, 0, ep) if ep > 1 else None))
         flops, params = [0.0, 0.0], [0, 0]
         for name, p in model.named_parameters():
             kind = int(is_expert_param(name))

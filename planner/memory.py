@@ -54,8 +54,11 @@ from dualpipe.ir import Overlap
 from dualpipe.schedules import built, min_microbatches
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
+from models.deepseek_v4 import Transformer as V4Transformer
 from planner import memory_measure as measure
+from planner import memory_v4
 from planner.memory_measure import Measured
+from planner.memory_v4 import is_v4
 from training.config import TrainConfig, schedule_of
 from training.optim import STEP_CHUNK, is_expert_param, uses_muon
 from training.stages import expert_range, num_model_stages, split_layers, stage_ids
@@ -104,8 +107,9 @@ def _module_param_counts(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]
 
 def _count_modules(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
     experts = expert_range(args, 0, ep) if ep > 1 else None
-    with torch.device("meta"):
-        model = Transformer(args, expert_ids=experts)
+    with torch.device("meta"):  # V4's model holds every routed expert: one EP rank's share is 1 / ep of them
+        model = V4Transformer(args) if is_v4(args) else Transformer(args, expert_ids=experts)
+    share = ep if is_v4(args) else 1
 
     def count(module: torch.nn.Module, prefix: str, muon: bool = False) -> tuple[int, int]:
         dense = expert = 0
@@ -113,7 +117,7 @@ def _count_modules(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
             if muon and not uses_muon(name, prm):
                 continue
             if is_expert_param(name):
-                expert += prm.numel()
+                expert += prm.numel() // share
             else:
                 dense += prm.numel()
         return dense, expert
@@ -122,10 +126,14 @@ def _count_modules(args: ModelArgs, ep: int) -> dict[str, tuple[int, int]]:
     for muon in (False, True):  # "<module> muon": the part of it Muon updates (optim.name = "muon")
         tag = " muon" if muon else ""
         out.update({f"layers.{i}{tag}": count(layer, f"layers.{i}", muon) for i, layer in enumerate(model.layers)})
-        for name in ("embed", "norm", "head", "mtp"):
-            out[f"{name}{tag}"] = count(getattr(model, name), name, muon)
-    out["largest tensor"] = (max(prm.numel() for prm in model.parameters()), 0)
+        for name in _TOP_MODULES:
+            out[f"{name}{tag}"] = count(getattr(model, name), name, muon) if hasattr(model, name) else (0, 0)
+    out["largest tensor"] = (max(prm.numel() // (share if is_expert_param(name) else 1)
+                                 for name, prm in model.named_parameters()), 0)
     return out
+
+
+_TOP_MODULES = ("embed", "norm", "head", "mtp", "hc_head")  # V4 collapses its streams by hc_head before the norm
 
 
 def stage_param_counts(args: ModelArgs, cfg: TrainConfig, muon: bool = False) -> list[tuple[int, int]]:
@@ -142,7 +150,7 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig, muon: bool = False) ->
         if s == 0:
             parts.append("embed")
         if s == num - 1:
-            parts += ["norm", "head", "mtp"]
+            parts += ["norm", "head", "mtp", "hc_head"]
             if s != 0 and args.n_mtp_layers and not par.layout.same_rank(0, s):
                 parts.append("embed")  # a separate copy for MTP
         tag = " muon" if muon else ""
@@ -317,7 +325,10 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
     runs, per-piece detail: the largest bytes one micro-batch keeps in each kind of piece), measured
     (``planner.memory_measure``) at the config's micro-batch shape, at the local length ``seq_len / cp`` under
     context parallelism (plus ``context_parallel_extra`` per block); the layers' pieces keep their own input
-    (the block before hands it on), the last stage adds the loss heads and the MTP modules."""
+    (the block before hands it on), the last stage adds the loss heads and the MTP modules. DeepSeek-V4:
+    ``planner.memory_v4.stage_activation_bytes``."""
+    if is_v4(args):
+        return memory_v4.stage_activation_bytes(args, cfg, p)
     par, data = cfg.parallel, cfg.data
     seq, mb, cp = data.seq_len // par.cp, data.micro_batch, par.cp
     num = num_model_stages(par.schedule, par.pp, par.vpp)
@@ -401,8 +412,12 @@ def _comm_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision, recipe: str = "
     """Expert all-to-all buffers of one micro-batch in flight (dispatch send + receive, combine receive;
     two at once under DualPipe's overlap), pipeline P2P buffers (a send and a receive per direction), both of the
     local tokens under context parallelism, and its all-gather / reduce-scatter buffers (the whole sequence's
-    latent, and DSA's indexer keys: one forward and one backward in flight)."""
+    latent, and DSA's indexer keys: one forward and one backward in flight). DeepSeek-V4: ``memory_v4.comm_bytes``."""
     par, data = cfg.parallel, cfg.data
+    if is_v4(args):
+        dispatch = FP8_VALUE_BYTES[recipe] if args.fp8 else p.act
+        overlapped = par.overlap and _has_overlapped_chunks(par.schedule, par.pp, par.vpp)
+        return memory_v4.comm_bytes(args, cfg, p, dispatch, overlapped)
     tokens = data.seq_len // par.cp * data.micro_batch
     d = args.dim
     out = 0.0
@@ -462,7 +477,7 @@ def estimate(cfg: TrainConfig, args: ModelArgs | None = None, *, device: str | N
     shard_dense = par.cp * par.dp if par.zero1 else 1  # ZeRO-1 and EP span the cp x dp ranks of a stage
     shard_expert = (par.cp * par.dp // par.ep) if par.zero1 else 1
     ranks = []
-    indexers = stage_indexer_counts(args, cfg) if args.dsa_warmup else None
+    indexers = stage_indexer_counts(args, cfg) if getattr(args, "dsa_warmup", False) else None
     for r in range(par.pp):
         mine = stage_ids(par.schedule, par.pp, r, par.vpp)
         dense = sum(counts[s][0] for s in mine)
@@ -522,8 +537,8 @@ def format_estimate(cfg: TrainConfig, args: ModelArgs, est: MemoryEstimate) -> s
         lines.append(f"host (not on the device): parameter EMA {est.ranks[0].host['ema'] / GiB:.2f} GiB per rank")
     par = cfg.parallel
     slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
-    parts = measure.pieces(args, cfg.data.micro_batch, cfg.data.seq_len // par.cp, p.act, p.attention == "flash",
-                           slots)
+    pieces = memory_v4.pieces if is_v4(args) else measure.pieces
+    parts = pieces(args, cfg.data.micro_batch, cfg.data.seq_len // par.cp, p.act, p.attention == "flash", slots)
     lines.append("measured per micro-batch, saved for backward (MiB; planner.memory_measure, on meta): " + ", ".join(
         f"{k} {m.saved / 2**20:.1f}" for k, m in parts.items()) + f" (routed experts: {slots} slots of one EP rank)")
     if est.capacity_bytes is not None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 import accel
@@ -57,6 +58,14 @@ from models.deepseek_v3.model import head_loss
 from models.deepseek_v3.moe import Experts
 from models.deepseek_v3.mtp import MTPModule
 from models.deepseek_v3.rope import rope_cos_sin
+from models.deepseek_v4 import ModelArgs as V4Args
+from models.deepseek_v4.model import Block as V4Block
+from models.deepseek_v4.model import Experts as V4Experts
+from models.deepseek_v4.model import Gate as V4Gate
+from models.deepseek_v4.model import HCHead as V4HCHead
+from models.deepseek_v4.model import MTPBlock as V4MTPBlock
+from models.deepseek_v4.model import RMSNorm as V4RMSNorm
+from models.deepseek_v4.model import rope_angles
 from training.memory_policy import MemoryPolicy
 
 META = torch.device("meta")
@@ -548,7 +557,114 @@ def pieces(args: ModelArgs, micro_batch: int, seq: int, act: float, accelerator:
     return out
 
 
+# ---- DeepSeek-V4's pieces ----------------------------------------------------------------------------
+
+def v4_expert_args(args: V4Args) -> ModelArgs:
+    """V3 arguments whose routed experts are V4's (width, count, top-k, FP8 and weight format): V4's experts share
+    V3's grouped layout (``w13`` / ``w2``), and training runs them through V3's ``Experts`` (grouped GEMMs over
+    one EP rank's slots, rows padded per expert)."""
+    return ModelArgs(dim=args.dim, moe_inter_dim=args.moe_inter_dim, n_layers=1, n_dense_layers=0,
+                     n_routed_experts=args.n_routed_experts, n_activated_experts=args.n_activated_experts,
+                     n_expert_groups=1, n_limited_groups=1, n_shared_experts=args.n_shared_experts,
+                     fp8=args.fp8, expert_weight_format=args.expert_weight_format, n_mtp_layers=0)
+
+
+def _v4_angles(args: V4Args, seq: int) -> dict[bool, torch.Tensor]:
+    pos = torch.arange(seq)
+    return {c: rope_angles(args, pos, c).to(META) for c in (False, True)}
+
+
+def _v4_streams(args: V4Args, micro_batch: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(micro_batch, seq, args.hc_mult, args.dim, device=META, dtype=dtype, requires_grad=True)
+
+
+@_cached
+def _v4_block(args: V4Args, layer_id: int, micro_batch: int, seq: int, act: float, accelerator: bool,
+              recompute: bool) -> Measured:
+    dtype = _dtype(act)
+    mtp = layer_id >= args.n_layers
+    block = _build(lambda: (V4MTPBlock if mtp else V4Block)(args, layer_id), dtype)
+    angles, tokens = _v4_angles(args, seq), torch.zeros(micro_batch, seq, dtype=torch.long)
+    inputs = [_v4_streams(args, micro_batch, seq, dtype), tokens]
+    if mtp:  # the streams, the next tokens' embeddings (an input like the streams), the tokens
+        fn = lambda h, t, e: block(h, e, angles, t)  # noqa: E731
+        inputs.append(_hidden(args, micro_batch, seq, dtype))
+    else:
+        fn = lambda h, t: block(h, angles, t)  # noqa: E731
+    if recompute:  # whole-block recompute: torch's checkpoint keeps the inputs, re-runs the block in backward
+        run = fn
+        fn = lambda *xs: checkpoint(run, *xs, use_reentrant=False)  # noqa: E731
+    return measure(fn, inputs, accelerator, list(block.parameters()))
+
+
+@_cached
+def _v4_gate(args: V4Args, tokens: int, act: float, accelerator: bool) -> Measured:
+    dtype = _dtype(act)
+    gate = _build(lambda: V4Gate(args, args.n_hash_layers), dtype)
+    x = torch.empty(tokens, args.dim, device=META, dtype=dtype, requires_grad=True)
+    ids = torch.zeros(tokens, dtype=torch.long)
+    return measure(lambda x, i: gate(x, i)[0], [x, ids], accelerator, list(gate.parameters()), own_inputs=False)
+
+
+@_cached
+def _v4_routed(args: V4Args, tokens: int, act: float, accelerator: bool) -> Measured:
+    dtype = _dtype(act)
+    experts = _build(lambda: V4Experts(args.n_routed_experts, args.dim, args.moe_inter_dim, args.swiglu_limit),
+                     dtype)
+    x = torch.empty(tokens, args.dim, device=META, dtype=dtype, requires_grad=True)
+    w = torch.empty(tokens, args.n_activated_experts, device=META, dtype=torch.float32, requires_grad=True)
+    idx = _balanced_choice(torch.Size((tokens, args.n_activated_experts)), args.n_routed_experts)
+    return measure(lambda x, w, i: experts(x, w, i), [x, w, idx], accelerator, list(experts.parameters()))
+
+
+def v4_block(args: V4Args, layer_id: int, micro_batch: int, seq: int, act: float, accelerator: bool,
+             slots: int) -> Measured:
+    """One V4 ``Block`` (``MTPBlock`` for ``layer_id >= n_layers``: its input projections too) on ``micro_batch x
+    seq`` tokens, from its ``hc_mult`` input streams (which it keeps: they are counted here), with its routed
+    experts swapped for V3's grouped ``Experts`` over one EP rank's ``slots`` (``v4_expert_args``: what training
+    runs; the plain model's per-expert loop is for checkpoints and parity). Layers alike in what memory sees
+    (compress ratio, MTP or not, block recompute) share one measurement: a hash-routed layer measures as a scored
+    one (the table lookup replaces the top-k, the same tensors stay)."""
+    ratio, mtp = args.compress_ratios[layer_id], layer_id >= args.n_layers
+    recompute = args.recomputes("block", layer_id)
+    # a representative layer of the same kind, every per-layer switch normalised (one cache entry per kind), with
+    # only top-k routed experts (the plain model's per-expert loop is slow to measure; balanced routing gives each
+    # the same rows): its router and experts are then swapped for full-size ones measured alone
+    small = args.replace(n_hash_layers=0, recompute=(), recompute_layers=None, n_mtp_layers=1, fp8=False,
+                         expert_weight_format="bf16", compress_ratios=(ratio,) * (args.n_layers + 1),
+                         n_routed_experts=args.n_activated_experts)
+    m = _v4_block(small, small.n_layers if mtp else 0, micro_batch, seq, act, accelerator, recompute)
+    tokens = micro_batch * seq
+    parts = [(_v4_routed(small, tokens, act, accelerator), experts(v4_expert_args(args), 0, tokens, slots, act,
+                                                                      accelerator)),
+             (_v4_gate(small, tokens, act, accelerator),
+              _v4_gate(small.replace(n_routed_experts=args.n_routed_experts), tokens, act, accelerator))]
+    for out, into in parts:
+        if recompute:  # a recomputed block keeps only its input: the rest is transient
+            out, into = Measured(0, out.saved + out.transient), Measured(0, into.saved + into.transient)
+        m = m.swap(out, into)
+    return m
+
+
+@_cached
+def _v4_head(args: V4Args, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
+    dtype = _dtype(act)
+    hc_head = _build(lambda: V4HCHead(args), dtype)
+    norm = _build(lambda: V4RMSNorm(args.dim, args.norm_eps), dtype)
+    head = _build(lambda: torch.nn.Linear(args.dim, args.vocab_size, bias=False), dtype)
+    targets = torch.zeros(micro_batch, seq, dtype=torch.long)
+    return measure(lambda h, t: head_loss(norm, head, hc_head(h), t), [_v4_streams(args, micro_batch, seq, dtype),
+                   targets], accelerator, [*hc_head.parameters(), *norm.parameters(), *head.parameters()])
+
+
+def v4_head(args: V4Args, micro_batch: int, seq: int, act: float, accelerator: bool) -> Measured:
+    """One V4 loss head on ``seq`` positions: ``hc_head`` collapsing the streams, the final norm, the output head
+    and cross-entropy (``model.head_loss``: the logits made a chunk of rows at a time)."""
+    largs = args.replace(recompute=(), recompute_layers=None, fp8=False)  # the head sees only the sizes
+    return _v4_head(largs, micro_batch, seq, act, accelerator)
+
+
 def cache_clear() -> None:
     """Forget every measurement (after the model's code changed within one process: tests)."""
-    for fn in (_block, _experts, _projection, _head, _moe_parts):
+    for fn in (_block, _experts, _projection, _head, _moe_parts, _v4_block, _v4_gate, _v4_routed, _v4_head):
         fn.cache_clear()

@@ -23,6 +23,7 @@ from dualpipe.ir import Overlap
 from dualpipe.schedules import SCHEDULES
 from dualpipe.simulator import SimResult, program
 from models.deepseek_v3 import ModelArgs
+from models.deepseek_v4 import ModelArgs as V4Args
 from planner.costs import (
     BF16,
     RECOMPUTE_POLICIES,
@@ -198,7 +199,7 @@ def layouts(req: Request, args: ModelArgs, space: Space) -> Iterator[Layout]:
     """Every layout of ``space`` for the request whose sizes divide (legality is checked later)."""
     fx = space.fixed
     units = args.n_layers + args.n_mtp_layers
-    experts = args.n_routed_experts if args.has_moe else 1
+    experts = args.n_routed_experts if isinstance(args, V4Args) or args.has_moe else 1
     fp8s = space.fp8 if req.system.fp8_tflops > 0 else (False,)
     stage_ranks = [(p, c) for p in _divisors(req.gpus) for c in _cp_sizes(req, space, req.gpus // p)]
     for pp, cp in stage_ranks:
@@ -380,7 +381,8 @@ def time_layout(req: Request, lay: Layout, args: ModelArgs, cfg: TrainConfig, ra
                     cfg.balance.max_nodes, _imbalance(req, args, lay), lay.cp)
     parts = [part_durations(timer, args, rng, i == 0, i == num - 1, work, block_cache) for i, rng in enumerate(ranges)]
     link = s.inter_node if lay.cp * lay.dp >= s.gpus_per_node else s.intra_node
-    p2p = link.seconds(work.tokens * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
+    streams = args.hc_mult if isinstance(args, V4Args) else 1  # V4's residual is hc_mult hidden states
+    p2p = link.seconds(work.tokens * streams * args.dim * BF16, s.collective_efficiency["p2p"]) if lay.pp > 1 else 0.0
     key = (lay.schedule, lay.pp, lay.vpp, lay.microbatches, tuple(parts), p2p)
     sim = None
     if pipeline_cache is None or key not in pipeline_cache:

@@ -1,8 +1,16 @@
-"""Turn a training checkpoint into an HF DeepSeek-V3 checkpoint (config.json + safetensors shards + index).
+"""Turn a training checkpoint into an HF DeepSeek-V3 or V4 checkpoint (config.json + safetensors shards + index).
 
     python -m recipes.export_hf runs/<run>/checkpoints                 # newest valid -> runs/<run>/exports/step_N
     python -m recipes.export_hf runs/<run>/checkpoints/step_000000200 --out /models/mine --dtype bfloat16
     python -m recipes.export_hf runs/<run>/checkpoints --fp8 --out /models/mine --overwrite   # the released layout
+    python -m recipes.export_hf /models/DeepSeek-V4-Flash --out /models/v4-transformers      # V4: release -> HF
+
+DeepSeek-V4 (a run of a V4 preset, or a V4 HF checkpoint folder in either layout: DeepSeek's release, FP8 and
+MXFP4 dequantised, or transformers'): written in transformers' ``DeepseekV4ForCausalLM`` layout, MTP under the
+release's ``mtp.*`` names (transformers skips them); ``--fp8`` writes DeepSeek's released layout and formats instead
+(``models.deepseek_v4.save_hf_checkpoint(..., layout="release", quantize=True)``: e4m3 + UE8M0 128x128 scales,
+routed experts MXFP4). A V4 folder is loaded whole on the CPU (fine for tests and small models; the released
+284B needs that much host memory in ``--dtype``).
 
 Where it writes: ``--out``, by default ``RUN/exports/step_N`` beside the checkpoints folder
 (``RUN/checkpoints/step_N`` -> ``RUN/exports/step_N``), which retention never touches (a checkpoint
@@ -49,8 +57,10 @@ import torch
 from safetensors import SafetensorError
 
 from accel.cli import BAD_INPUT, FAILED, OK, ArgumentParser, check_output_dir
+from models import deepseek_v4
 from models.deepseek_v3 import Transformer
 from models.deepseek_v3.checkpoint import INDEX_NAME, save_hf_checkpoint
+from models.deepseek_v4.args import hf_model_type
 from training.checkpoint import CheckpointManager, CheckpointMismatchError
 from training.checkpoint import format as fmt
 from training.checkpoint.manager import read_metadata
@@ -73,9 +83,10 @@ def train_config_of(metadata: dict[str, Any]):
         Path(f.name).unlink()
 
 
-def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Transformer:
+def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Transformer | deepseek_v4.Transformer:
     """The whole model of checkpoint ``folder``, on the CPU, from every rank's ``model`` shard, with the FP32
-    master weights in place of BF16 working weights when the run kept them (then in float32 by default)."""
+    master weights in place of BF16 working weights when the run kept them (then in float32 by default); a V4
+    preset's run gives a ``models.deepseek_v4.Transformer`` (its routed experts stitched from the EP slices alike)."""
     from training.checkpoint.reshard import split_expert_name
     from training.parallel import coords
     from training.stages import expert_range
@@ -86,7 +97,8 @@ def assemble_model(folder: str | Path, dtype: torch.dtype | None = None) -> Tran
     cfg = train_config_of(metadata)
     args = model_args(cfg)
     masters = cfg.optim.master_dtype != "param"
-    model = Transformer(args).to(dtype or (DTYPES[cfg.optim.master_dtype] if masters else DTYPES[cfg.run.dtype]))
+    build = deepseek_v4.Transformer if isinstance(args, deepseek_v4.ModelArgs) else Transformer
+    model = build(args).to(dtype or (DTYPES[cfg.optim.master_dtype] if masters else DTYPES[cfg.run.dtype]))
     full = model.state_dict(keep_vars=False)
     covered: dict[str, torch.Tensor] = {k: torch.zeros(v.shape[0] if v.dim() else 1, dtype=torch.bool)
                                         for k, v in full.items()}
@@ -164,6 +176,12 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is not a folder; expected a step_* folder or a checkpoints root")
+    if (path / "config.json").is_file() and not (path / fmt.METADATA_FILE).is_file():
+        if hf_model_type(path) != "deepseek_v4":
+            raise ValueError(f"checkpoint {str(path)!r} is an HF checkpoint folder (config.json, model_type "
+                             f"{hf_model_type(path)!r}), not a training checkpoint; export_hf converts training "
+                             "checkpoints, and DeepSeek-V4 HF folders between layouts")
+        return path
     if (path / fmt.METADATA_FILE).is_file():
         bad = _verify(path)
         if bad is not None:
@@ -207,7 +225,8 @@ def output_folder(folder: Path, out: str | Path | None, overwrite: bool) -> Path
     option = "--out" if out is not None else "the default output folder"
     target = Path(out).expanduser() if out is not None else default_out(folder)
     resolved, source = target.resolve(), folder.resolve()
-    for root in (source.parent, source):
+    # a training checkpoint's parent is its checkpoints root (retention); an HF folder's parent is anyone's
+    for root in (source.parent, source) if (folder / fmt.METADATA_FILE).is_file() else (source,):
         if resolved == root or resolved.is_relative_to(root):
             raise ValueError(f"{option} {str(target)!r} is inside the checkpoint folder {str(root)!r}, whose "
                              "retention deletes what it holds; choose a folder outside it")
@@ -230,13 +249,19 @@ def output_folder(folder: Path, out: str | Path | None, overwrite: bool) -> Path
 
 
 def write_export(folder: Path, out: Path, dtype: torch.dtype | None, fp8: bool) -> None:
-    """Assemble checkpoint ``folder`` and write it to a temporary folder beside ``out``, then swap it in: a
-    failed export leaves ``out`` untouched; an earlier export's shards are replaced, its other files kept."""
-    model = assemble_model(folder)
+    """Assemble checkpoint ``folder`` (or load a V4 HF folder) and write it to a temporary folder beside ``out``,
+    then swap it in: a failed export leaves ``out`` untouched; an earlier export's shards are replaced, its other
+    files kept. V4 goes to transformers' layout, or with ``fp8`` to DeepSeek's released layout and formats."""
+    hf = not (folder / fmt.METADATA_FILE).is_file()
+    model = deepseek_v4.load_hf_checkpoint(None, folder, dtype=dtype) if hf else assemble_model(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     try:
-        save_hf_checkpoint(model, tmp, dtype=dtype, fp8=fp8)
+        if isinstance(model, deepseek_v4.Transformer):
+            deepseek_v4.save_hf_checkpoint(model, tmp, layout="release" if fp8 else "transformers", dtype=dtype,
+                                           quantize=fp8)
+        else:
+            save_hf_checkpoint(model, tmp, dtype=dtype, fp8=fp8)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -253,6 +278,8 @@ def write_export(folder: Path, out: Path, dtype: torch.dtype | None, fp8: bool) 
 
 
 def step_of(folder: Path) -> int | str:
+    if not (folder / fmt.METADATA_FILE).is_file():
+        return "(an HF folder)"
     step = fmt.parse_step_dirname(folder.name)
     return step if step is not None else read_metadata(folder).get("step", "?")
 
@@ -266,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m recipes.export_hf", description=__doc__.splitlines()[0],
                         epilog="exit status: 0 exported; 2 bad input (one 'error:' line naming the argument or file);\n"
                                "1 the write failed (--out left as it was)")
-    ap.add_argument("checkpoint", help="a step_* checkpoint folder, or a checkpoints root (its newest valid one)")
+    ap.add_argument("checkpoint", help="a step_* checkpoint folder, a checkpoints root (its newest valid one), or a "
+                                       "DeepSeek-V4 HF folder")
     ap.add_argument("--out", default=None,
                     help="output folder, outside every checkpoints folder; default: RUN/exports/step_N beside "
                          "RUN/checkpoints")
@@ -276,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bfloat16 (bf16) or float32 (fp32) for the weights; default: as trained "
                          "(bfloat16 with --fp8)")
     ap.add_argument("--fp8", action="store_true",
-                    help="the released V3 layout: block GEMM weights as e4m3 + 128x128 block scales, the rest "
-                         "(embedding, head, norms, router, MTP eh_proj) unquantised")
+                    help="the released layout: V3's block GEMM weights as e4m3 + 128x128 block scales, the rest "
+                         "(embedding, head, norms, router, MTP eh_proj) unquantised; V4's release (e4m3 + UE8M0 "
+                         "scales, routed experts MXFP4)")
     ns = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         dtype = export_dtype(ns.dtype)

@@ -20,7 +20,6 @@ model's ``max_seq_len``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -32,6 +31,7 @@ import accel
 from accel.cli import BAD_INPUT, OK, ArgumentParser
 from models import deepseek_v3, deepseek_v4
 from models.deepseek_v3.generate import generate as generate_v3
+from models.deepseek_v4.args import hf_model_type
 from models.deepseek_v4.generate import generate as generate_v4
 from training.data import build_tokenizer
 
@@ -90,7 +90,7 @@ def run(opts: argparse.Namespace) -> int:
             raise ValueError("--prompt must not be empty")
         prompts.append((text, ids))
     t0 = time.perf_counter()
-    v4 = is_v4(Path(opts.checkpoint))
+    v4 = hf_model_type(opts.checkpoint) == "deepseek_v4"
     load = deepseek_v4.load_hf_checkpoint if v4 else deepseek_v3.load_hf_checkpoint
     generate = generate_v4 if v4 else generate_v3
     model = load(None, opts.checkpoint, device=device, dtype=dtype)
@@ -116,15 +116,6 @@ def run(opts: argparse.Namespace) -> int:
         print(text + tokenizer.decode(out[0, prompt.shape[1]:].tolist()))
         print(f"[{new} tokens in {elapsed:.2f}s, {new / elapsed:.1f} tokens/s]", file=sys.stderr)
     return OK
-
-
-def is_v4(folder: Path) -> bool:
-    """True when ``folder/config.json`` names DeepSeek-V4 (an unreadable file is left to the loader to name)."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "deepseek_v4"
 
 
 def _short(text: str, width: int = 30) -> str:

@@ -1,4 +1,4 @@
-"""Plan a DeepSeek-V3 training layout: ``python -m recipes.plan --gpu H800 --gpus 2048 ...`` (``dsv3-plan``).
+"""Plan a DeepSeek-V3 or V4 training layout: ``python -m recipes.plan --gpu H800 --gpus 2048 ...`` (``dsv3-plan``).
 
     python -m recipes.plan --model deepseek_v3_671b --gpu H800 --gpus 2048 --gpus-per-node 8 \\
         --seq-len 4096 --global-batch 15360 --write-config best.toml
@@ -9,8 +9,9 @@
 Enumerates the legal layouts (PP, DP, EP over DP, micro-batch size and count, schedule, recompute,
 FP8, EPLB slots), drops those that do not fit (memory from ``planner.memory``, as ``recipes.train
 --dry-run``), times the rest with the per-operation model and ``dualpipe.simulator``, and prints them
-ranked. ``--model`` is a preset, a Hugging Face ``config.json`` or a training TOML (whose other
-settings the written config keeps); ``--set`` changes it as ``recipes.train --set`` does.
+ranked. ``--model`` is a preset (``deepseek_v4_flash`` plans V4: ``planner.memory_v4``, ``planner.costs_v4``), a
+Hugging Face ``config.json`` (V3 or V4) or a training TOML (whose other settings the written config keeps); ``--set``
+changes it as ``recipes.train --set`` does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from accel.cli import (
 )
 from dualpipe.timeline import chrome_trace
 from models.deepseek_v3 import ModelArgs
+from models.deepseek_v4 import ModelArgs as V4ModelArgs
+from models.deepseek_v4.args import hf_model_type
 from planner.band import band_for, load_residuals
 from planner.calibrate import main as calibrate_main
 from planner.costs import RECOMPUTE_POLICIES
@@ -116,6 +119,8 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
             return load_config(path, overrides)
         except ValueError as exc:  # the file is --model here, not --config
             raise ValueError(str(exc).replace("--config", "--model", 1)) from None
+    if (path.suffix == ".json" or path.is_dir()) and _model_type(path) == "deepseek_v4":
+        return _v4_base(path, overrides)
     if path.suffix == ".json" or path.is_dir():
         args = ModelArgs.from_hf_config(path)
         ref = ModelArgs()
@@ -125,6 +130,36 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
         table_sets = [f"model.overrides.{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in changed.items()]
         return load_config(None, ["model.preset=deepseek_v3_671b", *_CLUSTER_DATA, *table_sets, *overrides])
     return load_config(None, [f"model.preset={model}", *_CLUSTER_DATA, *overrides])
+
+
+def _model_type(path: Path) -> str | None:
+    """``model_type`` of an HF config (a ``.json`` file or a folder holding ``config.json``), None when unreadable
+    (``from_hf_config`` then names why)."""
+    if path.is_dir():
+        return hf_model_type(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
+
+
+def _v4_base(path: Path, overrides: list[str]) -> TrainConfig:
+    """A DeepSeek-V4 ``config.json``: the ``deepseek_v4_flash`` preset with every architecture field it changes."""
+    args = V4ModelArgs.from_hf_config(path)
+    ref = V4ModelArgs.preset("deepseek_v4_flash")
+    skip = ("extra", "fp8", "fused_ops", "expert_weight_format", "recompute", "recompute_layers")
+    sets = []
+    for f in dataclasses.fields(V4ModelArgs):
+        value = getattr(args, f.name)
+        if f.name in skip or value == getattr(ref, f.name) or value is None:
+            continue
+        if isinstance(value, bool):
+            text = str(value).lower()
+        else:
+            text = json.dumps(list(value) if isinstance(value, tuple) else value)  # TOML's int, float, list, string
+        sets.append(f"model.overrides.{f.name}={text}")
+    return load_config(None, ["model.preset=deepseek_v4_flash", *_CLUSTER_DATA, *sets, *overrides])
 
 
 # A preset or HF model plans a cluster job: its written config points at shards to be filled in (the dry run

@@ -45,7 +45,6 @@ from accel.cli import (
     check_output_file,
     positive_int,
 )
-from models.deepseek_v4 import ModelArgs as V4Args
 from training.checkpoint import format as fmt
 from training.checkpoint.writer import CheckpointWriteError
 from training.config import TrainConfig, load_config, schedule_of
@@ -129,9 +128,6 @@ def dry_run(cfg, world: int, device: str | None = None, schedule_json: str | Non
         print(f"data: {', '.join(missing_data(cfg.data))} not on this machine; a launch checks them where it runs")
     else:
         print(f"data: {corpus.num_tokens} tokens, {corpus.num_train} training windows")
-    if isinstance(args, V4Args):  # the memory model counts V3's module tree
-        print("memory: no estimate for DeepSeek-V4 models yet (the memory model counts V3's modules)")
-        return
     print(format_estimate(cfg, args, estimate(cfg, args, device=device)))
 
 

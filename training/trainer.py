@@ -47,7 +47,7 @@ from deep_gemm.utils import unchecked_scale_values
 from models.deepseek_v3 import ModelArgs
 from models.deepseek_v3.eplb import local_physical_experts
 from models.deepseek_v4.args import PRESETS as V4_PRESETS
-from models.deepseek_v4.model import param_counts as v4_param_counts
+from models.deepseek_v4.args import hf_model_type
 from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.compile import check_compile, compile_stages, eager, tracing
@@ -136,6 +136,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
+    if isinstance(args, v4.ModelArgs) and (par.cp > 1 or cfg.eplb.enabled):
+        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 is planned without context parallelism and "
+                         f"EPLB for now; set parallel.cp=1 and eplb.enabled=false")
     if par.vpp > 1:
         chunk_layers(args, par.pp, par.vpp)
     else:
@@ -164,6 +167,11 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
             and not (Path(cfg.model.init_from) / "config.json").is_file():
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no config.json there; expected an HF checkpoint "
                          "folder (e.g. one written by recipes.export_hf)")
+    v4_start = cfg.model.init_from and hf_model_type(cfg.model.init_from) == "deepseek_v4"
+    if v4_start and not isinstance(args, v4.ModelArgs):
+        raise ValueError(f"model.init_from={cfg.model.init_from!r} is a DeepSeek-V4 checkpoint (model_type "
+                         f"'deepseek_v4') and model.preset={cfg.model.preset!r} a V3 model; a V4 checkpoint starts a "
+                         "V4 preset (deepseek_v4_flash, deepseek_v4_pro, debug_v4)")
     if cfg.model.init_from and isinstance(args, v4.ModelArgs):
         raise ValueError(f"model.init_from={cfg.model.init_from!r} with a DeepSeek-V4 model: loading an HF checkpoint "
                          "into V4 pipeline stages is not built yet; model.hf_config takes a V4 config.json's "
@@ -593,7 +601,7 @@ class Trainer:
     def start_logging(self, total_steps: int) -> None:
         if self.ps.rank != 0:
             return
-        counts = v4_param_counts(self.args) if isinstance(self.args, v4.ModelArgs) else self.args.param_counts()
+        counts = self.args.param_counts()
         fpt = model_flops_per_token(counts["activated"], self.args.n_layers, self.args.n_heads,
                                     self.args.qk_head_dim, self.args.v_head_dim, self.cfg.data.seq_len)
         self.logger = MetricsLogger(self.run_dir, total_steps, self.step, self.cfg.to_dict(), self.wandb_mode,

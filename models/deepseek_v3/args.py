@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 RECOMPUTE_KINDS = ("norm", "mla_up", "swiglu", "block")
 # names that stand for several kinds: "v3" is the V3 report's policy (every RMSNorm and the MLA up-projections)
@@ -217,26 +218,7 @@ class ModelArgs:
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> ModelArgs:
         """From a HF ``config.json`` (file, directory holding one, or dict). A file that is not JSON, or whose
         values do not make a valid config, is a ValueError naming the file."""
-        if isinstance(path_or_dict, dict):
-            return cls._from_hf_dict(dict(path_or_dict), overrides)
-        path = Path(path_or_dict)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"from_hf_config: no config.json at {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"from_hf_config: {path} is not readable JSON: {' '.join(str(exc).split())}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"from_hf_config: {path} holds a JSON {type(cfg).__name__}; expected an object")
-        try:
-            return cls._from_hf_dict(cfg, overrides)
-        except KeyError as exc:
-            raise ValueError(f"from_hf_config: {path}: missing key {exc}") from None
-        except (ValueError, TypeError, AttributeError) as exc:
-            what = " ".join(str(exc).split()).removeprefix("from_hf_config: ")
-            raise ValueError(f"from_hf_config: {path}: {what}") from None
+        return read_hf_config(path_or_dict, lambda cfg: cls._from_hf_dict(cfg, overrides))
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any], overrides: dict[str, Any]) -> ModelArgs:
@@ -408,3 +390,32 @@ PRESETS["deepseek_v32_671b"] = dict(index_n_heads=64, index_head_dim=128, index_
 # The CPU debug model with an indexer: top-32 keys of a 128-token window, so attention is really sparse.
 PRESETS["debug_dsa"] = {**_DEBUG, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 32}
 PRESETS["lite"] = PRESETS["deepseek_v2_lite"]
+
+
+T = TypeVar("T")
+
+
+def read_hf_config(path_or_dict: str | Path | dict[str, Any], build: Callable[[dict[str, Any]], T]) -> T:
+    """``build(config dict)`` from a ``config.json`` file, a folder holding one, or a dict (V3's and V4's
+    ``from_hf_config``): a file that is not a JSON object, or whose values ``build`` refuses (ValueError, or a
+    missing key), is a ValueError naming the file."""
+    if isinstance(path_or_dict, dict):
+        return build(dict(path_or_dict))
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"from_hf_config: no config.json at {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"from_hf_config: {path} is not readable JSON: {' '.join(str(exc).split())}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"from_hf_config: {path} holds a JSON {type(cfg).__name__}; expected an object")
+    try:
+        return build(cfg)
+    except KeyError as exc:
+        raise ValueError(f"from_hf_config: {path}: missing key {exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        what = " ".join(str(exc).split()).removeprefix("from_hf_config: ")
+        raise ValueError(f"from_hf_config: {path}: {what}") from None

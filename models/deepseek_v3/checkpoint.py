@@ -151,7 +151,9 @@ def _expected_keys(args: ModelArgs) -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def _read_index(path: Path) -> dict[str, str]:
+def read_index(path: Path) -> dict[str, str]:
+    """The folder's tensor name -> shard file map (its safetensors index, or a single ``model.safetensors``'s keys);
+    a ValueError naming the file for anything unreadable (V3's and V4's loaders)."""
     if not path.is_dir():
         raise ValueError(f"load_hf_checkpoint: {path} is not a folder; expected an HF checkpoint folder")
     index = path / INDEX_NAME
@@ -166,7 +168,7 @@ def _read_index(path: Path) -> dict[str, str]:
         return weight_map
     single = path / "model.safetensors"
     if single.is_file():
-        with _open_shard(single) as f:
+        with open_shard(single) as f:
             return {k: single.name for k in f.keys()}
     raise ValueError(f"load_hf_checkpoint: {path} has neither {INDEX_NAME} nor model.safetensors")
 
@@ -176,7 +178,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 @contextmanager
-def _open_shard(file: Path) -> Iterator:
+def open_shard(file: Path) -> Iterator:
     """``safe_open(file)``; a missing, truncated or garbled file is a ValueError naming it."""
     try:
         handle = safe_open(file, framework="pt", device="cpu")
@@ -252,7 +254,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
     args = model.args
     if fresh_indexer and not args.index_topk:
         raise ValueError("load_hf_checkpoint: fresh_indexer=True needs a model with an indexer (index_topk > 0)")
-    weight_map = _read_index(path)
+    weight_map = read_index(path)
     if strict:
         expected = _expected_keys(args)
         unknown = sorted(k for k in weight_map if k not in expected
@@ -286,7 +288,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
         by_file[weight_map[k]].append(k)
     with torch.no_grad():
         for file, keys in sorted(by_file.items()):
-            with _open_shard(path / file) as f:
+            with open_shard(path / file) as f:
                 for key in keys:
                     _, dst, _ = wanted[key]
                     src = f.get_tensor(key)
@@ -294,7 +296,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
                         scale_key = f"{key}_scale_inv"
                         if scale_key not in weight_map:
                             raise ValueError(f"load_hf_checkpoint: {key} is FP8 but {scale_key} is missing")
-                        with _open_shard(path / weight_map[scale_key]) as g:
+                        with open_shard(path / weight_map[scale_key]) as g:
                             src = dequantize_fp8_blocks(src, g.get_tensor(scale_key), key, scale_fmt)
                     if not src.dtype.is_floating_point:
                         raise ValueError(f"load_hf_checkpoint: {key} has dtype {src.dtype}; expected a floating "
@@ -350,23 +352,6 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
         prefix = f"model.layers.{model.args.n_layers + k}"
         out[f"{prefix}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
         out[f"{prefix}.shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(out, key=_key_order):
-        nbytes = out[key].numel() * out[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = out[key]
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in shard})
-    total = sum(v.numel() * v.element_size() for v in out.values())
-    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2, sort_keys=True) + "\n")
     cfg = model.args.to_hf_config()
     cfg["torch_dtype"] = str(dtype or model.embed.weight.dtype).removeprefix("torch.")
     if fp8:
@@ -374,8 +359,33 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, max_shard_bytes:
                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         if scale_fmt:
             cfg["quantization_config"]["scale_fmt"] = scale_fmt
+    write_folder(path, out, cfg, max_shard_bytes, sorted(out, key=_key_order))
+
+
+def write_folder(path: Path, tensors: dict[str, torch.Tensor], cfg: dict, max_shard_bytes: int,
+                 order: list[str]) -> None:
+    """An HF checkpoint folder (V3's and V4's savers): ``tensors`` in shards of at most ``max_shard_bytes`` (a
+    larger tensor alone), in ``order``, their index, ``cfg`` as config.json, the shards readable as config.json is
+    (safetensors creates its files 0600)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in order:
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    mode = stat.S_IMODE((path / "config.json").stat().st_mode)  # safetensors creates its files 0600
+    mode = stat.S_IMODE((path / "config.json").stat().st_mode)
     for file in set(weight_map.values()):
         os.chmod(path / file, mode)
 

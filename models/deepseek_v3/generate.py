@@ -10,6 +10,8 @@ score every cached key and attend to their top-k cached latents through FlashMLA
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import flash_mla
@@ -98,32 +100,49 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
 
     Returns ``[b, s + n]``; stops early once every sequence has produced ``eos_id``.
     """
+    check_generate_args(prompt, max_new_tokens, temperature, top_k)
+    model.eval()
+    b, s = prompt.shape
+    cache = LatentKVCache(model, b, s + max_new_tokens)
+
+    def next_logits(out: torch.Tensor) -> torch.Tensor:  # the prompt first, then one new token at a time
+        start = 0 if out.shape[1] == s else out.shape[1] - 1
+        return forward_cached(model, out[:, start:], cache, start)[:, -1]
+
+    return sampling_loop(next_logits, prompt, max_new_tokens, temperature, top_k, eos_id, generator)
+
+
+def check_generate_args(prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """ValueError naming the argument ``generate`` (V3's and V4's) cannot use."""
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be a non-empty [batch, seq] tensor, got {tuple(prompt.shape)}")
     if temperature < 0 or max_new_tokens < 0:
         raise ValueError(f"generate: temperature and max_new_tokens must be >= 0, got {temperature}, {max_new_tokens}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"generate: top_k must be >= 1 (None: the whole vocabulary), got {top_k}")
-    model.eval()
-    b, s = prompt.shape
-    cache = LatentKVCache(model, b, s + max_new_tokens)
+
+
+def sampling_loop(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, max_new_tokens: int,
+                  temperature: float, top_k: int | None, eos_id: int | None, generator: torch.Generator | None
+                  ) -> torch.Tensor:
+    """The decode loop V3's and V4's ``generate`` share: ``next_logits(tokens so far) -> [b, vocab]`` for each new
+    token, sampled (``sample``); a sequence that produced ``eos_id`` repeats it, the loop stops once all have."""
     out = prompt
-    done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
-    logits = forward_cached(model, prompt, cache, 0)[:, -1]
-    for step in range(max_new_tokens):
-        nxt = _sample(logits.float(), temperature, top_k, generator)
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        nxt = sample(next_logits(out).float(), temperature, top_k, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
         out = torch.cat([out, nxt[:, None]], dim=1)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if bool(done.all()):
             break
-        logits = forward_cached(model, nxt[:, None], cache, s + step)[:, -1]
     return out
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-            ) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+           ) -> torch.Tensor:
+    """Greedy at temperature 0, else a draw from ``softmax(logits / temperature)`` over the top-k."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature

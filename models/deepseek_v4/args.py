@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.deepseek_v3.args import read_hf_config
+
 COMPRESS_RATIOS = (0, 4, 128)
 RECOMPUTE_KINDS = ("block",)  # per layer: window only, CSA (overlapping windows + indexer), HCA
 _LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -159,26 +161,7 @@ class ModelArgs:
     def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> ModelArgs:
         """From a V4 ``config.json`` (file, folder holding one, or dict), either spelling. A file that is not
         JSON, or whose values do not make a valid config, is a ValueError naming the file."""
-        if isinstance(path_or_dict, dict):
-            return cls._from_hf_dict(dict(path_or_dict), overrides)
-        path = Path(path_or_dict)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"from_hf_config: no config.json at {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"from_hf_config: {path} is not readable JSON: {' '.join(str(exc).split())}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"from_hf_config: {path} holds a JSON {type(cfg).__name__}; expected an object")
-        try:
-            return cls._from_hf_dict(cfg, overrides)
-        except KeyError as exc:
-            raise ValueError(f"from_hf_config: {path}: missing key {exc}") from None
-        except (ValueError, TypeError, AttributeError) as exc:
-            what = " ".join(str(exc).split()).removeprefix("from_hf_config: ")
-            raise ValueError(f"from_hf_config: {path}: {what}") from None
+        return read_hf_config(path_or_dict, lambda cfg: cls._from_hf_dict(cfg, overrides))
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any], overrides: dict[str, Any]) -> ModelArgs:
@@ -253,6 +236,52 @@ class ModelArgs:
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 
+    def layer_params(self, layer_id: int) -> dict[str, int]:
+        """Parameters of block ``layer_id`` (MTP depth k: ``n_layers + k - 1``) by part: ``attention`` (projections,
+        norms, sink, compressor and indexer of its kind), ``mhc`` (its two mHC units), ``routed`` (all routed
+        experts), ``ffn`` (the rest of the MoE: router, shared expert, norm). Closed form from the shapes
+        (``models.deepseek_v4.model``); buffers (router bias, ``tid2eid``) are not parameters."""
+        d, h, hd = self.dim, self.n_heads, self.head_dim
+        attn = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * hd + d * hd + hd
+                + h * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d + h + d)  # + attn_norm
+
+        def compressor(ratio: int, width: int) -> int:
+            coff = 2 if ratio == 4 else 1
+            return 2 * d * coff * width + ratio * coff * width + width
+
+        ratio = self.compress_ratios[layer_id]
+        if ratio:
+            attn += compressor(ratio, hd)
+        if ratio == 4:  # the indexer: wq_b, weights_proj, its own compressor
+            attn += self.q_lora_rank * self.index_n_heads * self.index_head_dim + d * self.index_n_heads
+            attn += compressor(4, self.index_head_dim)
+        mix = (2 + self.hc_mult) * self.hc_mult
+        expert = 3 * d * self.moe_inter_dim
+        return {"attention": attn, "mhc": 2 * (mix * self.hc_mult * d + mix + 3),
+                "routed": self.n_routed_experts * expert,
+                "ffn": self.n_routed_experts * d + self.n_shared_experts * expert + d}
+
+    def param_counts(self, include_mtp: bool = False) -> dict[str, int]:
+        """Total and activated-per-token parameter counts, as DeepSeek publishes them (V4-Flash 284B / 13B): MTP
+        excluded unless asked for, "activated" without the input embedding (a lookup) and with ``n_activated``
+        of the routed experts. Closed form (``layer_params``), independent of the modules."""
+        d, v, hc = self.dim, self.vocab_size, self.hc_mult
+        hc_head = hc * hc * d + hc + 1
+        lookup = v * d
+        total = lookup + (0 if self.tie_word_embeddings else v * d) + d + hc_head  # + final norm, hc_head
+        active = total - lookup
+        layers = list(range(self.n_layers))
+        if include_mtp:
+            layers += [self.n_layers + k for k in range(self.n_mtp_layers)]
+            mtp = self.n_mtp_layers * (2 * d * d + 3 * d + hc_head)  # e_proj, h_proj, enorm, hnorm, norm, hc_head
+            total, active = total + mtp, active + mtp
+        for i in layers:
+            p = self.layer_params(i)
+            dense = p["attention"] + p["mhc"] + p["ffn"]
+            total += dense + p["routed"]
+            active += dense + p["routed"] * self.n_activated_experts // self.n_routed_experts
+        return {"total": total, "activated": active}
+
 
 # what from_hf_config reads or rewrites (the rest of a config.json travels in ``extra``); the quantisation
 # fields describe a file, not the model, and are written by save_hf_checkpoint when it quantises
@@ -282,6 +311,16 @@ _HF_FIELDS = {
 }
 
 _HF_READ = _HF_READ_BASE | set(_HF_FIELDS.values())
+
+
+def hf_model_type(folder: str | Path) -> str | None:
+    """``model_type`` of ``folder/config.json`` ("deepseek_v4", "deepseek_v3", ...): which model a checkpoint folder
+    holds. None when the file is unreadable or names none (the loader then says why)."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def _alternating(n: int, head: tuple[int, ...], first: int, second: int) -> tuple[int, ...]:

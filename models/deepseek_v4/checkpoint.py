@@ -17,24 +17,19 @@ misshapen tensor is a ValueError naming the key and what was expected.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import stat
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 import deep_gemm
+from models.deepseek_v3.checkpoint import open_shard, read_index, write_folder
 from models.deepseek_v4.args import ModelArgs
 from models.deepseek_v4.model import Transformer
 from models.deepseek_v4.names import hf_name, our_name, release_expert_names, release_name
 
-INDEX_NAME = "model.safetensors.index.json"
 LAYOUTS = ("transformers", "release")
 FP8_BLOCK = 128
 MXFP4_BLOCK = 32
@@ -113,37 +108,6 @@ def checkpoint_plan(model: Transformer, layout: str) -> dict[str, list[tuple[str
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _open(file: Path):
-    try:
-        return safe_open(file, framework="pt", device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(f"load_hf_checkpoint: cannot read {file}: {_one_line(exc)}") from None
-
-
-def _read_index(path: Path) -> dict[str, str]:
-    if not path.is_dir():
-        raise ValueError(f"load_hf_checkpoint: {path} is not a folder; expected a checkpoint folder")
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"load_hf_checkpoint: {index} is not a readable safetensors index ({_one_line(exc)}); "
-                             "expected JSON with a 'weight_map' object") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"load_hf_checkpoint: {index}: 'weight_map' must map tensor names to file names")
-        return weight_map
-    single = path / "model.safetensors"
-    if single.is_file():
-        with _open(single) as f:
-            return {k: single.name for k in f.keys()}
-    raise ValueError(f"load_hf_checkpoint: {path} has neither {INDEX_NAME} nor model.safetensors")
-
-
 def checkpoint_layout(weight_map: dict[str, str]) -> str:
     """``"transformers"`` when the keys are transformers' (``model.*`` / ``lm_head.*``), else ``"release"``."""
     return "transformers" if any(k.startswith(("model.", "lm_head.")) for k in weight_map) else "release"
@@ -167,7 +131,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
     are an error.
     """
     path = Path(path)
-    weight_map = _read_index(path)
+    weight_map = read_index(path)
     layout = checkpoint_layout(weight_map)
     if isinstance(model_or_args, Transformer):
         model = model_or_args
@@ -233,7 +197,7 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
         by_file[weight_map[k]].append(k)
     with torch.no_grad():
         for file, keys in sorted(by_file.items()):
-            with _open(path / file) as f:
+            with open_shard(path / file) as f:
                 for key in keys:
                     dst = wanted[key]
                     src = _read(f, key, dst, weight_map, path)
@@ -259,7 +223,7 @@ def _read(f, key: str, dst: torch.Tensor, weight_map: dict[str, str], path: Path
     scale_key = _scale_key(key, weight_map)
     if scale_key is None:
         raise ValueError(f"load_hf_checkpoint: {key} is quantised ({src.dtype}) but has no .scale / _scale_inv")
-    with _open(path / weight_map[scale_key]) as g:
+    with open_shard(path / weight_map[scale_key]) as g:
         scale = g.get_tensor(scale_key)
     if src.dtype == torch.float8_e4m3fn:
         return dequantize_fp8(src, scale, key)
@@ -299,33 +263,13 @@ def save_hf_checkpoint(model: Transformer, path: str | Path, *, layout: str = "t
             for i, key in enumerate(keys):
                 rows = value.shape[0] // len(keys)
                 _put(out, key, name, value.narrow(0, i * rows, rows), dtype, quantize, expert=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(out):
-        nbytes = out[key].numel() * out[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = out[key]
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in shard})
-    total = sum(v.numel() * v.element_size() for v in out.values())
-    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2, sort_keys=True) + "\n")
     cfg = model.args.to_hf_config()
     cfg["torch_dtype"] = str(dtype or model.embed.weight.dtype).removeprefix("torch.")
     if quantize:
         cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "scale_fmt": "ue8m0", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
                                       "expert_dtype": "fp4"}
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    mode = stat.S_IMODE((path / "config.json").stat().st_mode)  # safetensors creates its files 0600
-    for file in set(weight_map.values()):
-        os.chmod(path / file, mode)
+    write_folder(path, out, cfg, max_shard_bytes, sorted(out))
 
 
 def _put(out: dict[str, torch.Tensor], key: str, name: str, value: torch.Tensor, dtype: torch.dtype | None,

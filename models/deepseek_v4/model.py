@@ -33,7 +33,7 @@ from models.deepseek_v3.rope import yarn_inv_freq
 from models.deepseek_v4.args import ModelArgs
 
 __all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
-           "Transformer", "hc_post", "hc_pre", "param_counts"]
+           "Transformer", "hc_post", "hc_pre"]
 
 
 # ---------------------------------------------------------------------------------------------------- basics
@@ -606,13 +606,3 @@ class Transformer(nn.Module):
                     m.tid2eid.copy_(torch.rand(vocab, n_exp, generator=gen).argsort(dim=-1)[:, : m.topk])
                 else:
                     m.bias.zero_()
-
-
-def param_counts(args: ModelArgs, include_mtp: bool = False) -> dict[str, int]:
-    """``total`` parameters of the model ``args`` builds and those ``activated`` per token (the routed experts
-    counted ``n_activated_experts`` times), as V3's ``ModelArgs.param_counts``: counted on the meta device."""
-    with torch.device("meta"):
-        model = Transformer(args if include_mtp else args.replace(n_mtp_layers=0))
-    total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
-    return {"total": total, "activated": total - routed + routed * args.n_activated_experts // args.n_routed_experts}
