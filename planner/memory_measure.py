@@ -60,7 +60,6 @@ from models.deepseek_v3.mtp import MTPModule
 from models.deepseek_v3.rope import rope_cos_sin
 from models.deepseek_v4 import ModelArgs as V4Args
 from models.deepseek_v4.model import Block as V4Block
-from models.deepseek_v4.model import Experts as V4Experts
 from models.deepseek_v4.model import Gate as V4Gate
 from models.deepseek_v4.model import HCHead as V4HCHead
 from models.deepseek_v4.model import MTPBlock as V4MTPBlock
@@ -606,37 +605,26 @@ def _v4_gate(args: V4Args, tokens: int, act: float, accelerator: bool) -> Measur
     return measure(lambda x, i: gate(x, i)[0], [x, ids], accelerator, list(gate.parameters()), own_inputs=False)
 
 
-@_cached
-def _v4_routed(args: V4Args, tokens: int, act: float, accelerator: bool) -> Measured:
-    dtype = _dtype(act)
-    experts = _build(lambda: V4Experts(args.n_routed_experts, args.dim, args.moe_inter_dim, args.swiglu_limit),
-                     dtype)
-    x = torch.empty(tokens, args.dim, device=META, dtype=dtype, requires_grad=True)
-    w = torch.empty(tokens, args.n_activated_experts, device=META, dtype=torch.float32, requires_grad=True)
-    idx = _balanced_choice(torch.Size((tokens, args.n_activated_experts)), args.n_routed_experts)
-    return measure(lambda x, w, i: experts(x, w, i), [x, w, idx], accelerator, list(experts.parameters()))
-
-
 def v4_block(args: V4Args, layer_id: int, micro_batch: int, seq: int, act: float, accelerator: bool,
              slots: int) -> Measured:
     """One V4 ``Block`` (``MTPBlock`` for ``layer_id >= n_layers``: its input projections too) on ``micro_batch x
     seq`` tokens, from its ``hc_mult`` input streams (which it keeps: they are counted here), with its routed
-    experts swapped for V3's grouped ``Experts`` over one EP rank's ``slots`` (``v4_expert_args``: what training
-    runs; the plain model's per-expert loop is for checkpoints and parity). Layers alike in what memory sees
+    experts measured as one EP rank's ``slots`` of the grouped ``Experts`` (V3's, which V4's MoE runs; the
+    router's ``v4_expert_args``). Layers alike in what memory sees
     (compress ratio, MTP or not, block recompute) share one measurement: a hash-routed layer measures as a scored
     one (the table lookup replaces the top-k, the same tensors stay)."""
     ratio, mtp = args.compress_ratios[layer_id], layer_id >= args.n_layers
     recompute = args.recomputes("block", layer_id)
     # a representative layer of the same kind, every per-layer switch normalised (one cache entry per kind), with
-    # only top-k routed experts (the plain model's per-expert loop is slow to measure; balanced routing gives each
-    # the same rows): its router and experts are then swapped for full-size ones measured alone
+    # only top-k routed experts on one rank (balanced routing gives each the same rows): its router and experts are
+    # then swapped for full-size ones, one EP rank's slots, measured alone
     small = args.replace(n_hash_layers=0, recompute=(), recompute_layers=None, n_mtp_layers=1, fp8=False,
                          expert_weight_format="bf16", compress_ratios=(ratio,) * (args.n_layers + 1),
                          n_routed_experts=args.n_activated_experts)
     m = _v4_block(small, small.n_layers if mtp else 0, micro_batch, seq, act, accelerator, recompute)
     tokens = micro_batch * seq
-    parts = [(_v4_routed(small, tokens, act, accelerator), experts(v4_expert_args(args), 0, tokens, slots, act,
-                                                                      accelerator)),
+    parts = [(experts(v4_expert_args(small), 0, tokens, small.n_routed_experts, act, accelerator),
+              experts(v4_expert_args(args), 0, tokens, slots, act, accelerator)),
              (_v4_gate(small, tokens, act, accelerator),
               _v4_gate(small.replace(n_routed_experts=args.n_routed_experts), tokens, act, accelerator))]
     for out, into in parts:
@@ -666,5 +654,5 @@ def v4_head(args: V4Args, micro_batch: int, seq: int, act: float, accelerator: b
 
 def cache_clear() -> None:
     """Forget every measurement (after the model's code changed within one process: tests)."""
-    for fn in (_block, _experts, _projection, _head, _moe_parts, _v4_block, _v4_gate, _v4_routed, _v4_head):
+    for fn in (_block, _experts, _projection, _head, _moe_parts, _v4_block, _v4_gate, _v4_head):
         fn.cache_clear()

@@ -126,7 +126,10 @@ def test_a_recomputed_block_keeps_its_four_streams(layer_id):
     kept = measure.v4_block(args.replace(recompute=("block",)), layer_id, mb, seq, act, False, 8)
     streams = mb * seq * args.hc_mult * args.dim * act
     ids = mb * seq * 8
-    assert kept.saved == streams + ids + (mb * seq * args.dim * act if layer_id >= args.n_layers else 0)
+    inputs = streams + ids + (mb * seq * args.dim * act if layer_id >= args.n_layers else 0)
+    # plus the MoE's running statistics made by the first forward (the balancer's per-expert load counts, tens of
+    # bytes, alive after it like any tensor the block keeps): not activations, bounded by one KiB here
+    assert inputs <= kept.saved < inputs + 1024, (kept.saved, inputs)
     full = measure.v4_block(args, layer_id, mb, seq, act, False, 8)
     assert full.saved > 4 * kept.saved and kept.transient > full.transient
     if args.compress_ratios[layer_id] and layer_id < args.n_layers:
@@ -150,13 +153,6 @@ def test_flash_config_dry_run_fits(device, capsys):
     out = capsys.readouterr().out
     assert "model deepseek_v4_flash: 284.3B parameters, 13.3B activated" in out
     assert f"verdict: FITS on {device}" in out, out[-600:]
-
-
-def test_training_v4_is_refused_with_one_line(capsys):
-    """Until the trainer builds V4, a launch of the V4 config fails with one line (exit 2), nothing started."""
-    assert train.main(["--config", FLASH, "--nproc", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: model.preset='deepseek_v4_flash'"), err
 
 
 def test_planner_times_a_v4_layout():
