@@ -26,8 +26,9 @@ from fused_ops.functions import (
 )
 from fused_ops.gated_pool import gated_pool
 from fused_ops.grouping import Grouping, grouping
+from fused_ops.indexer_logits import indexer_logits
 from fused_ops.sinkhorn import sinkhorn
 
-__all__ = ["Grouping", "apply_rope", "gated_pool", "gather_rows", "grouping", "kernels_run", "pack_rows_fp8",
-           "permute", "regroup_rows", "regroup_rows_fp8", "rmsnorm", "rope_", "route", "route_softmax", "sinkhorn",
-           "swiglu", "swiglu_fp8", "unpermute"]
+__all__ = ["Grouping", "apply_rope", "gated_pool", "gather_rows", "grouping", "indexer_logits", "kernels_run",
+           "pack_rows_fp8", "permute", "regroup_rows", "regroup_rows_fp8", "rmsnorm", "rope_", "route", "route_softmax",
+           "sinkhorn", "swiglu", "swiglu_fp8", "unpermute"]
