@@ -50,6 +50,13 @@ def _step(x, eps, s):
 
 
 @triton.jit
+def _step_backward(g, x, eps, AXIS: tl.constexpr):
+    """The gradient of a step's input ``x`` from its output's ``g``: ``(g - sum(g * y)) / (r + eps)`` along AXIS."""
+    r = tl.expand_dims(tl.sum(x, axis=AXIS), AXIS) + eps
+    return (g - tl.expand_dims(tl.sum(g * (x / r), axis=AXIS), AXIS)) / r
+
+
+@triton.jit
 def _sinkhorn_kernel(Z, OUT, T, eps, STEPS, HC: tl.constexpr, BLOCK: tl.constexpr):
     offs, mask = _offsets(T, HC, BLOCK)
     x = _softmax(tl.load(Z + offs, mask=mask, other=0.0)) + eps
@@ -69,11 +76,9 @@ def _sinkhorn_backward_kernel(Z, DY, DZ, T, eps, STEPS, HC: tl.constexpr, BLOCK:
         for t in range(0, s):  # step s's input, recomputed
             x = _step(x, eps, t)
         if s % 2 == 0:
-            r = tl.expand_dims(tl.sum(x, axis=1), 1) + eps
-            g = (g - tl.expand_dims(tl.sum(g * (x / r), axis=1), 1)) / r
+            g = _step_backward(g, x, eps, 1)
         else:
-            r = tl.expand_dims(tl.sum(x, axis=2), 2) + eps
-            g = (g - tl.expand_dims(tl.sum(g * (x / r), axis=2), 2)) / r
+            g = _step_backward(g, x, eps, 2)
     # d(p + eps) = g; the softmax's backward along the rows
     tl.store(DZ + offs, p * (g - tl.expand_dims(tl.sum(g * p, axis=2), 2)), mask=mask)
 
