@@ -322,7 +322,8 @@ def v4_cases() -> list[Case]:
     def case(name, fn, pointers, consts, warps=4, sizes=(), mma_rows=0):
         divisible = tuple(pointers) + tuple(n for n in fn.arg_names if n.startswith("stride_") or n in sizes)
         cfg = " ".join(f"{k}={v}" for k, v in consts.items() if k.startswith(("BLOCK", "M", "HC"))) + f" w{warps}"
-        return Case(name, cfg, fn, pointers, consts, divisible, warps, 1, mma_rows=mma_rows, default=True)
+        return Case(name, cfg, fn, pointers, consts, divisible, warps, 1, mma_rows=mma_rows, default=True,
+                    vector_loads=not mma_rows)  # the memory-bound ones (no dots) must load 128 bits at a time
 
     hc = {"HC": 4, "BLOCK": sinkhorn.BLOCK}
     pool = {"KV": "*bf16", "S": "*bf16", "APE": "*fp32"}
