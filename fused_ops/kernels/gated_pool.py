@@ -91,6 +91,11 @@ def _gated_pool_backward_kernel(KV, S, APE, DOUT, DKV, DS, N, CD, D, M: tl.const
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def _promoted(a: torch.dtype, b: torch.dtype):
+    """torch's promotion of two float dtypes (score + ape), as Triton's type; host logic, no torch operator."""
+    return _TL[a] if a == b else tl.float32
+
+
 def _check(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int) -> None:
     for name, t in (("kv", kv), ("score", score), ("ape", ape)):
         if t.dtype not in _TL or not t.is_contiguous():
@@ -105,7 +110,7 @@ def _launch(kernel, kv, score, ape, ratio: int, overlap: bool, *outs):
     if b * n:
         grid = (b * n, triton.cdiv(d, BLOCK_D))
         registry.wrap_triton(kernel)[grid](kv, score, ape, *outs, n, cd, d, M=ratio, W=ratio * (2 if overlap else 1),
-                                           OVERLAP=overlap, SUM_DTYPE=_TL[torch.promote_types(score.dtype, ape.dtype)],
+                                           OVERLAP=overlap, SUM_DTYPE=_promoted(score.dtype, ape.dtype),
                                            BLOCK_D=BLOCK_D, num_warps=4 if ratio * BLOCK_D >= 1024 else 1)
 
 
