@@ -224,3 +224,30 @@ def test_v4_model_with_the_kernels_equals_the_references():
                       *(p.grad for p in model.parameters() if p.grad is not None))
     for i, (got, want) in enumerate(zip(*runs.values(), strict=True)):
         assert torch.isfinite(got).all() and calc_diff(got, want) < 1e-8, (i, calc_diff(got, want))
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def _compile_cases():
+    g = torch.Generator().manual_seed(7)
+    yield "sinkhorn", lambda z: fused_ops.sinkhorn(z, 1e-6, 20), [torch.randn(2, 5, 4, 4, generator=g)]
+    kv, score = torch.randn(2, 12, 16, generator=g), torch.randn(2, 12, 16, generator=g)
+    yield "gated_pool", lambda a, b, c: fused_ops.gated_pool(a, b, c, 4, True), [kv, score,
+                                                                                  torch.randn(4, 16, generator=g)]
+    q, k, w = torch.randn(2, 13, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g), torch.randn(2, 13, 3,
+                                                                                                     generator=g)
+    yield "indexer_logits", lambda a, b, c: fused_ops.indexer_logits(a, b, c, 4, 0.25), [q, k, w]
+
+
+@pytest.mark.parametrize("name,fn,inputs", list(_compile_cases()), ids=[c[0] for c in _compile_cases()])
+def test_compiles_whole_and_matches_eager(name, fn, inputs):
+    """``torch.compile(fullgraph=True)`` (aot_eager: the ops' fake and autograd as compile sees them), forward and
+    backward: no graph break, results bitwise eager's (the same reference operators in the same order)."""
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = run(*leaves)
+        grad = torch.ones_like(out).masked_fill(torch.isinf(out), 0.0)
+        results.append((out, *torch.autograd.grad(out, leaves, grad)))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want), name
