@@ -20,6 +20,7 @@ import fused_ops
 from accel import registry
 from models.deepseek_v4 import ModelArgs, Transformer
 from models.deepseek_v4.indexer_loss import indexer_loss
+from verifier import verify
 from verifier.verify import calc_diff
 
 U_BF16 = 2.0 ** -8
@@ -251,3 +252,18 @@ def test_compiles_whole_and_matches_eager(name, fn, inputs):
         results.append((out, *torch.autograd.grad(out, leaves, grad)))
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want), name
+
+
+V4_OPS = ["fused_ops.sinkhorn", "fused_ops.sinkhorn_backward", "fused_ops.gated_pool", "fused_ops.gated_pool_backward",
+          "fused_ops.indexer_logits", "fused_ops.indexer_logits_backward", "flash_mla.sparse_sink_decode"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", V4_OPS)
+def test_kernels_at_v4_flash_shapes_on_gpu(name):
+    """Each kernel compiled for the GPU at its first V4-Flash bench shape, against its reference under the op's
+    VerifySpec tolerance (the interpreter above checks the same code at small shapes only)."""
+    op = registry.get(name)
+    [result] = verify.verify_op(name, shapes=op.verify.bench_shapes[:1], seeds=[1], bench=False)
+    assert result.passed, result.reason
