@@ -310,8 +310,56 @@ def fused_cases() -> list[Case]:
     ]
 
 
+def v4_cases() -> list[Case]:
+    """DeepSeek-V4's fused ops and FP8-cache decode at V4-Flash's shapes: mHC's 4 x 4 Sinkhorn, the CSA (ratio 4,
+    overlapping) and HCA (ratio 128) gated pools over bf16 projections with an fp32 position bias, the indexer's
+    logits (64 heads of 128, bf16) and its two backward kernels, the sparse decode over the 584-byte cache."""
+    import triton.language as tl
+
+    from flash_mla.kernels import v4_decode
+    from fused_ops.kernels import gated_pool, indexer_logits, sinkhorn
+
+    def case(name, fn, pointers, consts, warps=4, sizes=(), mma_rows=0):
+        divisible = tuple(pointers) + tuple(n for n in fn.arg_names if n.startswith("stride_") or n in sizes)
+        cfg = " ".join(f"{k}={v}" for k, v in consts.items() if k.startswith(("BLOCK", "M", "HC"))) + f" w{warps}"
+        return Case(name, cfg, fn, pointers, consts, divisible, warps, 1, mma_rows=mma_rows, default=True,
+                    vector_loads=not mma_rows)  # the memory-bound ones (no dots) must load 128 bits at a time
+
+    hc = {"HC": 4, "BLOCK": sinkhorn.BLOCK}
+    pool = {"KV": "*bf16", "S": "*bf16", "APE": "*fp32"}
+    csa = {"M": 4, "W": 8, "OVERLAP": True, "SUM_DTYPE": tl.float32, "BLOCK_D": gated_pool.BLOCK_D}
+    hca = {"M": 128, "W": 128, "OVERLAP": False, "SUM_DTYPE": tl.float32, "BLOCK_D": gated_pool.BLOCK_D}
+    index = {"Q": "*bf16", "K": "*bf16", "WT": "*fp32"}
+    tiles = {"BLOCK_T": indexer_logits.BLOCK_T, "BLOCK_N": indexer_logits.BLOCK_N, "BLOCK_D": 128, "UPCAST": False}
+    decode = {"Q": "*bf16", "KN": "*fp8e4nv", "KR": "*bf16", "KS": "*u8", "IDX": "*i32", "SINK": "*fp32",
+              "OUT": "*bf16", "LSE": "*fp32"}
+    return [
+        case("fused_ops.sinkhorn[4x4, 20 iterations]", sinkhorn._sinkhorn_kernel, {"Z": "*fp32", "OUT": "*fp32"}, hc),
+        case("fused_ops.sinkhorn_backward[4x4, 20 iterations]", sinkhorn._sinkhorn_backward_kernel,
+             {"Z": "*fp32", "DY": "*fp32", "DZ": "*fp32"}, hc),
+        case("fused_ops.gated_pool[CSA bf16 d512]", gated_pool._gated_pool_kernel, {**pool, "OUT": "*bf16"}, csa, 1,
+             ("CD", "D")),
+        case("fused_ops.gated_pool_backward[CSA bf16 d512]", gated_pool._gated_pool_backward_kernel,
+             {**pool, "DOUT": "*bf16", "DKV": "*bf16", "DS": "*bf16"}, csa, 1, ("CD", "D")),
+        case("fused_ops.gated_pool[HCA bf16 d512]", gated_pool._gated_pool_kernel, {**pool, "OUT": "*bf16"}, hca, 4,
+             ("CD", "D")),
+        case("fused_ops.gated_pool_backward[HCA bf16 d512]", gated_pool._gated_pool_backward_kernel,
+             {**pool, "DOUT": "*bf16", "DKV": "*bf16", "DS": "*bf16"}, hca, 4, ("CD", "D")),
+        case("fused_ops.indexer_logits[64x128 bf16]", indexer_logits._indexer_logits_kernel, {**index, "OUT": "*fp32"},
+             tiles, 4, ("N", "H", "D"), tiles["BLOCK_T"]),
+        case("fused_ops.indexer_logits_backward.dq[64x128 bf16]", indexer_logits._dq_kernel,
+             {**index, "DI": "*fp32", "DQ": "*bf16", "DWT": "*fp32"}, tiles, 4, ("N", "H", "D"), tiles["BLOCK_T"]),
+        case("fused_ops.indexer_logits_backward.dk[64x128 bf16]", indexer_logits._dk_kernel,
+             {**index, "DI": "*fp32", "DK": "*bf16"}, tiles, 4, ("N", "H", "D"), indexer_logits.BLOCK_N),
+        case("flash_mla.sparse_sink_decode[V4 fp8 584 B]", v4_decode._v4_decode_kernel, decode,
+             {"D_NOPE": 448, "ROPE_AT": 448, "SCALES_AT": 576, "UPCAST": False, "BLOCK_H": v4_decode.BLOCK_H,
+              "BLOCK_K": v4_decode.BLOCK_K}, 8, (), v4_decode.BLOCK_H // 2),
+    ]
+
+
 def all_cases(capability: int = 90) -> list[Case]:
-    return gemm_cases(capability) + decode_cases(capability) + attention_cases(capability) + dsa_cases() + fused_cases()
+    return (gemm_cases(capability) + decode_cases(capability) + attention_cases(capability) + dsa_cases()
+            + fused_cases() + v4_cases())
 
 
 def _compile_one(index: int, capability: int = 90) -> dict:

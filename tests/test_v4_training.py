@@ -211,7 +211,7 @@ def test_fp8_reaches_the_linears_v3_runs_in_fp8():
 @pytest.mark.parametrize("setting, message", [
     ("model.hf_config={tmp}/missing", "error: model.hf_config="),
     ("model.init_from={tmp}", "error: model.init_from="),
-    ("eplb.enabled=true", "error: eplb.enabled with model 'debug_v4'"),
+    ("eplb.enabled=true", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism and EPLB"),
     ("model.overrides.recompute=[\"norm\"]", "error: ModelArgs: recompute=['norm']"),
 ])
 def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):

@@ -137,8 +137,8 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
     args = model_args(cfg)
     par = cfg.parallel
     if isinstance(args, v4.ModelArgs) and (par.cp > 1 or cfg.eplb.enabled):
-        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 is planned without context parallelism and "
-                         f"EPLB for now; set parallel.cp=1 and eplb.enabled=false")
+        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 trains without context parallelism and "
+                         f"EPLB so far; set parallel.cp=1 and eplb.enabled=false")
     if par.vpp > 1:
         chunk_layers(args, par.pp, par.vpp)
     else:

@@ -22,6 +22,7 @@ from torch import nn
 
 import deep_gemm
 import flash_mla
+import fused_ops
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
 from models.deepseek_v3.expert_parallel import SendPlan, arrived
 from models.deepseek_v3.layers import Linear
@@ -109,13 +110,7 @@ class Compressor(nn.Module):
         n = s // m
         if n == 0:
             return x.new_zeros(b, 0, d)
-        kv = self.wkv(x[:, : n * m]).unflatten(1, (n, m))
-        score = self.wgate(x[:, : n * m]).unflatten(1, (n, m)) + self.ape
-        if self.overlap:
-            kv = torch.cat([F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0)), kv[:, :, :, d:]], dim=2)
-            first = F.pad(score[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            score = torch.cat([first, score[:, :, :, d:]], dim=2)
-        pooled = (kv * score.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+        pooled = fused_ops.gated_pool(self.wkv(x[:, : n * m]), self.wgate(x[:, : n * m]), self.ape, m, self.overlap)
         return apply_rope(self.norm(pooled), angles[: n * m : m])
 
 
@@ -142,9 +137,7 @@ class Indexer(nn.Module):
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Index scores ``[b, s, n]`` (fp32), -inf where the entry is not yet visible."""
-        logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1))  # [b, s, h, n]
-        scores = (F.relu(logits) * self.head_dim ** -0.5 * w.unsqueeze(-1)).sum(dim=2)
-        return scores.masked_fill(~compressed_visible(q.shape[1], k.shape[1], self.ratio, q.device), float("-inf"))
+        return fused_ops.indexer_logits(q, k, w, self.ratio, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k. A selection
@@ -414,11 +407,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     base = base.float()
     pre = torch.sigmoid(pre * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(post * scale[1] + base[hc:2 * hc])
-    comb = (comb.unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)).softmax(dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    comb = fused_ops.sinkhorn(comb.unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc), hc_eps, iters)
     x = (pre.unsqueeze(-1) * h).sum(dim=2).to(h.dtype)
     return x, post, comb
 
