@@ -36,6 +36,7 @@ from deep_gemm.linear import EXPERT_WEIGHT_FORMATS, FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes, check_vpp
+from models.deepseek_v3.args import INDEXER_QK_FORMATS
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 from training.schedule import Schedule, parse_curve
 
@@ -90,6 +91,10 @@ class ModelConfig:
     # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
     # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, fp8_recipe mxfp8)
     expert_weight_format: str = "bf16"
+    # the V3.2 lightning indexer's q . k scoring: auto (fp8 with model.fp8, else bf16), bf16, fp8 (Hadamard-rotated
+    # e4m3 q and k for the selection, V3.2's release) or mxfp4_hadamard (V4's QAT: Hadamard rotation, then FP4 per 32
+    # with power-of-two scales, straight-through; the selection and the indexer loss both see it)
+    indexer_qk_format: str = "auto"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
@@ -651,6 +656,9 @@ def validate(cfg: TrainConfig) -> None:
     if fmt == "mxfp4_qat" and cfg.model.fp8 and cfg.model.fp8_recipe != "mxfp8":
         raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false or model.fp8_recipe='mxfp8' "
                          f"(whose 1x32 power-of-two blocks hold MXFP4 weights exactly), got {cfg.model.fp8_recipe!r}")
+    if cfg.model.indexer_qk_format not in INDEXER_QK_FORMATS:
+        raise ValueError(f"model.indexer_qk_format must be one of {', '.join(INDEXER_QK_FORMATS)}, "
+                         f"got {cfg.model.indexer_qk_format!r}")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "

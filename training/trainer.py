@@ -81,6 +81,7 @@ def model_args(cfg: TrainConfig) -> ModelArgs:
         return ModelArgs.preset(cfg.model.preset, **{**cfg.model.overrides, "fp8": fp8,
                                                      "fused_ops": cfg.model.fused_ops,
                                                      "expert_weight_format": cfg.model.expert_weight_format,
+                                                     "indexer_qk_format": cfg.model.indexer_qk_format,
                                                      "mtp_loss_weight": cfg.model.mtp_lambda})
     except TypeError as exc:  # an unknown ModelArgs field
         raise ValueError(f"model.overrides: {exc}") from None

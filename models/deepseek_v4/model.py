@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_mla
+from models.deepseek_v3.indexer import hadamard_fp4
 from models.deepseek_v3.rope import yarn_inv_freq
 from models.deepseek_v4.args import ModelArgs
 
@@ -123,12 +124,16 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
+        self.qk_fp4 = args.indexer_qk_format == "mxfp4_hadamard"  # V4's QAT of q and k (``hadamard_fp4``)
 
     def parts(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``[b, s, h, d]``, compressed keys ``[b, n, d]`` and head weights ``[b, s, h]`` (fp32)."""
+        """Queries ``[b, s, h, d]``, compressed keys ``[b, n, d]`` and head weights ``[b, s, h]`` (fp32); with
+        ``indexer_qk_format = "mxfp4_hadamard"`` q and k rotated and cast to FP4 as V4's release does."""
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         k = self.compressor(x, angles)
+        if self.qk_fp4:
+            q, k = hadamard_fp4(q), hadamard_fp4(k)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return q, k, w
 
