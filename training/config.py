@@ -89,7 +89,8 @@ class ModelConfig:
     # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
     fp8_recipe: str = "blockwise"
     # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
-    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, fp8_recipe mxfp8)
+    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, the blockwise
+    # recipe's forward is the FP8 x MXFP4 grouped GEMM, MXFP8's GEMMs take the FP4 weight exactly)
     expert_weight_format: str = "bf16"
     # the V3.2 lightning indexer's q . k scoring: auto (fp8 with model.fp8, else bf16), bf16, fp8 (Hadamard-rotated
     # e4m3 q and k for the selection, V3.2's release) or mxfp4_hadamard (V4's QAT: Hadamard rotation, then FP4 per 32
@@ -653,9 +654,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"model.expert_weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, got {fmt!r}")
     if fmt == "fp8" and not cfg.model.fp8:
         raise ValueError("model.expert_weight_format='fp8' is V3's FP8 expert GEMM: it needs model.fp8=true")
-    if fmt == "mxfp4_qat" and cfg.model.fp8 and cfg.model.fp8_recipe != "mxfp8":
-        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false or model.fp8_recipe='mxfp8' "
-                         f"(whose 1x32 power-of-two blocks hold MXFP4 weights exactly), got {cfg.model.fp8_recipe!r}")
     if cfg.model.indexer_qk_format not in INDEXER_QK_FORMATS:
         raise ValueError(f"model.indexer_qk_format must be one of {', '.join(INDEXER_QK_FORMATS)}, "
                          f"got {cfg.model.indexer_qk_format!r}")
