@@ -31,7 +31,7 @@ TESTS211 ?= \
 	tests/test_dualpipe_runtime.py tests/test_trace.py tests/test_run_teardown.py tests/test_model.py tests/test_model_checkpoint.py \
 	tests/test_model_generate.py tests/test_model_gpu.py tests/test_deep_gemm_cast.py \
 	tests/test_deep_gemm_gemm.py tests/test_deep_gemm_grouped.py tests/test_deep_gemm_linear.py \
-	tests/test_deep_gemm_mxfp8.py tests/test_muon.py tests/test_muon_dist.py tests/test_mxfp4.py tests/test_deep_gemm_fp8_fp4.py tests/test_checkpoint_ue8m0.py tests/test_flash_mla_attention.py \
+	tests/test_deep_gemm_mxfp8.py tests/test_muon.py tests/test_muon_dist.py tests/test_mxfp4.py tests/test_indexer_fp4.py tests/test_fp4_experts.py tests/test_deep_gemm_fp8_fp4.py tests/test_checkpoint_ue8m0.py tests/test_flash_mla_attention.py \
 	tests/test_flash_mla_decode.py tests/test_flash_mla_inputs.py tests/test_flash_mla_sparse.py tests/test_flash_mla_sparse_sink.py tests/test_v4_kernels.py tests/test_v4_kernels_decode.py \
 	tests/test_deep_gemm_mqa_logits.py tests/test_fused_ce.py tests/test_fused_ops.py tests/test_opcheck.py \
 	tests/test_fused_ops_compile.py tests/test_compile_ops.py \

@@ -41,6 +41,7 @@ import accel.wgrad
 from accel import registry
 from accel.grads import accumulate_grad
 from deep_gemm.cast import per_block_cast_to_fp8, per_channel_cast_to_fp8, per_token_cast_to_fp8
+from deep_gemm.fp8_fp4 import m_grouped_fp8_fp4_gemm_nt_contiguous
 from deep_gemm.gemm import fp8_gemm_nn, fp8_gemm_nt, fp8_gemm_tn
 from deep_gemm.grouped import (
     check_m_indices,
@@ -49,7 +50,7 @@ from deep_gemm.grouped import (
     m_grouped_fp8_gemm_nt_contiguous,
 )
 from deep_gemm.health import Fp8Health
-from deep_gemm.mxfp4 import mxfp4_fake_quant
+from deep_gemm.mxfp4 import mxfp4_fake_quant, pack_mxfp4
 from deep_gemm.reference import dequantize
 from deep_gemm.utils import BLOCK, FP8, M_ALIGNMENT, MX_BLOCK, align
 
@@ -468,21 +469,30 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Ten
     weight's MXFP4 fake quantisation (``deep_gemm.mxfp4``)."""
     num_groups, n, k = weight.shape
     check_m_indices(host, x.shape[0], num_groups, rows_of="x")
-    w = mxfp4_fake_quant(weight) if mxfp4 else weight
     if mxfp4 and health is not None:
         health.observe_mxfp4(weight, "fwd", "w_mxfp4" if fp8 else "w", weight)
     if not fp8:
+        w = mxfp4_fake_quant(weight) if mxfp4 else weight
         # only the valid rows are read or computed; padding rows of the output are 0 (never NaN)
         return _segment_mm(x, w.to(x.dtype).transpose(1, 2), _row_runs(host), n), None
     valid = (m_indices >= 0).unsqueeze(1)
-    # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
-    w_q = _fp8_weight(w, fp8)
     x_valid = x * valid.to(x.dtype) if x_q is None or health is not None else None  # padding rows give 0
     # a precast's padding rows are never read: the GEMM skips them, the cached wgrad operand zeroes them
     x_q = _act_cast(x_valid, fp8) if x_q is None else x_q
     if health is not None:
-        health.observe(weight, "fwd", "w", weight, w_q)
         health.observe(weight, "fwd", "x", x_valid, x_q)
+    if mxfp4 and fp8 == "blockwise":
+        # QAT under blockwise FP8: the 1x128 rows times the MXFP4 weight in its released layout, through the FP8 x
+        # MXFP4 grouped GEMM (K zero-padded to 128: zeros move no block's amax, so the FP4 values are the fake
+        # quantisation's)
+        b = pack_mxfp4(_pad(weight.detach(), BLOCK))
+        d = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+        m_grouped_fp8_fp4_gemm_nt_contiguous(x_q, b, d, m_indices)
+        return d.to(x.dtype), x_q
+    # QAT under MXFP8: the MXFP4 weight's 1x32 E8M0 blocks are MXFP8's, so its FP8 cast keeps it exactly
+    w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8)
+    if health is not None:
+        health.observe(weight, "fwd", "w", weight, w_q)
     d = torch.zeros(x.shape[0], w_q[0].shape[1], dtype=torch.bfloat16, device=x.device)
     m_grouped_fp8_gemm_nt_contiguous(x_q, w_q, d, m_indices)
     return d[:, :n].to(x.dtype), x_q
@@ -509,7 +519,15 @@ def _grouped_backward(grad_out: torch.Tensor, saved_x: Sequence[torch.Tensor], w
         return grad_x
     valid = (m_indices >= 0).unsqueeze(1)
     grad_out = (grad_out * valid.to(grad_out.dtype)).contiguous()
-    if input_grad:
+    if input_grad and mxfp4 and fp8 == "blockwise":
+        # the dgrad through the dequantised FP4 weight: its per-32-along-K scales vary along this GEMM's reduction
+        # (N), which no FP8 weight cast holds exactly, so the 1x128 cast of dY meets the FP4 values in fp32
+        dy_q = _act_cast(grad_out, fp8)
+        if health is not None:
+            health.observe(weight, "dgrad", "dy", grad_out, dy_q)
+        dy = dequantize(*dy_q)[:, :n].contiguous()
+        grad_x = _segment_mm(dy, mxfp4_fake_quant(weight.detach()).float(), _row_runs(host), k).to(x_dtype)
+    elif input_grad:
         w_q = _fp8_weight(mxfp4_fake_quant(weight) if mxfp4 else weight, fp8, dgrad=True)
         d = torch.zeros(rows, w_q[0].shape[2], dtype=torch.bfloat16, device=grad_out.device)
         dy_q = _act_cast(grad_out, fp8)
@@ -659,8 +677,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     zeros there, a plain cast of ``x`` whatever ``x`` holds). ``weight_format``: ``bf16`` the weight as stored,
     ``fp8`` as V3's FP8 GEMM casts it (needs ``fp8``), ``mxfp4_qat`` quantisation-aware training in MXFP4
     (``deep_gemm.mxfp4``: forward and dgrad through the FP4 weight, the weight gradient straight through to the
-    parameter; with ``fp8="mxfp8"`` the FP8 GEMMs take the FP4 weight, exactly in the forward; blockwise FP8's
-    128x128 fp32 scales cannot hold it).
+    parameter; with ``fp8="mxfp8"`` the FP8 GEMMs take the FP4 weight, exactly in the forward; with blockwise FP8
+    the forward is the FP8 x MXFP4 grouped GEMM on the 1x128 rows and the packed FP4 weight, the dgrad the 1x128
+    cast of dY times the dequantised FP4 weight in fp32, the wgrad blockwise FP8 as without QAT).
     """
     if weight_format not in EXPERT_WEIGHT_FORMATS:
         raise ValueError(f"grouped_linear: weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, "
@@ -668,9 +687,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
     if weight_format == "fp8" and not fp8:
         raise ValueError(f"grouped_linear: weight_format='fp8' needs fp8 on (the FP8 GEMM casts the weight), got "
                          f"fp8={fp8!r}")
-    if weight_format == "mxfp4_qat" and fp8 and fp8_recipe(fp8) != "mxfp8":
-        raise ValueError(f"grouped_linear: weight_format='mxfp4_qat' needs fp8 off or fp8='mxfp8' (whose 1x32 "
-                         f"power-of-two blocks hold the MXFP4 weight exactly), got fp8={fp8!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[2] != x.shape[1]:

@@ -17,6 +17,11 @@ DeepSeek-V4 trains its routed experts quantisation-aware in FP4 and releases the
   exponent + 127; 0xFF = NaN).
 - ``mxfp4_health(w)``: what the FP8 health metrics report for a cast: underflow (nonzero elements that became 0)
   and blocks at the scale floor (exponent -127 with a nonzero amax, whose small values flush).
+- ``fp4_act_fake_quant(x)``: ``torch.ops.dsv3.fp4_act_fake_quant``, DeepSeek-V4's activation cast (its indexer's q
+  and k after the Hadamard rotation), straight-through. Same E2M1 grid and 32-blocks, but V4's scale rule, not
+  OCP's: ``2^ceil(log2(amax / 6))`` with amax floored at ``6 x 2^-126``, so the block's largest value lands in
+  (3, 6] and nothing saturates (OCP's ``2^(floor(log2 amax) - 2)`` clamps amax/scale in (6, 8) to 6). K must be a
+  multiple of 32.
 """
 
 from __future__ import annotations
@@ -61,10 +66,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shared = torch.where(amax == 0, E8M0_MIN, shared)
     y = torch.ldexp(x, -shared.unsqueeze(-1).to(x.dtype)).abs()  # exact: a power-of-two division
     y = y.clamp(max=E2M1_MAX)
-    # round to nearest even on the E2M1 grid: spacing 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; at each spacing the
-    # even multiples are the codes with mantissa bit 0, so torch.round's half-to-even is E2M1's
-    step = torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0))
-    q = torch.round(y / step) * step
+    q = round_e2m1(y)
     index = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q / 2 + 4)).to(torch.uint8)  # 0..7
     negative = torch.signbit(x) & (index > 0)  # -0 is stored as +0
     codes = (index | (negative.to(torch.uint8) << 3)).reshape(*w.shape[:-1], -1)
@@ -94,6 +96,15 @@ def _fake_quant(w: torch.Tensor) -> torch.Tensor:
     return dequantize_mxfp4(*quantize_mxfp4(w), dtype=w.dtype)
 
 
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (|y| <= 6) rounded to nearest-even on the E2M1 grid, sign kept: spacing 0.5 below 2, 1 in [2, 4), 2 in
+    [4, 6]; at each spacing the even multiples are the codes with mantissa bit 0, so torch.round's half-to-even is
+    E2M1's."""
+    a = y.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, y)
+
+
 @_fake_quant.register_fake
 def _(w: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(w)
@@ -109,6 +120,46 @@ _fake_quant.register_autograd(_straight_through)
 def mxfp4_fake_quant(w: torch.Tensor) -> torch.Tensor:
     """``w`` rounded to MXFP4 (32-blocks along the last dim) in its own dtype, gradient passed straight through."""
     return _fake_quant(_check(w))
+
+
+FP4_ACT_FLOOR = 6.0 * 2.0**-126  # V4's amax floor: the smallest scale is 2^-126
+
+
+def fp4_act_scale_exponents(x: torch.Tensor) -> torch.Tensor:
+    """V4's activation scale exponent per 32-block of ``x [..., K]`` (K a multiple of 32), int32 ``[..., K/32]``:
+    ``ceil(log2(max(amax, 6 x 2^-126) / 6))``, exactly. With ``amax = m 2^p`` (m in [0.5, 1)): amax <= 6 x 2^(p-3)
+    iff m <= 0.75, and amax > 6 x 2^(p-4) always, so the exponent is p - 3 when m <= 0.75, else p - 2. (V4's kernel
+    takes ceil(log2) of fl(amax x fl(1/6)) from its bits; that product rounds onto a power of two only when amax / 6
+    is one, so the two agree on every float32 amax.)"""
+    amax = x.float().unflatten(-1, (-1, MX_BLOCK)).abs().amax(dim=-1).clamp_min(FP4_ACT_FLOOR)
+    mantissa, exponent = torch.frexp(amax)
+    return torch.where(mantissa <= 0.75, exponent - 3, exponent - 2).to(torch.int32)
+
+
+@registry.library_op("dsv3::fp4_act_fake_quant")
+def _fp4_act_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    e = fp4_act_scale_exponents(x).unsqueeze(-1).float()
+    blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
+    y = round_e2m1(torch.ldexp(blocks, -e).clamp(-E2M1_MAX, E2M1_MAX))  # exact: a power-of-two division
+    return torch.ldexp(y, e).flatten(-2).to(x.dtype)
+
+
+@_fp4_act_fake_quant.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_fp4_act_fake_quant.register_autograd(_straight_through)
+
+
+def fp4_act_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through DeepSeek-V4's FP4 activation cast (E2M1, a power-of-two scale per 32 along the last dim by V4's
+    rule, module docstring) and back, in ``x``'s dtype; gradient straight through. A NaN stays NaN."""
+    x = _check(x, "x")
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"x: the FP4 activation cast takes blocks of {MX_BLOCK} along the last dim, got a last dim "
+                         f"of {x.shape[-1]}")
+    return _fp4_act_fake_quant(x)
 
 
 def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,13 +97,16 @@ def gemm_cases(capability: int = 90) -> list[Case]:
     from deep_gemm.kernels import fp8_fp4
 
     # FP8 x MXFP4 (tl.dot_scaled e4m3 x e2m1): tcgen05's block-scaled MMA on sm_100a, an upcast + wgmma on sm_90a
-    for i, (bn, warps, stages) in enumerate(fp8_fp4.tiles_for(capability)):
-        tile = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": fp8_fp4.BLOCK_K}
-        pointers = {"a_ptr": "*fp8e4nv", "sa_ptr": "*u8", "b_ptr": "*u8", "sb_ptr": "*u8", "d_ptr": "*bf16",
-                    "m_indices_ptr": "*i32"}
-        cases.append(Case("deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous]", _cfg_label(tile, warps, stages),
-                          fp8_fp4.fp8_fp4_contiguous_kernel, pointers, {"INTERPRETED": False, **tile},
-                          tuple(pointers) + ("N", "K"), warps, stages, mma_rows=64, default=(i == 0)))
+    # (the rows' scales as MXFP8's bytes per 1x32, or blockwise fp32 per 1x128 applied after each step's MMA)
+    for label, a_fp32 in (("", False), (", 1x128 fp32 rows", True)):
+        for i, (bn, warps, stages) in enumerate(fp8_fp4.tiles_for(capability, a_fp32)):
+            tile = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": fp8_fp4.BLOCK_K}
+            pointers = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32" if a_fp32 else "*u8", "b_ptr": "*u8", "sb_ptr": "*u8",
+                        "d_ptr": "*bf16", "m_indices_ptr": "*i32"}
+            cases.append(Case(f"deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous{label}]",
+                              _cfg_label(tile, warps, stages), fp8_fp4.fp8_fp4_contiguous_kernel, pointers,
+                              {"INTERPRETED": False, "A_FP32": a_fp32, **tile}, tuple(pointers) + ("N", "K"), warps,
+                              stages, mma_rows=64, default=(i == 0)))
     from deep_gemm.kernels import cast
 
     for tile in ((1, 128), (128, 1), (128, 128)):

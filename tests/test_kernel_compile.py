@@ -37,6 +37,7 @@ KERNELS = {  # every kernel variant each table must hold
     "deep_gemm.gemm[fp8 masked]", "deep_gemm.gemm[fp8 k-grouped]", "deep_gemm.gemm[fp8 k-grouped flat]",
     "deep_gemm.gemm[mxfp8 dense]", "deep_gemm.gemm[mxfp8 m-grouped contiguous]", "deep_gemm.gemm[mxfp8 k-grouped]",
     "deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous]",
+    "deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous, 1x128 fp32 rows]",
     "deep_gemm.gemm[bf16 dense]", "deep_gemm.gemm[bf16 k-grouped]", "deep_gemm.cast[1x128]", "deep_gemm.cast[128x1]",
     "deep_gemm.cast[128x128]", "flash_mla.decode[bf16]", "flash_mla.decode[bf16 causal]", "flash_mla.decode[fp8]",
     "flash_mla.decode[fp8 causal]", "flash_mla.combine", "flash_mla.attention.fwd[192/128 causal]",
@@ -140,7 +141,8 @@ def test_json_rows_carry_what_the_issue_asks(table):
     assert mx and all(r["config"].startswith("BLOCK_M=128 ") for r in mx)  # gemm.tile_fits: 128 rows only
     if table[0]["capability"] == 100:  # MXFP8's scales applied by tcgen05's block-scaled MMA; Hopper emulates it
         assert all(r["tcgen05"] and r["block_scaled_mma"] for r in mx), mx
-    fp4 = [r for r in table if r["kernel"] == "deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous]"]
+    # (both row-scale kinds: MXFP8's bytes per 1x32, blockwise fp32 per 1x128 applied after each step's MMA)
+    fp4 = [r for r in table if r["kernel"].startswith("deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous")]
     # FP8 x MXFP4: tcgen05's block-scaled MMA on sm_100a; on sm_90a the dequantising path (upcast, then wgmma)
     assert fp4 and all(r["block_scaled_mma"] == (r["capability"] == 100) and r["tensor_core_mma"] for r in fp4), fp4
 

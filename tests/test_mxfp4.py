@@ -141,14 +141,10 @@ def test_bad_inputs_are_one_line_errors():
     with pytest.raises(ValueError, match="unpack_mxfp4: expected int8 packed codes"):
         unpack_mxfp4(torch.zeros(2, 16, dtype=torch.float32), torch.zeros(2, 1, dtype=torch.uint8))
     x, w, m = torch.randn(128, 64), torch.randn(2, 32, 64), torch.zeros(128, dtype=torch.int32)
-    with pytest.raises(ValueError, match="weight_format='mxfp4_qat' needs fp8 off"):
-        grouped_linear(x, w, m, fp8=True, weight_format="mxfp4_qat")
     with pytest.raises(ValueError, match="weight_format must be one of bf16, fp8, mxfp4_qat"):
         grouped_linear(x, w, m, weight_format="nvfp4")
     with pytest.raises(ValueError, match="model.expert_weight_format must be one of bf16, fp8, mxfp4_qat"):
         load_config(None, ['model.expert_weight_format="fp4"'])
-    with pytest.raises(ValueError, match="'mxfp4_qat' needs model.fp8=false"):
-        load_config(None, ['model.expert_weight_format="mxfp4_qat"', "model.fp8=true"])
 
 
 def test_fake_quant_op_passes_the_gradient_straight_through():

@@ -36,6 +36,7 @@ from deep_gemm.linear import EXPERT_WEIGHT_FORMATS, FP8_RECIPES
 from dualpipe import schedules
 from dualpipe.ir import Layout
 from dualpipe.schedules import check_sizes, check_vpp
+from models.deepseek_v3.args import INDEXER_QK_FORMATS
 from models.deepseek_v3.balancing import BalanceConfig  # [balance]: the model's own class, validated on build
 from training.schedule import Schedule, parse_curve
 
@@ -92,8 +93,13 @@ class ModelConfig:
     # with power-of-two scales for activations, weights and gradients, as Megatron-Core / torchtitan on Blackwell)
     fp8_recipe: str = "blockwise"
     # the routed experts' weights in their GEMMs: bf16 (as stored), fp8 (V3's FP8 GEMM; needs fp8) or mxfp4_qat
-    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, fp8_recipe mxfp8)
+    # (quantisation-aware training in MXFP4, E2M1 + an E8M0 scale per 32, as DeepSeek-V4; with fp8, the blockwise
+    # recipe's forward is the FP8 x MXFP4 grouped GEMM, MXFP8's GEMMs take the FP4 weight exactly)
     expert_weight_format: str = "bf16"
+    # the V3.2 lightning indexer's q . k scoring: auto (fp8 with model.fp8, else bf16), bf16, fp8 (Hadamard-rotated
+    # e4m3 q and k for the selection, V3.2's release) or mxfp4_hadamard (V4's QAT: Hadamard rotation, then FP4 per 32
+    # with power-of-two scales, straight-through; the selection and the indexer loss both see it)
+    indexer_qk_format: str = "auto"
     mtp_lambda: float = 0.3  # weight of the MTP loss (V3: 0.3 for the first 10T tokens, then 0.1)
     mtp_lambda_late: float = 0.3
     mtp_lambda_switch_step: int = 0  # step at which mtp_lambda becomes mtp_lambda_late (0 = never)
@@ -657,9 +663,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"model.expert_weight_format must be one of {', '.join(EXPERT_WEIGHT_FORMATS)}, got {fmt!r}")
     if fmt == "fp8" and not cfg.model.fp8:
         raise ValueError("model.expert_weight_format='fp8' is V3's FP8 expert GEMM: it needs model.fp8=true")
-    if fmt == "mxfp4_qat" and cfg.model.fp8 and cfg.model.fp8_recipe != "mxfp8":
-        raise ValueError("model.expert_weight_format='mxfp4_qat' needs model.fp8=false or model.fp8_recipe='mxfp8' "
-                         f"(whose 1x32 power-of-two blocks hold MXFP4 weights exactly), got {cfg.model.fp8_recipe!r}")
+    if cfg.model.indexer_qk_format not in INDEXER_QK_FORMATS:
+        raise ValueError(f"model.indexer_qk_format must be one of {', '.join(INDEXER_QK_FORMATS)}, "
+                         f"got {cfg.model.indexer_qk_format!r}")
     validate_fault(cfg.fault)
     if cfg.logging.fp8_health_every < 0 or not 0 < cfg.logging.fp8_underflow_warn <= 1:
         raise ValueError(f"logging.fp8_health_every must be >= 0 (0 = off) and logging.fp8_underflow_warn in (0, 1], "

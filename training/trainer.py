@@ -85,7 +85,8 @@ def model_args(cfg: TrainConfig) -> ModelArgs | v4.ModelArgs:
     MTP switches."""
     fp8 = cfg.model.fp8 and cfg.model.fp8_recipe  # False, or the recipe's name
     changes = {**cfg.model.overrides, "fp8": fp8, "fused_ops": cfg.model.fused_ops,
-               "expert_weight_format": cfg.model.expert_weight_format, "mtp_loss_weight": cfg.model.mtp_lambda}
+               "expert_weight_format": cfg.model.expert_weight_format,
+               "indexer_qk_format": cfg.model.indexer_qk_format, "mtp_loss_weight": cfg.model.mtp_lambda}
     try:
         if cfg.model.hf_config:
             try:

@@ -19,6 +19,11 @@ RECOMPUTE_KINDS = ("norm", "mla_up", "swiglu", "block")
 # names that stand for several kinds: "v3" is the V3 report's policy (every RMSNorm and the MLA up-projections)
 RECOMPUTE_ALIASES = {"v3": ("norm", "mla_up")}
 RECOMPUTE_NAMES = (*RECOMPUTE_KINDS, *RECOMPUTE_ALIASES)
+# the lightning indexer's q . k scoring: "auto" (fp8 with FP8 GEMMs, else bf16), "bf16" (the model's precision),
+# "fp8" (Hadamard-rotated e4m3 q and k in DeepGEMM's fp8_mqa_logits, V3.2's release; the selection only) or
+# "mxfp4_hadamard" (V4's QAT: q and k rotated by the orthonormal Hadamard matrix of the head dim, then FP4 per 32
+# with V4's power-of-two scales, straight-through; the selection and the indexer loss both see it)
+INDEXER_QK_FORMATS = ("auto", "bf16", "fp8", "mxfp4_hadamard")
 
 
 @dataclass
@@ -80,6 +85,7 @@ class ModelArgs:
     # run (a GPU); False: the unfused torch ops everywhere (the A/B reference). No effect where they cannot run.
     fused_ops: bool = True
     expert_weight_format: str = "bf16"  # routed experts' weights: bf16 | fp8 | mxfp4_qat (deep_gemm.grouped_linear)
+    indexer_qk_format: str = "auto"  # INDEXER_QK_FORMATS (the indexer's q . k scoring; ``indexer_qk`` resolves auto)
     # DSA stage 1 (the dense warm-up): attention stays dense and the indexer learns its distribution; off:
     # attention reads each query's index_topk keys (stage 2, and inference). Needs index_topk > 0.
     dsa_warmup: bool = False
@@ -144,6 +150,7 @@ class ModelArgs:
                                  f"{self.qk_rope_head_dim}, got {self.index_n_heads}, {self.index_head_dim}")
         elif self.dsa_warmup:
             raise ValueError("ModelArgs.dsa_warmup=True needs index_topk > 0 (a model with an indexer)")
+        check_indexer_qk_format(self.indexer_qk_format, self.index_head_dim if self.index_topk else None)
         unknown = [name for name in self.recompute if name not in RECOMPUTE_NAMES]
         if unknown:
             raise ValueError(f"ModelArgs.recompute: unknown name(s) {unknown}; valid names are "
@@ -174,6 +181,13 @@ class ModelArgs:
             m = 0.1 * self.mscale_all_dim * math.log(self.rope_factor) + 1.0
             scale *= m * m
         return scale
+
+    @property
+    def indexer_qk(self) -> str:
+        """The indexer's scoring format with "auto" resolved: "fp8" when the GEMMs run in FP8, else "bf16"."""
+        if self.indexer_qk_format == "auto":
+            return "fp8" if self.fp8 else "bf16"
+        return self.indexer_qk_format
 
     @property
     def sparse(self) -> bool:
@@ -331,6 +345,29 @@ class ModelArgs:
 
 
 # HF config.json name for each ModelArgs field that maps 1:1.
+def check_indexer_qk_format(fmt: object, head_dim: int | None) -> None:
+    """One-line ValueError for an indexer scoring format the model cannot take (``head_dim``: the indexer's head
+    dim, None for a model without an indexer): an unknown name; fp8 or mxfp4_hadamard without an indexer, or on a
+    head dim that is not a power of two (the Hadamard rotation), above 128 (fp8: one scale per head) or not a
+    multiple of 32 (mxfp4_hadamard: FP4 blocks)."""
+    if fmt not in INDEXER_QK_FORMATS:
+        raise ValueError(f"indexer_qk_format must be one of {', '.join(INDEXER_QK_FORMATS)}, got {fmt!r}")
+    if fmt in ("auto", "bf16"):
+        return
+    if head_dim is None:
+        raise ValueError(f"indexer_qk_format={fmt!r} needs a model with a lightning indexer (V3.2: index_topk > 0; "
+                         "V4: a compress-ratio-4 layer)")
+    if head_dim & (head_dim - 1) or head_dim <= 0:
+        raise ValueError(f"indexer_qk_format={fmt!r} rotates q and k by a Hadamard matrix: index_head_dim must be a "
+                         f"power of two, got {head_dim}")
+    if fmt == "fp8" and head_dim > 128:
+        raise ValueError(f"indexer_qk_format='fp8' scales each head's q in one 1x128 tile: index_head_dim must be "
+                         f"<= 128, got {head_dim}")
+    if fmt == "mxfp4_hadamard" and head_dim % 32:
+        raise ValueError(f"indexer_qk_format='mxfp4_hadamard' casts q and k to FP4 in blocks of 32: index_head_dim "
+                         f"must be a multiple of 32, got {head_dim}")
+
+
 _HF_FIELDS = {
     "vocab_size": "vocab_size", "dim": "hidden_size", "inter_dim": "intermediate_size",
     "moe_inter_dim": "moe_intermediate_size", "n_layers": "num_hidden_layers",

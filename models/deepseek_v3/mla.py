@@ -118,7 +118,7 @@ class MLA(nn.Module):
                             fp8_cache=cache and not up_recomputed)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, fp8=fp8, fp8_cache=cache)
         self.sparse = args.sparse
-        self.fp8_index = bool(args.fp8)  # the indexer scores in FP8 (DeepGEMM's fp8_mqa_logits) when the GEMMs do
+        self.fp8_index = args.indexer_qk == "fp8"  # the selection scores in FP8 (DeepGEMM's fp8_mqa_logits)
         self.indexer = Indexer(args) if args.index_topk else None
         self.inner_attention = InnerAttention(self.softmax_scale)
         self.sparse_attention = SparseInnerAttention(self.softmax_scale, self.kv_lora_rank) if self.indexer else None

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.deepseek_v3.args import read_hf_config
+from models.deepseek_v3.args import check_indexer_qk_format, read_hf_config
 
-COMPRESS_RATIOS = (0, 4, 128)
-RECOMPUTE_KINDS = ("block",)  # per layer: window only, CSA (overlapping windows + indexer), HCA
+COMPRESS_RATIOS = (0, 4, 128)  # per layer: window only, CSA (overlapping windows + indexer), HCA
+RECOMPUTE_KINDS = ("block",)
+INDEXER_QK_FORMATS = ("bf16", "mxfp4_hadamard")  # V4 has no FP8 GEMM path here
 _LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
@@ -43,6 +44,9 @@ class ModelArgs:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
+    # the indexer's q . k: "bf16" (the model's precision) or "mxfp4_hadamard" (V4's QAT: Hadamard rotation, then
+    # FP4 per 32 with power-of-two scales, straight-through; models.deepseek_v3.indexer.hadamard_fp4)
+    indexer_qk_format: str = "bf16"
     # MoE (every layer)
     n_routed_experts: int = 256
     n_shared_experts: int = 1
@@ -121,6 +125,12 @@ class ModelArgs:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ModelArgs: {msg}")
+        if self.indexer_qk_format == "auto":  # the training config's default: V4's indexer scores in BF16 here
+            self.indexer_qk_format = "bf16"
+        if self.indexer_qk_format not in INDEXER_QK_FORMATS:
+            raise ValueError(f"ModelArgs: indexer_qk_format must be one of {', '.join(INDEXER_QK_FORMATS)} for V4, "
+                             f"got {self.indexer_qk_format!r}")
+        check_indexer_qk_format(self.indexer_qk_format, self.index_head_dim if 4 in self.compress_ratios else None)
 
     @property
     def yarn(self) -> bool:

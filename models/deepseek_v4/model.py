@@ -25,6 +25,7 @@ import flash_mla
 import fused_ops
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
 from models.deepseek_v3.expert_parallel import SendPlan, arrived
+from models.deepseek_v3.indexer import hadamard_fp4
 from models.deepseek_v3.layers import Linear
 from models.deepseek_v3.moe import Experts as V3Experts
 from models.deepseek_v3.moe import MoE as V3MoE
@@ -126,12 +127,16 @@ class Indexer(nn.Module):
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8=args.fp8)
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
+        self.qk_fp4 = args.indexer_qk_format == "mxfp4_hadamard"  # V4's QAT of q and k (``hadamard_fp4``)
 
     def parts(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``[b, s, h, d]``, compressed keys ``[b, n, d]`` and head weights ``[b, s, h]`` (fp32)."""
+        """Queries ``[b, s, h, d]``, compressed keys ``[b, n, d]`` and head weights ``[b, s, h]`` (fp32); with
+        ``indexer_qk_format = "mxfp4_hadamard"`` q and k rotated and cast to FP4 as V4's release does."""
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         k = self.compressor(x, angles)
+        if self.qk_fp4:
+            q, k = hadamard_fp4(q), hadamard_fp4(k)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return q, k, w
 

@@ -1,0 +1,240 @@
+"""The lightning indexer's FP4 + Hadamard QK option (``indexer_qk_format = "mxfp4_hadamard"``, DeepSeek-V4's QAT of
+the indexer): the rotation, the cast, the scores, the straight-through gradient, both models and the CLI.
+
+References: Sylvester's closed form of the Hadamard matrix (entry (i, j) = (-1)^popcount(i & j)) in exact float64
+integers; a float64 re-implementation of V4's released activation cast (``fp4_act_quant``: amax floored at
+6 x 2^-126, scale 2^ceil(log2(amax / 6)), values clamped to +-6 and rounded to the nearest E2M1 value, ties to the
+even code), written from that rule with ``math.log2`` / ``math.ceil`` and an explicit nearest-grid search; float64
+products of the unquantised q and k.
+
+Score bound. With q' = qH, k' = kH (exact, float64) the rotation leaves q' . k' = q . k, and for the cast values
+q^, k^: |q^ . k^ - q . k| <= sum_i |q^_i - q'_i| |k^_i| + |q'_i| |k^_i - k'_i|. Each |x^_i - x'_i| is at most the
+cast's rounding, half the E2M1 spacing at |x_i| / s times the block scale s (s/4 below 2s, s/2 below 4s, s above),
+plus the fp32 rotation's own rounding, <= (D + 1) u (|x| |H|)_i (Higham's gamma_D, u = 2^-24, and the fp32
+rounding of the scale D^-0.5), plus float64 slack (1e-12 of sum |q| |k|). The bound is elementwise and holds for
+any input; the test also checks that FP4 is visible (the scores move) so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deep_gemm.mxfp4 import fp4_act_fake_quant
+from models.deepseek_v3.args import ModelArgs
+from models.deepseek_v3.indexer import Indexer, hadamard, hadamard_fp4
+from models.deepseek_v4.args import ModelArgs as V4Args
+from models.deepseek_v4.model import Indexer as V4Indexer
+from training.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes, code index 0..7 (odd index = mantissa bit 1)
+
+
+def _sylvester(d: int) -> torch.Tensor:
+    i = torch.arange(d)
+    bits = (i[:, None] & i[None, :]).tolist()
+    return torch.tensor([[(-1.0) ** bin(v).count("1") for v in row] for row in bits], dtype=torch.float64)
+
+
+def _cast64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's FP4 activation cast in float64 from its rule, and each element's scale: (values, scales), both [..., K]."""
+    blocks = x.double().reshape(-1, 32)
+    out, scales = torch.empty_like(blocks), torch.empty_like(blocks)
+    grid = torch.tensor(GRID, dtype=torch.float64)
+    for r in range(blocks.shape[0]):
+        amax = max(float(blocks[r].abs().max()), 6.0 * 2.0**-126)
+        s = 2.0 ** math.ceil(math.log2(amax / 6.0))
+        y = (blocks[r] / s).clamp(-6.0, 6.0)
+        dist = (y.abs()[:, None] - grid[None, :]).abs()
+        best = dist.min(dim=1, keepdim=True).values
+        tied = dist == best  # one or two nearest grid values; a tie goes to the even code
+        index = torch.where(tied.sum(1) > 1, (tied & (torch.arange(8) % 2 == 0)).float().argmax(1),
+                            tied.float().argmax(1))
+        out[r] = torch.copysign(grid[index], y) * s
+        scales[r] = s
+    return out.reshape(x.shape), scales.reshape(x.shape)
+
+
+def _half_spacing(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs() / s
+    return s * torch.where(a < 2, 0.25, torch.where(a < 4, 0.5, 1.0))
+
+
+def _inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normal values at block scales from 2^-30 to 2^30, with the rule's edge cases planted: an amax of exactly 6
+    x 2^k and one just above, ties between grid values, an all-zero block and one below the scale floor."""
+    g = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-30, 30, (*shape[:-1], shape[-1] // 32), generator=g).repeat_interleave(32, dim=-1)
+    x = torch.randn(shape, generator=g) * 2.0**exponents
+    flat = x.view(-1, 32)
+    flat[0] = torch.tensor([6.0, 2.5, 5.0, 0.25, 1.75, 3.5, -2.5, -0.75] * 4)  # amax 6: scale 1, every tie planted
+    flat[1] = torch.tensor([6.0 * (1 + 2.0**-23), 2.5, 5.0, 0.25] * 8)  # amax just above 6: scale 2
+    flat[2] = 0.0
+    flat[3] = torch.full((32,), 1e-39) * torch.randn(32, generator=g)  # below the floor: every value flushes to 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_hadamard_is_orthonormal_sylvester(d):
+    """``hadamard(d)`` is Sylvester's matrix times d^-0.5: symmetric, and H H^T = I to float64 rounding of the fp32
+    scale (<= d x 2^-24 relative, its one rounding squared and summed)."""
+    h = hadamard(d).double()
+    scale = float(h[0, 0])
+    assert scale == pytest.approx(d**-0.5, rel=2.0**-24)
+    assert torch.equal(h / scale, _sylvester(d))
+    assert torch.equal(h, h.T)
+    assert (h @ h.T - torch.eye(d, dtype=torch.float64)).abs().max() <= d * 2.0**-23
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 64), (3, 5, 128)])
+def test_fp4_act_cast_bit_equal_to_float64_rule(shape, dtype):
+    x = _inputs(shape, seed=shape[-1] + len(shape), dtype=dtype)
+    got = fp4_act_fake_quant(x)
+    want, _ = _cast64(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.double(), want)
+    flat = got.view(-1, 32).float()
+    assert flat[0].tolist() == [6.0, 2.0, 4.0, 0.0, 2.0, 4.0, -2.0, -1.0] * 4  # ties to even codes
+    assert flat[1, 0] == 6.0 and (flat[1, 1:4] == torch.tensor([2.0, 4.0, 0.0])).all()  # scale 2: 2.5 -> 2 (1.25)
+    assert (flat[2:4] == 0).all()
+
+
+def test_fp4_act_cast_straight_through_and_errors():
+    x = torch.randn(4, 64, requires_grad=True)
+    g = torch.randn(4, 64)
+    fp4_act_fake_quant(x).backward(g)
+    assert torch.equal(x.grad, g)
+    torch.library.opcheck(torch.ops.dsv3.fp4_act_fake_quant.default, (torch.randn(3, 96, requires_grad=True),))
+    with pytest.raises(ValueError, match="blocks of 32 along the last dim, got a last dim of 48") as err:
+        fp4_act_fake_quant(torch.randn(2, 48))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="MXFP4 takes a float16/bfloat16/float32/float64 tensor"):
+        fp4_act_fake_quant(torch.ones(2, 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed,d", [(0, 128), (1, 64)])
+def test_rotated_fp4_scores_within_the_derived_bound(seed, d):
+    """``hadamard_fp4(q) . hadamard_fp4(k)`` against the float64 ``q . k`` (module docstring's bound), with an
+    outlier dim in q and k; the cast equals the float64 rule on the fp32 rotation's output bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(40, 4, d, generator=g), torch.randn(50, d, generator=g)
+    q[..., 3] *= 30.0
+    k[..., 3] *= 30.0
+    h = hadamard(d)
+    q_hat, k_hat = hadamard_fp4(q), hadamard_fp4(k)
+    (q_ref, q_s), (k_ref, k_s) = _cast64(q @ h), _cast64(k @ h)
+    assert torch.equal(q_hat.double(), q_ref) and torch.equal(k_hat.double(), k_ref)
+    h64 = _sylvester(d) / math.sqrt(d)  # the exact rotation (float64); the model's has its scale rounded to fp32
+    rot = (d + 1) * 2.0**-24  # gamma_d of the fp32 product, plus the fp32 scale's one rounding
+    err_q = _half_spacing(q @ h, q_s) + rot * (q.double().abs() @ h64.abs())
+    err_k = _half_spacing(k @ h, k_s) + rot * (k.double().abs() @ h64.abs())
+    scores = torch.einsum("thd,nd->thn", q_hat.double(), k_hat.double())
+    ref = torch.einsum("thd,nd->thn", q.double(), k.double())
+    bound = (torch.einsum("thd,nd->thn", err_q, k_hat.double().abs())
+             + torch.einsum("thd,nd->thn", (q.double() @ h64).abs(), err_k)
+             + 1e-12 * torch.einsum("thd,nd->thn", q.double().abs(), k.double().abs()))
+    assert ((scores - ref).abs() <= bound).all()
+    assert float((scores - ref).abs().max()) > 1e-3 * float(ref.abs().max())  # FP4 is visible: this can fail
+    # the rotation's purpose: with the outlier dim, the unrotated cast loses far more of the scores
+    plain = torch.einsum("thd,nd->thn", fp4_act_fake_quant(q).double(), fp4_act_fake_quant(k).double())
+    assert float((scores - ref).norm()) < 0.5 * float((plain - ref).norm())
+
+
+def test_hadamard_fp4_gradient_is_straight_through_the_cast():
+    """d(hadamard_fp4(x))/dx = H^T (= H): the cast passes the gradient, the rotation transposes it."""
+    x = torch.randn(5, 3, 64, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, 64, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(hadamard_fp4(x), x, g)
+    assert torch.allclose(grad, g @ hadamard(64).double().T, rtol=0, atol=1e-12)
+
+
+def _v32(fmt: str) -> ModelArgs:
+    return ModelArgs.preset("debug_dsa", index_head_dim=32, indexer_qk_format=fmt)
+
+
+def test_v32_and_v4_indexers_score_the_rotated_fp4_values():
+    """V3.2's ``Indexer.queries`` / ``keys`` and V4's ``Indexer.parts`` with the option give ``hadamard_fp4`` of the
+    bf16-format indexer's values (same weights); the loss's gradient reaches the indexer's weights."""
+    torch.manual_seed(0)
+    fp4, plain = Indexer(_v32("mxfp4_hadamard")), Indexer(_v32("bf16"))
+    plain.load_state_dict(fp4.state_dict())
+    args = _v32("bf16")
+    q_resid, x = torch.randn(2, 9, args.q_lora_rank), torch.randn(2, 9, args.dim)
+    cos, sin = torch.randn(9, args.qk_rope_head_dim // 2), torch.randn(9, args.qk_rope_head_dim // 2)
+    q, k = fp4.queries(q_resid, cos, sin), fp4.keys(x, cos, sin)
+    assert torch.equal(q, hadamard_fp4(plain.queries(q_resid, cos, sin)))
+    assert torch.equal(k, hadamard_fp4(plain.keys(x, cos, sin)))
+    torch.einsum("bshd,bnd->bshn", q, k).relu().sum().backward()
+    assert fp4.wq_b.weight.grad is not None and fp4.wk.weight.grad.abs().sum() > 0
+
+    v4 = V4Args.preset("debug_v4", index_head_dim=32)
+    fp4_4, plain_4 = V4Indexer(v4.replace(indexer_qk_format="mxfp4_hadamard")), V4Indexer(v4)
+    plain_4.load_state_dict(fp4_4.state_dict())
+    x, qr = torch.randn(2, 16, v4.dim), torch.randn(2, 16, v4.q_lora_rank)
+    angles = torch.randn(16, v4.rope_head_dim // 2)
+    (q4, k4, w4), (pq, pk, pw) = fp4_4.parts(x, qr, angles), plain_4.parts(x, qr, angles)
+    assert torch.equal(q4, hadamard_fp4(pq)) and torch.equal(k4, hadamard_fp4(pk)) and torch.equal(w4, pw)
+    assert not torch.equal(fp4_4.scores(q4, k4, w4), plain_4.scores(pq, pk, pw))
+
+
+def test_bad_indexer_qk_formats_are_one_line_errors():
+    cases = [
+        (lambda: ModelArgs.preset("debug_dsa", indexer_qk_format="fp4"), "indexer_qk_format must be one of auto"),
+        (lambda: ModelArgs.preset("debug_dsa", indexer_qk_format="mxfp4_hadamard"),
+         "casts q and k to FP4 in blocks of 32: index_head_dim must be a multiple of 32, got 16"),
+        (lambda: ModelArgs.preset("debug_dsa", index_head_dim=96, indexer_qk_format="mxfp4_hadamard"),
+         "index_head_dim must be a power of two, got 96"),
+        (lambda: ModelArgs.preset("debug", indexer_qk_format="mxfp4_hadamard"), "needs a model with a lightning"),
+        (lambda: ModelArgs.preset("debug_dsa", index_head_dim=256, indexer_qk_format="fp8"), "must be <= 128"),
+        (lambda: V4Args.preset("debug_v4", indexer_qk_format="fp8"), "bf16, mxfp4_hadamard for V4"),
+        (lambda: V4Args.preset("debug_v4", index_head_dim=32, compress_ratios=(0, 128, 0, 128, 0),
+                               indexer_qk_format="mxfp4_hadamard"), "needs a model with a lightning"),
+        (lambda: load_config(None, ['model.indexer_qk_format="nvfp4"']), "model.indexer_qk_format must be one of"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            make()
+        assert "\n" not in str(err.value)
+    assert ModelArgs.preset("debug_dsa", fp8=True).indexer_qk == "fp8"  # auto follows the GEMMs, as before
+    assert ModelArgs.preset("debug_dsa").indexer_qk == "bf16"
+
+
+def _train(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "recipes.train", "--config", "recipes/configs/dsa_sparse_cpu.toml", "--run-dir",
+           str(run_dir)]
+    for o in ["run.steps=2", "data.seq_len=32", "data.global_batch=4", "data.micro_batch=2", "logging.eval_batches=0",
+              "logging.progress=false", "run.threads=1", "run.sample_tokens=0", "checkpoint.final=false",
+              "model.overrides.index_topk=8", "model.overrides.n_layers=2", "model.overrides.n_mtp_layers=0",
+              *extra]:
+        cmd += ["--set", o]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+
+
+@pytest.mark.timeout(900)  # three short CLI runs: ~30-70 s here, far longer on a loaded 2-core machine
+def test_cli_trains_a_dsa_model_with_the_fp4_indexer(tmp_path):
+    """``recipes.train`` on the sparse DSA config with ``model.indexer_qk_format="mxfp4_hadamard"``: it trains (the
+    indexer KL logged and finite) and differs from the bf16 indexer's run from the same seed, where the FP4 scores
+    feed the KL; a head dim FP4 cannot take is refused in one line, exit 2, before any run folder exists."""
+    head = ["model.overrides.index_head_dim=32"]
+    runs = {}
+    for fmt in ("mxfp4_hadamard", "bf16"):
+        proc = _train(tmp_path / fmt, head + [f'model.indexer_qk_format="{fmt}"'])
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / fmt / "metrics.jsonl").read_text().splitlines()]
+        runs[fmt] = [r for r in rows if "indexer_kl" in r]
+    assert len(runs["mxfp4_hadamard"]) == 2 and all(math.isfinite(r["indexer_kl"]) for r in runs["mxfp4_hadamard"])
+    assert runs["mxfp4_hadamard"][0]["indexer_kl"] != runs["bf16"][0]["indexer_kl"]
+    bad = _train(tmp_path / "bad", ['model.indexer_qk_format="mxfp4_hadamard"'])  # the preset's head dim 16
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and lines[-1].startswith("error: ") and "multiple of 32, got 16" in lines[-1]
+    assert not (tmp_path / "bad").exists()
