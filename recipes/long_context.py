@@ -278,11 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_INPUT
     export(out / "extend", out / "extend_hf")
 
-    yarn = dict(rope_factor=factor, original_seq_len=short_len, max_seq_len=long_len,
-                beta_fast=extend_cfg.model.overrides.get("beta_fast", 32),
-                beta_slow=extend_cfg.model.overrides.get("beta_slow", 1),
-                mscale=extend_cfg.model.overrides.get("mscale", 1.0),
-                mscale_all_dim=extend_cfg.model.overrides.get("mscale_all_dim", 1.0))
+    extended = ModelArgs.from_hf_config(out / "extend_hf")  # the RoPE the extension trained with
+    yarn = {f: getattr(extended, f) for f in ("rope_factor", "original_seq_len", "max_seq_len", "beta_fast",
+                                              "beta_slow", "mscale", "mscale_all_dim")}
     models = {"short": load_model(out / "short_hf", max_seq_len=long_len),
               "short+yarn": load_model(out / "short_hf", **yarn),
               "extended": load_model(out / "extend_hf")}
