@@ -222,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extend-factor", type=extend_factor, default=4.0,
                     help="stage 2's length over stage 1's, and the YaRN factor")
     ap.add_argument("--cp", type=positive_int, default=2, help="context-parallel ranks of stage 2")
-    ap.add_argument("--short-steps", type=positive_int, default=None, help="(default: the short config's)")
-    ap.add_argument("--extend-steps", type=positive_int, default=None, help="(default: the extend config's)")
+    ap.add_argument("--short-steps", type=positive_int, default=None,
+                    help="stage 1's steps (default: the short config's run.steps)")
+    ap.add_argument("--extend-steps", type=positive_int, default=None,
+                    help="stage 2's steps (default: the extend config's run.steps)")
     ap.add_argument("--eval-docs", type=positive_int, default=24, help="held-out documents per passkey depth")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the corpora, the held-out set and both runs")
-    ap.add_argument("--short-config", default=str(CONFIGS / "long_context_short_cpu.toml"))
-    ap.add_argument("--extend-config", default=str(CONFIGS / "long_context_extend_cpu.toml"))
+    ap.add_argument("--short-config", default=str(CONFIGS / "long_context_short_cpu.toml"), help="stage 1's config")
+    ap.add_argument("--extend-config", default=str(CONFIGS / "long_context_extend_cpu.toml"), help="stage 2's config")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key of both stages (repeatable)")
     ns = ap.parse_args(argv)
