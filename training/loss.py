@@ -61,18 +61,25 @@ class StageLoss:
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
         with st.applied():
-            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels)
+            parts = lm_losses_from_hidden(self.args, st.norm, st.head, st.mtp, st.embed, h, tokens, labels,
+                                          positions=self._positions(h))
         return self._total(parts, labels)
+
+    def _positions(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The global positions of ``h``'s rows under context parallelism (the windows are then whole
+        sequences, ``h`` this rank's chunks of them); None without."""
+        return None if self.stage.cp is None else self.stage.positions(h.shape[1], h.device)
 
     def pieces(self, windows: torch.Tensor) -> list[Piece]:
         """The same as plan pieces after the stage's (which end in ``h``): the MTP depths (whose all-to-alls the
         overlapped pipeline hides), then the heads, ending in ``loss``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens)
+        positions = None if st.cp is None else st.cp.positions(windows.device)
+        pieces, hidden = mtp_pieces(self.args, st.mtp, st.embed, tokens, positions=positions)
 
         def loss(h: torch.Tensor, *mtp_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-            parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels)
+            parts = head_losses(self.args, st.norm, st.head, st.mtp, h, mtp_hidden, labels, positions=positions)
             return {"loss": self._total(parts, labels)}
 
         return st.under_policy([*pieces, Compute("loss", loss, ("h", *hidden), ("loss",))])

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v3.context_parallel import ContextParallel
 from models.deepseek_v3.model import run_layers
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.plan import Compute, Piece, Run, layer_pieces, overlapped
@@ -150,6 +151,16 @@ class DeepSeekV3Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(self.start, self.end)})
         if self.is_last:
             self.norm, self.head, self.mtp = model.norm, model.head, model.mtp
+        self.cp: ContextParallel | None = None  # context parallelism: set once by ``wire_context_parallel``
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of a micro-batch's ``seq_len`` rows here: ``0..seq_len-1``, or this CP rank's chunks."""
+        if self.cp is None:
+            return torch.arange(seq_len, device=device)
+        if seq_len != self.cp.local_len:
+            raise ValueError(f"context parallelism: a stage input of {seq_len} rows, expected this rank's "
+                             f"{self.cp.local_len} of the run's data.seq_len={self.cp.seq_len}")
+        return self.cp.positions(device)
 
     def owned_modules(self) -> dict[str, nn.Module]:
         """Name -> module for everything this stage holds (what gets materialised)."""
@@ -178,7 +189,8 @@ class DeepSeekV3Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.applied():
             h = self.embed(x) if self.is_first else x
-            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h)
+            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h,
+                           positions=self.positions(h.shape[1], h.device))
         return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
 
     # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
@@ -187,7 +199,7 @@ class DeepSeekV3Stage(nn.Module):
         pieces: list[Piece] = []
         if self.is_first:
             pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
-        cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
+        cos, sin = rope_cos_sin(self.args, self.positions(seq_len, device))
         for i in range(self.start, self.end):
             pieces += layer_pieces(self.layers[str(i)], cos, sin)
         return self.under_policy(pieces)

@@ -14,6 +14,10 @@ Queries go through a low-rank bottleneck (``wq_a`` -> RMSNorm -> ``wq_b``; a pla
   through ``flash_mla.sparse_mla_attention`` (training and prefill) over the batch's latents flattened
   to ``[b * s, 576]``. In training the indexer's KL loss rides on the attention output's backward
   (``balancing.attach_aux_loss``), so every pipeline schedule carries it as it carries the output.
+
+Under context parallelism (``cp``, a ``context_parallel.ContextParallel`` the trainer hands the layer once)
+the naive form's keys and values come from the whole sequence's latents, all-gathered over the CP group,
+and the local queries attend them with the global causal mask (``docs/context_parallel.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from deep_gemm.linear import out_is_view
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
+from models.deepseek_v3.context_parallel import ContextParallel
 from models.deepseek_v3.indexer import (
     Indexer,
     attention_target,
@@ -96,6 +101,7 @@ class MLA(nn.Module):
         self.sparse = args.sparse
         self.fp8_index = bool(args.fp8)  # the indexer scores in FP8 (DeepGEMM's fp8_mqa_logits) when the GEMMs do
         self.indexer = Indexer(args) if args.index_topk else None
+        self.cp: ContextParallel | None = None  # context parallelism, set once (``wire_context_parallel``)
 
     # ---- shared by both forms ---------------------------------------------------------------------
     def _q_latent(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
@@ -133,6 +139,8 @@ class MLA(nn.Module):
         return q, k, v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp is not None:  # local queries over the whole sequence's keys, global causal mask
+            return self.cp.attention(q, k, v, self.softmax_scale).flatten(2)
         return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
@@ -145,6 +153,8 @@ class MLA(nn.Module):
             return self.forward_absorbed(x, cos, sin, cache, start_pos, x_fp8)
         q_latent = self._q_latent(x, x_fp8)
         c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
+        if self.cp is not None:  # the 576-wide latents of the whole sequence (RoPE at each token's global position)
+            c_kv, k_pe = self._gathered(c_kv, k_pe)
         learn = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
             return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
@@ -165,6 +175,12 @@ class MLA(nn.Module):
         if learn:
             out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
         return out
+
+    def _gathered(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c_kv, k_pe)`` of every position of the sequence, gathered over the CP group in one exchange."""
+        latent = self.cp.gather(torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return c_kv, k_pe.unsqueeze(2)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """``wo(out)``; the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an

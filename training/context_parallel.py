@@ -1,0 +1,57 @@
+"""Context parallelism in the trainer: the CP helper made once per run and handed to the modules that use it.
+
+``context_parallel`` makes this rank's ``models.deepseek_v3.context_parallel.ContextParallel`` from its ``cp``
+process group (None without CP); ``wire_context_parallel`` gives it to every stage (positions of its rows, the
+loss's shares, MTP's roll) and every MLA layer of them (the latent all-gather and the global causal mask), as
+``training.experts.wire_moe_layers`` gives the MoE layers their expert-parallel exchange. The trainer then feeds
+each stage this rank's chunks of the sequences (``ContextParallel.split``) and the criterion the whole windows.
+See ``docs/context_parallel.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from models.deepseek_v3.context_parallel import ContextParallel
+from models.deepseek_v3.mla import MLA
+from training.config import TrainConfig
+from training.parallel import ParallelState
+from training.stages import DeepSeekV3Stage
+
+
+def context_parallel(cfg: TrainConfig, ps: ParallelState) -> ContextParallel | None:
+    """This rank's CP helper over its ``cp`` group for sequences of ``data.seq_len`` tokens; None at cp = 1."""
+    if cfg.parallel.cp == 1:
+        return None
+    return ContextParallel(ps.group("cp"), cfg.parallel.cp, ps.coords.cp_rank, cfg.data.seq_len)
+
+
+def wire_context_parallel(stages: Sequence[DeepSeekV3Stage], cp: ContextParallel | None) -> None:
+    """Hand ``cp`` to every stage and every MLA layer in them (MTP's included); nothing without CP."""
+    if cp is None:
+        return
+    for st in stages:
+        st.cp = cp
+        for m in st.modules():
+            if isinstance(m, MLA):
+                m.cp = cp
+
+
+def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk: int, strategy: str) -> None:
+    """ValueError (one line, naming the setting) for what the CP runtime does not run."""
+    if cp == 1:
+        return
+    chunk = seq_len // (2 * cp)
+    if n_mtp_layers >= chunk:
+        raise ValueError(f"model n_mtp_layers={n_mtp_layers} with parallel.cp={cp}: each of the 2 x cp chunks of "
+                         f"data.seq_len={seq_len} holds {chunk} tokens, fewer than MTP's depth + 1; lower parallel.cp "
+                         "or raise data.seq_len")
+    if index_topk:
+        raise ValueError(f"parallel.cp={cp} with DSA (model index_topk={index_topk}): the indexer's keys are not "
+                         "exchanged over context-parallel ranks yet; set parallel.cp=1")
+    losses = sorted({"seq_aux", "aux", "z_loss"} & set(strategy.split("+")))
+    if losses:
+        raise ValueError(f"balance.strategy={strategy!r} with parallel.cp={cp}: the {', '.join(losses)} balance "
+                         "loss is computed per rank's tokens, not over the context-parallel group's whole sequences; "
+                         "use balance.strategy='aux_free' or parallel.cp=1")
+
