@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from models.deepseek_v3.balancing import ExpertBalancer
 from models.deepseek_v3.context_parallel import ContextParallel
 from models.deepseek_v3.mla import MLA
 from training.config import TrainConfig
@@ -27,17 +28,19 @@ def context_parallel(cfg: TrainConfig, ps: ParallelState) -> ContextParallel | N
 
 
 def wire_context_parallel(stages: Sequence[DeepSeekV3Stage], cp: ContextParallel | None) -> None:
-    """Hand ``cp`` to every stage and every MLA layer in them (MTP's included); nothing without CP."""
+    """Hand ``cp`` to every stage and every MLA layer and expert balancer in them (MTP's included); nothing without
+    CP. The balancers are wired by ``training.experts.wire_moe_layers``, which must run first."""
     if cp is None:
         return
     for st in stages:
         st.cp = cp
         for m in st.modules():
-            if isinstance(m, MLA):
+            if isinstance(m, (MLA, ExpertBalancer)):
                 m.cp = cp
 
 
-def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk: int, strategy: str) -> None:
+def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk: int,
+                           capacity_factor: float | None) -> None:
     """ValueError (one line, naming the setting) for what the CP runtime does not run."""
     if cp == 1:
         return
@@ -49,9 +52,7 @@ def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk:
     if index_topk:
         raise ValueError(f"parallel.cp={cp} with DSA (model index_topk={index_topk}): the indexer's keys are not "
                          "exchanged over context-parallel ranks yet; set parallel.cp=1")
-    losses = sorted({"seq_aux", "aux", "z_loss"} & set(strategy.split("+")))
-    if losses:
-        raise ValueError(f"balance.strategy={strategy!r} with parallel.cp={cp}: the {', '.join(losses)} balance "
-                         "loss is computed per rank's tokens, not over the context-parallel group's whole sequences; "
-                         "use balance.strategy='aux_free' or parallel.cp=1")
-
+    if capacity_factor is not None:
+        raise ValueError(f"balance.capacity_factor={capacity_factor:g} with parallel.cp={cp}: expert capacity is "
+                         "counted over each rank's tokens, not the context-parallel group's whole sequences; leave "
+                         "balance.capacity_factor unset (dropless) or set parallel.cp=1")

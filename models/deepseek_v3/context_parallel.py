@@ -88,6 +88,13 @@ class ContextParallel:
                              f"data.seq_len={self.seq_len}")
         return t.index_select(dim, self.positions(t.device))
 
+    @torch.no_grad()
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the CP group (a new tensor; no gradient): counts over the whole sequences."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t [b, rows, ...]`` (this rank's first ``rows <= 2L`` rows) -> ``[b, seq_len, ...]`` in global order,
         differentiable (backward: reduce-scatter). Rows a rank does not have (MTP's dropped tail) come back as
