@@ -39,8 +39,7 @@ def wire_context_parallel(stages: Sequence[DeepSeekV3Stage], cp: ContextParallel
                 m.cp = cp
 
 
-def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk: int,
-                           capacity_factor: float | None) -> None:
+def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, capacity_factor: float | None) -> None:
     """ValueError (one line, naming the setting) for what the CP runtime does not run."""
     if cp == 1:
         return
@@ -49,9 +48,6 @@ def check_context_parallel(cp: int, seq_len: int, n_mtp_layers: int, index_topk:
         raise ValueError(f"model n_mtp_layers={n_mtp_layers} with parallel.cp={cp}: each of the 2 x cp chunks of "
                          f"data.seq_len={seq_len} holds {chunk} tokens, fewer than MTP's depth + 1; lower parallel.cp "
                          "or raise data.seq_len")
-    if index_topk:
-        raise ValueError(f"parallel.cp={cp} with DSA (model index_topk={index_topk}): the indexer's keys are not "
-                         "exchanged over context-parallel ranks yet; set parallel.cp=1")
     if capacity_factor is not None:
         raise ValueError(f"balance.capacity_factor={capacity_factor:g} with parallel.cp={cp}: expert capacity is "
                          "counted over each rank's tokens, not the context-parallel group's whole sequences; leave "

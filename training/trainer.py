@@ -128,7 +128,7 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_microbatches(par, batch // (par.dp * cfg.data.micro_batch), f"a global batch of {batch} sequences")
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-    check_context_parallel(par.cp, cfg.data.seq_len, args.n_mtp_layers, args.index_topk, cfg.balance.capacity_factor)
+    check_context_parallel(par.cp, cfg.data.seq_len, args.n_mtp_layers, cfg.balance.capacity_factor)
     check_eplb(cfg, args)
     init_missing = cfg.model.init_from and not Path(cfg.model.init_from).exists()
     if cfg.model.init_from and not (allow_missing_init and init_missing) \

@@ -162,8 +162,11 @@ class MLA(nn.Module):
         # the indexer reads the layer's input and query residual detached: only its own loss trains it
         q_i, k_i, w = self._index(x.detach(), q_latent.detach(), cos, sin)
         b, s = x.shape[:2]
+        qpos = None
+        if self.cp is not None:  # the indexer's keys of the whole sequence; queries at this rank's positions
+            k_i, qpos = self.cp.gather(k_i), self.cp.positions(x.device, s)
         if self.sparse:
-            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index)
+            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index, positions=qpos)
             out = produce_consume(lambda a, b_, c: self._absorb(a, b_, c, cos, sin),
                                   lambda q, kv: self._attend_sparse(q, kv, rows).unflatten(0, (b, s)),
                                   q_latent, c_kv, k_pe, enabled=self.recompute_up)
@@ -173,7 +176,7 @@ class MLA(nn.Module):
                                   c_kv, k_pe, enabled=self.recompute_up)
         out = self._output(out)
         if learn:
-            out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
+            out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows, qpos))
         return out
 
     def _gathered(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,10 +220,12 @@ class MLA(nn.Module):
 
     def _indexer_loss(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
-                      rows: torch.Tensor | None) -> torch.Tensor:
+                      rows: torch.Tensor | None, qpos: torch.Tensor | None = None) -> torch.Tensor:
         """KL of the indexer to the main attention over each query's candidates: the selected ``rows`` in the
-        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached."""
-        s = q_latent.shape[1]
+        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached.
+        ``qpos`` (context parallelism): the queries' global positions among the gathered keys and latents; the
+        loss is then this rank's share (its queries' mean weighted by their part of the CP group's queries)."""
+        s, n = q_latent.shape[1], c_kv.shape[1]
         q_i, k_i, w = q_i.flatten(0, 1), k_i.flatten(0, 1), w.flatten(0, 1)
         stats = self.indexer.stats
         if rows is not None:
@@ -229,7 +234,7 @@ class MLA(nn.Module):
             loss = indexer_kl(p, q_i, k_i, w, rows)
             if not recomputing():
                 stats.record("kl", loss)
-            return loss
+            return self._share(loss, q_i.shape[0])
         with torch.no_grad():  # what the target is remade from: the query latents and the 576-wide latents
             q_latent = q_latent.detach().flatten(0, 1)
             kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1).flatten(0, 1)
@@ -238,18 +243,25 @@ class MLA(nn.Module):
             with torch.no_grad():
                 pos = torch.arange(start, start + count, device=kv.device) % s
                 q = self._absorb_queries(q_latent[None, start:start + count], cos[pos][None], sin[pos][None])[0]
-                cand = causal_rows(start, count, s, kv.device)
+                cand = causal_rows(start, count, n, kv.device, positions=qpos)
                 return attention_target(q, kv, cand, self.softmax_scale, chunk=count), cand
 
         # each candidate costs a gathered latent and a logit per head (main side), or D + H (indexer side)
-        chunk = dense_chunk(s, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
+        chunk = dense_chunk(n, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
         loss = dense_indexer_kl(target, q_i, k_i, w, chunk)
         if not recomputing():
             stats.record("kl", loss)
             last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
             p, cand = target(last, q_i.shape[0] - last)
             record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
-        return loss
+        return self._share(loss, q_i.shape[0])
+
+    def _share(self, loss: torch.Tensor, queries: int) -> torch.Tensor:
+        """``loss`` (a mean over this rank's ``queries``) as its share of the CP group's mean; itself without CP."""
+        if self.cp is None:
+            return loss
+        total = self.cp.sum(torch.tensor([float(queries)], device=loss.device))[0]
+        return loss * (queries / total)
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
