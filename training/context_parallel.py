@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from accel.flight import FlightRecorder
+from accel.trace import TraceRecorder
 from models.deepseek_v3.balancing import ExpertBalancer
 from models.deepseek_v3.context_parallel import ContextParallel
 from models.deepseek_v3.mla import MLA
@@ -20,11 +22,13 @@ from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
 
 
-def context_parallel(cfg: TrainConfig, ps: ParallelState) -> ContextParallel | None:
-    """This rank's CP helper over its ``cp`` group for sequences of ``data.seq_len`` tokens; None at cp = 1."""
+def context_parallel(cfg: TrainConfig, ps: ParallelState, recorder: TraceRecorder | None = None,
+                     flight: FlightRecorder | None = None) -> ContextParallel | None:
+    """This rank's CP helper over its ``cp`` group for sequences of ``data.seq_len`` tokens; None at cp = 1.
+    ``recorder`` / ``flight``: its exchanges are recorded on the trace's comm track and in the flight recorder."""
     if cfg.parallel.cp == 1:
         return None
-    return ContextParallel(ps.group("cp"), cfg.parallel.cp, ps.coords.cp_rank, cfg.data.seq_len)
+    return ContextParallel(ps.group("cp"), cfg.parallel.cp, ps.coords.cp_rank, cfg.data.seq_len, recorder, flight)
 
 
 def wire_context_parallel(stages: Sequence[DeepSeekV3Stage], cp: ContextParallel | None) -> None:

@@ -204,7 +204,8 @@ class Trainer:
         if self.args.dsa_warmup:  # DSA stage 1: only the indexers train; nothing else reaches the optimizer
             freeze_all_but_indexers(self.stages)
         wire_moe_layers(self.stages, cfg, ps, recorder, self.flight)  # expert parallelism and balancing here
-        self.cp = context_parallel(cfg, ps)  # context parallelism: MLA's latent exchange, positions, loss shares
+        # context parallelism: MLA's latent exchange, the rows' positions, the loss shares
+        self.cp = context_parallel(cfg, ps, recorder, self.flight)
         wire_context_parallel(self.stages, self.cp)
         self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight, self.cp)
                          if cfg.parallel.schedule != "none" else None)

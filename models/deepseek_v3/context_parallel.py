@@ -14,9 +14,15 @@ and handed to the modules that exchange (``MLA.cp``, ``DeepSeekV3Stage.cp``); no
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from accel.flight import FlightRecorder, record_collective
+from accel.trace import TraceRecorder
 
 # torch >= 2.13 names them *_single (the *_tensor names are deprecated there); torch 2.11 has only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -32,27 +38,30 @@ def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> list[int]:
 
 
 class _AllGather(torch.autograd.Function):
-    """``[n, ...]`` on every rank -> ``[cp * n, ...]`` (rank order); backward: reduce-scatter (sum) of the
-    gradient, each rank keeping its own rows (gloo, which has no reduce-scatter: all-reduce then slice)."""
+    """``[n, ...]`` on every rank of ``cp``'s group -> ``[cp * n, ...]`` (rank order); backward: reduce-scatter (sum)
+    of the gradient, each rank keeping its own rows (gloo, which has no reduce-scatter: all-reduce then slice)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.rank = group, size, rank
+    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
         x = x.contiguous()
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x, group=group)
+        out = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))
+        with cp.recorded("cp all-gather", "all_gather", out.numel() * out.element_size()):
+            _all_gather(out, x, group=cp.group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        cp = ctx.cp
         grad = grad.contiguous()
-        n = grad.shape[0] // ctx.size
-        if dist.get_backend(ctx.group) == "gloo":
-            dist.all_reduce(grad, group=ctx.group)
-            return grad[ctx.rank * n:(ctx.rank + 1) * n].clone(), None, None, None
-        out = grad.new_empty((n, *grad.shape[1:]))
-        _reduce_scatter(out, grad, group=ctx.group)
-        return out, None, None, None
+        n = grad.shape[0] // cp.size
+        with cp.recorded("backward cp reduce-scatter", "reduce_scatter", grad.numel() * grad.element_size()):
+            if dist.get_backend(cp.group) == "gloo":
+                dist.all_reduce(grad, group=cp.group)
+                return grad[cp.rank * n:(cp.rank + 1) * n].clone(), None
+            out = grad.new_empty((n, *grad.shape[1:]))
+            _reduce_scatter(out, grad, group=cp.group)
+        return out, None
 
 
 class ContextParallel:
@@ -60,16 +69,29 @@ class ContextParallel:
     ``gather`` of a per-token tensor over the group in global order, and causal ``attention`` of local queries
     over gathered keys. ``seq_len``: the run's sequence length (every micro-batch has it)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, seq_len: int):
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, seq_len: int,
+                 recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None):
+        """``recorder``: each exchange is a span of the ``--trace`` timeline's comm track; ``flight``: and an
+        entry of the rank's flight recorder (a hang names the step, action and exchange)."""
         if size < 2:
             raise ValueError(f"ContextParallel needs a group of at least 2 ranks, got {size}")
         self.group, self.size, self.rank, self.seq_len = group, size, rank, seq_len
+        self.recorder, self.flight = recorder, flight
         self.chunk = seq_len // (2 * size)
         self._positions = torch.tensor(chunk_positions(seq_len, size, rank), dtype=torch.long)
         # row of the gathered [cp * 2L] tensor holding global position p: rank r's rows are chunks r, 2cp-1-r
         order = [q for r in range(size) for q in chunk_positions(seq_len, size, r)]
         self._gathered_row = torch.empty(seq_len, dtype=torch.long)
         self._gathered_row[torch.tensor(order)] = torch.arange(seq_len)
+
+    @contextlib.contextmanager
+    def recorded(self, name: str, kind: str, nbytes: int) -> Iterator[None]:
+        """A blocking exchange over the CP group, recorded on the trace's comm track and in the flight recorder."""
+        with contextlib.ExitStack() as stack:
+            if self.recorder is not None:
+                stack.enter_context(self.recorder.span("comm", name))
+            stack.enter_context(record_collective(self.flight, name, "cp", self.group, nbytes, kind=kind))
+            yield
 
     @property
     def local_len(self) -> int:
@@ -92,7 +114,8 @@ class ContextParallel:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the CP group (a new tensor; no gradient): counts over the whole sequences."""
         out = t.detach().clone()
-        dist.all_reduce(out, group=self.group)
+        with self.recorded("cp count sum", "all_reduce", out.numel() * out.element_size()):
+            dist.all_reduce(out, group=self.group)
         return out
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +127,7 @@ class ContextParallel:
             raise ValueError(f"context parallelism: {rows} rows on a rank that holds {self.local_len}")
         if rows < self.local_len:
             t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, self.local_len - rows))
-        gathered = _AllGather.apply(t.transpose(0, 1), self.group, self.size, self.rank)
+        gathered = _AllGather.apply(t.transpose(0, 1), self)
         return gathered.index_select(0, self._gathered_row.to(t.device)).transpose(0, 1)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
