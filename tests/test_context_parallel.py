@@ -249,3 +249,26 @@ def test_bad_cp_values_are_one_line_errors(sets, needle, capsys):
     assert train_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_trace_shows_the_latent_exchange_inside_compute(tmp_path):
+    """``--trace`` of a CP = 2 step: every layer's latent all-gather (and the MTP layer's) is a comm span inside a
+    micro-batch's forward compute span, and its reduce-scatter inside the backward's, on both ranks."""
+    trace = tmp_path / "trace.json"
+    _train(tmp_path, "run", 2, ["parallel.cp=2", "parallel.ep=1", "run.steps=1", "run.sample_tokens=0"],
+           ["--trace", str(trace)])
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    layers = 4 + 1  # the demo's 4 layers and MTP's block: one gather each per forward
+    for rank in range(2):
+        compute = [e for e in events if e["pid"] == rank and e["cat"] == "compute"]
+        comm = [e for e in events if e["pid"] == rank and e["cat"] == "comm"]
+        micro_batches = len([a for a in compute if a["name"].startswith("0F")])
+        assert micro_batches == 2
+        for name, action in (("cp all-gather", "0F"), ("backward cp reduce-scatter", "0B")):
+            spans = [c for c in comm if c["name"] == name]
+            held = [c for c in spans for a in compute if a["name"].startswith(action)
+                    and a["ts"] <= c["ts"] and c["ts"] + c["dur"] <= a["ts"] + a["dur"] + 1.0]  # 1 us: rounding
+            assert len(spans) == layers * micro_batches and len(held) == len(spans), (rank, name, len(spans))

@@ -189,8 +189,9 @@ class DeepSeekV3Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.applied():
             h = self.embed(x) if self.is_first else x
+            positions = None if self.cp is None else self.positions(h.shape[1], h.device)
             h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h,
-                           positions=self.positions(h.shape[1], h.device))
+                           positions=positions)
         return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
 
     # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
