@@ -159,6 +159,34 @@ def test_resume_across_a_change_of_cp_size(tmp_path):
         _assert_equal_runs(resumed, ref[2:])
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DSV3_CP_PIPELINE_CLI") != "1",
+                    reason="opt-in (DSV3_CP_PIPELINE_CLI=1): three CLI trainings, two on 4 processes")
+@pytest.mark.timeout(1800)
+def test_pipelines_with_cp2_equal_one_process_through_the_cli(tmp_path):
+    """DualPipeV x CP = 2 x EP = 2 (over the CP ranks) x FP8, and ZB-V x CP = 2, through ``recipes.train`` on 4
+    processes against one process (FP8 there too for the first). Losses, MTP loss and gradient norm: without
+    FP8 within REL; with FP8 each step's values within ``test_combinations``' FP8 bounds (FP8_RTOL on the norm,
+    FP8_LOSS_ATOL on the losses after the first step: FP8 rounding of a reordered sum can land on the other
+    side of a scale boundary)."""
+    from tests.test_combinations import FP8_LOSS_ATOL, FP8_RTOL, LOSS_ATOL
+
+    batch = ["data.global_batch=8", "data.micro_batch=2"]  # 4 micro-batches: what ZB-V / DualPipeV at pp 2 need
+    pipe = [*batch, "parallel.pp=2", "parallel.cp=2"]
+    one, _ = _train(tmp_path, "one", 1, [*batch, "parallel.ep=1"])
+    zbv, _ = _train(tmp_path, "zbv", 4, [*pipe, "parallel.schedule=zbv", "parallel.ep=1"])
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert [r[key] for r in zbv] == pytest.approx([r[key] for r in one], rel=REL), key
+    one8, _ = _train(tmp_path, "one8", 1, [*batch, "parallel.ep=1", "model.fp8=true"])
+    dpv, _ = _train(tmp_path, "dpv", 4, [*pipe, "parallel.schedule=dualpipev", "parallel.ep=2", "model.fp8=true"])
+    assert len(dpv) == len(one8)
+    for step, (a, b) in enumerate(zip(dpv, one8)):
+        tol = LOSS_ATOL if step == 0 else FP8_LOSS_ATOL
+        assert abs(a["loss"] - b["loss"]) <= tol and abs(a["mtp_loss"] - b["mtp_loss"]) <= tol, (step, a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=FP8_RTOL), (step, a, b)
+
+
 # ---- in-process layouts against one process, final weights included (tests/test_combinations' bounds) ----
 
 DSA = ["model.overrides.index_topk=4", "model.overrides.index_n_heads=4", "model.overrides.index_head_dim=16"]
@@ -258,8 +286,8 @@ def test_the_trace_shows_the_latent_exchange_inside_compute(tmp_path):
     """``--trace`` of a CP = 2 step: every layer's latent all-gather (and the MTP layer's) is a comm span inside a
     micro-batch's forward compute span, and its reduce-scatter inside the backward's, on both ranks."""
     trace = tmp_path / "trace.json"
-    _train(tmp_path, "run", 2, ["parallel.cp=2", "parallel.ep=1", "run.steps=1", "run.sample_tokens=0"],
-           ["--trace", str(trace)])
+    _train(tmp_path, "run", 2, ["parallel.cp=2", "parallel.ep=1", "run.steps=1", "run.sample_tokens=0",
+                                "logging.eval_batches=0"], ["--trace", str(trace)])  # (training's gathers only)
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     layers = 4 + 1  # the demo's 4 layers and MTP's block: one gather each per forward
     for rank in range(2):

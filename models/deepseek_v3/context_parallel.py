@@ -137,11 +137,12 @@ class ContextParallel:
         ``(2cp + 1) L^2`` query-key pairs."""
         pos = self.positions(q.device, q.shape[1])
         outs = []
-        for lo, hi in ((0, min(self.chunk, q.shape[1])), (self.chunk, q.shape[1])):
+        for chunk, lo, hi in ((self.rank, 0, min(self.chunk, q.shape[1])),
+                              (2 * self.size - 1 - self.rank, self.chunk, q.shape[1])):
             if hi <= lo:
                 continue
             qpos = pos[lo:hi]
-            keys = int(qpos.max()) + 1
+            keys = chunk * self.chunk + hi - lo  # up to the chunk's last kept query (known here: no device sync)
             mask = torch.arange(keys, device=q.device)[None, :] <= qpos[:, None]
             out = F.scaled_dot_product_attention(q[:, lo:hi].transpose(1, 2), k[:, :keys].transpose(1, 2),
                                                  v[:, :keys].transpose(1, 2), attn_mask=mask, scale=scale)
