@@ -123,15 +123,35 @@ def _assert_equal_runs(got: list[dict], want: list[dict]) -> None:
 def test_cp2_with_ep_over_cp_ranks_equals_one_process_through_the_cli(tmp_path):
     """CP = 2 with EP = 2 spanning the two CP ranks (4 experts each), MTP depth 1, sequence-wise balance loss:
     per-step losses, MTP loss, gradient norm, balance violation, validation loss and every layer's expert loads
-    equal one process; the greedy sample is the same text."""
+    equal one process; the greedy sample is the same text; the trace shows the exchanges inside compute."""
+    trace = tmp_path / "trace.json"
     one, out1 = _train(tmp_path, "one", 1, ["parallel.ep=1"])
-    two, out2 = _train(tmp_path, "two", 2, ["parallel.cp=2", "parallel.ep=2"])
+    two, out2 = _train(tmp_path, "two", 2, ["parallel.cp=2", "parallel.ep=2"], ["--trace", str(trace)])
     _assert_equal_runs(two, one)
     assert _sample(out2) == _sample(out1)
+    _assert_exchanges_inside_compute(json.loads(trace.read_text())["traceEvents"], steps=3)
+
+
+def _assert_exchanges_inside_compute(events: list[dict], steps: int) -> None:
+    """The ``--trace`` of a CP = 2 run (schedule none, 2 micro-batches a step): every layer's latent all-gather
+    (the demo's 4 layers and MTP's block) is a comm span inside a micro-batch's forward compute span, and its
+    reduce-scatter inside the backward's, on both ranks (validation's forwards gather outside any action)."""
+    events = [e for e in events if e["ph"] == "X"]
+    layers = 4 + 1
+    for rank in range(2):
+        compute = [e for e in events if e["pid"] == rank and e["cat"] == "compute"]
+        comm = [e for e in events if e["pid"] == rank and e["cat"] == "comm"]
+        assert len([a for a in compute if a["name"].startswith("0F")]) == 2 * steps
+        for name, action in (("cp all-gather", "0F"), ("backward cp reduce-scatter", "0B")):
+            held = [c for c in comm if c["name"] == name for a in compute if a["name"].startswith(action)
+                    and a["ts"] <= c["ts"] and c["ts"] + c["dur"] <= a["ts"] + a["dur"] + 1.0]  # 1 us: rounding
+            assert len(held) == layers * 2 * steps, (rank, name, len(held))
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
+                    reason="opt-in (DSV3_CP_CLI=1): test_cp_layouts_equal_one_process checks CP = 4 in-process")
 @pytest.mark.timeout(600)
 def test_cp4_equals_one_process_through_the_cli(tmp_path):
     """CP = 4 (chunks of 4 tokens: MTP's roll crosses a chunk border on every rank)."""
@@ -161,8 +181,8 @@ def test_resume_across_a_change_of_cp_size(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DSV3_CP_PIPELINE_CLI") != "1",
-                    reason="opt-in (DSV3_CP_PIPELINE_CLI=1): three CLI trainings, two on 4 processes")
+@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
+                    reason="opt-in (DSV3_CP_CLI=1): four CLI trainings, two on 4 processes")
 @pytest.mark.timeout(1800)
 def test_pipelines_with_cp2_equal_one_process_through_the_cli(tmp_path):
     """DualPipeV x CP = 2 x EP = 2 (over the CP ranks) x FP8, and ZB-V x CP = 2, through ``recipes.train`` on 4
@@ -278,25 +298,3 @@ def test_bad_cp_values_are_one_line_errors(sets, needle, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
 
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_trace_shows_the_latent_exchange_inside_compute(tmp_path):
-    """``--trace`` of a CP = 2 step: every layer's latent all-gather (and the MTP layer's) is a comm span inside a
-    micro-batch's forward compute span, and its reduce-scatter inside the backward's, on both ranks."""
-    trace = tmp_path / "trace.json"
-    _train(tmp_path, "run", 2, ["parallel.cp=2", "parallel.ep=1", "run.steps=1", "run.sample_tokens=0",
-                                "logging.eval_batches=0"], ["--trace", str(trace)])  # (training's gathers only)
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    layers = 4 + 1  # the demo's 4 layers and MTP's block: one gather each per forward
-    for rank in range(2):
-        compute = [e for e in events if e["pid"] == rank and e["cat"] == "compute"]
-        comm = [e for e in events if e["pid"] == rank and e["cat"] == "comm"]
-        micro_batches = len([a for a in compute if a["name"].startswith("0F")])
-        assert micro_batches == 2
-        for name, action in (("cp all-gather", "0F"), ("backward cp reduce-scatter", "0B")):
-            spans = [c for c in comm if c["name"] == name]
-            held = [c for c in spans for a in compute if a["name"].startswith(action)
-                    and a["ts"] <= c["ts"] and c["ts"] + c["dur"] <= a["ts"] + a["dur"] + 1.0]  # 1 us: rounding
-            assert len(spans) == layers * micro_batches and len(held) == len(spans), (rank, name, len(spans))
