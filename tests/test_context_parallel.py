@@ -216,6 +216,9 @@ LAYOUTS = [  # (name, --set items on top of matrix.BASE, the one-process referen
     ("dualpipev-cp2-ep2-fp8", ["parallel.schedule=dualpipev", "parallel.pp=2", "parallel.cp=2", "parallel.dp=1",
                                "parallel.ep=2", "model.fp8=true", *matrix.model_overrides(1),
                                "model.overrides.recompute=['norm', 'mla_up']"], dict(fp8=True, mtp=1)),
+    ("dualpipe-cp2-ep2-eplb", ["parallel.schedule=dualpipe", "parallel.pp=2", "parallel.cp=2", "parallel.dp=1",
+                               "parallel.ep=2", "model.fp8=false", *matrix.model_overrides(1), "eplb.enabled=true",
+                               "eplb.redundant_experts=2", "eplb.interval=1"], dict(fp8=False, mtp=1)),
     ("zbv-cp2", ["parallel.schedule=zbv", "parallel.pp=2", "parallel.cp=2", "parallel.dp=1", "parallel.ep=1",
                  "model.fp8=false", *matrix.model_overrides(1)], dict(fp8=False, mtp=1)),
     ("dsa-warmup-cp2-dp2", ["parallel.schedule=none", "parallel.pp=1", "parallel.cp=2", "parallel.dp=2",
@@ -228,7 +231,7 @@ LAYOUTS = [  # (name, --set items on top of matrix.BASE, the one-process referen
 
 
 def _reference_items(items: list[str]) -> list[str]:
-    keep = [i for i in items if not i.startswith("parallel.")]
+    keep = [i for i in items if not i.startswith(("parallel.", "eplb."))]  # (EPLB moves experts, not the math)
     return ["parallel.schedule=none", "parallel.pp=1", "parallel.dp=1", "parallel.ep=1", *keep]
 
 
@@ -256,7 +259,8 @@ def _run_layouts(rank: int, world: int, layouts: list, run_dir: str) -> list[dic
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_cp_layouts_equal_one_process(tmp_path):
-    """CP = 4 x EP = 2; DualPipeV x CP = 2 x EP = 2 x FP8 with V3's recompute; ZB-V x CP = 2; DSA's dense warm-up
+    """CP = 4 x EP = 2; DualPipeV x CP = 2 x EP = 2 x FP8 with V3's recompute; DualPipe x CP = 2 x EP = 2 with EPLB
+    re-planning every step; ZB-V x CP = 2; DSA's dense warm-up
     at CP = 2 x DP = 2 x EP = 2 and its sparse stage under ZB-V x CP = 2 (4 gloo processes each): per-step losses
     (main and MTP), gradient norms and every rank's final weights against one process."""
     from concurrent.futures import ThreadPoolExecutor
