@@ -62,7 +62,8 @@ def _gathered_attention(rank: int, world: int, seed: int) -> dict:
     q, k, v, w = (torch.randn(b, s, h, n, generator=g, dtype=torch.float64) for n in (d, d, dv, dv))
     rows = 2 * s // (2 * world) - (1 if rank == 0 else 0)  # rank 0 drops its last row, as MTP does
     q_l, k_l, v_l = (cp.split(t)[:, :rows].clone().requires_grad_() for t in (q, k, v))
-    out = cp.attention(q_l, cp.gather(k_l), cp.gather(v_l), scale=0.3)
+    posted = cp.post_gather(k_l)  # (MLA's overlapped form for k, the blocking one for v)
+    out = cp.attention(q_l, cp.landed(*posted), cp.gather(v_l), scale=0.3)
     (out * cp.split(w)[:, :rows]).sum().backward()
     return {"pos": cp.positions("cpu", rows), "out": out.detach(), "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}
 

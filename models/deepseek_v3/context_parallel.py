@@ -64,6 +64,47 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
+class Posted:
+    """An all-gather in flight (``ContextParallel.post_gather``): the buffer it lands in and what to close when it
+    has (the wait, its trace span and flight-recorder entry)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.work: dist.Work | None = None
+        self.open = contextlib.ExitStack()
+
+
+class _PostGather(torch.autograd.Function):
+    """Posts ``_AllGather``'s forward without waiting (``_Land`` waits); backward: its reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: ContextParallel, posted: Posted) -> torch.Tensor:
+        ctx.cp = cp
+        x = x.contiguous()
+        out = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))
+        posted.open.enter_context(cp.recorded("cp all-gather", "all_gather", out.numel() * out.element_size()))
+        posted.work = _all_gather(out, x, group=cp.group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllGather.backward(ctx, grad)[0], None, None
+
+
+class _Land(torch.autograd.Function):
+    """Waits for a posted all-gather; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, posted: Posted) -> torch.Tensor:
+        with posted.open:
+            posted.work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class ContextParallel:
     """This rank's place in its CP group: ``positions`` of its rows, ``split`` of a whole sequence into them,
     ``gather`` of a per-token tensor over the group in global order, and causal ``attention`` of local queries
@@ -129,6 +170,22 @@ class ContextParallel:
             t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, self.local_len - rows))
         gathered = _AllGather.apply(t.transpose(0, 1), self)
         return gathered.index_select(0, self._gathered_row.to(t.device)).transpose(0, 1)
+
+    def post_gather(self, t: torch.Tensor) -> tuple[torch.Tensor, Posted]:
+        """``gather`` in two halves, so work runs while the exchange is in flight: this posts it and returns
+        (the buffer, not yet valid, and its ``Posted``); ``landed`` waits and gives ``gather``'s result."""
+        rows = t.shape[1]
+        if rows > self.local_len:
+            raise ValueError(f"context parallelism: {rows} rows on a rank that holds {self.local_len}")
+        if rows < self.local_len:
+            t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, self.local_len - rows))
+        posted = Posted(rows)
+        return _PostGather.apply(t.transpose(0, 1), self, posted), posted
+
+    def landed(self, buffer: torch.Tensor, posted: Posted) -> torch.Tensor:
+        """The posted gather's ``[b, seq_len, ...]`` in global order, once it has landed."""
+        gathered = _Land.apply(buffer, posted)
+        return gathered.index_select(0, self._gathered_row.to(buffer.device)).transpose(0, 1)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of this rank's queries ``q [b, rows, h, dqk]`` (its rows' global positions) over the

@@ -34,7 +34,7 @@ from deep_gemm.linear import out_is_view
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
-from models.deepseek_v3.context_parallel import ContextParallel
+from models.deepseek_v3.context_parallel import ContextParallel, Posted
 from models.deepseek_v3.indexer import (
     Indexer,
     attention_target,
@@ -151,10 +151,13 @@ class MLA(nn.Module):
         recomputed up-projection and casts x itself (a precast held for it would be kept until backward)."""
         if cache is not None:
             return self.forward_absorbed(x, cos, sin, cache, start_pos, x_fp8)
-        q_latent = self._q_latent(x, x_fp8)
         c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
-        if self.cp is not None:  # the 576-wide latents of the whole sequence (RoPE at each token's global position)
-            c_kv, k_pe = self._gathered(c_kv, k_pe)
+        # under CP: the 576-wide latents of the whole sequence (RoPE at each token's global position), gathered
+        # while the query projection runs
+        posted = self.cp.post_gather(torch.cat([c_kv, k_pe.squeeze(2)], dim=-1)) if self.cp is not None else None
+        q_latent = self._q_latent(x, x_fp8)
+        if posted is not None:
+            c_kv, k_pe = self._landed(*posted)
         learn = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
             return self._output(produce_consume(lambda a, b, c: self._up_project(a, b, c, cos, sin), self._attend,
@@ -179,9 +182,9 @@ class MLA(nn.Module):
             out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows, qpos))
         return out
 
-    def _gathered(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(c_kv, k_pe)`` of every position of the sequence, gathered over the CP group in one exchange."""
-        latent = self.cp.gather(torch.cat([c_kv, k_pe.squeeze(2)], dim=-1))
+    def _landed(self, buffer: torch.Tensor, posted: Posted) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c_kv, k_pe)`` of every position of the sequence, from the CP group's posted latent all-gather."""
+        latent = self.cp.landed(buffer, posted)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return c_kv, k_pe.unsqueeze(2)
 
