@@ -39,7 +39,8 @@ TESTS211 ?= \
 	tests/test_kernel_compile.py tests/test_plan.py tests/test_torch_support.py tests/test_dsa.py \
 	tests/test_dsa_combinations.py tests/test_fused_ops_model.py tests/test_fused_ops_gpu.py \
 	tests/test_fp8_health.py tests/test_fp8_shadow.py tests/test_residual_fusion.py \
-	tests/test_fp8_handoff.py tests/test_deep_gemm_precast.py tests/test_schedule.py tests/test_context_parallel_plan.py
+	tests/test_fp8_handoff.py tests/test_deep_gemm_precast.py tests/test_schedule.py tests/test_context_parallel_plan.py \
+	tests/test_context_parallel.py
 
 .PHONY: venv test test-fast test-torch211 lint demo clean
 

@@ -104,13 +104,10 @@ def dry_run(cfg, world: int, device: str | None = None, schedule_json: str | Non
     args, corpus = check_static(cfg, world, allow_missing_data=True)
     schedule = schedule_of(cfg)
     par = cfg.parallel
-    if par.cp > 1:  # (the per-rank coordinates come with the context-parallel runtime)
-        print(f"world {par.world_size} = pp {par.pp} x cp {par.cp} x dp {par.dp}; ep {par.ep} spans the cp x dp ranks "
-              f"of a stage ({par.cp * par.dp // par.ep} replicas of each expert shard); schedule {par.schedule}, "
-              f"{par.num_stages} stages; each sequence of {cfg.data.seq_len} tokens split over {par.cp} ranks "
+    print(describe(par))
+    if par.cp > 1:
+        print(f"each sequence of {cfg.data.seq_len} tokens split over {par.cp} context-parallel ranks "
               f"({cfg.data.seq_len // par.cp} each, as chunks r and {2 * par.cp - 1}-r of {2 * par.cp})")
-    else:
-        print(describe(par))
     unit = cfg.parallel.dp * cfg.data.micro_batch
     first, *rest = schedule.batch_sizes()
     last = rest[-1] if rest else first
@@ -151,10 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         if ns.dry_run:
             dry_run(cfg, nproc, ns.device, ns.schedule_json)
             return 0
-        if cfg.parallel.cp > 1:
-            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is planned but not yet executable "
-                             "(the planner, the memory model and --dry-run know it; the trainer does not run it yet); "
-                             "use --dry-run, or parallel.cp=1")
         check_paths(ns, cfg)
         from training.run import RunOptions, run_training
 

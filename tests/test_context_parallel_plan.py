@@ -1,6 +1,6 @@
-"""Context parallelism where it exists today: the config and launch checks, the memory model at the local length
-plus the all-gathered latent, the planner's cost model and search, and the refusal to train with it. The trainer
-does not run CP yet (README); these tests check the numbers the planner and the dry run give for it."""
+"""Context parallelism in planning: the config and launch checks, the dry run's layout, the memory model at the
+local length plus the all-gathered latent, the planner's cost model and search (the runtime's equality with one
+process is tests/test_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -43,18 +43,13 @@ def test_cp_not_dividing_the_ranks_is_refused(capsys):
     assert err.count("\n") == 1 and "parallel.cp=4 x parallel.pp=1 = 4 does not divide the world size 6" in err, err
 
 
-def test_a_launch_with_cp_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    argv = ["--config", DEMO, "--nproc", "2", "--run-dir", str(run_dir)] + [
+def test_the_dry_run_lays_out_cp_ranks(capsys):
+    argv = ["--config", DEMO, "--dry-run", "--nproc", "2"] + [
         a for s in BASE + ["parallel.cp=2", "parallel.dp=1", "parallel.ep=2"] for a in ("--set", s)]
-    assert train_main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "context parallelism is planned but not yet executable" in err, err
-    assert not run_dir.exists()
-    # the dry run of the same config plans it
-    assert train_main(argv[:4] + ["--dry-run"] + argv[6:]) == 0
+    assert train_main(argv) == 0
     out = capsys.readouterr().out
     assert "pp 1 x cp 2 x dp 1" in out and "64 each" in out and "verdict" in out
+    assert "rank    1: pp 0 cp 1 dp 0 (ep 1, edp 0)" in out  # EP spans the CP ranks of the stage
 
 
 def test_memory_at_the_local_length_plus_the_gathered_latent():

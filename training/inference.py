@@ -91,14 +91,22 @@ def pipeline_generate(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Pa
     tokens = torch.tensor(rows, dtype=torch.long, device=device)
     holder = stage_owner(par)[-1]
     gen = torch.Generator(device=device).manual_seed(seed)
+    cp = stages[0].cp
     for _ in range(max_new_tokens):
         ctx = tokens[:, -seq_len:]
-        h = pipeline_hidden(stages, par, ps, ctx, dtype)
+        if cp is None:
+            h = pipeline_hidden(stages, par, ps, ctx, dtype)
+            last = h[:, -1] if h is not None else None
+        else:
+            h, last, held = _context_parallel_last(stages, par, ps, ctx, dtype)
         nxt = torch.zeros(len(rows), dtype=torch.long, device=device)
         if h is not None:
             st = next(s for s in stages if s.is_last)
             with eval_mode(stages):
-                logits = st.logits(h[:, -1:])[:, -1].float()
+                logits = st.logits(last[:, None])[:, 0].float()
+                if cp is not None:  # the last position's logits, from the CP rank holding it, on every CP rank
+                    logits = logits if held else torch.zeros_like(logits)
+                    dist.all_reduce(logits, group=ps.group("cp"))
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1)
                     nxt.copy_(torch.multinomial(probs, 1, generator=gen).squeeze(1))
@@ -108,3 +116,19 @@ def pipeline_generate(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: Pa
             dist.broadcast(nxt, src=ps.ranks["pp"][holder], group=ps.group("pp"))
         tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
     return tokenizer.decode(tokens[0, len(ids):].tolist())
+
+
+def _context_parallel_last(stages: list[DeepSeekV3Stage], par: ParallelConfig, ps: ParallelState,
+                           ctx: torch.Tensor, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """Under context parallelism: ``ctx [b, n <= seq_len]`` padded on the right to the run's ``seq_len`` (the
+    padding comes after every real position: causally invisible to them), split over the CP group and run
+    through the pipeline. Returns (this rank's last hidden state or None off the last stage, the row of
+    position ``n - 1`` (any row where another CP rank holds it), whether this rank holds it)."""
+    cp = stages[0].cp
+    padded = torch.nn.functional.pad(ctx, (0, cp.seq_len - ctx.shape[1]))
+    h = pipeline_hidden(stages, par, ps, cp.split(padded), dtype)
+    if h is None:
+        return None, None, False
+    held = (cp.positions(h.device) == ctx.shape[1] - 1).nonzero()
+    return h, h[:, int(held[0, 0]) if held.numel() else 0], bool(held.numel())

@@ -60,15 +60,21 @@ class StageLoss:
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
         with st.applied():
-            parts = st.lm_losses(self.args, h, tokens, labels)
+            parts = st.lm_losses(self.args, h, tokens, labels, positions=self._positions(h))
         return self._total(parts, labels)
+
+    def _positions(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The global positions of ``h``'s rows under context parallelism (the windows are then whole
+        sequences, ``h`` this rank's chunks of them); None without."""
+        return None if self.stage.cp is None else self.stage.positions(h.shape[1], h.device)
 
     def pieces(self, windows: torch.Tensor) -> list[Piece]:
         """The same as plan pieces after the stage's (which end in ``h``): the MTP depths (whose all-to-alls the
         overlapped pipeline hides), then the heads, ending in ``loss``."""
         st = self.stage
         tokens, labels = windows[:, :-1], windows[:, 1:]
-        pieces, hidden, losses = st.loss_pieces(self.args, tokens, labels)
+        positions = None if st.cp is None else st.cp.positions(windows.device)
+        pieces, hidden, losses = st.loss_pieces(self.args, tokens, labels, positions)
 
         def loss(h: torch.Tensor, *mtp_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"loss": self._total(losses(h, *mtp_hidden), labels)}

@@ -14,6 +14,7 @@ from accel.flight import FlightRecorder
 from accel.trace import TraceRecorder
 from dualpipe.dualpipe import DualPipe
 from dualpipe.runtime import Pipeline
+from models.deepseek_v3.context_parallel import ContextParallel
 from training.config import TrainConfig
 from training.loss import StageLoss
 from training.parallel import ParallelState
@@ -24,9 +25,12 @@ class PipelineRunner:
     """``step(windows, chunks, criterion)`` runs every micro-batch forward and backward through the schedule."""
 
     def __init__(self, stages: list[DeepSeekV3Stage], cfg: TrainConfig, ps: ParallelState,
-                 recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None):
+                 recorder: TraceRecorder | None = None, flight: FlightRecorder | None = None,
+                 cp: ContextParallel | None = None):
         """``recorder``: the runtime records each action on its compute track (``recipes.train --trace``);
-        ``flight``: and each action and P2P message in the rank's flight recorder."""
+        ``flight``: and each action and P2P message in the rank's flight recorder; ``cp``: context parallelism
+        (the stages get this rank's chunks of each sequence, the criterion the whole windows)."""
+        self.cp = cp
         self.schedule, self.pp, self.pp_rank = cfg.parallel.schedule, cfg.parallel.pp, ps.coords.pp_rank
         if self.schedule == "dualpipe":
             self.pipe = DualPipe(tuple(stages), process_group=ps.group("pp"), p2p_timeout=cfg.run.timeout_s)
@@ -44,7 +48,12 @@ class PipelineRunner:
         if self.schedule == "dualpipe":
             self._dualpipe_step(windows, chunks, criterion)
             return
-        self.pipe.step(windows[:, :-1].contiguous(), num_chunks=chunks, criterion=criterion, labels=(windows,))
+        self.pipe.step(self._inputs(windows), num_chunks=chunks, criterion=criterion, labels=(windows,))
+
+    def _inputs(self, windows: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the windows' tokens, or this CP rank's chunks of them."""
+        tokens = windows[:, :-1]
+        return (tokens if self.cp is None else self.cp.split(tokens)).contiguous()
 
     def _dualpipe_step(self, windows: torch.Tensor, chunks: int, criterion: StageLoss | None) -> None:
         """DualPipe: rank 0 feeds the first half of the micro-batches down, rank pp-1 the second half
@@ -58,6 +67,6 @@ class PipelineRunner:
             ins, labels = second, first
         else:
             ins, labels = None, None
-        args = (ins[:, :-1].contiguous(),) if ins is not None else (None,)
+        args = (self._inputs(ins),) if ins is not None else (None,)
         self.pipe.step(*args, num_chunks=chunks, criterion=criterion, labels=(labels,) if labels is not None else ())
         self.pipe.sync_mirrored_grads()

@@ -159,7 +159,8 @@ def _layout_line(cfg: TrainConfig, world: int) -> str:
     p = cfg.parallel
     e = cfg.eplb
     eplb = f", EPLB +{e.redundant_experts} slots/layer re-planned every {e.interval} steps" if e.enabled else ""
-    return (f"layout: {world} process(es) = pp {p.pp} x dp {p.dp}, ep {p.ep} over dp, schedule {p.schedule}"
+    cp, over = (f" x cp {p.cp}", "cp x dp") if p.cp > 1 else ("", "dp")
+    return (f"layout: {world} process(es) = pp {p.pp}{cp} x dp {p.dp}, ep {p.ep} over {over}, schedule {p.schedule}"
             f"{f' x vpp {p.vpp}' if p.vpp > 1 else ''}; "
             f"model {cfg.model.preset}{' (FP8)' if cfg.model.fp8 else ''}, balance {cfg.balance.strategy}{eplb}")
 

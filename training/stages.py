@@ -39,6 +39,7 @@ from torch import nn
 import models.deepseek_v4 as v4
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.block import LayerWrap
+from models.deepseek_v3.context_parallel import ContextParallel
 from models.deepseek_v3.model import head_losses, lm_losses_from_hidden, run_layers
 from models.deepseek_v3.moe import Experts, MoE
 from models.deepseek_v3.mtp import mtp_pieces
@@ -161,6 +162,16 @@ class DeepSeekV3Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(self.start, self.end)})
         if self.is_last:
             self.norm, self.head, self.mtp = model.norm, model.head, model.mtp
+        self.cp: ContextParallel | None = None  # context parallelism: set once by ``wire_context_parallel``
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of a micro-batch's ``seq_len`` rows here: ``0..seq_len-1``, or this CP rank's chunks."""
+        if self.cp is None:
+            return torch.arange(seq_len, device=device)
+        if seq_len != self.cp.local_len:
+            raise ValueError(f"context parallelism: a stage input of {seq_len} rows, expected this rank's "
+                             f"{self.cp.local_len} of the run's data.seq_len={self.cp.seq_len}")
+        return self.cp.positions(device)
 
     def owned_modules(self) -> dict[str, nn.Module]:
         """Name -> module for everything this stage holds (what gets materialised)."""
@@ -184,17 +195,21 @@ class DeepSeekV3Stage(nn.Module):
         """Shape and dtype of each tensor this (non-first) stage takes for ``tokens [b, s]``: the hidden state."""
         return [((*tokens.shape, self.args.dim), dtype)]
 
-    def lm_losses(self, args: ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
-        """The last stage's losses from its output ``h`` (``args``: the model's, with the step's MTP weight)."""
+    def lm_losses(self, args: ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> dict:
+        """The last stage's losses from its output ``h`` (``args``: the model's, with the step's MTP weight);
+        ``positions``: ``h``'s rows' global positions under context parallelism."""
         return lm_losses_from_hidden(args, self.norm, self.head, self.mtp, self.embed, h, tokens, labels,
-                                     wrap=self.wrap)
+                                     wrap=self.wrap, positions=positions)
 
-    def loss_pieces(self, args: ModelArgs, tokens: torch.Tensor, labels: torch.Tensor
+    def loss_pieces(self, args: ModelArgs, tokens: torch.Tensor, labels: torch.Tensor,
+                    positions: torch.Tensor | None = None
                     ) -> tuple[list[Piece], tuple[str, ...], Callable[..., dict]]:
         """``lm_losses`` as plan pieces after the stage's: the MTP pieces, the names they write, and the heads'
         losses of ``(h, *those values)``."""
-        pieces, hidden = mtp_pieces(args, self.mtp, self.embed, tokens, wrap=self.wrap)
-        return pieces, tuple(hidden), lambda h, *mtp: head_losses(args, self.norm, self.head, self.mtp, h, mtp, labels)
+        pieces, hidden = mtp_pieces(args, self.mtp, self.embed, tokens, wrap=self.wrap, positions=positions)
+        return pieces, tuple(hidden), lambda h, *mtp: head_losses(args, self.norm, self.head, self.mtp, h, mtp, labels,
+                                                                  positions=positions)
 
     def applied(self) -> contextlib.AbstractContextManager:
         """The memory policy's context for a forward of this stage's modules (nothing without a policy)."""
@@ -214,7 +229,9 @@ class DeepSeekV3Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.applied():
             h = self.embed(x) if self.is_first else x
-            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, wrap=self.wrap)
+            positions = None if self.cp is None else self.positions(h.shape[1], h.device)
+            h = run_layers(self.args, [self.layers[str(i)] for i in range(self.start, self.end)], h, wrap=self.wrap,
+                           positions=positions)
         return h.clone() if h is x else h  # a stage never returns its input (a view / alias of a pipeline buffer)
 
     # ---- the overlapped pipeline's interface (``dualpipe.runtime``): a micro-batch's pass as a ``plan.Run`` ----
@@ -223,7 +240,7 @@ class DeepSeekV3Stage(nn.Module):
         pieces: list[Piece] = []
         if self.is_first:
             pieces.append(Compute("embed", lambda tokens: {"h": self.embed(tokens)}, ("tokens",), ("h",)))
-        cos, sin = rope_cos_sin(self.args, torch.arange(seq_len, device=device))
+        cos, sin = rope_cos_sin(self.args, self.positions(seq_len, device))
         for i in range(self.start, self.end):
             pieces += layer_pieces(self.layers[str(i)], cos, sin, wrap=self.wrap)
         return self.under_policy(pieces)
@@ -310,11 +327,12 @@ class DeepSeekV4Stage(DeepSeekV3Stage):
     def input_specs(self, tokens: torch.Tensor, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [((*tokens.shape, self.args.hc_mult, self.args.dim), dtype), (tuple(tokens.shape), tokens.dtype)]
 
-    def lm_losses(self, args: v4.ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+    def lm_losses(self, args: v4.ModelArgs, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                  positions: None = None) -> dict:  # (V4 runs without context parallelism: check_layout)
         return v4_plan.lm_losses_from_hidden(args, self.hc_head, self.norm, self.head, self.mtp, self.embed, h,
                                              tokens, labels, wrap=self.wrap)
 
-    def loss_pieces(self, args: v4.ModelArgs, tokens: torch.Tensor, labels: torch.Tensor
+    def loss_pieces(self, args: v4.ModelArgs, tokens: torch.Tensor, labels: torch.Tensor, positions: None = None
                     ) -> tuple[list[Piece], tuple[str, ...], Callable[..., dict]]:
         pieces, hidden = v4_plan.mtp_pieces(args, self.mtp, self.embed, tokens, wrap=self.wrap)
         return pieces, tuple(hidden), lambda h, *mtp: v4_plan.head_losses(args, self.hc_head, self.norm, self.head,

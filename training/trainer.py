@@ -52,6 +52,7 @@ from training.checkpoint.format import CheckpointMismatchError
 from training.checkpoint.resume import load_named_optimizer_state, named_optimizer_state, param_names
 from training.compile import check_compile, compile_stages, eager, tracing
 from training.config import DataConfig, TrainConfig, check_microbatches, check_world_size, numerics_dict, schedule_of
+from training.context_parallel import check_context_parallel, context_parallel, wire_context_parallel
 from training.data import ResumableSampler, TokenCorpus, build_tokenizer, check_vocab, load_corpus
 from training.eplb import EplbRuntime, check_eplb, initial_plan
 from training.experts import load_metrics, update_biases, wire_moe_layers
@@ -155,10 +156,14 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_microbatches(par, batch // (par.dp * cfg.data.micro_batch), f"a global batch of {batch} sequences")
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    check_context_parallel(par.cp, cfg.data.seq_len, args.n_mtp_layers, cfg.balance.capacity_factor)
     check_eplb(cfg, args)
     if cfg.run.compile and isinstance(args, v4.ModelArgs):
         raise ValueError("run.compile=true with a DeepSeek-V4 model: only V3's blocks are compiled so far; set "
                          "run.compile=false")
+    if cfg.run.compile and par.cp > 1:
+        raise ValueError(f"run.compile=true with parallel.cp={par.cp}: the latent all-gather runs inside MLA, which "
+                         "would then be a compiled region; set run.compile=false or parallel.cp=1")
     if cfg.run.compile:
         low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"
         check_compile(args, cfg.logging.fp8_health_every if low_precision else 0,
@@ -247,9 +252,12 @@ class Trainer:
         if self.args.dsa_warmup:  # DSA stage 1: only the indexers train; nothing else reaches the optimizer
             freeze_all_but_indexers(self.stages)
         wire_moe_layers(self.stages, cfg, ps, recorder, self.flight)  # expert parallelism and balancing here
+        # context parallelism: MLA's latent exchange, the rows' positions, the loss shares
+        self.cp = context_parallel(cfg, ps, recorder, self.flight)
+        wire_context_parallel(self.stages, self.cp)
         if cfg.run.compile:  # after the EP wiring: an expert-parallel block compiles the pieces between its all-to-alls
             compile_stages(self.stages, cfg.run.compile_backend)
-        self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight)
+        self.pipeline = (PipelineRunner(self.stages, cfg, ps, recorder, self.flight, self.cp)
                          if cfg.parallel.schedule != "none" else None)
         self.optimizer = Optimizers(self.stages, cfg.optim, ps.group("dp"), ps.group("edp"), cfg.parallel.zero1)
         self.schedule = schedule_of(cfg)  # LR, batch, MTP weight and bias speed by steps and tokens seen
@@ -364,7 +372,8 @@ class Trainer:
         """Global information the checkpoint manager stores beside the shards."""
         par = self.cfg.parallel
         return {"tokens_seen": self.tokens_seen, "config": numerics_dict(self.cfg), "full_config": self.cfg.to_dict(),
-                "layout": {"pp": par.pp, "dp": par.dp, "ep": par.ep, "schedule": par.schedule, "vpp": par.vpp,
+                "layout": {"pp": par.pp, "dp": par.dp, "ep": par.ep, "cp": par.cp, "schedule": par.schedule,
+                           "vpp": par.vpp,
                            "world_size": self.ps.world_size}}
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -382,11 +391,15 @@ class Trainer:
             stage = self.stages[0]
             for i, mb in enumerate(windows.chunk(chunks)):
                 with self._span(f"0F{i}"), self._autocast():
-                    loss = criterion(stage(mb[:, :-1]), mb)
+                    loss = criterion(stage(self._local(mb[:, :-1])), mb)
                 with self._span(f"0B{i}"):
                     loss.backward()
         scale_grads(self.modules, 1.0 / chunks)  # every loss (main, MTP, balance) entered backward unscaled
         return criterion
+
+    def _local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of whole sequences ``tokens [b, seq_len]``: all of them, or its CP chunks."""
+        return tokens if self.cp is None else self.cp.split(tokens)
 
     def _nan_injection_due(self) -> bool:
         """``fault.inject_nan_at_step``: True the first time this process runs that step (so a rollback replays
@@ -449,13 +462,17 @@ class Trainer:
             t_sync = time.perf_counter()
             self.eplb.sync_grads()
             grad_sync_s = time.perf_counter() - t_sync
-        grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.dp, cfg.parallel.ep,
+        # (dense gradients are replicated on the cp x dp ranks of a stage, experts on cp x dp / ep)
+        grad_norm = clip_grad_norm(self.optimizer, cfg.optim.clip_grad, cfg.parallel.cp * cfg.parallel.dp,
+                                   cfg.parallel.ep,
                                    stage_copies=cfg.parallel.layout.copies,
                                    expert_row_weights=self.eplb.norm_weights() if self.eplb is not None else None,
                                    flight=self.flight)
         parts = {name: criterion.mean(name) if criterion is not None and self.holds_loss else None
                  for name in ("total", "main", "mtp")}
-        loss, main, mtp = (self._global_mean(v or 0.0, 0 if v is None else 1) for v in parts.values())
+        # each CP rank's losses are its share of its sequences' (they sum to the loss over the CP group)
+        loss, main, mtp = (cfg.parallel.cp * self._global_mean(v or 0.0, 0 if v is None else 1)
+                           for v in parts.values())
         metrics: dict[str, Any] = {"loss": main, "total_loss": loss, "grad_norm": grad_norm,
                                    "lr": lr, "global_batch": global_batch,
                                    "microbatches": chunks, "mtp_lambda": point.mtp_lambda,
@@ -544,11 +561,12 @@ class Trainer:
     def _main_loss(self, windows: torch.Tensor) -> float:
         """Mean next-token loss of ``windows [b, s + 1]`` (one per data-parallel rank) through the pipeline."""
         with self._autocast(), self._eager():
-            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, windows[:, :-1], self.dtype)
+            h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, self._local(windows[:, :-1]), self.dtype)
             loss = None
-            if h is not None:
+            if h is not None:  # (under CP: this rank's chunks, as many tokens as every other CP rank's)
                 st = self.loss_stage
-                loss = float(F.cross_entropy(st.logits(h).flatten(0, 1).float(), windows[:, 1:].flatten()))
+                loss = float(F.cross_entropy(st.logits(h).flatten(0, 1).float(),
+                                             self._local(windows[:, 1:]).flatten()))
         return self._global_mean(loss or 0.0, 0 if loss is None else 1)
 
     def _inject_fp8_scale_error(self, name: str, at_step: int) -> None:
@@ -580,12 +598,13 @@ class Trainer:
         for b in range(batches):
             inputs, labels = self.corpus.valid_batch(b * self.cfg.parallel.dp + self.ps.coords.dp_rank, size)
             with self._eager():
-                h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, inputs.to(self.device), self.dtype)
-                if h is not None:
+                h = pipeline_hidden(self.stages, self.cfg.parallel, self.ps, self._local(inputs.to(self.device)),
+                                    self.dtype)
+                if h is not None:  # (under CP: this rank's chunks, as many tokens as every other CP rank's)
                     st = self.loss_stage
                     logits = st.logits(h)
                     total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                                     labels.to(self.device).flatten()))
+                                                                     self._local(labels.to(self.device)).flatten()))
                     n += 1
         return self._global_mean(total / max(n, 1), 1 if n else 0)
 

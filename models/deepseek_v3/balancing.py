@@ -26,7 +26,7 @@ capacity factor with token dropping (V3 drops none) live here too, as do the loa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +118,8 @@ class BalanceConfig:
 # ---------------------------------------------------------------------------------------------
 
 def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int, seq_len: int | None = None,
-                 valid: torch.Tensor | None = None) -> torch.Tensor:
+                 valid: torch.Tensor | None = None, total: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
     """``sum_i f_i P_i`` (no coefficient), averaged over groups of ``seq_len`` consecutive tokens.
 
     scores: [T, E] affinities (sigmoid or softmax); they are normalised over experts here (the V3
@@ -127,6 +128,9 @@ def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int, 
         batch is one group (``aux``, GShard/Switch). ``f_i = E / (K T) * count_i`` so a perfectly
         balanced router gives ``f_i = 1`` and the loss equals ``sum_i P_i = 1``.
     valid: optional [T] bool of tokens that count (padding excluded).
+    total: context parallelism: sums a tensor over the ranks holding the other parts of these sequences (each
+        group's expert counts and tokens); ``f`` is then the whole sequences' and ``P`` this rank's tokens' part
+        of it, so the loss is this rank's share and the shares sum to the whole sequences' loss.
     """
     tokens, top_k = indices.shape
     seq_len = tokens if seq_len is None else seq_len
@@ -137,15 +141,23 @@ def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int, 
     groups = tokens // seq_len
     hits = torch.zeros(tokens, num_experts, device=scores.device).scatter_(1, indices.clamp_min(0), 1.0)
     hits = hits * weight[:, None]
-    weight_g = weight.view(groups, seq_len).sum(-1).clamp_min(1.0)  # tokens per group
-    f = hits.view(groups, seq_len, num_experts).sum(1) * (num_experts / top_k) / weight_g[:, None]
+    counts, weight_g = hits.view(groups, seq_len, num_experts).sum(1), weight.view(groups, seq_len).sum(-1)
+    if total is not None:
+        both = total(torch.cat([counts, weight_g[:, None]], dim=1))
+        counts, weight_g = both[:, :-1], both[:, -1]
+    weight_g = weight_g.clamp_min(1.0)  # tokens per group
+    f = counts * (num_experts / top_k) / weight_g[:, None]
     p = (probs * weight[:, None]).view(groups, seq_len, num_experts).sum(1) / weight_g[:, None]
     return (f.detach() * p).sum(-1).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2`` in fp32 (no coefficient)."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Router z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2`` in fp32 (no coefficient). ``total`` (context
+    parallelism, see ``balance_loss``): the sum over this rank's tokens divided by the whole group's count."""
+    squares = torch.logsumexp(logits.float(), dim=-1).square()
+    if total is None:
+        return squares.mean()
+    return squares.sum() / total(torch.tensor([float(squares.numel())], device=squares.device))[0]
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -280,6 +292,9 @@ class ExpertBalancer(nn.Module):
         self.assignments = torch.zeros((), dtype=torch.int64, device="cpu")
         self.loss_sums: dict[str, torch.Tensor] = {}
         self.loss_calls = torch.zeros((), dtype=torch.int64, device="cpu")
+        # context parallelism (``context_parallel.ContextParallel``, set once by the trainer): the balance losses
+        # count the experts over the ranks sharing each sequence and are this rank's share
+        self.cp = None
 
     def _counters_on(self, device: torch.device) -> None:
         if self.counts_for_update.device != device:
@@ -307,14 +322,15 @@ class ExpertBalancer(nn.Module):
         cfg = self.config
         parts = cfg.parts
         losses: dict[str, torch.Tensor] = {}
+        total = None if self.cp is None else self.cp.sum  # context parallelism: over the ranks sharing the sequences
         if "seq_aux" in parts and cfg.alpha > 0:
-            losses["seq_aux"] = cfg.alpha * balance_loss(scores, indices, self.num_experts, seq_len)
+            losses["seq_aux"] = cfg.alpha * balance_loss(scores, indices, self.num_experts, seq_len, total=total)
         if "aux" in parts and cfg.alpha > 0:
-            losses["aux"] = cfg.alpha * balance_loss(scores, indices, self.num_experts, None)
+            losses["aux"] = cfg.alpha * balance_loss(scores, indices, self.num_experts, None, total=total)
         if "z_loss" in parts and cfg.z_loss_coeff > 0:
             if logits is None:
                 raise ValueError("strategy 'z_loss' needs the router logits; the gate passed None")
-            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits)
+            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits, total)
         if cfg.capacity_factor is not None:
             keep = capacity_keep_mask(indices, weights, self.num_experts, cfg.capacity_factor, cfg.drop_policy)
             indices = torch.where(keep, indices, torch.full_like(indices, -1))

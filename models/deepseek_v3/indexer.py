@@ -108,23 +108,32 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return torch.einsum("bsh,bshn->bsn", w.float(), logits)
 
 
-def causal_topk(scores: torch.Tensor, topk: int, start_pos: int = 0) -> torch.Tensor:
+def causal_topk(scores: torch.Tensor, topk: int, start_pos: int = 0, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Each query's ``min(topk, n)`` highest-scoring causal keys: int32 ``[b, s, k]`` key positions, -1 where a
-    query has fewer than k earlier keys. ``scores [b, s, n]`` for queries at ``start_pos..`` over keys ``0..n``."""
+    query has fewer than k earlier keys. ``scores [b, s, n]`` for queries at ``start_pos..`` (or at ``positions
+    [s]``: context parallelism's chunks) over keys ``0..n``."""
     s, n = scores.shape[1:]
-    future = torch.arange(n, device=scores.device)[None, :] > torch.arange(start_pos, start_pos + s,
-                                                                             device=scores.device)[:, None]
+    if positions is None:
+        positions = torch.arange(start_pos, start_pos + s, device=scores.device)
+    future = torch.arange(n, device=scores.device)[None, :] > positions[:, None]
     masked = scores.masked_fill(future, float("-inf"))
     values, idx = masked.topk(min(topk, n), dim=-1)
     return torch.where(values == float("-inf"), -1, idx).to(torch.int32)
 
 
-def causal_rows(start: int, count: int, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+def causal_rows(start: int, count: int, seq_len: int, device: torch.device | str | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Every causal key of the flattened queries ``start .. start + count`` (each in its own sequence of
-    ``seq_len``) as rows of the flattened keys: int32 ``[count, seq_len]``, -1 for a later key."""
+    ``seq_len``) as rows of the flattened keys: int32 ``[count, seq_len]``, -1 for a later key. ``positions``
+    (context parallelism): each sequence's queries are its rows at these global positions of its ``seq_len``
+    keys (query ``t`` is sequence ``t // len(positions)``'s position ``positions[t % len(positions)]``)."""
     t = torch.arange(start, start + count, device=device)[:, None]
     j = torch.arange(seq_len, device=device)[None, :]
-    return torch.where(j <= t % seq_len, t - t % seq_len + j, -1).to(torch.int32)
+    if positions is None:
+        return torch.where(j <= t % seq_len, t - t % seq_len + j, -1).to(torch.int32)
+    rows = positions.shape[0]
+    return torch.where(j <= positions.to(device)[t % rows], t // rows * seq_len + j, -1).to(torch.int32)
 
 
 def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -148,15 +157,21 @@ def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
 
 
 def select_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, fp8: bool = False,
-                chunk: int = QUERY_CHUNK) -> torch.Tensor:
-    """Each query's top-``topk`` causal keys as rows of the batch's keys flattened to ``[b * s]``: int32
-    ``[b * s, min(topk, s)]``, -1 where a query has fewer earlier keys. q ``[b, s, H, D]``, k ``[b, s, D]``,
-    w ``[b, s, H]``; a chunk of queries at a time, so at most ``[chunk, H, s]`` (fp32) or ``[chunk, s]``
-    (``fp8``: DeepGEMM's ``fp8_mqa_logits`` on Hadamard-rotated e4m3 q and k, per-row scales) is alive."""
+                chunk: int = QUERY_CHUNK, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query's top-``topk`` causal keys as rows of the batch's keys flattened to ``[b * n]``: int32
+    ``[b * s, min(topk, n)]``, -1 where a query has fewer earlier keys. q ``[b, s, H, D]``, k ``[b, n, D]``,
+    w ``[b, s, H]``; the queries are at positions ``0..s-1`` (n = s), or at ``positions [s]`` of the ``n`` keys
+    (context parallelism: this rank's chunks against the gathered keys). A chunk of queries at a time, so at
+    most ``[chunk, H, n]`` (fp32) or ``[chunk, n]`` (``fp8``: DeepGEMM's ``fp8_mqa_logits`` on Hadamard-rotated
+    e4m3 q and k, per-row scales) is alive."""
     b, s = q.shape[:2]
+    n = k.shape[1]
+    if positions is None:
+        positions = torch.arange(s, device=q.device)
     if not fp8:
-        return flat_rows(torch.cat([causal_topk(index_scores(q[:, a:a + chunk], k, w[:, a:a + chunk]), topk, a)
-                                    for a in range(0, s, chunk)], dim=1), s)
+        return flat_rows(torch.cat([causal_topk(index_scores(q[:, a:a + chunk], k, w[:, a:a + chunk]), topk,
+                                                positions=positions[a:a + chunk])
+                                    for a in range(0, s, chunk)], dim=1), n)
     rot = hadamard(q.shape[-1], q.device)
     q8, q_scale = deep_gemm.per_token_cast_to_fp8((q.float() @ rot).flatten(0, 2))
     k8, k_scale = deep_gemm.per_token_cast_to_fp8((k.float() @ rot).flatten(0, 1))
@@ -165,13 +180,13 @@ def select_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, fp
                          f"{q.shape[-1]}")
     q8 = q8.view(b * s, -1, q.shape[-1])
     weights = w.flatten(0, 1).float() * q_scale.view(b * s, -1)
-    pos = torch.arange(b * s, device=q.device, dtype=torch.int32)
-    starts = pos - pos % s  # each query sees its own sequence's keys up to itself
+    starts = (torch.arange(b, device=q.device, dtype=torch.int32) * n).repeat_interleave(s)
+    ends = starts + positions.to(torch.int32).repeat(b) + 1  # each query sees its own sequence's keys up to itself
     rows = []
     for a in range(0, b * s, chunk):
         logits = deep_gemm.fp8_mqa_logits(q8[a:a + chunk], (k8, k_scale.view(-1)), weights[a:a + chunk],
-                                          starts[a:a + chunk], pos[a:a + chunk] + 1)
-        rows.append(deep_gemm.select_topk(logits, min(topk, s)))
+                                          starts[a:a + chunk], ends[a:a + chunk])
+        rows.append(deep_gemm.select_topk(logits, min(topk, n)))
     return torch.cat(rows)
 
 

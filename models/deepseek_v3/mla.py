@@ -14,6 +14,10 @@ Queries go through a low-rank bottleneck (``wq_a`` -> RMSNorm -> ``wq_b``; a pla
   through ``flash_mla.sparse_mla_attention`` (training and prefill) over the batch's latents flattened
   to ``[b * s, 576]``. In training the indexer's KL loss rides on the attention output's backward
   (``balancing.attach_aux_loss``), so every pipeline schedule carries it as it carries the output.
+
+Under context parallelism (``cp``, a ``context_parallel.ContextParallel`` the trainer hands the layer once)
+the naive form's keys and values come from the whole sequence's latents, all-gathered over the CP group,
+and the local queries attend them with the global causal mask (``docs/context_parallel.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from deep_gemm.linear import out_is_view
 from flash_mla.attention import keeps_output
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.balancing import attach_aux_loss
+from models.deepseek_v3.context_parallel import ContextParallel, Posted
 from models.deepseek_v3.indexer import (
     Indexer,
     attention_target,
@@ -63,8 +68,11 @@ class InnerAttention(nn.Module):
     def __init__(self, softmax_scale: float):
         super().__init__()
         self.softmax_scale = softmax_scale
+        self.cp: ContextParallel | None = None  # context parallelism, set once (``wire_context_parallel``)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp is not None:  # this rank's queries over the whole sequence's keys, the global causal mask
+            return self.cp.attention(q, k, v, self.softmax_scale).flatten(2)
         return flash_mla.mla_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).flatten(2)
 
 
@@ -122,6 +130,7 @@ class MLA(nn.Module):
         self.indexer = Indexer(args) if args.index_topk else None
         self.inner_attention = InnerAttention(self.softmax_scale)
         self.sparse_attention = SparseInnerAttention(self.softmax_scale, self.kv_lora_rank) if self.indexer else None
+        self.cp: ContextParallel | None = None  # context parallelism, set once (``wire_context_parallel``)
 
     # ---- shared by both forms ---------------------------------------------------------------------
     def _q_latent(self, x: torch.Tensor, x_fp8: Precast | None = None) -> torch.Tensor:
@@ -172,24 +181,38 @@ class MLA(nn.Module):
         recomputed up-projection and casts x itself (a precast held for it would be kept until backward)."""
         if cache is not None:
             return self.forward_absorbed(x, cos, sin, cache, start_pos, x_fp8)
-        q_latent = self._q_latent(x, x_fp8)
         c_kv, k_pe = self._kv_latent(x, cos, sin, x_fp8)
+        # under CP: the 576-wide latents of the whole sequence (RoPE at each token's global position), gathered
+        # while the query projection runs
+        posted = self.cp.post_gather(torch.cat([c_kv, k_pe.squeeze(2)], dim=-1)) if self.cp is not None else None
+        q_latent = self._q_latent(x, x_fp8)
+        if posted is not None:
+            c_kv, k_pe = self._landed(*posted)
         learn = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is None or not (self.sparse or learn):  # dense attention, no indexer loss to compute
             return self._output(self.inner_attention(*self.up_project(q_latent, c_kv, k_pe, cos, sin)))
         # the indexer reads the layer's input and query residual detached: only its own loss trains it
         q_i, k_i, w = self._index(x.detach(), q_latent.detach(), cos, sin)
         b, s = x.shape[:2]
+        qpos = None
+        if self.cp is not None:  # the indexer's keys of the whole sequence; queries at this rank's positions
+            k_i, qpos = self.cp.gather(k_i), self.cp.positions(x.device, s)
         if self.sparse:
-            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index)
+            rows = select_rows(q_i, k_i, w, self.indexer.topk, fp8=self.fp8_index, positions=qpos)
             out = self._attend_sparse(*self.absorb(q_latent, c_kv, k_pe, cos, sin), rows).unflatten(0, (b, s))
         else:
             rows = None  # the warm-up's candidates: every causal key (``dense_indexer_kl`` makes them per chunk)
             out = self.inner_attention(*self.up_project(q_latent, c_kv, k_pe, cos, sin))
         out = self._output(out)
         if learn:
-            out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows))
+            out = attach_aux_loss(out, self._indexer_loss(q_latent, c_kv, k_pe, cos, sin, q_i, k_i, w, rows, qpos))
         return out
+
+    def _landed(self, buffer: torch.Tensor, posted: Posted) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c_kv, k_pe)`` of every position of the sequence, from the CP group's posted latent all-gather."""
+        latent = self.cp.landed(buffer, posted)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return c_kv, k_pe.unsqueeze(2)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """``wo(out)``; the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an
@@ -226,10 +249,12 @@ class MLA(nn.Module):
 
     def _indexer_loss(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
-                      rows: torch.Tensor | None) -> torch.Tensor:
+                      rows: torch.Tensor | None, qpos: torch.Tensor | None = None) -> torch.Tensor:
         """KL of the indexer to the main attention over each query's candidates: the selected ``rows`` in the
-        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached."""
-        s = q_latent.shape[1]
+        sparse stage, every causal key in the warm-up (``rows`` None); the main attention's side is detached.
+        ``qpos`` (context parallelism): the queries' global positions among the gathered keys and latents; the
+        loss is then this rank's share (its queries' mean weighted by their part of the CP group's queries)."""
+        s, n = q_latent.shape[1], c_kv.shape[1]
         q_i, k_i, w = q_i.flatten(0, 1), k_i.flatten(0, 1), w.flatten(0, 1)
         stats = self.indexer.stats
         if rows is not None:
@@ -237,7 +262,7 @@ class MLA(nn.Module):
                 p = attention_target(*self.absorb(q_latent, c_kv, k_pe, cos, sin), rows, self.softmax_scale)
             loss = indexer_kl(p, q_i, k_i, w, rows)
             stats.record("kl", loss)
-            return loss
+            return self._share(loss, q_i.shape[0])
         with torch.no_grad():  # what the target is remade from: the query latents and the 576-wide latents
             q_latent = q_latent.detach().flatten(0, 1)
             kv = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(2)], dim=-1).flatten(0, 1)
@@ -246,17 +271,24 @@ class MLA(nn.Module):
             with torch.no_grad():
                 pos = torch.arange(start, start + count, device=kv.device) % s
                 q = self._absorb_queries(q_latent[None, start:start + count], cos[pos][None], sin[pos][None])[0]
-                cand = causal_rows(start, count, s, kv.device)
+                cand = causal_rows(start, count, n, kv.device, positions=qpos)
                 return attention_target(q, kv, cand, self.softmax_scale, chunk=count), cand
 
         # each candidate costs a gathered latent and a logit per head (main side), or D + H (indexer side)
-        chunk = dense_chunk(s, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
+        chunk = dense_chunk(n, max(kv.shape[-1] + self.n_heads, self.indexer.head_dim + self.indexer.n_heads))
         loss = dense_indexer_kl(target, q_i, k_i, w, chunk)
         stats.record("kl", loss)
         last = max(0, q_i.shape[0] - chunk)  # recall on the last chunk: the longest contexts
         p, cand = target(last, q_i.shape[0] - last)
         record_recall(stats, p, q_i[last:], k_i, w[last:], cand, self.indexer.topk)
-        return loss
+        return self._share(loss, q_i.shape[0])
+
+    def _share(self, loss: torch.Tensor, queries: int) -> torch.Tensor:
+        """``loss`` (a mean over this rank's ``queries``) as its share of the CP group's mean; itself without CP."""
+        if self.cp is None:
+            return loss
+        total = self.cp.sum(torch.tensor([float(queries)], device=loss.device))[0]
+        return loss * (queries / total)
 
     # ---- absorbed form ----------------------------------------------------------------------------
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,37 +138,57 @@ def head_loss(norm: RMSNorm, head: nn.Linear, h: torch.Tensor, targets: torch.Te
 
 
 def head_losses(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule], h: torch.Tensor,
-                hidden: Sequence[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100) -> dict:
+                hidden: Sequence[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100,
+                positions: torch.Tensor | None = None) -> dict:
     """``lm_losses`` from the last hidden state ``h`` and the MTP depths' ``hidden`` states (before their norms),
-    through the fused head (``head_loss``)."""
+    through the fused head (``head_loss``).
+
+    ``positions`` (context parallelism): ``h``'s rows are these global positions of sequences whose whole
+    ``labels`` are given; each loss is then this rank's share, its local mean weighted by local / global target
+    count, so the shares of the CP group sum to the one-process loss."""
     n = labels.shape[1]
-    main = head_loss(norm, head, h[:, :n], labels, ignore_index)
-    losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], ignore_index)
-              for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
+    if positions is None:
+        main = head_loss(norm, head, h[:, :n], labels, ignore_index)
+        losses = [head_loss(module.norm, head, hk[:, : n - k], labels[:, k:], ignore_index)
+                  for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
+        return _with_total(args, main, losses)
+
+    def share(module_norm: RMSNorm, hk: torch.Tensor, k: int) -> torch.Tensor:
+        rows = hk.shape[1]  # depth k keeps the local rows before global position n - k (a prefix)
+        local = head_loss(module_norm, head, hk, labels[:, positions[:rows] + k], ignore_index)
+        return local * (rows / (n - k))
+
+    main = share(norm, h, 0)
+    losses = [share(module.norm, hk, k) for k, (module, hk) in enumerate(zip(mtp, hidden), start=1) if n > k]
     return _with_total(args, main, losses)
 
 
 def lm_losses_from_hidden(args: ModelArgs, norm: RMSNorm, head: nn.Linear, mtp: Sequence[MTPModule],
                           embed: nn.Module, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
-                          ignore_index: int = -100, wrap: LayerWrap | None = None
-                          ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+                          ignore_index: int = -100, wrap: LayerWrap | None = None,
+                          positions: torch.Tensor | None = None) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """``lm_losses`` of the logits ``head(norm(h))`` and ``mtp_logits(...)``, from the last hidden state ``h``
     (before the final norm) and the model's modules, without ever holding ``[tokens, vocab]`` logits. ``wrap``:
-    how the MTP blocks run (``run_layers``)."""
-    hidden = mtp_hidden(args, mtp, embed, h, tokens, wrap)
-    return head_losses(args, norm, head, mtp, h, hidden, labels, ignore_index)
+    how the MTP blocks run (``run_layers``). ``positions``: ``h``'s rows are these global positions of the whole
+    ``tokens`` / ``labels`` (context parallelism; see ``head_losses``)."""
+    hidden = mtp_hidden(args, mtp, embed, h, tokens, wrap, positions)
+    return head_losses(args, norm, head, mtp, h, hidden, labels, ignore_index, positions)
 
 
 def run_layers(args: ModelArgs, layers: Iterable[Block], h: torch.Tensor, start_pos: int = 0,
-               cache: LatentCache | None = None, wrap: LayerWrap | None = None) -> torch.Tensor:
+               cache: LatentCache | None = None, wrap: LayerWrap | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     """The layer loop: ``layers`` in order on hidden states ``h [b, s, dim]`` at positions ``start_pos..``
     (the whole model's, and a pipeline stage's slice of it); each layer's output is the next one's input.
     ``wrap``: how each layer runs (the memory policy's whole-block recompute, ``block.LayerWrap``); none with a
-    ``cache`` (generation: a replayed forward would write the cache twice)."""
+    ``cache`` (generation: a replayed forward would write the cache twice). ``positions``: the rows' global
+    positions instead (context parallelism: a rank's chunks of the sequence)."""
     s = h.shape[1]
-    if start_pos + s > args.max_seq_len:
-        raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
-    cos, sin = rope_cos_sin(args, torch.arange(start_pos, start_pos + s, device=h.device))
+    if positions is None:
+        if start_pos + s > args.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + s} exceed max_seq_len={args.max_seq_len}")
+        positions = torch.arange(start_pos, start_pos + s, device=h.device)
+    cos, sin = rope_cos_sin(args, positions)
     for layer in layers:
         h = call(layer, wrap if cache is None else None)(h, cos, sin, cache, start_pos)
     return h

@@ -41,37 +41,52 @@ class MTPModule(nn.Module):
         return self.block(self.project(h, emb), cos, sin)
 
 
-def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor) -> Iterator[tuple]:
-    """``(k, n, module, cos, sin)`` per depth k = 1..D that has positions left: depth k runs on the first
-    ``n = s - k`` positions."""
+def _depths(args: ModelArgs, modules: Sequence[MTPModule], tokens: torch.Tensor,
+            positions: torch.Tensor | None = None) -> Iterator[tuple]:
+    """``(k, n, module, ahead, cos, sin)`` per depth k = 1..D that has positions left: depth k runs on the first
+    ``n`` rows, those before global position ``s - k``, reading the tokens ``ahead [b, n]`` k positions on.
+
+    ``positions`` (context parallelism): the rows' global positions in the whole ``tokens [b, s]``; the shift by
+    k is then an index into the whole sequence (the CP-aware roll: a chunk's last rows read tokens of another
+    rank's chunk, which every CP rank holds), and the rows dropped are the tail of the rank holding the last
+    chunk. Without it the rows are positions ``0..s-1``."""
+    s = tokens.shape[1]
     for k, module in enumerate(modules, start=1):
-        n = tokens.shape[1] - k
+        if positions is None:
+            n, pos, ahead = s - k, torch.arange(max(s - k, 0), device=tokens.device), tokens[:, k:]
+        else:
+            n = int((positions < s - k).sum())
+            pos = positions[:n]
+            ahead = tokens[:, pos + k]
         if n <= 0:
             return
-        yield (k, n, module, *rope_cos_sin(args, torch.arange(n, device=tokens.device)))
+        yield (k, n, module, ahead, *rope_cos_sin(args, pos))
 
 
 def mtp_hidden(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, h: torch.Tensor,
-               tokens: torch.Tensor, wrap: LayerWrap | None = None) -> list[torch.Tensor]:
+               tokens: torch.Tensor, wrap: LayerWrap | None = None, positions: torch.Tensor | None = None
+               ) -> list[torch.Tensor]:
     """MTP hidden states per depth k = 1..D (before each depth's ``norm``) from the main model's last
     hidden state ``h`` (before the final norm); depth k's ``[b, s - k, dim]``. Takes the modules
     explicitly so that a pipeline's last stage runs exactly this with the modules it holds. ``wrap``: how each
-    depth's block runs (``model.run_layers``)."""
+    depth's block runs (``model.run_layers``). ``positions``: ``h``'s rows' global positions in the whole
+    ``tokens`` (context parallelism, see ``_depths``)."""
     out = []
-    for k, n, module, cos, sin in _depths(args, modules, tokens):
-        h = call(module.block, wrap)(module.project(h[:, :n], embed(tokens[:, k:])), cos, sin)
+    for _, n, module, ahead, cos, sin in _depths(args, modules, tokens, positions):
+        h = call(module.block, wrap)(module.project(h[:, :n], embed(ahead)), cos, sin)
         out.append(h)
     return out
 
 
 def mtp_pieces(args: ModelArgs, modules: Sequence[MTPModule], embed: nn.Module, tokens: torch.Tensor,
-               stream: str = "h", wrap: LayerWrap | None = None) -> tuple[list[Piece], list[str]]:
+               stream: str = "h", wrap: LayerWrap | None = None, positions: torch.Tensor | None = None
+               ) -> tuple[list[Piece], list[str]]:
     """``mtp_hidden`` as plan pieces (``models.deepseek_v3.plan``) reading the main hidden state ``stream``;
     also the names of the depths' hidden states. ``wrap``: as in ``plan.layer_pieces``."""
     pieces, names, prev = [], [], stream
-    for k, n, module, cos, sin in _depths(args, modules, tokens):
+    for k, n, module, ahead, cos, sin in _depths(args, modules, tokens, positions):
         name = f"mtp{k}"
-        project = lambda h, module=module, n=n, k=k, name=name: {name: module.project(h[:, :n], embed(tokens[:, k:]))}  # noqa: E731
+        project = lambda h, module=module, n=n, ahead=ahead, name=name: {name: module.project(h[:, :n], embed(ahead))}  # noqa: E731
         pieces += [Compute(f"mtp {k} input", project, (prev,), (name,)),
                    *layer_pieces(module.block, cos, sin, name, wrap)]
         names.append(name)

@@ -89,8 +89,9 @@ def load_checkpoint(trainer: Checkpointable, folder: Path) -> int:
     saved_par = ParallelConfig(**full["parallel"]) if full is not None else par
     expect = trainer.checkpoint_meta()["config"]
     # EPLB on/off needs no resharding: experts and their moments are saved in the logical layout either way
-    if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.schedule, saved_par.zero1) != \
-            (par.pp, par.dp, par.ep, par.schedule, par.zero1):
+    # (a change of CP size is a change of layout: CP ranks hold replicas of the non-expert state, so it reshards)
+    if (saved_par.pp, saved_par.dp, saved_par.ep, saved_par.cp, saved_par.schedule, saved_par.zero1) != \
+            (par.pp, par.dp, par.ep, par.cp, par.schedule, par.zero1):
         names = trainer.param_names()
         step, state, rng = read_resharded(folder, trainer.args, par, trainer.ps.coords, expect,
                                           model_keys=[k for st in trainer.stages for k in st.state_dict()],
