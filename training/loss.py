@@ -27,6 +27,7 @@ from models.deepseek_v3.checkpoint import load_hf_checkpoint
 from models.deepseek_v3.indexer import Indexer, IndexerStats
 from models.deepseek_v3.model import Transformer
 from models.deepseek_v3.plan import Compute, Piece
+from models.deepseek_v4.model import Indexer as V4Indexer
 from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
 
@@ -102,13 +103,14 @@ class StageLoss:
 def freeze_all_but_indexers(modules: Sequence[nn.Module]) -> int:
     """DSA's dense warm-up: every parameter outside a lightning indexer stops requiring grad (the optimizer then
     never sees it). Returns the number of indexer parameters left trainable; ValueError when there is none."""
-    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, Indexer)]
+    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, (Indexer, V4Indexer))]
     indexer_params = {id(p) for sub in indexers for p in sub.parameters()}
     for m in modules:
         for p in m.parameters():
             p.requires_grad_(id(p) in indexer_params)
     if not indexer_params and any(True for m in modules for _ in m.parameters()):
-        raise ValueError("model.overrides.dsa_warmup=true, but this rank's layers hold no indexer (index_topk = 0)")
+        raise ValueError("model.overrides.dsa_warmup=true, but this rank's layers hold no indexer (index_topk = 0, or "
+                         "no V4 CSA layer)")
     return len(indexer_params)
 
 
