@@ -210,7 +210,7 @@ def test_fp8_reaches_the_linears_v3_runs_in_fp8():
 
 @pytest.mark.parametrize("setting, message", [
     ("model.hf_config={tmp}/missing", "error: model.hf_config="),
-    ("model.init_from={tmp}", "error: model.init_from="),
+    ("model.init_from={tmp}/v3", "error: model.init_from="),
     ("eplb.enabled=true", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism and EPLB"),
     ("model.overrides.recompute=[\"norm\"]", "error: ModelArgs: recompute=['norm']"),
 ])
@@ -218,6 +218,8 @@ def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
     """What V4 training does not do yet, or cannot read, is refused before any process starts, in one line naming
     the key (exit 2); the dry run of the demo config passes the same checks and prints its memory estimate."""
     (tmp_path / "config.json").write_text(json.dumps(_args().to_hf_config()))
+    (tmp_path / "v3").mkdir()
+    (tmp_path / "v3" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run", "--set", setting.format(tmp=tmp_path)]
     assert train_main(argv) == 2
     err = capsys.readouterr().err.strip()
