@@ -211,7 +211,7 @@ def test_fp8_reaches_the_linears_v3_runs_in_fp8():
 @pytest.mark.parametrize("setting, message", [
     ("model.hf_config={tmp}/missing", "error: model.hf_config="),
     ("model.init_from={tmp}/v3", "error: model.init_from="),
-    ("eplb.enabled=true", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism and EPLB"),
+    ("parallel.cp=2 parallel.dp=1", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism"),
     ("model.overrides.recompute=[\"norm\"]", "error: ModelArgs: recompute=['norm']"),
 ])
 def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
@@ -220,7 +220,9 @@ def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
     (tmp_path / "config.json").write_text(json.dumps(_args().to_hf_config()))
     (tmp_path / "v3").mkdir()
     (tmp_path / "v3" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
-    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run", "--set", setting.format(tmp=tmp_path)]
+    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run"]
+    for one in setting.format(tmp=tmp_path).split():
+        argv += ["--set", one]
     assert train_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err

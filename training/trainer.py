@@ -138,9 +138,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
-    if isinstance(args, v4.ModelArgs) and (par.cp > 1 or cfg.eplb.enabled):
-        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 trains without context parallelism and "
-                         f"EPLB so far; set parallel.cp=1 and eplb.enabled=false")
+    if isinstance(args, v4.ModelArgs) and par.cp > 1:
+        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 trains without context parallelism so "
+                         f"far; set parallel.cp=1")
     if par.vpp > 1:
         chunk_layers(args, par.pp, par.vpp)
     else:
