@@ -134,3 +134,19 @@ def test_v4_eplb_changes_placement_not_math(tmp_path):
                                              "eplb.ema_decay=0.5"])
     _equal(on, off, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
     assert sum(r.get("eplb_moved_slots", 0) for r in on) > 0, on
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_indexer_warmup_1f1b_matches_one_process(tmp_path):
+    """V3.2's dense warm-up on V4 (``model.overrides.dsa_warmup``: CSA attends every visible entry, only the
+    indexers train): PP=2 1F1B equals one process in loss, gradient norm (the indexers' alone), the indexer KL and
+    the top-k recall the metrics stream reports."""
+    common = SHORT + ["run.steps=3", "model.overrides.n_mtp_layers=0", "model.overrides.dsa_warmup=true",
+                      "optim.lr=1e-2", "optim.warmup_steps=1"]
+    one = _train(tmp_path, "one", 1, common + SINGLE)
+    two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
+                                               "parallel.schedule=1f1b"])
+    _equal(two, one, ("loss", "grad_norm", "indexer_kl", "indexer_recall"))
+    assert all(0.0 <= r["indexer_recall"] <= 1.0 for r in one)
