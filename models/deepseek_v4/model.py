@@ -119,7 +119,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer over CSA's compressed entries: ``I[t, w] = sum_h wt[t, h] ReLU(q[t, h] . k[w])`` with
     ``q = wq_b(q residual)`` (RoPE at t), ``k`` its own compressor's entries, ``wt = weights_proj(x)`` scaled by
-    ``(index_head_dim * index_n_heads) ** -0.5``; entry w is visible to query t when ``w < (t + 1) // ratio``."""
+    ``(index_head_dim * index_n_heads) ** -0.5``; entry w is visible to query t when ``w < (t + 1) // ratio``.
+    ``Attention`` selects the top ``topk`` by ``select_topk`` (no gradient) and trains it by ``indexer_kl``."""
 
     def __init__(self, args: ModelArgs, ratio: int = 4):
         super().__init__()
@@ -146,12 +147,6 @@ class Indexer(nn.Module):
         """Index scores ``[b, s, n]`` (fp32), -inf where the entry is not yet visible."""
         return fused_ops.indexer_logits(q, k, w, self.ratio, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k. A selection
-        carries no gradient: the indexer learns from ``indexer_loss`` (what ``Attention.forward`` attaches)."""
-        with torch.no_grad():
-            scores = self.scores(*self.parts(x, qr, angles))
-        return select_topk(scores, self.topk)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
