@@ -25,13 +25,14 @@ from models.deepseek_v3.indexer import CHUNK_BYTES, QUERY_CHUNK, IndexerStats, t
 __all__ = ["indexer_kl", "indexer_loss"]
 
 
-def _chunk(heads: int, window: int, n: int) -> int:
-    """Queries per chunk of the target: each holds ``heads x (window + chunk + n)`` fp32 logits."""
-    return max(1, min(QUERY_CHUNK, CHUNK_BYTES // (4 * heads * (2 * window + n + 1))))
+def _chunk(batch: int, heads: int, window: int, n: int) -> int:
+    """Queries per chunk of the target: a chunk of c queries makes ``batch x heads x c x (c + window + n)`` fp32
+    logits; at most ``QUERY_CHUNK`` queries, fewer when that would pass ``CHUNK_BYTES``."""
+    return max(1, min(QUERY_CHUNK, CHUNK_BYTES // (4 * batch * heads * (QUERY_CHUNK + window + n))))
 
 
 def indexer_kl(q: torch.Tensor, kv: torch.Tensor, ckv: torch.Tensor, sink: torch.Tensor, scale: float, window: int,
-               ratio: int, scores: torch.Tensor, candidates: torch.Tensor, topk: int,
+               scores: torch.Tensor, candidates: torch.Tensor, topk: int,
                stats: IndexerStats | None = None, chunk: int | None = None) -> torch.Tensor:
     """Mean over queries with candidates of ``KL(p || softmax(scores))`` over each query's ``candidates``.
 
@@ -42,7 +43,7 @@ def indexer_kl(q: torch.Tensor, kv: torch.Tensor, ckv: torch.Tensor, sink: torch
     holds as ``recall`` (over the last chunk's queries with more than ``topk`` candidates)."""
     b, s, h, _ = q.shape
     n = ckv.shape[1]
-    chunk = chunk or _chunk(h, window, n)
+    chunk = chunk or _chunk(b, h, window, n)
     tiny = torch.finfo(torch.float32).tiny
     q, kv, ckv, sink = q.detach().float(), kv.detach().float(), ckv.detach().float(), sink.detach().float()
     cand = candidates.to(torch.bool)

@@ -218,7 +218,7 @@ class Attention(nn.Module):
         rows = attention_rows(s, self.window, chosen, topk, x.device)
         out = self._output(q, torch.cat([kv, ckv], dim=1), rows, angles)
         if learn:
-            loss = indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, self.ratio, scores, chosen,
+            loss = indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, scores, chosen,
                               self.indexer.topk, self.indexer.stats)
             out = attach_aux_loss(out, loss)
         return out
@@ -264,7 +264,7 @@ class Attention(nn.Module):
         n = ckv.shape[1]
         chosen = (select_topk(scores.detach(), self.indexer.topk) if sparse
                   else compressed_visible(s, n, self.ratio, x.device).expand(b, -1, -1))
-        return indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, self.ratio, scores, chosen,
+        return indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, scores, chosen,
                           self.indexer.topk, chunk=chunk)
 
 
