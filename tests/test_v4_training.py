@@ -276,7 +276,7 @@ def _ep_plan_rank(rank: int, world: int) -> dict[str, float]:
             y.backward(g)
             inputs.append(h.grad)
         for name, p in full.layers.named_parameters(prefix="layers"):
-            if p.grad is None:  # the indexer: its selection carries no gradient (it learns from indexer_loss)
+            if p.grad is None:  # a parameter these micro-batches did not reach
                 continue
             if ".experts." in name:  # the experts see every rank's tokens
                 routed[name] = routed.get(name, 0) + p.grad[experts.start:experts.stop]
