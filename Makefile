@@ -21,7 +21,7 @@ TORCH211_PINS ?= torch==2.11.0 "numpy<2.4"
 # compile gates; FP8 health and the BF16 shadow; the
 # version check. An explicit list, so a renamed or deleted file fails loudly here instead of dropping out.
 TESTS211 ?= \
-	tests/test_v4_hf_parity.py tests/test_v4_checkpoint.py tests/test_v4_model.py tests/test_v4_generate.py \
+	tests/test_v4_hf_parity.py tests/test_v4_indexer_training.py tests/test_v4_init_from.py tests/test_v4_checkpoint.py tests/test_v4_model.py tests/test_v4_generate.py \
 	tests/test_v4_training.py tests/test_v4_training_slow.py \
 	tests/test_v4_planner.py tests/test_v4_export.py \
 	tests/test_combinations.py tests/test_training_overlap.py tests/test_model_recompute.py \

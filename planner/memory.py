@@ -54,7 +54,9 @@ from dualpipe.ir import Overlap
 from dualpipe.schedules import built, min_microbatches
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v3.args import RECOMPUTE_KINDS
+from models.deepseek_v3.indexer import Indexer
 from models.deepseek_v4 import Transformer as V4Transformer
+from models.deepseek_v4.model import Indexer as V4Indexer
 from planner import memory_measure as measure
 from planner import memory_v4
 from planner.memory_measure import Measured
@@ -161,18 +163,22 @@ def stage_param_counts(args: ModelArgs, cfg: TrainConfig, muon: bool = False) ->
 
 
 def stage_indexer_counts(args: ModelArgs, cfg: TrainConfig) -> list[int]:
-    """Parameters of each global stage's lightning indexers (DeepSeek-V3.2): what trains in the DSA warm-up."""
-    per_layer = sum(p.numel() for p in _indexer_params(args))
+    """Parameters of each global stage's lightning indexers (DeepSeek-V3.2; V4's CSA layers): what trains in the
+    DSA warm-up."""
+    per_layer = _indexer_params(args)
     mtp_stage = num_model_stages(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.vpp) - 1
-    return [per_layer * ((hi - lo) + (args.n_mtp_layers if s == mtp_stage else 0))
+    return [sum(per_layer[lo:hi]) + (sum(per_layer[args.n_layers:]) if s == mtp_stage else 0)
             for s, (lo, hi) in enumerate(split_layers(args, mtp_stage + 1))]
 
 
-def _indexer_params(args: ModelArgs) -> list[torch.nn.Parameter]:
-    from models.deepseek_v3.indexer import Indexer
-
+def _indexer_params(args: ModelArgs) -> list[int]:
+    """Each layer's (then each MTP layer's) indexer parameter count: V3.2's on every layer, V4's on CSA layers."""
     with torch.device("meta"):
-        return list(Indexer(args).parameters())
+        if is_v4(args):
+            size = sum(p.numel() for p in V4Indexer(args).parameters())
+            return [size if r == 4 else 0 for r in args.compress_ratios]
+        size = sum(p.numel() for p in Indexer(args).parameters())
+    return [size] * (args.n_layers + args.n_mtp_layers)
 
 
 # ---- the estimate ---------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def stage_activation_bytes(args: V4Args, cfg, p) -> tuple[list[int], list[int], 
     par, data = cfg.parallel, cfg.data
     seq, mb = data.seq_len, data.micro_batch
     accelerator = p.attention == "flash"
-    slots = args.n_routed_experts // par.ep
+    slots = (args.n_routed_experts + (cfg.eplb.redundant_experts if cfg.eplb.enabled else 0)) // par.ep
     num = num_model_stages(par.schedule, par.pp, par.vpp)
 
     def block(i: int) -> Measured:

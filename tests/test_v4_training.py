@@ -210,15 +210,19 @@ def test_fp8_reaches_the_linears_v3_runs_in_fp8():
 
 @pytest.mark.parametrize("setting, message", [
     ("model.hf_config={tmp}/missing", "error: model.hf_config="),
-    ("model.init_from={tmp}", "error: model.init_from="),
-    ("eplb.enabled=true", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism and EPLB"),
+    ("model.init_from={tmp}/v3", "error: model.init_from="),
+    ("parallel.cp=2 parallel.dp=1", "error: model.preset='debug_v4': DeepSeek-V4 trains without context parallelism"),
     ("model.overrides.recompute=[\"norm\"]", "error: ModelArgs: recompute=['norm']"),
 ])
 def test_v4_launch_refusals_name_the_key(tmp_path, capsys, setting, message):
     """What V4 training does not do yet, or cannot read, is refused before any process starts, in one line naming
     the key (exit 2); the dry run of the demo config passes the same checks and prints its memory estimate."""
     (tmp_path / "config.json").write_text(json.dumps(_args().to_hf_config()))
-    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run", "--set", setting.format(tmp=tmp_path)]
+    (tmp_path / "v3").mkdir()
+    (tmp_path / "v3" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run"]
+    for one in setting.format(tmp=tmp_path).split():
+        argv += ["--set", one]
     assert train_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
@@ -272,7 +276,7 @@ def _ep_plan_rank(rank: int, world: int) -> dict[str, float]:
             y.backward(g)
             inputs.append(h.grad)
         for name, p in full.layers.named_parameters(prefix="layers"):
-            if p.grad is None:  # the indexer: its selection carries no gradient (it learns from indexer_loss)
+            if p.grad is None:  # a parameter these micro-batches did not reach
                 continue
             if ".experts." in name:  # the experts see every rank's tokens
                 routed[name] = routed.get(name, 0) + p.grad[experts.start:experts.stop]

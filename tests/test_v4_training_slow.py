@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from models.deepseek_v4 import ModelArgs, Transformer, save_hf_checkpoint
 from tests.test_combinations import FP8_LOSS_ATOL, FP8_RTOL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +63,7 @@ def test_v4_1f1b_matches_one_process(tmp_path):
     one = _train(tmp_path, "one", 1, common + SINGLE)
     two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
                                                "parallel.schedule=1f1b"])
-    _equal(two, one, ("loss", "grad_norm"))
+    _equal(two, one, ("loss", "grad_norm", "indexer_kl"))
 
 
 @pytest.mark.dist
@@ -73,7 +75,7 @@ def test_v4_zbv_with_mtp_and_block_recompute_matches_one_process(tmp_path):
     one = _train(tmp_path, "one", 1, SHORT + SINGLE)
     two = _train(tmp_path, "two", 2, SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
                                               "parallel.schedule=zbv", 'model.overrides.recompute=["block"]'])
-    _equal(two, one, ("loss", "mtp_loss", "grad_norm"))
+    _equal(two, one, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
 
 
 @pytest.mark.dist
@@ -94,3 +96,57 @@ def test_v4_demo_dualpipev_ep_fp8_mtp_matches_one_process(tmp_path):
         for a, b in zip(four[1:], one[1:]):
             assert abs(a[key] - b[key]) <= FP8_LOSS_ATOL, (key, a[key], b[key])
     assert [r["grad_norm"] for r in four] == pytest.approx([r["grad_norm"] for r in one], rel=FP8_RTOL)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_init_from_one_process_and_expert_parallel_match(tmp_path):
+    """``model.init_from`` of a V4 folder in DeepSeek's released layout (FP8 + MXFP4): one process and DP=2 x EP=2
+    (each rank loading its expert slice) run the same losses and gradient norms, and they are the loaded model's,
+    not the seeded one's (a seeded run's first loss is a fresh model's ln 256)."""
+    args = ModelArgs.preset("debug_v4", vocab_size=256, max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():  # other weights than the run's seeded ones
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    save_hf_checkpoint(model, tmp_path / "v4", layout="release", quantize=True)
+    start = [f"model.init_from={tmp_path / 'v4'}"]
+    one = _train(tmp_path, "one", 1, SHORT + SINGLE + start)
+    two = _train(tmp_path, "two", 2, SHORT + start + ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2",
+                                                      "parallel.schedule=none"])
+    _equal(two, one, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
+    assert abs(one[0]["loss"] - math.log(256)) > 0.05, one[0]["loss"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_eplb_changes_placement_not_math(tmp_path):
+    """EPLB on V4 (DP=2 x EP=2, 2 redundant slots per MoE layer, a re-plan after every step): the hash-routed and
+    the scored layers' experts move and replicate by their measured loads, and the losses and gradient norms are
+    the run's without EPLB (replicas are exact copies whose gradients are summed; fp32 summation order only)."""
+    layout = SHORT + ["run.steps=3", "parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=none"]
+    off = _train(tmp_path, "off", 2, layout)
+    on = _train(tmp_path, "on", 2, layout + ["eplb.enabled=true", "eplb.redundant_experts=2", "eplb.interval=1",
+                                             "eplb.ema_decay=0.5"])
+    _equal(on, off, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
+    assert sum(r.get("eplb_moved_slots", 0) for r in on) > 0, on
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_v4_indexer_warmup_1f1b_matches_one_process(tmp_path):
+    """V3.2's dense warm-up on V4 (``model.overrides.dsa_warmup``: CSA attends every visible entry, only the
+    indexers train): PP=2 1F1B equals one process in loss, gradient norm (the indexers' alone), the indexer KL and
+    the top-k recall the metrics stream reports."""
+    common = SHORT + ["run.steps=3", "model.overrides.n_mtp_layers=0", "model.overrides.dsa_warmup=true",
+                      "optim.lr=1e-2", "optim.warmup_steps=1"]
+    one = _train(tmp_path, "one", 1, common + SINGLE)
+    two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
+                                               "parallel.schedule=1f1b"])
+    _equal(two, one, ("loss", "grad_norm", "indexer_kl", "indexer_recall"))
+    assert all(0.0 <= r["indexer_recall"] <= 1.0 for r in one)

@@ -55,7 +55,7 @@ from training.optim import split_zero
 def plan_shape(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, int]:
     """(physical slots per layer, expert groups, nodes, EP ranks) the plans are made for."""
     e = cfg.eplb
-    groups = e.num_groups or args.n_expert_groups
+    groups = e.num_groups or getattr(args, "n_expert_groups", 1)  # V4 routes without a group limit
     nodes = e.num_nodes or cfg.balance.num_nodes
     return args.n_routed_experts + e.redundant_experts, groups, nodes, cfg.parallel.ep
 
@@ -64,11 +64,8 @@ def check_eplb(cfg: TrainConfig, args: ModelArgs) -> None:
     """The ``[eplb]`` checks that need the model: slots divide over EP, the policy's arguments divide."""
     if not cfg.eplb.enabled:
         return
-    if not isinstance(args, ModelArgs):
-        raise ValueError(f"eplb.enabled with model {cfg.model.preset!r} ({type(args).__module__}): EPLB's expert "
-                         "replicas are built for DeepSeek-V3 models only; set eplb.enabled=false")
     experts, redundant, ep = args.n_routed_experts, cfg.eplb.redundant_experts, cfg.parallel.ep
-    if args.n_layers <= args.n_dense_layers and not args.n_mtp_layers:
+    if args.n_layers <= getattr(args, "n_dense_layers", 0) and not args.n_mtp_layers:  # every V4 layer is MoE
         raise ValueError("eplb.enabled: the model has no MoE layer (model n_layers <= n_dense_layers)")
     if (experts + redundant) % ep:
         raise ValueError(f"eplb.redundant_experts={redundant}: n_routed_experts + redundant_experts = {experts} + "

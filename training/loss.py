@@ -27,6 +27,10 @@ from models.deepseek_v3.checkpoint import load_hf_checkpoint
 from models.deepseek_v3.indexer import Indexer, IndexerStats
 from models.deepseek_v3.model import Transformer
 from models.deepseek_v3.plan import Compute, Piece
+from models.deepseek_v4 import ModelArgs as V4Args
+from models.deepseek_v4 import Transformer as V4Transformer
+from models.deepseek_v4 import load_hf_checkpoint as load_v4_checkpoint
+from models.deepseek_v4.model import Indexer as V4Indexer
 from training.parallel import ParallelState
 from training.stages import DeepSeekV3Stage
 
@@ -102,21 +106,27 @@ class StageLoss:
 def freeze_all_but_indexers(modules: Sequence[nn.Module]) -> int:
     """DSA's dense warm-up: every parameter outside a lightning indexer stops requiring grad (the optimizer then
     never sees it). Returns the number of indexer parameters left trainable; ValueError when there is none."""
-    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, Indexer)]
+    indexers = [sub for m in modules for sub in m.modules() if isinstance(sub, (Indexer, V4Indexer))]
     indexer_params = {id(p) for sub in indexers for p in sub.parameters()}
     for m in modules:
         for p in m.parameters():
             p.requires_grad_(id(p) in indexer_params)
     if not indexer_params and any(True for m in modules for _ in m.parameters()):
-        raise ValueError("model.overrides.dsa_warmup=true, but this rank's layers hold no indexer (index_topk = 0)")
+        raise ValueError("model.overrides.dsa_warmup=true, but this rank's layers hold no indexer (index_topk = 0, or "
+                         "no V4 CSA layer)")
     return len(indexer_params)
 
 
-def init_from_hf(model: Transformer, path: str | Path) -> None:
+def init_from_hf(model: Transformer | V4Transformer, path: str | Path) -> None:
     """Load this rank's materialised part of ``model`` from the HF checkpoint folder ``path`` (model.init_from).
-    A checkpoint without indexer weights (DeepSeek-V3) leaves a V3.2 model's indexers as initialised."""
+    A checkpoint without indexer weights (DeepSeek-V3) leaves a V3.2 model's indexers as initialised. A V4 model
+    reads a V4 folder in either layout (transformers' or DeepSeek's release, FP8 / MXFP4 dequantised)."""
     path = Path(path).expanduser()
     try:
+        if isinstance(model, V4Transformer):
+            V4Args.from_hf_config(path)  # a readable V4 config.json; the tensors' names and shapes are checked
+            load_v4_checkpoint(model, path)
+            return
         saved = ModelArgs.from_hf_config(path)
         load_hf_checkpoint(model, path, fresh_indexer=bool(model.args.index_topk) and not saved.index_topk)
     except ValueError as exc:

@@ -386,14 +386,12 @@ def build_stages(args: ModelArgs, schedule: str, pp: int, pp_rank: int, ep_rank:
     ranges = chunk_layers(args, pp, vpp) if vpp > 1 else split_layers(args, num_stages)
     experts = expert_range(args, ep_rank, ep_size) if ep_size > 1 else None
     v4_model = isinstance(args, v4.ModelArgs)
-    if v4_model and physical_experts is not None:
-        raise ValueError("physical_experts (EPLB) with a DeepSeek-V4 model: its replicas are built for V3 only")
     with torch.device("meta"):
         model = (v4.Transformer if v4_model else Transformer)(args, expert_ids=experts)
-        if physical_experts is not None:
+        if physical_experts is not None:  # V4's MoE is V3's subclass, its Experts V3's with the clamped SwiGLU
             for m in model.modules():
                 if isinstance(m, MoE):
-                    m.experts = Experts(args, physical_experts)
+                    m.experts = type(m.experts)(args, physical_experts)
     held = stage_ids(schedule, pp, pp_rank, vpp)
     if v4_model:
         stages = [DeepSeekV4Stage(model, s, num_stages, ranges[s]) for s in held]

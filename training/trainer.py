@@ -138,9 +138,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         check_world_size(cfg.parallel, world)
     args = model_args(cfg)
     par = cfg.parallel
-    if isinstance(args, v4.ModelArgs) and (par.cp > 1 or cfg.eplb.enabled):
-        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 trains without context parallelism and "
-                         f"EPLB so far; set parallel.cp=1 and eplb.enabled=false")
+    if isinstance(args, v4.ModelArgs) and par.cp > 1:
+        raise ValueError(f"model.preset={cfg.model.preset!r}: DeepSeek-V4 trains without context parallelism so "
+                         f"far; set parallel.cp=1")
     if par.vpp > 1:
         chunk_layers(args, par.pp, par.vpp)
     else:
@@ -178,10 +178,9 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         raise ValueError(f"model.init_from={cfg.model.init_from!r} is a DeepSeek-V4 checkpoint (model_type "
                          f"'deepseek_v4') and model.preset={cfg.model.preset!r} a V3 model; a V4 checkpoint starts a "
                          "V4 preset (deepseek_v4_flash, deepseek_v4_pro, debug_v4)")
-    if cfg.model.init_from and isinstance(args, v4.ModelArgs):
-        raise ValueError(f"model.init_from={cfg.model.init_from!r} with a DeepSeek-V4 model: loading an HF checkpoint "
-                         "into V4 pipeline stages is not built yet; model.hf_config takes a V4 config.json's "
-                         "architecture (with seeded weights)")
+    if cfg.model.init_from and isinstance(args, v4.ModelArgs) and not v4_start and not init_missing:
+        raise ValueError(f"model.init_from={cfg.model.init_from!r} is not a DeepSeek-V4 checkpoint (its config.json's "
+                         f"model_type is not 'deepseek_v4') and model.preset={cfg.model.preset!r} a V4 model")
     if cfg.model.init_from and cfg.eplb.enabled:
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")

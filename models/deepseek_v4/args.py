@@ -85,6 +85,9 @@ class ModelArgs:
     expert_weight_format: str = "bf16"
     recompute: tuple[str, ...] = ()
     recompute_layers: tuple[int, ...] | None = None
+    # V3.2's dense indexer warm-up (``models.deepseek_v4.indexer_loss``): CSA layers attend every visible
+    # compressed entry and only the indexers train (``training.loss.freeze_all_but_indexers``)
+    dsa_warmup: bool = False
     # config.json fields this model does not use (tokenizer ids, generation defaults ...), kept for round trips
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -118,6 +121,8 @@ class ModelArgs:
             (0 <= self.n_hash_layers <= self.n_layers, f"n_hash_layers={self.n_hash_layers} exceeds n_layers"),
             (self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1"),
             (self.index_topk > 0 or 4 not in self.compress_ratios, "CSA layers need index_topk > 0"),
+            (not self.dsa_warmup or 4 in self.compress_ratios,
+             "dsa_warmup=True needs a CSA layer (compress ratio 4: the layers with an indexer)"),
             (self.window_size > 0, f"window_size={self.window_size} must be positive"),
             (set(self.recompute) <= set(RECOMPUTE_KINDS),
              f"recompute={list(self.recompute)}: V4 recomputes {list(RECOMPUTE_KINDS)} (whole blocks)"),
@@ -139,11 +144,6 @@ class ModelArgs:
     @property
     def fp8_cache(self) -> bool:
         """FP8 activation caching (V3's ``fp8_cache_activations``): not implemented for V4, always off."""
-        return False
-
-    @property
-    def dsa_warmup(self) -> bool:
-        """V3.2's dense indexer warm-up stage (``freeze_all_but_indexers``): not a V4 training stage here."""
         return False
 
     @property

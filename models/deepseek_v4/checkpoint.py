@@ -26,6 +26,7 @@ import torch
 
 import deep_gemm
 from models.deepseek_v3.checkpoint import open_shard, read_index, write_folder
+from models.deepseek_v3.moe import Experts as V3Experts
 from models.deepseek_v4.args import ModelArgs
 from models.deepseek_v4.model import Transformer
 from models.deepseek_v4.names import hf_name, our_name, release_expert_names, release_name
@@ -92,6 +93,17 @@ def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _held_experts(model: Transformer) -> dict[str, list[int]]:
+    """For the routed-expert tensors of an expert-parallel model (``Transformer(args, expert_ids)``): the global
+    expert of each row (``Experts.expert_ids``). A model holding every expert has none."""
+    held = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, V3Experts) and len(m.expert_ids) != model.args.n_routed_experts:
+            for leaf in ("w13", "w2"):
+                held[f"{prefix}.{leaf}"] = list(m.expert_ids)
+    return held
+
+
 def checkpoint_plan(model: Transformer, layout: str) -> dict[str, list[tuple[str | tuple[str, ...], int | None]]]:
     """For each of our tensors: ``(checkpoint key(s), expert)`` pieces -- one key for a whole tensor, or per
     routed expert the release's keys whose rows are stacked into that expert's slice (w13 = w1 rows, w3 rows)."""
@@ -128,7 +140,9 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
     ``model_or_args``: a ``Transformer`` (filled in place), a ``ModelArgs`` or None (read ``config.json``); a
     model built here lives on ``device`` in ``dtype`` (default fp32; ``FP32_TENSORS`` stay fp32, as released),
     and has no MTP layers when the checkpoint holds none (transformers' own saves). ``strict``: unknown keys
-    are an error.
+    are an error. A given model may be one training rank's part (``model.init_from``): tensors on ``meta`` (other
+    pipeline stages) are left alone, and an expert-parallel model's routed experts (``Experts.expert_ids``) take
+    their own experts' rows only.
     """
     path = Path(path)
     weight_map = read_index(path)
@@ -149,31 +163,41 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
                     if FP32_TENSORS.search(name) and t.is_floating_point():
                         t.data = t.data.float()
     tensors = _tensors(model)
+    held = _held_experts(model)
     scales = {k for k in weight_map
               if k.endswith("_scale_inv") or (k.endswith(".scale") and k[: -len(".scale")] + ".weight" in weight_map)}
-    wanted: dict[str, torch.Tensor] = {}  # checkpoint key -> where its values go
-    filled: dict[str, set] = defaultdict(set)  # our tensor -> {None} (whole) or {(expert, part), ...}
+    wanted: dict[str, tuple[torch.Tensor, list[int] | None]] = {}  # checkpoint key -> destination, expert rows
+    filled: dict[str, set] = defaultdict(set)  # our tensor -> {None} (whole) or {(local expert, part), ...}
     unknown = []
     for key in weight_map:
         if key in scales or SHARED_COPIES.match(key):
             continue
         where = our_name(key)
-        if where is None or where[0] not in tensors or (where[1] is not None
-                                                        and where[1] >= tensors[where[0]].shape[0]):
+        if where is None or where[0] not in tensors:
             unknown.append(key)
             continue
         name, expert, part = where
-        dst = tensors[name]
+        dst, ids = tensors[name], held.get(name)
+        if expert is not None:
+            if expert >= (dst.shape[0] if ids is None else model.args.n_routed_experts):
+                unknown.append(key)
+                continue
+            if ids is not None and expert not in ids:  # another expert-parallel rank's expert
+                continue
+            expert = expert if ids is None else ids.index(expert)
+        if dst.is_meta:  # another pipeline stage's tensor
+            continue
+        rows = ids if expert is None and ids is not None else None  # a whole [E, ...] tensor: this rank's rows
         if expert is not None:
             dst = dst[expert]
             if name.endswith(".w13"):  # w1 rows then w3 rows
                 dst = dst.narrow(0, part * (dst.shape[0] // 2), dst.shape[0] // 2)
-        wanted[key] = dst
+        wanted[key] = (dst, rows)
         filled[name].add(None if expert is None else (expert, part))
     missing = []
     for name, t in tensors.items():
         got = filled.get(name, set())
-        if None in got:
+        if None in got or t.is_meta:
             continue
         if got and name.endswith((".experts.w13", ".experts.w2")):
             parts = (0, 1) if name.endswith(".w13") else (0,)
@@ -181,7 +205,8 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
             if not gaps:
                 continue
             e, p = gaps[0]
-            keys = release_expert_names(name, t.shape[0])[e]
+            ids = held.get(name)
+            keys = release_expert_names(name, model.args.n_routed_experts)[e if ids is None else ids[e]]
             missing.append(f"{keys[p]} (expected shape {(t.shape[1] // len(parts), t.shape[2])})")
             continue
         key = (hf_name(name) or name) if layout == "transformers" else release_name(name)
@@ -199,8 +224,10 @@ def load_hf_checkpoint(model_or_args: Transformer | ModelArgs | None, path: str 
         for file, keys in sorted(by_file.items()):
             with open_shard(path / file) as f:
                 for key in keys:
-                    dst = wanted[key]
+                    dst, rows = wanted[key]
                     src = _read(f, key, dst, weight_map, path)
+                    if rows is not None and src.dim() == dst.dim() and src.shape[0] == model.args.n_routed_experts:
+                        src = src[rows]
                     if tuple(src.shape) != tuple(dst.shape):
                         raise ValueError(f"load_hf_checkpoint: {key} has shape {tuple(src.shape)}; expected "
                                          f"{tuple(dst.shape)}")

@@ -23,9 +23,9 @@ from torch import nn
 import deep_gemm
 import flash_mla
 import fused_ops
-from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer
+from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, attach_aux_loss
 from models.deepseek_v3.expert_parallel import SendPlan, arrived
-from models.deepseek_v3.indexer import hadamard_fp4
+from models.deepseek_v3.indexer import IndexerStats, hadamard_fp4
 from models.deepseek_v3.layers import Linear
 from models.deepseek_v3.moe import Experts as V3Experts
 from models.deepseek_v3.moe import MoE as V3MoE
@@ -33,6 +33,7 @@ from models.deepseek_v3.moe import Routing
 from models.deepseek_v3.permute import group_weights
 from models.deepseek_v3.rope import yarn_inv_freq
 from models.deepseek_v4.args import ModelArgs
+from models.deepseek_v4.indexer_loss import indexer_kl
 
 __all__ = ["Attention", "Block", "Compressor", "Experts", "Gate", "Indexer", "MTPBlock", "MoE", "RMSNorm",
            "Transformer", "hc_post", "hc_pre"]
@@ -118,7 +119,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer over CSA's compressed entries: ``I[t, w] = sum_h wt[t, h] ReLU(q[t, h] . k[w])`` with
     ``q = wq_b(q residual)`` (RoPE at t), ``k`` its own compressor's entries, ``wt = weights_proj(x)`` scaled by
-    ``(index_head_dim * index_n_heads) ** -0.5``; entry w is visible to query t when ``w < (t + 1) // ratio``."""
+    ``(index_head_dim * index_n_heads) ** -0.5``; entry w is visible to query t when ``w < (t + 1) // ratio``.
+    ``Attention`` selects the top ``topk`` by ``select_topk`` (no gradient) and trains it by ``indexer_kl``."""
 
     def __init__(self, args: ModelArgs, ratio: int = 4):
         super().__init__()
@@ -128,6 +130,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
         self.qk_fp4 = args.indexer_qk_format == "mxfp4_hadamard"  # V4's QAT of q and k (``hadamard_fp4``)
+        self.stats = IndexerStats()  # the training loss and top-k recall, for the metrics stream
 
     def parts(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,12 +147,6 @@ class Indexer(nn.Module):
         """Index scores ``[b, s, n]`` (fp32), -inf where the entry is not yet visible."""
         return fused_ops.indexer_logits(q, k, w, self.ratio, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """Selected entries as a mask ``[b, s, n]`` (True = attended): the causally visible top-k. A selection
-        carries no gradient: the indexer learns from ``indexer_loss``."""
-        with torch.no_grad():
-            scores = self.scores(*self.parts(x, qr, angles))
-        return select_topk(scores, self.topk)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -200,29 +197,75 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.compressor = Compressor(args, self.ratio, self.head_dim) if self.ratio else None
         self.indexer = Indexer(args, self.ratio) if self.ratio == 4 else None
+        self.warmup = args.dsa_warmup  # V3.2's dense warm-up: attend every visible entry, the indexer learns
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """``x [b, s, dim]`` at positions ``0..s-1``; ``angles`` the rope angles of this layer's kind."""
+        """``x [b, s, dim]`` at positions ``0..s-1``; ``angles`` the rope angles of this layer's kind. In training
+        (grad enabled) a CSA layer's output carries its indexer's KL loss (``indexer_loss``)."""
         b, s, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(rms_scale(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps), angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)  # [b, s, d]: keys and values
-        chosen = None
-        if self.compressor is not None:
-            ckv = self.compressor(x, angles)
-            if self.indexer is not None:
-                chosen = self.indexer(x, qr, angles)
-            else:
-                chosen = compressed_visible(s, ckv.shape[1], self.ratio, x.device).expand(b, -1, -1)
-            kv = torch.cat([kv, ckv], dim=1)
-        rows = attention_rows(s, self.window, chosen, self.indexer.topk if self.indexer is not None else None,
-                              x.device)
+        if self.compressor is None:
+            return self._output(q, kv, attention_rows(s, self.window, None, None, x.device), angles)
+        ckv = self.compressor(x, angles)
+        learn = self.indexer is not None and self.training and torch.is_grad_enabled()
+        scores = None
+        if learn or (self.indexer is not None and not self.warmup):
+            with torch.set_grad_enabled(learn):  # a selection alone carries no gradient
+                scores = self._index_scores(x, qr, angles)
+        chosen, topk = self._chosen(scores, s, ckv.shape[1], b, x.device)
+        rows = attention_rows(s, self.window, chosen, topk, x.device)
+        out = self._output(q, torch.cat([kv, ckv], dim=1), rows, angles)
+        if learn:
+            loss = indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, scores, chosen,
+                              self.indexer.topk, self.indexer.stats)
+            out = attach_aux_loss(out, loss)
+        return out
+
+    def _index_scores(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The indexer's scores ``[b, s, n]`` from the layer input and query residual, both detached (only the
+        indexer's own loss trains it); differentiable in the indexer's weights when grad is enabled."""
+        return self.indexer.scores(*self.indexer.parts(x.detach(), qr.detach(), angles))
+
+    def _chosen(self, scores: torch.Tensor | None, s: int, n: int, b: int, device: torch.device
+                ) -> tuple[torch.Tensor, int | None]:
+        """The compressed entries each query attends ``[b, s, n]`` and the most per query (None: no limit):
+        the indexer's top-k in a CSA layer, every visible entry in an HCA layer or in the warm-up."""
+        if self.indexer is None or self.warmup:
+            return compressed_visible(s, n, self.ratio, device).expand(b, -1, -1), None
+        return select_topk(scores.detach(), self.indexer.topk), self.indexer.topk
+
+    def _output(self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Attention over each query's ``rows`` of ``kv``, the inverse RoPE, then the grouped low-rank output."""
+        b, s = q.shape[:2]
         o = sparse_sink_attention(q, kv, rows, self.attn_sink, self.softmax_scale)
         o = apply_rope(o, angles, inverse=True)
         # grouped low-rank output: o_g [b, s, H*d/G] times wo_a's block g, then wo_b over all groups
         wo_a = self.wo_a.weight.view(self.o_groups, -1, self.wo_a.in_features)
         o = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, self.o_groups, -1), wo_a)
         return self.wo_b(o.flatten(2))
+
+    def indexer_loss(self, x: torch.Tensor, angles: torch.Tensor, sparse: bool, chunk: int | None = None
+                     ) -> torch.Tensor:
+        """The indexer's KL loss on this layer's input ``x [b, s, dim]`` (after ``attn_norm``): over its top-k
+        (``sparse``) or every visible entry (the warm-up), as the training forward attaches it; ``chunk``
+        queries per chunk of the target (default: ``indexer_loss._chunk``'s bound)."""
+        if self.indexer is None:
+            raise ValueError("indexer_loss: the layer has no indexer (compress ratio 4 layers only)")
+        x = x.detach()
+        b, s, _ = x.shape
+        with torch.no_grad():
+            qr = self.q_norm(self.wq_a(x))
+            q = apply_rope(rms_scale(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps), angles)
+            kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+            ckv = self.compressor(x, angles)
+        scores = self._index_scores(x, qr, angles)
+        n = ckv.shape[1]
+        chosen = (select_topk(scores.detach(), self.indexer.topk) if sparse
+                  else compressed_visible(s, n, self.ratio, x.device).expand(b, -1, -1))
+        return indexer_kl(q, kv, ckv, self.attn_sink, self.softmax_scale, self.window, scores, chosen,
+                          self.indexer.topk, chunk=chunk)
 
 
 def attention_rows(s: int, window: int, chosen: torch.Tensor | None, topk: int | None,
