@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.deepseek_v3 import ModelArgs, Transformer
+from models.deepseek_v4 import ModelArgs as V4ModelArgs
+from models.deepseek_v4 import Transformer as V4Transformer
 from planner.costs import muon_flops_per_param, newton_schulz_flops
 from planner.memory import estimate
 from recipes import fp8_vs_bf16
@@ -122,6 +124,12 @@ def test_model_split_adamw_for_embedding_head_gate_norms():
     muon = set(named) - adamw
     assert {"layers.1.ffn.experts.w13", "layers.0.attn.indexer.wk.weight", "mtp.0.eh_proj.weight",
             "layers.0.attn.wkv_b.weight"} <= muon
+    v4_named = dict(V4Transformer(V4ModelArgs.preset("debug_v4")).named_parameters())
+    v4_adamw = {n for n, p in v4_named.items() if not uses_muon(n, p)}
+    assert {"layers.1.attn.compressor.ape", "layers.0.hc_attn_base", "layers.0.hc_attn_scale",
+            "layers.0.attn.attn_sink", "hc_head.hc_head_base"} <= v4_adamw  # V4: biases, gating factors, sinks
+    assert {"layers.0.hc_attn_fn", "layers.1.attn.compressor.wgate.weight", "mtp.0.e_proj.weight"} <= (
+        set(v4_named) - v4_adamw)
     cfg = load_config(None, ['optim.name="muon"', "optim.muon_lr=0.03", "optim.muon_weight_decay=0.05",
                              "optim.lr=1e-3", "optim.weight_decay=0.2"]).optim
     opt = Optimizers([model], cfg, None, None, zero1=False)

@@ -334,15 +334,17 @@ def split_params(modules: Iterable[nn.Module]) -> tuple[list[tuple[str, nn.Param
 
 
 ADAMW_MATRICES = ("embed", "head", "gate")  # 2-D parameters Muon leaves to AdamW (V4: embedding, head, router)
+ADAMW_BIASES = ("bias", "ape")  # added to activations, not applied to them (``ape``: V4 compressor's position bias)
 
 
 def uses_muon(name: str, p: torch.Tensor) -> bool:
-    """Whether Muon updates the parameter ``name``: the hidden matrices (attention, indexer and FFN projections,
-    dense, shared and routed experts, MTP's projection); AdamW keeps the embedding, the output head, the router
-    gate, norm weights and biases (DeepSeek-V4's split)."""
+    """Whether Muon updates the parameter ``name``: the hidden matrices (attention, indexer, compressor and FFN
+    projections, dense, shared and routed experts, MTP's projections, mHC's dynamic mixing projections); AdamW
+    keeps the embedding, the output head, the router gate, norm weights, mHC's static biases and gating factors,
+    and biases, 2-D ones included (DeepSeek-V4's split)."""
     parts = name.split(".")
     module = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-    return p.ndim >= 2 and parts[-1] != "bias" and module not in ADAMW_MATRICES
+    return p.ndim >= 2 and parts[-1] not in ADAMW_BIASES and module not in ADAMW_MATRICES
 
 
 def _param_groups(named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> list[dict]:
