@@ -93,11 +93,12 @@ def test_shrunk_recipe_trains_both_stages_and_extension_lowers_long_range_loss(t
             assert all(0.0 <= a <= (1.0 if key.startswith("passkey") else 50.0) for a in r[key][name]), (key, name)
     assert all(len(r["position_loss"][n]) == len(r["bucket_edges"]) - 1 for n in names)
     beyond, within = r["loss_beyond_short"], r["loss_within_short"]
-    # Measured for this shrunk run (150 + 30 steps, 2026-12-07), seed 1234 / seed 7: loss from position 128 on,
-    # short model 3.259 / 2.472, extended 2.291 / 2.287 (gaps 0.97 / 0.19); below 128 the extended model has 2.365 /
-    # 2.468, so beyond minus below is -0.07 / -0.18. Another seed (new data, new init) is a far larger perturbation
-    # than another x86 CPU's rounding of the same seed, so 0.05 nats, a quarter of the smallest gap, leaves room.
-    margin = 0.05
+    # Measured for this shrunk run (150 + 30 steps, stage 2 at CP 2, 1-digit key, 2026-12-07), seed 1234 / seed 7:
+    # loss from position 128 on, short model 3.175 / 2.824, extended 2.494 / 2.324 (gaps 0.68 / 0.50); below 128 the
+    # extended model has 2.514 / 2.446 (beyond minus below -0.02 / -0.12), the short model 2.608 / 2.534 (+0.57 /
+    # +0.29). Another seed (new data, new init) is a far larger perturbation than another x86 CPU's rounding of the
+    # same seed, so 0.1 nats, a fifth of the smallest gap and a third of the short model's rise, leaves room.
+    margin = 0.1
     assert beyond["extended"] < beyond["short"] - margin, r
     # and the extended model is no worse past the short length than before it: the new positions are usable
     assert beyond["extended"] < within["extended"] + margin, r
