@@ -1,12 +1,13 @@
 """Context extension at CPU size: train short, extend with YaRN, and show what the extension buys.
 
     python -m recipes.long_context [--out runs/long_context] [--short-len 128] [--extend-factor 4] [--cp 2]
-                                   [--short-steps 400] [--extend-steps 100] [--set k=v ...]
+                                   [--short-steps 400] [--extend-steps 100] [--key-digits 1] [--set k=v ...]
 
 Both stages run through the real CLI (``python -m recipes.train``), each on a synthetic passkey corpus this
 recipe writes into ``--out``: documents of exactly one training window, each a stretch of the bundled corpus
-with ``the passkey is NNNNN.`` stated at a random depth and asked for again at the end (``So the passkey is
-NNNNN.``), so that retrieving it over the whole window is learnable and measurable.
+with ``the passkey is K.`` stated at a random depth and asked for again at the end (``So the passkey is K.``),
+K being ``--key-digits`` random digits (the filler has none), so that retrieving it over the whole window is
+learnable and measurable.
 
 1. ``short``: ``recipes/configs/long_context_short_cpu.toml``, the demo's ``debug`` model with plain RoPE at
    ``--short-len`` tokens; exported with ``recipes.export_hf``.
@@ -17,13 +18,12 @@ NNNNN.``), so that retrieving it over the whole window is learnable and measurab
 Then both checkpoints, and the short one with the extended RoPE but no further training (``short+yarn``), are
 evaluated on held-out documents (filler from the corpus's last tenth, fresh passkeys) at the long length:
 the next-token loss per position (averaged in buckets; ``long_context.png``) and passkey retrieval at depths
-0, 25, 50, 75 and 100 % of the document (exact match of the five digits, each the argmax given the ones
-before it -- the same as greedy generation), and retrieval at the short length for reference. A table is
-printed; everything goes to ``long_context.json``.
+0, 25, 50, 75 and 100 % of the document (exact match of the key, each digit the argmax given the ones before
+it -- the same as greedy generation; chance is 10 ** -digits), and retrieval at the short length for
+reference. A table is printed; everything goes to ``long_context.json``.
 
-``--cp`` > 1 needs the trainer's context-parallel runtime; until it runs, stage 2 is refused with the
-trainer's one-line error (use ``--cp 1``). Exit status: 0 done, 2 bad input (one ``error:`` line; nothing
-written), 1 a stage failed (its output's tail is printed).
+Exit status: 0 done, 2 bad input (one ``error:`` line; nothing written), 1 a stage failed (its output's tail
+is printed).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "recipes" / "configs"
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "run.sample_tokens=0"]
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-KEY_DIGITS = 5
+KEY_DIGITS = 1  # default --key-digits
 EVAL_SPLIT = 0.9  # training documents take their filler from the corpus's first 90 %, evaluation from the rest
 
 
@@ -71,11 +71,12 @@ def filler_text(path: Path = BUNDLED_CORPUS) -> str:
     return " ".join(text.translate(str.maketrans("", "", "0123456789")).split())
 
 
-def passkey_document(rng: random.Random, text: str, length: int, depth: float) -> tuple[str, str, int]:
-    """A document of exactly ``length`` ASCII characters: a random stretch of ``text`` with the needle inserted at
-    ``depth`` (0 = first, 1 = just before the question) and the question at the end. Returns (document, key,
-    offset of the key's first digit in the question)."""
-    key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
+def passkey_document(rng: random.Random, text: str, length: int, depth: float, digits: int = KEY_DIGITS
+                     ) -> tuple[str, str, int]:
+    """A document of exactly ``length`` ASCII characters: a random stretch of ``text`` with the needle (a key of
+    ``digits`` random digits) inserted at ``depth`` (0 = first, 1 = just before the question) and the question at
+    the end. Returns (document, key, offset of the key's first digit in the question)."""
+    key = "".join(rng.choice("0123456789") for _ in range(digits))
     room = length - len(needle(key)) - len(query(key))
     start = rng.randrange(len(text) - room)
     stretch = text[start:start + room]
@@ -84,28 +85,29 @@ def passkey_document(rng: random.Random, text: str, length: int, depth: float) -
     return doc, key, length - len(query(key)) + query(key).index(key)
 
 
-def write_corpus(path: Path, text: str, length: int, n_docs: int, seed: int) -> None:
+def write_corpus(path: Path, text: str, length: int, n_docs: int, seed: int, digits: int = KEY_DIGITS) -> None:
     """``n_docs`` passkey documents of ``length`` bytes at uniformly random depths, back to back: the trainer cuts
     windows of ``length`` + 1 tokens at a stride of ``length``, so each window is one document (its last label
     is the next document's first byte)."""
     rng = random.Random(seed)
-    docs = [passkey_document(rng, text, length, rng.random())[0] for _ in range(n_docs)]
+    docs = [passkey_document(rng, text, length, rng.random(), digits)[0] for _ in range(n_docs)]
     path.write_text("".join(docs) + "\n", encoding="ascii")
 
 
-def eval_set(text: str, length: int, per_depth: int, seed: int) -> list[tuple[float, str, int]]:
+def eval_set(text: str, length: int, per_depth: int, seed: int, digits: int = KEY_DIGITS
+             ) -> list[tuple[float, str, int]]:
     """``per_depth`` held-out documents at each of ``DEPTHS``: (depth, document, offset of the answer)."""
     rng = random.Random(seed)
     out = []
     for depth in DEPTHS:
         for _ in range(per_depth):
-            doc, _, answer = passkey_document(rng, text, length, depth)
+            doc, _, answer = passkey_document(rng, text, length, depth, digits)
             out.append((depth, doc, answer))
     return out
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, docs: list[tuple[float, str, int]], batch: int = 16
+def evaluate(model: Transformer, docs: list[tuple[float, str, int]], digits: int = KEY_DIGITS, batch: int = 16
              ) -> tuple[torch.Tensor, dict[float, float], dict[float, float]]:
     """Main-head next-token loss per position (float64 ``[length - 1]``, mean over ``docs``); per depth, the
     passkey exact-match rate (every key digit the argmax of its position's logits: greedy generation's answer)
@@ -120,8 +122,8 @@ def evaluate(model: Transformer, docs: list[tuple[float, str, int]], batch: int 
         loss_sum = loss.sum(0) if loss_sum is None else loss_sum + loss.sum(0)
         pred = logits.argmax(-1)
         for row, (depth, _, answer) in enumerate(part):
-            span = slice(answer - 1, answer - 1 + KEY_DIGITS)  # logits at p predict token p + 1
-            hits[depth].append(bool((pred[row, span] == tokens[row, answer:answer + KEY_DIGITS]).all()))
+            span = slice(answer - 1, answer - 1 + digits)  # logits at p predict token p + 1
+            hits[depth].append(bool((pred[row, span] == tokens[row, answer:answer + digits]).all()))
             key_loss[depth].append(loss[row, span].mean().item())
     return (loss_sum / len(docs), {d: sum(h) / len(h) for d, h in hits.items()},
             {d: sum(v) / len(v) for d, v in key_loss.items()})
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage 1's steps (default: the short config's run.steps)")
     ap.add_argument("--extend-steps", type=positive_int, default=None,
                     help="stage 2's steps (default: the extend config's run.steps)")
+    ap.add_argument("--key-digits", type=positive_int, default=KEY_DIGITS,
+                    help="digits of the passkey (chance of an exact match: 10 ** -digits)")
     ap.add_argument("--eval-docs", type=positive_int, default=24, help="held-out documents per passkey depth")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the corpora, the held-out set and both runs")
     ap.add_argument("--short-config", default=str(CONFIGS / "long_context_short_cpu.toml"), help="stage 1's config")
@@ -253,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         if short_len * factor != long_len:
             raise ValueError(f"--extend-factor {ns.extend_factor}: --short-len {short_len} x it must be a whole "
                              f"number of tokens, got {short_len * factor}")
-        if short_len < 2 * len(query("0" * KEY_DIGITS)) + len(needle("0" * KEY_DIGITS)):
-            raise ValueError(f"--short-len {short_len}: a passkey document needs at least "
-                             f"{2 * len(query('0' * KEY_DIGITS)) + len(needle('0' * KEY_DIGITS))} tokens")
+        shortest = 2 * len(query("0" * ns.key_digits)) + len(needle("0" * ns.key_digits))
+        if short_len < shortest:
+            raise ValueError(f"--short-len {short_len}: a passkey document with a {ns.key_digits}-digit key needs at "
+                             f"least {shortest} tokens")
         check_output_dir(str(out), "--out", must_be_empty=True)
         short_cfg = stage_config("--short-config", ns.short_config, short_sets)
         extend_cfg = stage_config("--extend-config", ns.extend_config, extend_sets)
@@ -266,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     split = int(len(text) * EVAL_SPLIT)
     train_text, eval_text = text[:split], text[split:]
-    write_corpus(out / "short_corpus.txt", train_text, short_len, docs_needed(short_cfg), ns.seed)
-    write_corpus(out / "extend_corpus.txt", train_text, long_len, docs_needed(extend_cfg), ns.seed + 1)
+    write_corpus(out / "short_corpus.txt", train_text, short_len, docs_needed(short_cfg), ns.seed, ns.key_digits)
+    write_corpus(out / "extend_corpus.txt", train_text, long_len, docs_needed(extend_cfg), ns.seed + 1, ns.key_digits)
     try:
         print(f"== short: {short_cfg.run.steps} steps at {short_len} tokens, plain RoPE", flush=True)
         short_log = train(ns.short_config, short_sets, out / "short")
@@ -286,12 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     models = {"short": load_model(out / "short_hf", max_seq_len=long_len),
               "short+yarn": load_model(out / "short_hf", **yarn),
               "extended": load_model(out / "extend_hf")}
-    long_docs = eval_set(eval_text, long_len, ns.eval_docs, ns.seed + 2)
-    short_docs = eval_set(eval_text, short_len, ns.eval_docs, ns.seed + 3)
+    long_docs = eval_set(eval_text, long_len, ns.eval_docs, ns.seed + 2, ns.key_digits)
+    short_docs = eval_set(eval_text, short_len, ns.eval_docs, ns.seed + 3, ns.key_digits)
     width = max(1, long_len // 16)
     edges = list(range(0, long_len - 1, width)) + [long_len - 1]
     result: dict = {"short_len": short_len, "long_len": long_len, "extend_factor": factor, "cp": ns.cp,
-                    "seed": ns.seed, "depths": list(DEPTHS), "eval_docs_per_depth": ns.eval_docs,
+                    "seed": ns.seed, "key_digits": ns.key_digits, "depths": list(DEPTHS),
+                    "eval_docs_per_depth": ns.eval_docs,
                     "stages": {}, "bucket_edges": edges, "position_loss": {}, "loss_within_short": {},
                     "loss_beyond_short": {}, "passkey_long": {}, "passkey_short": {},
                     "key_loss_long": {}, "key_loss_short": {}}
@@ -301,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "first_loss": losses[0], "last_loss": losses[-1],
                                   "valid_loss": json.loads((out / name / "summary.json").read_text())["valid_loss"]}
     for name, model in models.items():
-        per_pos, acc_long, key_long = evaluate(model, long_docs)
-        _, acc_short, key_short = evaluate(model, short_docs)
+        per_pos, acc_long, key_long = evaluate(model, long_docs, ns.key_digits)
+        _, acc_short, key_short = evaluate(model, short_docs, ns.key_digits)
         result["position_loss"][name] = [per_pos[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])]
         result["loss_within_short"][name] = per_pos[:short_len - 1].mean().item()
         result["loss_beyond_short"][name] = per_pos[short_len - 1:].mean().item()
