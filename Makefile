@@ -34,7 +34,7 @@ TESTS211 ?= \
 	tests/test_deep_gemm_mxfp8.py tests/test_muon.py tests/test_muon_dist.py tests/test_mxfp4.py tests/test_indexer_fp4.py tests/test_fp4_experts.py tests/test_deep_gemm_fp8_fp4.py tests/test_checkpoint_ue8m0.py tests/test_flash_mla_attention.py \
 	tests/test_flash_mla_decode.py tests/test_flash_mla_inputs.py tests/test_flash_mla_sparse.py tests/test_flash_mla_sparse_sink.py tests/test_v4_kernels.py tests/test_v4_kernels_decode.py \
 	tests/test_deep_gemm_mqa_logits.py tests/test_fused_ce.py tests/test_fused_ops.py tests/test_opcheck.py \
-	tests/test_fused_ops_compile.py tests/test_compile_ops.py \
+	tests/test_fused_ops_compile.py tests/test_compile_ops.py tests/test_fused_dispatch.py \
 	tests/test_kernel_overflow.py tests/test_kernel_registry.py tests/test_verify_project_ops.py \
 	tests/test_kernel_compile.py tests/test_plan.py tests/test_torch_support.py tests/test_dsa.py \
 	tests/test_dsa_combinations.py tests/test_fused_ops_model.py tests/test_fused_ops_gpu.py \

@@ -33,7 +33,7 @@ from deep_gemm.grouped import (
     m_grouped_gemm_fp8_fp8_bf16_nt_contiguous,
     m_grouped_gemm_fp8_fp8_bf16_nt_masked,
 )
-from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear, takes_precast
+from deep_gemm.linear import Fp8Linear, GroupedLinear, grouped_linear, linear, reads_only_precast, takes_precast
 from deep_gemm.mqa_logits import (
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
@@ -93,6 +93,7 @@ __all__ = [
     "per_block_cast_to_fp8",
     "per_channel_cast_to_fp8",
     "per_token_cast_to_fp8",
+    "reads_only_precast",
     "select_topk",
     "set_num_sms",
     "takes_precast",

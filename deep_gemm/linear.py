@@ -88,9 +88,18 @@ def _act_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def takes_precast(fp8: object) -> bool:
-    """Whether a layer with this ``fp8`` argument takes ``x_fp8``, a precast 1x128 e4m3 cast with fp32 scales of
-    its input (the blockwise recipe). MXFP8 casts its activations 1x32 with UE8M0 scales: callers cast nothing."""
+    """Whether a layer with this ``fp8`` argument uses ``x_fp8``, a precast 1x128 e4m3 cast with fp32 scales of
+    its input (the blockwise recipe). MXFP8 casts its activations 1x32 with UE8M0 scales; without FP8 nothing is
+    cast: there ``linear`` / ``grouped_linear`` leave an offered ``x_fp8`` unread."""
     return fp8_recipe(fp8) == "blockwise"
+
+
+def reads_only_precast(fp8: object, fp8_cache: bool, health: Fp8Health | None = None) -> bool:
+    """Whether a GEMM with these arguments, given ``x_fp8``, reads nothing of ``x`` but that cast, forward and
+    backward: the recipe uses a precast, ``fp8_cache`` keeps it for the wgrad (the dgrad needs no input), and no
+    ``Fp8Health`` report is being sampled (it compares the cast with ``x``). A producer may then hand over ``x`` as a
+    stand-in without storage (the fused FP8 permute)."""
+    return takes_precast(fp8) and bool(fp8_cache) and (health is None or not health.active)
 
 
 def out_is_view(fp8: object, out_features: int) -> bool:
@@ -99,11 +108,9 @@ def out_is_view(fp8: object, out_features: int) -> bool:
     return fp8_recipe(fp8) is not None and out_features % BLOCK != 0
 
 
-def _precast(x_fp8: object, x: torch.Tensor, rows: int, k: int, fp8: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _precast(x_fp8: object, x: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_fp8`` checked against ``x [rows, k]`` and as ``_act_cast`` makes it: values zero-padded to K = 128n (the
     cast of zero-padded ``x`` is the padded cast of ``x``: zeros move no amax and cast to 0)."""
-    if not takes_precast(fp8):
-        raise ValueError(f"x_fp8: the fp8={fp8!r} recipe casts its own input (deep_gemm.takes_precast is False)")
     blocks = -(-k // BLOCK)
     if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2 and all(isinstance(t, torch.Tensor) for t in x_fp8)):
         raise ValueError("x_fp8 must be (values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)]), got "
@@ -332,8 +339,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``x_fp8``: ``(values e4m3 [rows, K], scales fp32 [rows, ceil(K/128)])``, the 1x128 cast of ``x`` that this
     call would make (``per_token_cast_to_fp8``, e.g. written by a fused norm): the forward GEMM reads it instead
     of casting ``x`` again, and ``fp8_cache`` keeps it for the wgrad; ``x`` stays the differentiable input (and,
-    without caching, what the wgrad casts again). Only where ``takes_precast(fp8)``; the numbers are those of
-    the call without it when it is that cast.
+    without caching, what the wgrad casts again). Read only where ``takes_precast(fp8)`` (the GEMM decides: other
+    recipes cast ``x`` as they need, so a producer may offer its cast to any layer); the numbers are those of the
+    call without it when it is that cast.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor [..., K], got {getattr(x, 'dtype', type(x).__name__)}")
@@ -345,7 +353,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     recipe = fp8_recipe(fp8)
     lead, rows = x.shape[:-1], x.numel() // max(x.shape[-1], 1)
-    x_q = None if x_fp8 is None else _precast(x_fp8, x, rows, x.shape[-1], fp8)
+    x_q = None if x_fp8 is None or not takes_precast(fp8) else _precast(x_fp8, x, rows, x.shape[-1])
     health = health if health is not None and health.active else None
     x2 = x.reshape(-1, x.shape[-1])
     if health is not None:
@@ -696,7 +704,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tenso
         raise ValueError(f"m_indices must be an integer tensor [{x.shape[0]}] (x's rows), "
                          f"got {getattr(m_indices, 'shape', type(m_indices).__name__)}")
     m_indices = m_indices.to(torch.int32).contiguous()
-    x_q = None if x_fp8 is None else _precast(x_fp8, x, x.shape[0], x.shape[1], fp8)
+    x_q = None if x_fp8 is None or not takes_precast(fp8) else _precast(x_fp8, x, x.shape[0], x.shape[1])
     health = health if health is not None and health.active else None
     mxfp4 = weight_format == "mxfp4_qat"
     if health is not None:

@@ -22,13 +22,6 @@ from fused_ops import custom, ops
 from fused_ops.grouping import Grouping
 
 
-def kernels_run(device: torch.device) -> bool:
-    """Whether the fused Triton kernels (not their references) run for tensors on ``device`` now: the registry's
-    choice (``DSV3_KERNEL_IMPL``), Triton where it can run. A caller with a tuned unfused path of its own (the
-    model's CPU path) takes that one otherwise."""
-    return registry.requested_impl() != "reference" and registry.triton_unavailable_reason(device) is None
-
-
 class NormOut(NamedTuple):
     y: torch.Tensor
     residual: torch.Tensor | None  # x + residual, the stream the next layer adds to (None without a residual)

@@ -168,7 +168,7 @@ def test_every_op_has_a_triton_kernel_and_interpreter_sized_verify_shapes():
     aliases = {"gemm_fp8_fp8_bf16_nt", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
                "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "fp8_m_grouped_gemm_nt_masked", "bf16_m_grouped_gemm_nt_masked"}
     layout_helpers = {"kv_cache_cast_to_fp8",  # builds the paged indexer cache in PyTorch, as DeepGEMM's test util
-                      "takes_precast"}  # a predicate on a recipe, not a kernel
+                      "takes_precast", "reads_only_precast"}  # predicates on a recipe, not kernels
     public = [n for n in deep_gemm.__all__
               if ("cast" in n or "gemm" in n or "mqa_logits" in n) and n not in aliases | layout_helpers]
     assert sorted(ops) == sorted(f"deep_gemm.{n}" for n in public)

@@ -82,6 +82,40 @@ def test_takes_precast():
     assert not any(deep_gemm.takes_precast(f) for f in (False, None, "mxfp8"))
 
 
+class _Health:
+    def __init__(self, active: bool):
+        self.active = active
+
+
+def test_reads_only_precast():
+    """Only the blockwise recipe with caching and no health report sampling reads nothing of x but the cast."""
+    assert deep_gemm.reads_only_precast(True, True) and deep_gemm.reads_only_precast("blockwise", True, _Health(False))
+    assert not deep_gemm.reads_only_precast(True, False)  # the wgrad casts x again
+    assert not deep_gemm.reads_only_precast(True, True, _Health(True))  # the report compares the cast with x
+    assert not any(deep_gemm.reads_only_precast(f, True) for f in (False, None, "mxfp8"))
+
+
+@pytest.mark.parametrize("fp8", ["mxfp8", False])
+def test_precast_offered_to_a_recipe_that_casts_its_own_is_unread(fp8):
+    """The GEMM decides whether a producer's 1x128 cast is usable: MXFP8 (1x32 UE8M0) and bf16 GEMMs leave it unread
+    (a wrong one included), so the result is bit-identical to the call without it, forward and backward."""
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    w = torch.randn(128, 256, dtype=torch.bfloat16)
+    q, s = deep_gemm.per_token_cast_to_fp8(x)
+    for offered in ((q, s), (q[:1], s)):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya = deep_gemm.linear(a, w, fp8=fp8, x_fp8=offered)
+        yb = deep_gemm.linear(b, w, fp8=fp8)
+        assert torch.equal(ya, yb)
+        ya.float().sum().backward()
+        yb.float().sum().backward()
+        assert torch.equal(a.grad, b.grad)
+    m_indices = torch.zeros(256, dtype=torch.int32)
+    wg = torch.randn(1, 128, 256, dtype=torch.bfloat16)
+    assert torch.equal(deep_gemm.grouped_linear(x, wg, m_indices, fp8=fp8, x_fp8=(q, s)),
+                       deep_gemm.grouped_linear(x, wg, m_indices, fp8=fp8))
+
+
 _X = torch.randn(300, 200, dtype=torch.bfloat16)
 _W = torch.randn(64, 200)
 _Q, _S = deep_gemm.per_token_cast_to_fp8(_X)
@@ -94,8 +128,6 @@ _Q, _S = deep_gemm.per_token_cast_to_fp8(_X)
     ((_Q, _S.bfloat16()), True, "torch.bfloat16"),  # scales not fp32
     ((_Q,), True, "x_fp8 must be \\(values"),
     ((_Q, _S.to("meta")), True, "x's device"),
-    ((_Q, _S), "mxfp8", "casts its own input"),  # 1x32 UE8M0 recipe
-    ((_Q, _S), False, "casts its own input"),
 ])
 def test_mismatched_precast_is_a_one_line_error(x_fp8, fp8, match):
     with pytest.raises(ValueError, match=match) as err:

@@ -41,12 +41,12 @@ One MoE layer's (physical) experts are sharded over the EP group, rank ``r`` hol
 - FP8 dispatch (V3): rows go as e4m3 plus their 1x128 fp32 scales (``deep_gemm.per_token_cast_to_fp8``),
   packed into one byte buffer, and are dequantized on arrival; combine and all backward traffic
   stay in the activations' dtype (bf16 in V3). The quantization is straight-through for autograd.
-- Fused kernels (``fused``, the model's ``fused_ops`` switch, where ``fused_ops.kernels_run``): the rows to send
-  with their weight columns in one gather, the regroup / ungroup / scatter-back as gathers and sums whose backward
-  is a gather (no ``index_add``); under FP8 dispatch the sender packs the wire in the gather (cast on the way, or
-  the norm's precast moved) and the receiver dequantises the landed bytes straight into the grouped layout with
-  the rows' own 1x128 cast for the grouped GEMM; the rows in the activations' dtype in sent and arrival order are
-  then stand-ins without storage (``SendPlan.wire``, ``Received.wire`` hold the bytes).
+- Fused kernels (``fused``, the model's ``fused_ops`` switch, where they run: ``fused_ops.send_layout``): the
+  rows to send with their weight columns in one gather, the regroup / ungroup / scatter-back as gathers and sums
+  whose backward is a gather (no ``index_add``); under FP8 dispatch the sender packs the wire in the gather (cast
+  on the way, or the norm's precast moved) and the receiver dequantises the landed bytes straight into the grouped
+  layout with the rows' own 1x128 cast for the grouped GEMM; the rows in the activations' dtype in sent and
+  arrival order are then stand-ins without storage (``SendPlan.wire``, ``Received.wire`` hold the bytes).
 - Dropped assignments (index -1, capacity factor) are never sent.
 - Redundant experts (EPLB): with a ``phy2log`` plan, assignment (t, j) to logical expert ``e``
   goes to replica ``t % logcnt[e]`` of ``e``, spreading a hot expert's tokens over its copies.
@@ -389,7 +389,7 @@ class ExpertParallel:
     fp8_dispatch: send tokens as e4m3 + 1x128 scales. alignment: rows per grouped-GEMM block
     (default ``deep_gemm.get_m_alignment_for_contiguous_layout()``). flight: the rank's flight recorder
     (``accel.flight``), with ``layer`` the MoE layer's id its entries name. fused: the row movements (gather,
-    regroup, ungroup, scatter-back) as ``fused_ops`` kernels where they run (``fused_ops.kernels_run``; the
+    regroup, ungroup, scatter-back) as ``fused_ops`` kernels where they run (``fused_ops.send_layout``; the
     model's ``fused_ops`` switch), the same numbers as the torch path at the same rounding points.
     """
 
@@ -493,12 +493,7 @@ class ExpertParallel:
         rows[order] = torch.arange(order.numel(), device=order.device)
         send_counts = counts[:self.num_physical]
         num_sent = int(send_counts.sum())
-        layout = None
-        if self.fused and fused_ops.kernels_run(indices.device):
-            # (the sent rows feed no grouped GEMM: no m_indices)
-            layout = fused_ops.Grouping(rows=torch.where(rows < num_sent, rows, -1), assign=order[:num_sent],
-                                        m_indices=order.new_empty(0, dtype=torch.int32), tokens_per_expert=send_counts,
-                                        num_tokens=num_tokens, k=k)
+        layout = fused_ops.send_layout(order, rows, num_sent, send_counts, num_tokens, k, self.fused)
         return SendPlan(order, PermuteState(rows=rows, num_tokens=num_tokens, tokens_per_expert=counts), send_counts,
                         send_counts.view(self.world, self.local).sum(1).tolist(), num_sent, k, layout)
 

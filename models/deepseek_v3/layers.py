@@ -9,9 +9,7 @@ Embedding, output head, router, norms and the attention core never go through he
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 import deep_gemm
 import fused_ops
@@ -23,38 +21,6 @@ Precast = tuple[torch.Tensor, torch.Tensor]
 grouped_linear = deep_gemm.grouped_linear
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """``rms_norm(x.float()).to(x.dtype) * weight`` with a hand-written backward.
-
-    The forward is torch's fused kernel (the same numbers as ``F.rms_norm``). torch has no fused CPU
-    backward: autograd replays the decomposition (pow, mean, rsqrt, muls, a div, sums: ~14 passes over
-    ``x``), and the weight multiply saves the normalised ``x`` as well. This backward saves only ``x``
-    (``rstd`` is remade from it by the same kernel: the same bits) and takes ~8 passes:
-    ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = dy * weight``. About 20% less time per norm,
-    forward+backward, on a CPU; same gradients up to fp32 rounding.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x_hat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, eps)
-        ctx.eps = eps
-        ctx.save_for_backward(x, weight)
-        return x_hat.to(x.dtype) * weight
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        x_hat, rstd = torch.ops.aten._fused_rms_norm(x.float(), [x.shape[-1]], None, ctx.eps)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out * x_hat.to(grad_out.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
-        g = (grad_out * weight).float()
-        mean_g_xhat = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
-        grad_x = torch.addcmul(g, x_hat, mean_g_xhat, value=-1).mul_(rstd).to(x.dtype)
-        return grad_x, grad_weight, None
-
-
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, output in the input dtype (as DeepSeek's and HF's implementations).
 
@@ -64,7 +30,7 @@ class RMSNorm(nn.Module):
     fused kernel runs and None otherwise (the consumer then casts ``y`` itself: the same bits).
     Not keeping ``y`` for backward (``recompute`` kind "norm") is the memory policy's
     (``training.memory_policy``). ``fused``: one ``fused_ops.rmsnorm`` kernel each way
-    where it runs (same rounding points).
+    where it runs (same rounding points; ``fused_ops.rms_norm`` decides).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, fused: bool = False):
@@ -78,13 +44,7 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm: input's last dim must be {self.dim}, got shape {tuple(x.shape)}")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"RMSNorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if self.fused and fused_ops.kernels_run(x.device):
-            return fused_ops.rmsnorm(x, self.weight, residual, eps=self.eps, fp8=fp8)
-        h = x if residual is None else x + residual
-        y = _RMSNormFunction.apply(h, self.weight, self.eps)
-        if residual is None and not fp8:
-            return y
-        return fused_ops.functions.NormOut(y, None if residual is None else h, None)
+        return fused_ops.rms_norm(x, self.weight, residual, eps=self.eps, fp8=fp8, fused=self.fused)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -101,53 +61,13 @@ class Linear(deep_gemm.Fp8Linear):
         super().__init__(in_features, out_features, bias=False, fp8=fp8, fp8_cache=fp8 and fp8_cache)
 
 
-class _SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate) * up``, times a per-row ``weights`` when given, saving only ``gate_up`` (and ``weights``).
-
-    Autograd's graph of the same ops would also keep ``silu(gate)`` and, with weights, the unweighted
-    product (one ``[rows, inter]`` tensor each). Backward in at least fp32:
-    ``d gate = g up sigmoid(gate) (1 + gate (1 - sigmoid(gate)))``, ``d up = g silu(gate)`` with
-    ``g = grad * weights``, and ``d weights = sum(grad * silu(gate) * up)`` over the row.
-    """
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = F.silu(gate) * up
-        if weights is not None:
-            weighted = out * weights.unsqueeze(-1)
-            # cast back only where the product promoted (bf16 rows, fp32 weights): torch 2.11's compiled backward of
-            # this Function is wrong when its output is a no-op ``.to`` of an intermediate (benchmarks/compile.md)
-            out = weighted if weighted.dtype == out.dtype else weighted.to(out.dtype)
-        ctx.save_for_backward(gate_up, weights)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        gate_up, weights = ctx.saved_tensors
-        compute = torch.promote_types(gate_up.dtype, torch.float32)
-        gate, up = gate_up.to(compute).chunk(2, dim=-1)
-        g = grad.to(compute)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_weights = None
-        if weights is not None:
-            if ctx.needs_input_grad[1]:
-                grad_weights = torch.linalg.vecdot(g, silu * up).to(weights.dtype)
-            g = g * weights.unsqueeze(-1).to(compute)
-        grad_gate = g * up * sig * (1 + gate * (1 - sig))
-        return torch.cat([grad_gate, g * silu], dim=-1).to(gate_up.dtype), grad_weights
-
-
 def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for the fused ``[..., 2 * inter]`` gate/up projection output; with ``weights``
     (``[...]``, one per row: the MoE's routing weights) each row is scaled by its weight, so the expert
     outputs need no weighted sum afterwards (and nothing ``[rows, dim]`` is kept for the weights' gradient).
-    ``fused``: one ``fused_ops.swiglu`` kernel each way where it runs (same rounding points)."""
-    if fused and fused_ops.kernels_run(gate_up.device):
-        return fused_ops.swiglu(gate_up, weights)
-    return _SwiGLUFunction.apply(gate_up, weights)
+    ``fused``: one ``fused_ops.swiglu`` kernel each way where it runs (same rounding points;
+    ``fused_ops.silu_and_mul`` decides)."""
+    return fused_ops.silu_and_mul(gate_up, weights, fused)
 
 
 class SwiGLU(nn.Module):

@@ -161,12 +161,8 @@ class MLA(nn.Module):
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The per-head ``q, k, v`` of the naive form from the latents (q's before ``q_norm``)."""
         q = self._q_up(q_latent)
-        if self.fused and fused_ops.kernels_run(q.device) and not self.q_is_view:
-            # the rotary dims rotated where they sit in the heads: no second copy of q to join nope and rope parts
-            fused_ops.rope_(q[..., self.qk_nope_head_dim:], cos, sin)
-        else:
-            q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-            q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos, sin, self.fused)], dim=-1)
+        # the rotary dims rotated where they sit in the heads where the kernel may write q (no second copy of q)
+        q = fused_ops.rotary_tail_(q, self.qk_nope_head_dim, cos, sin, fused=self.fused, in_place=not self.q_is_view)
         kv = self.wkv_b(self.kv_norm(c_kv))
         k_nope, v = kv.unflatten(-1, (self.n_heads, self.qk_nope_head_dim + self.v_head_dim)).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -177,7 +173,7 @@ class MLA(nn.Module):
                 start_pos: int = 0, x_fp8: Precast | None = None) -> torch.Tensor:
         """x ``[b, s, dim]``; cos/sin for positions ``start_pos .. start_pos+s``. With ``cache``: absorbed form.
         ``x_fp8``: x's 1x128 cast made by its producer (the norm), read by ``wq_a`` and ``wkv_a`` instead of
-        casting x twice (only where ``deep_gemm.takes_precast(args.fp8)``). Without q LoRA ``wq`` runs inside the
+        casting x twice (where their recipe takes a 1x128 cast: the GEMM decides). Without q LoRA ``wq`` runs inside the
         recomputed up-projection and casts x itself (a precast held for it would be kept until backward)."""
         if cache is not None:
             return self.forward_absorbed(x, cos, sin, cache, start_pos, x_fp8)

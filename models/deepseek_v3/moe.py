@@ -252,12 +252,11 @@ class MoE(nn.Module):
                                                                             x_fp8))
 
     def takes_fp8_rows(self, device: torch.device) -> bool:
-        """Whether the routed experts take their rows as the fused permute's FP8 cast without bf16 rows: FP8 GEMMs
-        that take a precast and keep it for the wgrad (``fp8_cache``), the fused kernels running, and no
-        ``Fp8Health`` report being sampled (it compares the cast with the bf16 rows)."""
+        """Whether the routed experts take their rows as the fused permute's FP8 cast without bf16 rows: GEMMs that
+        read nothing but that cast (``deep_gemm.reads_only_precast``) and the fused kernels running to make it."""
         experts = self.experts
-        return (self.fused and experts.fp8_cache and deep_gemm.takes_precast(experts.fp8)
-                and fused_ops.kernels_run(device) and (experts.health is None or not experts.health.active))
+        return (deep_gemm.reads_only_precast(experts.fp8, experts.fp8_cache, experts.health)
+                and self.fused and fused_ops.kernels_run(device))
 
     def _grouped(self, routing: Routing, run):
         """``run(indices, groups)`` (a permute) over ``routing``'s experts, all in ``self.experts``: dropped
@@ -300,9 +299,10 @@ class MoE(nn.Module):
             n = received.tokens_per_expert.sum().double()
             self.received_rows = n if self.received_rows is None else self.received_rows + n
         # the landed FP8 rows' cast, made on the way, feeds w13 where the GEMM takes a 1x128 precast; the bf16
-        # grouped rows are not even written where it reads only that cast (``takes_fp8_rows``: fp8_cache)
-        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received, keep_rows=not self.takes_fp8_rows(rows.device))
-        x_fp8 = x_fp8 if deep_gemm.takes_precast(self.experts.fp8) else None
+        # grouped rows are not even written where it reads only that cast (fp8_cache)
+        experts = self.experts
+        keep_rows = not deep_gemm.reads_only_precast(experts.fp8, experts.fp8_cache, experts.health)
+        x_grouped, weights, x_fp8 = self.ep.regroup(rows, received, keep_rows=keep_rows)
         # (Experts returns x * 0 when no token chose this rank: the backward all-to-alls still pair up)
         return self.ep.ungroup(self.experts(x_grouped, received.m_indices, weights, x_fp8=x_fp8), received)
 

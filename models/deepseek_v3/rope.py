@@ -67,25 +67,10 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fuse
 
     The output keeps DeepSeek's pair layout ``(y0, y1), (y2, y3), ...`` (transformers de-interleaves
     into halves instead; attention scores are the same because q and k are permuted alike).
-    ``fused``: one ``fused_ops.apply_rope`` kernel each way where it runs (one rounding, as here).
+    ``fused``: one ``fused_ops.apply_rope`` kernel each way where it runs (one rounding, as the torch path: one
+    complex multiply; ``fused_ops.rotary`` decides).
     """
-    if fused and fused_ops.kernels_run(x.device):
-        return fused_ops.apply_rope(x, cos, sin)
-    if cos.dim() == 2:
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    else:
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    pairs = x.float().unflatten(-1, (-1, 2))
-    # view_as_complex needs (re, im) pairs at even offsets. Eager keeps a view where it may (no copy kept for
-    # backward); a compiled graph cannot read the storage offset, so there the pairs are made contiguous (the same
-    # values, and the compiler decides what backward keeps)
-    if (torch.compiler.is_compiling() or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-2])
-            or pairs.stride(-1) != 1):
-        pairs = pairs.contiguous()
-    # one complex multiply, (x0 + i x1)(cos + i sin) = (x0 cos - x1 sin) + i (x1 cos + x0 sin): the same
-    # products as four real multiplies and a stack, ~3x faster forward+backward on a CPU
-    y = torch.view_as_complex(pairs) * torch.complex(cos, sin)
-    return torch.view_as_real(y).flatten(-2).to(x.dtype)
+    return fused_ops.rotary(x, cos, sin, fused=fused)
 
 
 def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -93,8 +78,4 @@ def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     ``rotate_half``; transformers' ``rope_interleave=False``), by ``cos/sin [s, d/2]``; fp32 math. V3.2's
     lightning indexer lays its RoPE dims out this way, unlike the main MLA's interleaved pairs. ``fused``: one
     ``fused_ops.apply_rope`` kernel each way where it runs (one rounding, as here)."""
-    if fused and fused_ops.kernels_run(x.device):
-        return fused_ops.apply_rope(x, cos, sin, interleaved=False)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return fused_ops.rotary(x, cos, sin, interleaved=False, fused=fused)
