@@ -211,8 +211,13 @@ class MemoryPolicy:
             if not (call and "kv" in call and torch.is_grad_enabled()):
                 return
             cos, sin = call["cos"], call["sin"]
-            recipe = _Recipe(lambda q_latent, kv: make(q_latent, *mla.kv_parts(kv, cos, sin), cos, sin),
-                             (self._form(call["q_latent"]), self._form(call["kv"])))
+            if "gathered" in call:  # context parallelism: the keys are the whole sequence's, gathered (kept as landed)
+                c_kv, k_pe = call["gathered"]
+                recipe = _Recipe(lambda q_latent, c, k: make(q_latent, c, k, cos, sin),
+                                 (self._form(call["q_latent"]), c_kv, k_pe))
+            else:
+                recipe = _Recipe(lambda q_latent, kv: make(q_latent, *mla.kv_parts(kv, cos, sin), cos, sin),
+                                 (self._form(call["q_latent"]), self._form(call["kv"])))
             for i, t in enumerate(args):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     self._remember(t, _Part(recipe, i))
@@ -220,6 +225,7 @@ class MemoryPolicy:
         self._handles += [mla.register_forward_pre_hook(start, with_kwargs=True),
                           mla.register_forward_hook(lambda m, args, out: call.clear()),
                           mla.wkv_a.register_forward_hook(latent("kv")),
+                          mla.gathered_latent.register_forward_hook(latent("gathered")),
                           mla.inner_attention.register_forward_pre_hook(functools.partial(core, mla.up_project))]
         if mla.q_lora_rank:
             self._handles.append(mla.wq_a.register_forward_hook(latent("q_latent")))

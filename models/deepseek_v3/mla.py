@@ -88,6 +88,20 @@ class SparseInnerAttention(nn.Module):
         return flash_mla.sparse_mla_attention(q, kv, rows, self.softmax_scale, d_v=self.d_v)
 
 
+class GatheredLatent(nn.Module):
+    """Under context parallelism, the landed all-gather of the 576-wide latents split into ``(c_kv, k_pe)`` of every
+    position, no parameters: a module of its own so that the memory policy sees what the up-projections read (it
+    keeps these instead of the per-head q, k, v)."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int):
+        super().__init__()
+        self.widths = [kv_lora_rank, rope_dim]
+
+    def forward(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c_kv, k_pe = latent.split(self.widths, dim=-1)
+        return c_kv, k_pe.unsqueeze(2)
+
+
 class MLA(nn.Module):
     """MLA. What backward keeps is the memory policy's, applied from outside: with V3's "mla_up" recompute
     (report 3.2.3) the up-projections (``up_project`` / ``absorb``: both norms, ``wq_b``, ``wkv_b``, RoPE) are
@@ -130,6 +144,7 @@ class MLA(nn.Module):
         self.indexer = Indexer(args) if args.index_topk else None
         self.inner_attention = InnerAttention(self.softmax_scale)
         self.sparse_attention = SparseInnerAttention(self.softmax_scale, self.kv_lora_rank) if self.indexer else None
+        self.gathered_latent = GatheredLatent(self.kv_lora_rank, self.qk_rope_head_dim)
         self.cp: ContextParallel | None = None  # context parallelism, set once (``wire_context_parallel``)
 
     # ---- shared by both forms ---------------------------------------------------------------------
@@ -206,9 +221,7 @@ class MLA(nn.Module):
 
     def _landed(self, buffer: torch.Tensor, posted: Posted) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c_kv, k_pe)`` of every position of the sequence, from the CP group's posted latent all-gather."""
-        latent = self.cp.landed(buffer, posted)
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        return c_kv, k_pe.unsqueeze(2)
+        return self.gathered_latent(self.cp.landed(buffer, posted))
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """``wo(out)``; the flash kernel keeps ``out`` for its backward: wo then saves that same tensor, not an
