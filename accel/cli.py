@@ -41,12 +41,20 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} is not writable")
     if p.exists():
-        if not os.access(p, os.W_OK):
-            raise ValueError(f"{option} {str(path)!r} exists and is not writable")
-        return p
+        try:  # opened for writing (nothing truncated); gone meanwhile (another process's probe): probed below
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            return p
+        except FileNotFoundError:
+            pass
+        except OSError:
+            raise ValueError(f"{option} {str(path)!r} exists and is not writable") from None
     try:  # permission bits do not tell (root, /proc, a read-only mount): create the file and remove it again
         os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.unlink(p)
+    except FileExistsError:  # another process made it meanwhile (the ranks of one launch probe the same path)
+        return p
+    except FileNotFoundError:  # removed by that other process between our create and unlink: it was creatable
+        return p
     except OSError as exc:
         raise ValueError(f"{option} {str(path)!r}: cannot create it ({exc.strerror})") from None
     return p

@@ -41,3 +41,26 @@ def test_output_dir_rules(tmp_path):
         check_output_dir(full, "--out", must_be_empty=True)
     with pytest.raises(ValueError, match="cannot create"):
         check_output_dir(tmp_path / "f" / "sub", "--out")
+
+
+def test_output_file_probed_by_many_processes_at_once(tmp_path):
+    """Every rank of a launch checks the same ``--trace`` path at the same moment: one rank's probe file (created
+    and removed at once) must not make another's check fail with 'File exists'."""
+    import threading
+
+    target, errors, start = tmp_path / "trace.json", [], threading.Barrier(8)
+
+    def probe() -> None:
+        start.wait()
+        for _ in range(200):
+            try:
+                check_output_file(target, "--trace")
+            except ValueError as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=probe) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
