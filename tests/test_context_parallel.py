@@ -165,6 +165,8 @@ def test_cp4_equals_one_process_through_the_cli(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
+                    reason="opt-in (DSV3_CP_CLI=1): four CLI trainings, ~1.5-2 min on 2 cores")
 def test_resume_across_a_change_of_cp_size(tmp_path):
     """A checkpoint written at CP = 2 resumes at CP = 1, and one written at CP = 1 resumes at CP = 2: the resumed
     step equals the uninterrupted one-process run's (checkpoints are CP-agnostic: CP ranks hold replicas)."""

@@ -66,6 +66,8 @@ def test_bad_out_folders(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("DSV3_LONG_CONTEXT") != "1",
+                    reason="opt-in (DSV3_LONG_CONTEXT=1): the recipe end to end, two stages and exports, ~1-3.5 min")
 def test_shrunk_recipe_trains_both_stages_and_extension_lowers_long_range_loss(tmp_path):
     out = tmp_path / "lc"
     proc = run_cli("--out", str(out), "--short-steps", "150", "--extend-steps", "30",
