@@ -19,6 +19,7 @@ Exit statuses (documented per recipe in ``docs/what_happens_when.md``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -49,14 +50,14 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
         except OSError:
             raise ValueError(f"{option} {str(path)!r} exists and is not writable") from None
     try:  # permission bits do not tell (root, /proc, a read-only mount): create the file and remove it again
-        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.unlink(p)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process made it meanwhile (the ranks of one launch probe the same path)
-        return p
-    except FileNotFoundError:  # removed by that other process between our create and unlink: it was creatable
         return p
     except OSError as exc:
         raise ValueError(f"{option} {str(path)!r}: cannot create it ({exc.strerror})") from None
+    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):  # (removed meanwhile by another process's probe)
+        os.unlink(p)
     return p
 
 
