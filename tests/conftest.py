@@ -37,3 +37,23 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def nan_uninitialized():
+    """While the test runs, every tensor torch allocates without writing it (``torch.empty``, ``new_empty``,
+    ``empty_like``, a resize; the kernels' ``registry.empty`` outputs, parameters left for an init) comes filled
+    with NaN (integers: their largest value): torch's ``fill_uninitialized_memory``, which acts in deterministic
+    mode. A read of memory that nothing wrote then fails on every run, not only when the allocator happens to hand
+    back garbage that is inf or NaN. ``warn_only``: ops without a deterministic implementation still run (the fill
+    is the point here, not the mode)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill

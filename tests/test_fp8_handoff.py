@@ -53,6 +53,9 @@ def _run_twice(module, x0: torch.Tensor, call, casts: list[int], saved_casts: in
         results.append((y.detach(), x.grad, {n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
     assert counts[0] - counts[1] == saved_casts, counts
     (y0, gx0, gp0), (y1, gx1, gp1) = results
+    # (NaN equals nothing: say so first, naming what went non-finite)
+    bad = [n for n, t in (("output", y0), ("input grad", gx0), *gp0.items()) if not t.isfinite().all()]
+    assert not bad, f"non-finite {bad}"
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
     assert gp0.keys() == gp1.keys() and all(torch.equal(gp0[n], gp1[n]) for n in gp0)
 
@@ -169,16 +172,20 @@ def test_model_hands_the_fused_permutes_cast_to_the_fp8_gemms(recompute, only_fu
 
 @pytest.mark.parametrize("capacity", [None, pytest.param(0.6, marks=pytest.mark.slow)],
                          ids=["all", "drops"])  # ~8 and ~11 s on the 2-core box
-def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels, act_casts, monkeypatch):
+def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels, act_casts, nan_uninitialized,
+                                                   monkeypatch):
     """``MoE.forward(x, x_fp8)`` on one rank with FP8 caching: the shared experts read the norm's cast and the
     routed experts' rows are that cast moved with its scales (``fused_ops.permute``, e4m3 in and out) instead of
     cast on the way: output and gradients (x, gate, experts) bit-equal to ``MoE.forward(x)``, one GEMM cast fewer
     (the shared ``w13``; the routed ``w13`` casts nothing either way). With a capacity factor dropped assignments
-    become padding rows."""
+    become padding rows. Memory nothing wrote reads as NaN (``nan_uninitialized``): a bare ``MoE`` leaves its
+    gate and experts uninitialised (``Transformer.init_weights`` fills them), so both are initialised here (the
+    gate was not: garbage weights, now and then inf, made ``x.grad`` NaN through the router's 0 * inf)."""
     args = ModelArgs.preset("debug", fp8=True, n_routed_experts=2, n_activated_experts=2, n_expert_groups=1,
                             n_limited_groups=1)
     torch.manual_seed(0)
     moe = MoE(args, balance=BalanceConfig(capacity_factor=capacity))
+    moe.gate.reset_parameters(0.1)
     moe.experts.reset_parameters(0.05)
     x0 = torch.randn(1, 7, args.dim)
     with registry.force("auto"):
