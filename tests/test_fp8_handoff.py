@@ -61,7 +61,7 @@ def _run_twice(module, x0: torch.Tensor, call, casts: list[int], saved_casts: in
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
-def test_mla_takes_the_norms_precast(fp8_cache, act_casts):
+def test_mla_takes_the_norms_precast(fp8_cache, act_casts, nan_uninitialized):
     args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache)
     torch.manual_seed(0)
     mla = MLA(args)
@@ -71,14 +71,14 @@ def test_mla_takes_the_norms_precast(fp8_cache, act_casts):
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
-def test_mlp_takes_the_norms_precast(fp8_cache, act_casts):
+def test_mlp_takes_the_norms_precast(fp8_cache, act_casts, nan_uninitialized):
     torch.manual_seed(0)
     mlp = MLP(64, 96, fp8=True, fp8_cache=fp8_cache)
     _run_twice(mlp, torch.randn(3, 5, 64), lambda x, q: mlp(x, x_fp8=q), act_casts, saved_casts=1)
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["nocache", "cache"])
-def test_experts_take_the_permutes_precast(fp8_cache, act_casts):
+def test_experts_take_the_permutes_precast(fp8_cache, act_casts, nan_uninitialized):
     args = ModelArgs.preset("debug", fp8=True, fp8_cache_activations=fp8_cache, n_routed_experts=3, n_expert_groups=1,
                             n_limited_groups=1)
     torch.manual_seed(0)
@@ -190,6 +190,68 @@ def test_one_rank_moe_moves_the_norms_precast_rows(capacity, only_fused_kernels,
     x0 = torch.randn(1, 7, args.dim)
     with registry.force("auto"):
         _run_twice(moe, x0, lambda x, q: moe(x, x_fp8=q), act_casts, saved_casts=1)
+
+
+# The MoE's output against float64: on each path x, w13, the SwiGLU input and w2 are cast to e4m3 once. SwiGLU passes
+# on up's relative error as it is and gate's times g silu'(g) / silu(g) = 1 + g (1 - sigmoid(g)) <= 1.28, so each of
+# the two casts behind gate_up (x, w13) counts 1 + 1.28^2: 2 * 2.64 + 2 = 7.3, bounded by 8 casts (the shared expert
+# takes the same path). 7 tokens x 64 values. Measured 2.6e-3 against 7.3e-3 (Gaussian values average about half
+# the worst-case cast variance the bound takes); a wrong, missing or NaN row moves it to >= 1e-1 or NaN.
+MOE_FP8_TOL = fp8_calc_diff_bound(casts=8, reduction=64, samples=7 * 64)
+
+
+def _moe_float64(moe: MoE, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``moe``'s output for ``x [T, dim]`` in float64, given the experts ``indices [T, k]`` it chose: sigmoid scores
+    at those experts, normalised, times ``route_scale``; each expert's SwiGLU; plus the shared expert's."""
+    p = {n: t.detach().double() for n, t in moe.named_parameters()}
+    x = x.double()
+
+    def swiglu(w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        gate, up = (h @ w13.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+    scores = (x @ p["gate.weight"].T).sigmoid().gather(1, indices)
+    weights = scores / scores.sum(-1, keepdim=True) * moe.gate.route_scale
+    y = swiglu(p["shared_experts.w13.weight"], p["shared_experts.w2.weight"], x)
+    for t in range(len(x)):
+        for j, e in enumerate(indices[t].tolist()):
+            y[t] += weights[t, j] * swiglu(p["experts.w13"][e], p["experts.w2"][e], x[t])
+    return y
+
+
+def test_one_rank_moe_with_an_idle_expert_reads_no_unwritten_memory(only_fused_kernels, nan_uninitialized):
+    """The one-rank FP8 MoE with fused permutes (``w13`` reading the permute's cast, no bf16 rows) over 7 tokens (odd:
+    each expert's block is 7 rows and 121 padding rows) and 3 experts, one of which no token chooses (selection bias
+    -10: its biased sigmoid score never beats another's), with all memory nothing wrote reading as NaN: the output
+    within ``MOE_FP8_TOL`` of float64; gradients those of the unfused MoE (the same FP8 GEMMs, the rows moved by
+    torch) within ``FP8_FUSED_TOL``; the idle expert's weight gradients exactly 0 (its wgrad has no rows)."""
+    args = ModelArgs.preset("debug", fp8=True, n_routed_experts=3, n_activated_experts=2, n_expert_groups=1,
+                            n_limited_groups=1)
+    x0 = torch.randn(7, args.dim, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(7, args.dim, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        moe = MoE(args.replace(fused_ops=fused))
+        moe.gate.reset_parameters(0.1)
+        moe.experts.reset_parameters(0.05)
+        with torch.no_grad():
+            moe.gate.e_score_correction_bias[2] = -10.0
+        x = x0.clone().requires_grad_()
+        with registry.force("auto"):
+            assert moe.takes_fp8_rows(x.device) == fused
+            y = moe(x)
+            y.backward(dy)
+            indices = moe.gate(x0).indices
+        assert set(indices.flatten().tolist()) == {0, 1}
+        assert calc_diff(y, _moe_float64(moe, x0, indices)) < MOE_FP8_TOL, fused
+        grads = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+        assert not [n for n, g in grads.items() if g is None or not g.isfinite().all()], fused
+        assert not grads["experts.w13"][2].any() and not grads["experts.w2"][2].any()
+        runs.append(grads)
+    fused_grads, unfused_grads = runs
+    worst = max(calc_diff(fused_grads[n], unfused_grads[n]) for n in unfused_grads)
+    assert worst < FP8_FUSED_TOL, worst
 
 
 def _saved_bytes(fn) -> tuple[object, int]:
