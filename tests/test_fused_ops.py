@@ -36,6 +36,7 @@ from fused_ops import (
     swiglu_fp8,
     unpermute,
 )
+from fused_ops.ops import route_reference, route_softmax_reference
 
 BF16_REL = 3 * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
 GRAD_REL = 4 * 2.0 ** -8
@@ -443,6 +444,33 @@ def test_route_softmax_matches_the_models_gate(impl, experts, k, groups, topk_gr
     w64 = (picked / picked.sum(-1, keepdim=True) if norm else picked) * 1.5
     torch.autograd.backward([w64, s64], [gw.double(), gs.double()])
     _close(logits.grad, logits64.grad, FP32_REL, "d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("softmax", [False, True], ids=["sigmoid", "softmax"])
+def test_route_ranks_a_nan_score_first_as_torch_topk(impl, softmax):
+    """A NaN logit (a NaN gate weight or activation) reaches the routing weights as NaN, and so the loss, where a
+    run's NaN guard sees it: every top-k slot still names a real expert, distinct within the token (never one past
+    the last, which the permute would turn into an out-of-range group). Sigmoid: the NaN expert is taken first,
+    as ``torch.topk`` ranks NaN, through group and node limits; softmax: one NaN makes the token's scores all NaN.
+    Rows without NaN: the reference's choice."""
+    experts, k, groups, topk_groups, nodes, max_nodes = 24, 4, 3, 2, 6, 3
+    logits = _randn(6, experts, seed=31)
+    logits[1, 5] = float("nan")
+    logits[3] = float("nan")
+    bias = _randn(experts, seed=32, scale=0.1)
+    args = (k, groups, topk_groups, 2.5, True, nodes, max_nodes)
+    with registry.poisoned_outputs(), registry.force(impl):
+        weights, indices, _ = route_softmax(logits, *args) if softmax else route(logits, bias, *args)
+    want_w, want_i, _ = (route_softmax_reference(logits, *args) if softmax
+                         else route_reference(logits, bias, *args))
+    nan_rows = torch.tensor([False, True, False, True, False, False])
+    assert ((indices >= 0) & (indices < experts)).all()
+    assert all(len(set(row.tolist())) == k for row in indices)
+    assert weights[nan_rows].isnan().all() and want_w[nan_rows].isnan().all()
+    assert torch.equal(indices[~nan_rows], want_i[~nan_rows]) and weights[~nan_rows].isfinite().all()
+    if not softmax:
+        assert 5 in indices[1].tolist() and 5 in want_i[1].tolist()
 
 
 # ---------------------------------------------------------------------------------------------- bad input

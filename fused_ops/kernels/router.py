@@ -54,6 +54,14 @@ def _node_limit(choice, expert, PER_NODE: tl.constexpr, NODES: tl.constexpr, MAX
 
 
 @triton.jit
+def _nan_first(choice):
+    """A NaN selection score as +inf: ranked first, as ``torch.topk`` ranks NaN, so its (NaN) weight reaches the
+    output and the loss. Left NaN it matches no maximum, and a top-k slot would get no expert (an index past the
+    last one, or a backend's NaN-ignoring max that hides it)."""
+    return tl.where(choice == choice, choice, float("inf"))
+
+
+@triton.jit
 def _tile(GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
     """This program's token, and the ``[groups, experts / groups]`` tile: (token, lane, expert ids, real lanes)."""
     g = tl.arange(0, BLOCK_G)[:, None]
@@ -99,7 +107,7 @@ def _route_kernel(LOGITS, BIAS, WEIGHTS, INDICES, SCORES, E, stride_l, route_sca
     logits = tl.load(LOGITS + t * stride_l + expert, mask=ok, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logits))
     tl.store(SCORES + t * E + expert, scores, mask=ok)
-    choice = tl.where(ok, scores + tl.load(BIAS + expert, mask=ok, other=0.0), float("-inf"))
+    choice = _nan_first(tl.where(ok, scores + tl.load(BIAS + expert, mask=ok, other=0.0), float("-inf")))
     first = tl.max(choice, axis=1)
     first_at = tl.min(tl.where(choice == first[:, None], e, BLOCK_E), axis=1)
     second = tl.max(tl.where(e == first_at[:, None], float("-inf"), choice), axis=1)
@@ -119,7 +127,7 @@ def _route_softmax_kernel(LOGITS, WEIGHTS, INDICES, SCORES, E, stride_l, route_s
     p = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))
     scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
     tl.store(SCORES + t * E + expert, scores, mask=ok)
-    choice = tl.where(ok, scores, float("-inf"))
+    choice = _nan_first(tl.where(ok, scores, float("-inf")))
     _pick(choice, tl.max(choice, axis=1), scores, expert, ok, WEIGHTS, INDICES, t, route_scale, GROUPS, PER_GROUP,
           TOPK_GROUPS, TOPK, NORM, NODES, MAX_NODES, NODE_BEST, BLOCK_G, BLOCK_K, BLOCK_N)
 
