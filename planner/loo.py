@@ -4,9 +4,12 @@ off the planner is on runs it never saw.
 For every run the planner can express (``planner.runs``) the step is evaluated once per setting of the two terms
 that act inside the op timer (``memory_latency``, ``a2a_latency``); the other terms act on the step's parts
 (``Evaluation.parts``), so a step with any set of ``TIME_TERMS`` is recombined from those four evaluations
-without timing the layout again. The one calibrated figure is a per-GPU-family ``compute scale`` on the pipeline
-part: the median over the family's runs of (measured - per-step parts) / pipeline, fitted only on the runs
-not left out (``family_scale`` is itself a term: without it the scale is 1).
+without timing the layout again. The one calibrated figure is a ``compute scale`` on the pipeline part: the
+median of (measured - per-step parts) / pipeline over the runs on the question's system (GPU model), over its
+GPU family's runs where the fit has none on that system, over all runs where it has none of the family either;
+fitted only on the runs not left out (``compute_scale`` is itself a term: without it the scale is 1). Per
+system rather than per family: on Blackwell the family's median is the 4-layer B200 proxies', which says
+nothing of 671B runs on GB200 (nested leave-one-out, benchmarks/planner.md).
 
 Leave-one-out: each run (with the runs of its ``group``: repeats of one layout) is left out in turn, the scales
 are fitted on the rest, the held-out run is predicted. ``select`` keeps a term only if dropping it does not lower
@@ -24,16 +27,16 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from planner.band import band_for
-from planner.runs import Run
+from planner.band import band_for, scale_for
+from planner.runs import Run, family
 from planner.search import TIME_TERMS, evaluate
 from training.config import TrainConfig
 
 # candidates for leave-one-out selection: the planner's time terms; ep_overlap, which credits a run whose runtime
 # overlaps EP all-to-alls across micro-batches (``layout.ep_overlap``) with hiding its exposed pipeline
 # communication but the first micro-batch's (nothing of our runtime: it keeps the fit from blaming kernels for
-# another runtime's overlap); family_scale, the calibrated figure
-TERMS = (*TIME_TERMS, "ep_overlap", "family_scale")
+# another runtime's overlap); compute_scale, the calibrated figure
+TERMS = (*TIME_TERMS, "ep_overlap", "compute_scale")
 TIMER_TERMS = ("memory_latency", "a2a_latency")  # act inside the op timer: one evaluation per setting
 
 
@@ -77,22 +80,23 @@ def split(p: Parts, terms: frozenset[str]) -> tuple[float, float]:
 
 
 def fit_scales(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
-    """Per family: median of (measured - per-step part) / pipeline part over ``parts`` (1.0 without
-    ``family_scale``); ``"*"``: the same over all of them, for families with no run."""
-    if "family_scale" not in terms or not parts:
+    """Median of (measured - per-step part) / pipeline part over ``parts``: per system (GPU model) and per GPU
+    family, and ``"*"`` over all of them (only ``"*"`` = 1.0 without ``compute_scale``). System and family
+    names differ (``planner.runs.FAMILIES``), so one dict holds both."""
+    if "compute_scale" not in terms or not parts:
         return {"*": 1.0}
-    ratio = {}
+    ratio: dict[str, list[float]] = {}
     for p in parts:
         pipe, rest = split(p, terms)
-        ratio.setdefault(p.run.family, []).append((p.run.measured_step_s - rest) / pipe)
-    out = {f: statistics.median(v) for f, v in ratio.items()}
-    out["*"] = statistics.median(x for v in ratio.values() for x in v)
-    return out
+        x = (p.run.measured_step_s - rest) / pipe
+        for key in (p.run.gpu, p.run.family, "*"):
+            ratio.setdefault(key, []).append(x)
+    return {k: statistics.median(v) for k, v in ratio.items()}
 
 
 def predict(p: Parts, terms: frozenset[str], scales: dict[str, float]) -> float:
     pipe, rest = split(p, terms)
-    return pipe * scales.get(p.run.family, scales["*"]) + rest
+    return pipe * scale_for(scales, p.run.gpu) + rest
 
 
 def loo_errors(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
@@ -185,23 +189,27 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
         lines.append(f"| {r.name} | {r.gpus} x {r.gpu} | {r.model} | {r.measured_step_s:.3f} | {_pct(raw[r.name])} | "
                      f"{_pct(all_terms[r.name])} | {_pct(errs[r.name])} | {_pct(nested_errors[r.name])} | "
                      f"{inside}: {ratio:.3f} in [{lo:.3f}, {hi:.3f}] |")
-    lines += ["", "| family | runs | median abs, kept | worst abs, kept | median abs, nested | worst abs, nested | "
-              "target met (>= 3 runs: median <= 10%, worst <= 20%) |", "|---|---:|---:|---:|---:|---:|---|"]
-    fams = sorted({p.run.family for p in parts})
-    for fam in [*fams, "all"]:
-        names = [p.run.name for p in parts if fam in ("all", p.run.family)]
+    lines += ["", "| family / system | runs | median abs, kept | worst abs, kept | median abs, nested | "
+              "worst abs, nested | target met, nested (>= 3 runs: median <= 10%, no run beyond 20%) |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    groups = [(f, lambda p, f=f: p.run.family == f) for f in sorted({p.run.family for p in parts})]
+    groups += [(f"{g} ({family(g)})", lambda p, g=g: p.run.gpu == g) for g in sorted({p.run.gpu for p in parts})]
+    for label, member in [*groups, ("all", lambda p: True)]:
+        names = [p.run.name for p in parts if member(p)]
         m, w = _summary({n: errs[n] for n in names})
         nm, nw = _summary({n: nested_errors[n] for n in names})
         if len(names) < 3:
             verdict = "n/a (< 3 runs)"
         else:
-            miss = [n for n in names if abs(errs[n]) > target[1]]
-            verdict = "yes" if m <= target[0] and not miss else f"no: {', '.join(miss) or 'median'}"
-        lines.append(f"| {fam} | {len(names)} | {100 * m:.1f}% | {100 * w:.1f}% | {100 * nm:.1f}% | {100 * nw:.1f}% | "
-                     f"{verdict} |")
+            miss = [n for n in names if abs(nested_errors[n]) > target[1]]
+            median = [f"median {100 * nm:.1f}%"] if nm > target[0] else []
+            verdict = "yes" if not (miss or median) else f"no: {', '.join(median + miss)}"
+        lines.append(f"| {label} | {len(names)} | {100 * m:.1f}% | {100 * w:.1f}% | {100 * nm:.1f}% | {100 * nw:.1f}% "
+                     f"| {verdict} |")
     covered = sum(lo <= x <= hi for x, lo, hi in held.values())
-    lines += ["", f"The band held for {covered} of {len(held)} runs it never saw (each run's group left out of the "
-              "scales, the residuals and the band)."]
+    lines += ["", f"The band (``planner.band``: the nearest runs' ratios, their range widened by (n + 1) / (n - 1)) "
+              f"held for {covered} of {len(held)} runs it never saw (each run's group left out of the scales, the "
+              "residuals and the band)."]
     lines += ["", f"Kept terms: {', '.join(sorted(kept)) or 'none'}. Dropped, in order (mean abs LOO error with "
               "the term -> without):"]
     lines += [f"- {t}: {100 * a:.2f}% -> {100 * b:.2f}%" for t, a, b in steps] or ["- none"]
@@ -210,8 +218,9 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
               + ", ".join(f"{t} {'off' if t in kept else 'on'} {100 * v:.2f}%" for t, v in abl.items())
               + f"; kept set {100 * score(errs):.2f}%."]
     scales = fit_scales(parts, kept)
-    lines += ["", "Compute scale per family, fitted on every run: "
-              + ", ".join(f"{f} {v:.3f}" for f, v in sorted(scales.items()) if f != "*") + "."]
+    lines += ["", "Compute scale per system and per family (for systems without a run), fitted on every run: "
+              + ", ".join(f"{f} {v:.3f}" for f, v in sorted(scales.items()) if f != "*")
+              + f"; every run (for families without one) {scales['*']:.3f}."]
     lines += ["", "Runs kept out of the fit (recorded, with the reason):", ""]
     lines += [f"- {r.name} ({r.gpus} x {r.gpu}, {r.model}): {r.excluded}" for r in excluded]
     return "\n".join(lines)
