@@ -1,18 +1,19 @@
 """An error band on every answer: the leave-one-out residuals of the public runs nearest to the question.
 
 ``recipes.plan_loo`` writes, for each public run the planner can express, its system, GPU family, GPU count,
-size (training FLOPs per token) and leave-one-out ratio measured / predicted, plus the compute scales fitted on
-all runs (``planner.loo.residuals``: per system, per family, overall). A question's calibrated step is the
-planner's with the pipeline part scaled by its system's figure (its family's where no run is on that system;
-``scale_for``). Its nearest runs are those of its GPU family whose size is within ``SIZE_FACTOR`` of its own;
-the band comes from their ratios (from every run's, too, when fewer than ``MIN_NEAREST`` are near: a spread of
-two or three runs says little): the range of the n ratios (in log space) widened about its middle by
-(n + 1) / (n - 1). The bare min / max of n runs cannot cover the next extreme (a new exchangeable run falls
-outside n runs' range with probability 2 / (n + 1)); of the rules tried on runs held out (min / max, this, a
-Student-t 90% prediction interval, the largest |log ratio| widened alike) this was the narrowest to hold for
-17 of 20 (benchmarks/planner.md, "Reading it"). Where no run shares the family, or none is of a similar size,
-or the GPU count lies beyond the runs', the answer says it lies outside every run it has seen (and the band
-comes from the runs it falls back on).
+size (training FLOPs per token) and leave-one-out ratio measured / predicted, plus the figures fitted on all runs
+(``planner.loo.residuals``): the compute scales (per system, per family, overall) and the per-step overhead. A
+question's calibrated step is the planner's with the pipeline part scaled by its system's figure (its family's
+where no run is on that system; ``scale_for``), plus the overhead. Its nearest runs are those of its GPU family
+whose size is within ``SIZE_FACTOR`` of its own; the band comes from their ratios (from every run's, too, when
+fewer than ``MIN_NEAREST`` are near: a spread of two or three runs says little): the range of the n ratios (in
+log space) widened about its middle by (n + 1) / (n - 1). The bare min / max of n runs cannot cover the next
+extreme (a new exchangeable run falls outside n runs' range with probability 2 / (n + 1)); of the rules tried
+on runs held out (min / max, this, a Student-t 90% prediction interval, the largest |log ratio| widened alike)
+this held for the most runs under both calibrations tried, at two points more width than min / max
+(benchmarks/planner.md, "Reading it"). Where no run shares the
+family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it lies outside
+every run it has seen (and the band comes from the runs it falls back on).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ MIN_NEAREST = 5  # with fewer nearest runs their spread says little: the band al
 class Band:
     """Calibration and band for one question (a system, a GPU count, a model size)."""
 
-    scale: float  # the family's compute scale on the pipeline part
+    scale: float  # the system's (family's) compute scale on the pipeline part
+    step_overhead_s: float  # the fitted host cost per optimizer step
     low: float  # the band's lower measured / predicted ratio (``widened_range`` of the nearest runs' ratios)
     high: float  # its upper one
     nearest: tuple[str, ...]  # the runs the band comes from
@@ -44,7 +46,7 @@ class Band:
     def step(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
         """(calibrated step, low, high) seconds of ``ev``."""
         pipe = ev.parts["pipeline"] * (ev.parts["straggler"] if "straggler" in req.terms else 1.0)
-        cal = ev.step_time_s + (self.scale - 1.0) * pipe
+        cal = ev.step_time_s + (self.scale - 1.0) * pipe + self.step_overhead_s
         return cal, cal * self.low, cal * self.high
 
     def tokens_per_gpu(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
@@ -66,6 +68,8 @@ def load_residuals(path: Path = RESIDUALS) -> dict:
         doc = json.loads(Path(path).read_text())
         if not (isinstance(doc["runs"], list) and doc["runs"] and isinstance(doc["scales"], dict)):
             raise KeyError("runs")
+        if not (isinstance(doc["step_overhead_s"], (int, float)) and doc["step_overhead_s"] >= 0):
+            raise KeyError("step_overhead_s")
     except FileNotFoundError:
         raise ValueError(f"{str(path)!r}: no leave-one-out residuals; run python -m recipes.plan_loo") from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -92,8 +96,8 @@ def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Ba
         why.append(f"{gpus} GPUs lies beyond the nearest runs' {min(counts)}-{max(counts)}")
     pool = near if len(near) >= MIN_NEAREST else near + [r for r in runs if r not in near]
     low, high = widened_range([r["ratio"] for r in pool])
-    return Band(scale_for(residuals["scales"], gpu), low, high, tuple(r["name"] for r in near), "; ".join(why),
-                len(near) < MIN_NEAREST)
+    return Band(scale_for(residuals["scales"], gpu), residuals["step_overhead_s"], low, high,
+                tuple(r["name"] for r in near), "; ".join(why), len(near) < MIN_NEAREST)
 
 
 def widened_range(ratios: list[float]) -> tuple[float, float]:

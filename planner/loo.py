@@ -9,7 +9,8 @@ median of (measured - per-step parts) / pipeline over the runs on the question's
 GPU family's runs where the fit has none on that system, over all runs where it has none of the family either;
 fitted only on the runs not left out (``compute_scale`` is itself a term: without it the scale is 1). Per
 system rather than per family: on Blackwell the family's median is the 4-layer B200 proxies', which says
-nothing of 671B runs on GB200 (nested leave-one-out, benchmarks/planner.md).
+nothing of 671B runs on GB200 (nested leave-one-out, benchmarks/planner.md). The other calibrated figure,
+``step_overhead``, is one host cost per optimizer step shared by every run (``fit``).
 
 Leave-one-out: each run (with the runs of its ``group``: repeats of one layout) is left out in turn, the scales
 are fitted on the rest, the held-out run is predicted. ``select`` keeps a term only if dropping it does not lower
@@ -35,8 +36,9 @@ from training.config import TrainConfig
 # candidates for leave-one-out selection: the planner's time terms; ep_overlap, which credits a run whose runtime
 # overlaps EP all-to-alls across micro-batches (``layout.ep_overlap``) with hiding its exposed pipeline
 # communication but the first micro-batch's (nothing of our runtime: it keeps the fit from blaming kernels for
-# another runtime's overlap); compute_scale, the calibrated figure
-TERMS = (*TIME_TERMS, "ep_overlap", "compute_scale")
+# another runtime's overlap); compute_scale and step_overhead, the calibrated figures (``fit``)
+TERMS = (*TIME_TERMS, "ep_overlap", "compute_scale", "step_overhead")
+STEP_OVERHEAD_GRID = tuple(i * 0.005 for i in range(51))  # s: 0-250 ms in 5 ms (the shortest run's step: 282 ms)
 TIMER_TERMS = ("memory_latency", "a2a_latency")  # act inside the op timer: one evaluation per setting
 
 
@@ -79,24 +81,48 @@ def split(p: Parts, terms: frozenset[str]) -> tuple[float, float]:
     return pipe, rest
 
 
-def fit_scales(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
-    """Median of (measured - per-step part) / pipeline part over ``parts``: per system (GPU model) and per GPU
-    family, and ``"*"`` over all of them (only ``"*"`` = 1.0 without ``compute_scale``). System and family
-    names differ (``planner.runs.FAMILIES``), so one dict holds both."""
+@dataclass(frozen=True)
+class Fit:
+    """The calibrated figures of one fit: compute scales (``scale_for`` keys) and the per-step overhead."""
+
+    scales: dict[str, float]
+    step_overhead_s: float = 0.0
+
+
+def fit_scales(parts: list[Parts], terms: frozenset[str], overhead_s: float = 0.0) -> dict[str, float]:
+    """Median of (measured - per-step part - ``overhead_s``) / pipeline part over ``parts``: per system (GPU
+    model) and per GPU family, and ``"*"`` over all of them (only ``"*"`` = 1.0 without ``compute_scale``).
+    System and family names differ (``planner.runs.FAMILIES``), so one dict holds both."""
     if "compute_scale" not in terms or not parts:
         return {"*": 1.0}
     ratio: dict[str, list[float]] = {}
     for p in parts:
         pipe, rest = split(p, terms)
-        x = (p.run.measured_step_s - rest) / pipe
+        x = (p.run.measured_step_s - rest - overhead_s) / pipe
         for key in (p.run.gpu, p.run.family, "*"):
             ratio.setdefault(key, []).append(x)
     return {k: statistics.median(v) for k, v in ratio.items()}
 
 
-def predict(p: Parts, terms: frozenset[str], scales: dict[str, float]) -> float:
+def fit(parts: list[Parts], terms: frozenset[str]) -> Fit:
+    """The scales (``fit_scales``) and, with ``step_overhead``, the one per-step overhead of every run (a host
+    cost per optimizer step that no term times: the step's start and end, logging, the data loader's hand-off)
+    on ``STEP_OVERHEAD_GRID``, the point whose refitted scales give ``parts`` the least sum of squared log
+    errors (the first such point: the smallest overhead on a tie)."""
+    if "step_overhead" not in terms or not parts:
+        return Fit(fit_scales(parts, terms))
+    best = None
+    for c in STEP_OVERHEAD_GRID:
+        f = Fit(fit_scales(parts, terms, c), c)
+        err = math.fsum(math.log(predict(p, terms, f) / p.run.measured_step_s) ** 2 for p in parts)
+        if best is None or err < best[0]:
+            best = (err, f)
+    return best[1]
+
+
+def predict(p: Parts, terms: frozenset[str], f: Fit) -> float:
     pipe, rest = split(p, terms)
-    return pipe * scale_for(scales, p.run.gpu) + rest
+    return pipe * scale_for(f.scales, p.run.gpu) + rest + f.step_overhead_s
 
 
 def loo_errors(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
@@ -104,7 +130,7 @@ def loo_errors(parts: list[Parts], terms: frozenset[str]) -> dict[str, float]:
     out = {}
     for p in parts:
         train = [q for q in parts if q.run.group != p.run.group]
-        out[p.run.name] = predict(p, terms, fit_scales(train, terms)) / p.run.measured_step_s - 1
+        out[p.run.name] = predict(p, terms, fit(train, terms)) / p.run.measured_step_s - 1
     return out
 
 
@@ -133,7 +159,7 @@ def nested(parts: list[Parts]) -> dict[str, float]:
     for p in parts:
         train = [q for q in parts if q.run.group != p.run.group]
         kept, _ = select(train)
-        out[p.run.name] = predict(p, kept, fit_scales(train, kept)) / p.run.measured_step_s - 1
+        out[p.run.name] = predict(p, kept, fit(train, kept)) / p.run.measured_step_s - 1
     return out
 
 
@@ -150,15 +176,15 @@ def band_holds(parts: list[Parts], kept: frozenset[str]) -> dict[str, tuple[floa
     for p in parts:
         train = [q for q in parts if q.run.group != p.run.group]
         band = band_for(residuals(train, kept), p.run.gpu, p.run.gpus, p.flops_per_token)
-        out[p.run.name] = (p.run.measured_step_s / predict(p, kept, fit_scales(train, kept)), band.low, band.high)
+        out[p.run.name] = (p.run.measured_step_s / predict(p, kept, fit(train, kept)), band.low, band.high)
     return out
 
 
 def residuals(parts: list[Parts], kept: frozenset[str]) -> dict:
     """What ``recipes.plan`` needs for its band: the kept terms, the scales fitted on every run, and each run's
     family, size, GPU count and leave-one-out ratio measured / predicted (JSON-ready)."""
-    errors = loo_errors(parts, kept)
-    return {"terms": sorted(kept), "scales": fit_scales(parts, kept),
+    errors, f = loo_errors(parts, kept), fit(parts, kept)
+    return {"terms": sorted(kept), "scales": f.scales, "step_overhead_s": f.step_overhead_s,
             "runs": [{"name": p.run.name, "gpu": p.run.gpu, "family": p.run.family, "gpus": p.run.gpus,
                       "flops_per_token": p.flops_per_token, "ratio": 1.0 / (1.0 + errors[p.run.name])}
                      for p in parts]}
@@ -178,7 +204,7 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
     """The markdown section: per run, per family, overall; the selection steps; the runs kept out of the fit."""
     everything = frozenset(TERMS)
     errs, all_terms = loo_errors(parts, kept), loo_errors(parts, everything)
-    raw = {p.run.name: predict(p, frozenset(TIME_TERMS), {"*": 1.0}) / p.run.measured_step_s - 1 for p in parts}
+    raw = {p.run.name: predict(p, frozenset(TIME_TERMS), Fit({"*": 1.0})) / p.run.measured_step_s - 1 for p in parts}
     held = band_holds(parts, kept)
     lines = ["| run | GPUs | model | measured s | shipped model (no fit) | LOO, all terms | LOO, kept terms | "
              "nested LOO | measured / LOO prediction in its LOO band |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -217,10 +243,11 @@ def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: 
     lines += ["", "Each term toggled against the kept set (mean abs LOO error): "
               + ", ".join(f"{t} {'off' if t in kept else 'on'} {100 * v:.2f}%" for t, v in abl.items())
               + f"; kept set {100 * score(errs):.2f}%."]
-    scales = fit_scales(parts, kept)
-    lines += ["", "Compute scale per system and per family (for systems without a run), fitted on every run: "
-              + ", ".join(f"{f} {v:.3f}" for f, v in sorted(scales.items()) if f != "*")
-              + f"; every run (for families without one) {scales['*']:.3f}."]
+    f = fit(parts, kept)
+    lines += ["", "Fitted on every run: compute scale per system and per family (for systems without a run) "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sorted(f.scales.items()) if k != "*")
+              + f"; every run's (for families without one) {f.scales['*']:.3f}; per-step overhead "
+              + f"{1e3 * f.step_overhead_s:.0f} ms."]
     lines += ["", "Runs kept out of the fit (recorded, with the reason):", ""]
     lines += [f"- {r.name} ({r.gpus} x {r.gpu}, {r.model}): {r.excluded}" for r in excluded]
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from planner.band import MIN_NEAREST, band_for, load_residuals, widened_range
-from planner.loo import TERMS, Parts, fit_scales, loo_errors, select
+from planner.loo import STEP_OVERHEAD_GRID, TERMS, Parts, fit, fit_scales, loo_errors, select
 from planner.runs import RUNS_DIR, Run, load_run, load_runs, run_from_toml
 from planner.search import DEFAULT_TERMS, TIME_TERMS
 from recipes import plan, plan_loo
@@ -136,6 +136,20 @@ def test_the_scale_is_the_systems_where_the_fit_has_one_else_the_familys_else_ev
     assert math.isclose(err["h"], (0.6 * 10 + 1.5) / (0.9 * 10 + 1.5) - 1, rel_tol=1e-12)
 
 
+def test_the_per_step_overhead_is_found_on_its_grid_with_the_scales_refitted():
+    # measured = 0.8 x pipeline + the 1.5 s per-step part + 50 ms: the grid point 50 ms and the scale 0.8 fit exactly
+    runs = [_parts(f"r{i}", "B200", 0.8 * p + 1.5 + 0.05, p) for i, p in enumerate((0.5, 1.0, 2.0, 4.0))]
+    terms = frozenset(TERMS) - {"ep_overlap"}
+    f = fit(runs, terms)
+    assert 0.05 in [pytest.approx(c) for c in STEP_OVERHEAD_GRID]
+    assert f.step_overhead_s == pytest.approx(0.05, abs=1e-12)
+    assert all(v == pytest.approx(0.8, rel=1e-12) for v in f.scales.values())
+    assert all(abs(e) < 1e-9 for e in loo_errors(runs, terms).values())
+    # without it the scale absorbs 50 ms, which weighs differently on each pipeline: held-out errors appear
+    assert max(abs(e) for e in loo_errors(runs, terms - {"step_overhead"}).values()) > 5e-3
+    assert fit(runs, terms - {"step_overhead"}).step_overhead_s == 0.0
+
+
 def test_widened_range_is_the_log_range_widened_by_n_plus_1_over_n_minus_1():
     lo, hi = widened_range([0.9, 1.0, 1.1, 1.2])  # log range [log 0.9, log 1.2], widened 5/3 about its middle
     mid, half = (math.log(0.9) + math.log(1.2)) / 2, (math.log(1.2) - math.log(0.9)) / 2 * 5 / 3
@@ -218,3 +232,15 @@ def test_plan_warns_when_the_question_lies_outside_every_run(capsys):
     assert "GFLOP per token) is beyond 3x" in big.outside and len(big.nearest) == 3
     ok = band_for(res, "B200", 8, next(r["flops_per_token"] for r in res["runs"] if r["gpu"] == "B200"))
     assert ok.outside == "" and not ok.widened and ok.low < 1 < ok.high
+
+
+def test_residuals_file_errors_name_the_file(tmp_path):
+    good = json.loads((RUNS_DIR / "loo.json").read_text())
+    for broken in ({k: v for k, v in good.items() if k != "step_overhead_s"}, {**good, "step_overhead_s": -0.1},
+                   {**good, "runs": []}):
+        path = tmp_path / "res.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=r"res\.json': not a residuals file of recipes\.plan_loo"):
+            load_residuals(path)
+    with pytest.raises(ValueError, match=r"nope\.json': no leave-one-out residuals; run python -m recipes\.plan_loo"):
+        load_residuals(tmp_path / "nope.json")
