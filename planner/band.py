@@ -36,6 +36,7 @@ class Band:
     """Calibration and band for one question (a system, a GPU count, a model size)."""
 
     scale: float  # the system's (family's) compute scale on the pipeline part
+    scale_of: str  # whose scale it is: the system's name, its family's, or "every run"
     step_overhead_s: float  # the fitted host cost per optimizer step
     low: float  # the band's lower measured / predicted ratio (``widened_range`` of the nearest runs' ratios)
     high: float  # its upper one
@@ -96,7 +97,9 @@ def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Ba
         why.append(f"{gpus} GPUs lies beyond the nearest runs' {min(counts)}-{max(counts)}")
     pool = near if len(near) >= MIN_NEAREST else near + [r for r in runs if r not in near]
     low, high = widened_range([r["ratio"] for r in pool])
-    return Band(scale_for(residuals["scales"], gpu), residuals["step_overhead_s"], low, high,
+    scales = residuals["scales"]
+    scale_of = gpu if gpu in scales else fam if fam in scales else "every run"
+    return Band(scale_for(scales, gpu), scale_of, residuals["step_overhead_s"], low, high,
                 tuple(r["name"] for r in near), "; ".join(why), len(near) < MIN_NEAREST)
 
 
