@@ -13,8 +13,9 @@ nothing of 671B runs on GB200 (nested leave-one-out, benchmarks/planner.md). The
 ``step_overhead``, is one host cost per optimizer step shared by every run (``fit``).
 
 Leave-one-out: each run (with the runs of its ``group``: repeats of one layout) is left out in turn, the scales
-are fitted on the rest, the held-out run is predicted. ``select`` keeps a term only if dropping it does not lower
-the leave-one-out error (backward elimination on the mean absolute error, ties kept by dropping: fewer terms);
+are fitted on the rest, the held-out run is predicted. ``select`` keeps a term unless dropping it lowers the
+leave-one-out error (backward elimination on the mean absolute error; a tie keeps the term: it means the term
+changes none of the runs, which then cannot judge it, and the time model's physics stands);
 ``nested`` repeats the whole selection inside each fold, so the held-out run also plays no part in choosing the
 terms. ``table`` is the markdown ``recipes.plan_loo`` writes into ``benchmarks/planner.md``; ``residuals`` is
 what ``recipes.plan`` reads to put a band on its answers.
@@ -139,14 +140,16 @@ def score(errors: dict[str, float]) -> float:
 
 
 def select(parts: list[Parts], start: frozenset[str] = frozenset(TERMS)) -> tuple[frozenset[str], list[tuple]]:
-    """Backward elimination: drop the term whose removal lowers the leave-one-out score most (a tie drops it),
+    """Backward elimination: drop the term whose removal lowers the leave-one-out score most, only if it strictly
+    lowers it (a term that changes no run of ``parts``, such as ``ep_overlap`` where no run has several
+    micro-batches and the switch, cannot be judged there and stays as the time model has it),
     until none does. Returns the kept terms and the steps ``(term, score with it, score without)``."""
     kept, steps = frozenset(start), []
     while kept:
         now = score(loo_errors(parts, kept))
         trials = sorted((score(loo_errors(parts, kept - {t})), t) for t in sorted(kept))
         best, term = trials[0]
-        if best > now:
+        if best >= now:
             break
         steps.append((term, now, best))
         kept = kept - {term}
