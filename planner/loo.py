@@ -94,13 +94,21 @@ def fit_scales(parts: list[Parts], terms: frozenset[str], overhead_s: float = 0.
     """Median of (measured - per-step part - ``overhead_s``) / pipeline part over ``parts``: per system (GPU
     model) and per GPU family, and ``"*"`` over all of them (only ``"*"`` = 1.0 without ``compute_scale``).
     System and family names differ (``planner.runs.FAMILIES``), so one dict holds both."""
-    if "compute_scale" not in terms or not parts:
+    return _scales(_rows(parts, terms), "compute_scale" in terms, overhead_s)
+
+
+def _rows(parts: list[Parts], terms: frozenset[str]) -> list[tuple[str, str, float, float, float]]:
+    """(system, family, measured, pipeline part, per-step part) of each of ``parts`` with ``terms`` on."""
+    return [(p.run.gpu, p.run.family, p.run.measured_step_s, *split(p, terms)) for p in parts]
+
+
+def _scales(rows: list[tuple[str, str, float, float, float]], compute_scale: bool, overhead_s: float) -> dict:
+    if not compute_scale or not rows:
         return {"*": 1.0}
     ratio: dict[str, list[float]] = {}
-    for p in parts:
-        pipe, rest = split(p, terms)
-        x = (p.run.measured_step_s - rest - overhead_s) / pipe
-        for key in (p.run.gpu, p.run.family, "*"):
+    for gpu, fam, measured, pipe, rest in rows:
+        x = (measured - rest - overhead_s) / pipe
+        for key in (gpu, fam, "*"):
             ratio.setdefault(key, []).append(x)
     return {k: statistics.median(v) for k, v in ratio.items()}
 
@@ -110,14 +118,16 @@ def fit(parts: list[Parts], terms: frozenset[str]) -> Fit:
     cost per optimizer step that no term times: the step's start and end, logging, the data loader's hand-off)
     on ``STEP_OVERHEAD_GRID``, the point whose refitted scales give ``parts`` the least sum of squared log
     errors (the first such point: the smallest overhead on a tie)."""
+    rows, compute_scale = _rows(parts, terms), "compute_scale" in terms
     if "step_overhead" not in terms or not parts:
-        return Fit(fit_scales(parts, terms))
+        return Fit(_scales(rows, compute_scale, 0.0))
     best = None
     for c in STEP_OVERHEAD_GRID:
-        f = Fit(fit_scales(parts, terms, c), c)
-        err = math.fsum(math.log(predict(p, terms, f) / p.run.measured_step_s) ** 2 for p in parts)
+        scales = _scales(rows, compute_scale, c)
+        err = math.fsum(math.log((pipe * scale_for(scales, gpu) + rest + c) / measured) ** 2
+                        for gpu, _, measured, pipe, rest in rows)
         if best is None or err < best[0]:
-            best = (err, f)
+            best = (err, Fit(scales, c))
     return best[1]
 
 
