@@ -4,7 +4,7 @@ off the planner is on runs it never saw.
 For every run the planner can express (``planner.runs``) the step is evaluated once per setting of the two terms
 that act inside the op timer (``memory_latency``, ``a2a_latency``); the other terms act on the step's parts
 (``Evaluation.parts``), so a step with any set of ``TIME_TERMS`` is recombined from those four evaluations
-without timing the layout again. The one calibrated figure is a ``compute scale`` on the pipeline part: the
+without timing the layout again. The first calibrated figure is a ``compute scale`` on the pipeline part: the
 median of (measured - per-step parts) / pipeline over the runs on the question's system (GPU model), over its
 GPU family's runs where the fit has none on that system, over all runs where it has none of the family either;
 fitted only on the runs not left out (``compute_scale`` is itself a term: without it the scale is 1). Per
@@ -214,7 +214,8 @@ def _summary(errors: dict[str, float]) -> tuple[float, float]:
 
 def table(parts: list[Parts], excluded: list[Run], kept: frozenset[str], steps: list[tuple],
           nested_errors: dict[str, float], target: tuple[float, float] = (0.10, 0.20)) -> str:
-    """The markdown section: per run, per family, overall; the selection steps; the runs kept out of the fit."""
+    """The markdown section: per run, per family and system, overall; the selection steps; the runs kept out of
+    the fit."""
     everything = frozenset(TERMS)
     errs, all_terms = loo_errors(parts, kept), loo_errors(parts, everything)
     raw = {p.run.name: predict(p, frozenset(TIME_TERMS), Fit({"*": 1.0})) / p.run.measured_step_s - 1 for p in parts}
