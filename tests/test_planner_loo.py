@@ -208,6 +208,7 @@ def test_plan_prints_each_answer_with_the_band_of_the_nearest_runs(capsys):
     rows = _band_rows(out)
     assert rows and "warning" not in out
     res = load_residuals()
+    assert f"compute scale {res['scales']['H100']:.3f} of H100, {1e3 * res['step_overhead_s']:.0f} ms per step" in out
     near = [r for r in res["runs"] if r["name"].startswith("megatron-bridge-moonlight")]
     assert len(near) == 3 and len(near) < MIN_NEAREST  # few: the band also spans every run's ratio
     logs = [math.log(r["ratio"]) for r in res["runs"]]  # every run (the three near among them), range widened
@@ -226,6 +227,7 @@ def test_plan_warns_when_the_question_lies_outside_every_run(capsys):
                 "--global-batch", "256", "--fix", "pp=1,ep=8,micro_batch=1,fp8=false,moments=bfloat16", "--top", "1")
     assert "warning: this question lies outside every public run the planner has seen: no public run on a " \
            "Ampere GPU" in out
+    assert "of every run, " in out  # no Ampere run: the scale over every run
     assert _band_rows(out)
     res = load_residuals()
     big = band_for(res, "B200", 8, 1e15)  # far beyond any run's size: the nearest three, and the warning
