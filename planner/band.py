@@ -10,7 +10,7 @@ fewer than ``MIN_NEAREST`` are near: a spread of two or three runs says little):
 log space) widened about its middle by (n + 1) / (n - 1). The bare min / max of n runs cannot cover the next
 extreme (a new exchangeable run falls outside n runs' range with probability 2 / (n + 1)); of the rules tried
 on runs held out (min / max, this, a Student-t 90% prediction interval, the largest |log ratio| widened alike)
-this held for as many runs as any on the final calibration and, unlike min / max, did not fall back on the
+this held for as many runs as any on the final calibration and, unlike min / max, kept its coverage on the
 calibration before it, for two points more width (benchmarks/planner.md, "Reading it"). Where no run shares the
 family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it lies outside
 every run it has seen (and the band comes from the runs it falls back on).
