@@ -1,13 +1,19 @@
 """An error band on every answer: the leave-one-out residuals of the public runs nearest to the question.
 
-``recipes.plan_loo`` writes, for each public run the planner can express, its GPU family, GPU count, size
-(training FLOPs per token) and leave-one-out ratio measured / predicted, plus the compute scale per family fitted
-on all runs (``planner.loo.residuals``). A question's nearest runs are those of its GPU family whose size is
-within ``SIZE_FACTOR`` of its own; its calibrated step is the planner's with the pipeline part scaled by the
-family's figure, and its band is that step times the smallest and largest ratio of the nearest runs (of every
-run, too, when fewer than ``MIN_NEAREST`` are near: a spread of two or three runs says little). Where no
-run shares the family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it
-lies outside every run it has seen (and the band comes from the runs it falls back on).
+``recipes.plan_loo`` writes, for each public run the planner can express, its system, GPU family, GPU count,
+size (training FLOPs per token) and leave-one-out ratio measured / predicted, plus the figures fitted on all runs
+(``planner.loo.residuals``): the compute scales (per system, per family, overall) and the per-step overhead. A
+question's calibrated step is the planner's with the pipeline part scaled by its system's figure (its family's
+where no run is on that system; ``scale_for``), plus the overhead. Its nearest runs are those of its GPU family
+whose size is within ``SIZE_FACTOR`` of its own; the band comes from their ratios (from every run's, too, when
+fewer than ``MIN_NEAREST`` are near: a spread of two or three runs says little): the range of the n ratios (in
+log space) widened about its middle by (n + 1) / (n - 1). The bare min / max of n runs cannot cover the next
+extreme (a new exchangeable run falls outside n runs' range with probability 2 / (n + 1)); of the rules tried
+on runs held out (min / max, this, a Student-t 90% prediction interval, the largest |log ratio| widened alike)
+this held for as many runs as any on the final calibration and, unlike min / max, kept its coverage on the
+calibration before it, for two points more width (benchmarks/planner.md, "Reading it"). Where no run shares the
+family, or none is of a similar size, or the GPU count lies beyond the runs', the answer says it lies outside
+every run it has seen (and the band comes from the runs it falls back on).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ MIN_NEAREST = 5  # with fewer nearest runs their spread says little: the band al
 class Band:
     """Calibration and band for one question (a system, a GPU count, a model size)."""
 
-    scale: float  # the family's compute scale on the pipeline part
-    low: float  # smallest measured / predicted ratio of the nearest runs
-    high: float  # largest
+    scale: float  # the system's (family's) compute scale on the pipeline part
+    scale_of: str  # whose scale it is: the system's name, its family's, or "every run"
+    step_overhead_s: float  # the fitted host cost per optimizer step
+    low: float  # the band's lower measured / predicted ratio (``widened_range`` of the nearest runs' ratios)
+    high: float  # its upper one
     nearest: tuple[str, ...]  # the runs the band comes from
     outside: str  # why the question lies outside every run seen ("" when it does not)
     widened: bool  # fewer than MIN_NEAREST nearest runs: the band spans every run's residual too
@@ -39,7 +47,7 @@ class Band:
     def step(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
         """(calibrated step, low, high) seconds of ``ev``."""
         pipe = ev.parts["pipeline"] * (ev.parts["straggler"] if "straggler" in req.terms else 1.0)
-        cal = ev.step_time_s + (self.scale - 1.0) * pipe
+        cal = ev.step_time_s + (self.scale - 1.0) * pipe + self.step_overhead_s
         return cal, cal * self.low, cal * self.high
 
     def tokens_per_gpu(self, ev: Evaluation, req: Request) -> tuple[float, float, float]:
@@ -49,12 +57,20 @@ class Band:
         return per / cal, per / hi, per / lo
 
 
+def scale_for(scales: dict[str, float], gpu: str) -> float:
+    """The compute scale of a question on ``gpu``: its system's (GPU model's), else its GPU family's, else every
+    run's (``planner.loo.fit_scales``)."""
+    return scales.get(gpu, scales.get(family(gpu), scales["*"]))
+
+
 def load_residuals(path: Path = RESIDUALS) -> dict:
     """The residuals document; ValueError naming the file when it is missing or malformed."""
     try:
         doc = json.loads(Path(path).read_text())
         if not (isinstance(doc["runs"], list) and doc["runs"] and isinstance(doc["scales"], dict)):
             raise KeyError("runs")
+        if not (isinstance(doc["step_overhead_s"], (int, float)) and doc["step_overhead_s"] >= 0):
+            raise KeyError("step_overhead_s")
     except FileNotFoundError:
         raise ValueError(f"{str(path)!r}: no leave-one-out residuals; run python -m recipes.plan_loo") from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -79,7 +95,18 @@ def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Ba
     counts = [r["gpus"] for r in near]
     if not min(counts) <= gpus <= max(counts):
         why.append(f"{gpus} GPUs lies beyond the nearest runs' {min(counts)}-{max(counts)}")
-    ratios = [r["ratio"] for r in (near if len(near) >= MIN_NEAREST else near + runs)]
+    pool = near if len(near) >= MIN_NEAREST else near + [r for r in runs if r not in near]
+    low, high = widened_range([r["ratio"] for r in pool])
     scales = residuals["scales"]
-    return Band(scales.get(fam, scales["*"]), min(ratios), max(ratios), tuple(r["name"] for r in near),
-                "; ".join(why), len(near) < MIN_NEAREST)
+    scale_of = gpu if gpu in scales else fam if fam in scales else "every run"
+    return Band(scale_for(scales, gpu), scale_of, residuals["step_overhead_s"], low, high,
+                tuple(r["name"] for r in near), "; ".join(why), len(near) < MIN_NEAREST)
+
+
+def widened_range(ratios: list[float]) -> tuple[float, float]:
+    """(low, high): the range of ``ratios`` in log space widened about its middle by (n + 1) / (n - 1) for n
+    ratios (the bare range for one)."""
+    logs = [math.log(r) for r in ratios]
+    n, mid, half = len(logs), (max(logs) + min(logs)) / 2, (max(logs) - min(logs)) / 2
+    half *= (n + 1) / (n - 1) if n > 1 else 1.0
+    return math.exp(mid - half), math.exp(mid + half)

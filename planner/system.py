@@ -15,6 +15,7 @@ Files shipped in ``systems/`` take their figures from public measurements and ar
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -68,13 +69,34 @@ class System:
         return self.memory_gib * 1024**3
 
     def kernel_efficiency(self, kind: str, shape: str | None = None, pass_: str = "f") -> float:
-        """Efficiency of ``kind`` at ``shape`` (``"MxNxK"``) in ``pass_`` (f, i, w) where the file has that shape,
-        else the class's."""
+        """Efficiency of ``kind`` at ``shape`` (``"MxNxK"``) in ``pass_`` (f, i, w): the file's figure for that
+        shape; else, where the file measured the same ``NxK`` at other row counts ``M``, the figure at the largest
+        of them not above ``M`` (the smallest when all are above): a GEMM's efficiency grows with its rows, so
+        this errs slow; else the class's. (A grouped GEMM with 8192 rows per expert, EP64 on the full V3, is
+        not the class median of mostly 128-1024-row shapes.)"""
         if shape is not None:
-            measured = self.shape_efficiency.get(kind, {}).get(shape)
+            table = self.shape_efficiency.get(kind, {})
+            measured = table.get(shape)
+            if measured is None:
+                rows, _, nk = shape.partition("x")
+                same = self._rows_by_nk.get(kind, {}).get(nk)
+                if same and rows.isdigit():
+                    below = [m for m in same if m <= int(rows)]
+                    measured = table[f"{max(below) if below else same[0]}x{nk}"]
             if measured is not None:
                 return measured[pass_]
         return self.efficiency[kind]
+
+    @functools.cached_property
+    def _rows_by_nk(self) -> dict[str, dict[str, list[int]]]:
+        """class -> ``NxK`` -> the sorted row counts ``M`` the file measured it at."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for kind, table in self.shape_efficiency.items():
+            for shape in table:
+                rows, _, nk = shape.partition("x")
+                if rows.isdigit():
+                    out.setdefault(kind, {}).setdefault(nk, []).append(int(rows))
+        return {k: {nk: sorted(v) for nk, v in t.items()} for k, t in out.items()}
 
     def all_to_all_latency(self, group: int) -> float:
         """Fixed seconds of one all-to-all call over ``group`` ranks: the figure of the largest group size in

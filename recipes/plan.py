@@ -37,7 +37,6 @@ from models.deepseek_v4.args import hf_model_type
 from planner.band import band_for, load_residuals
 from planner.calibrate import main as calibrate_main
 from planner.costs import RECOMPUTE_POLICIES
-from planner.runs import family
 from planner.search import (
     LAYOUT_KEYS,
     SEARCH_SCHEDULES,
@@ -201,7 +200,8 @@ def print_band(req: Request, evals: list[Evaluation]) -> None:
     flops_per_token = best.mfu * best.step_time_s * req.gpus * req.system.bf16_tflops * 1e12 / tokens_per_step(req)
     band = band_for(load_residuals(), req.system.name, req.gpus, flops_per_token)
     names = ", ".join(band.nearest[:3]) + (f" and {len(band.nearest) - 3} more" if len(band.nearest) > 3 else "")
-    print(f"calibrated on the public runs (compute scale {band.scale:.3f} for {family(req.system.name)}), band from "
+    print(f"calibrated on the public runs (compute scale {band.scale:.3f} of {band.scale_of}, "
+          f"{1e3 * band.step_overhead_s:.0f} ms per step), band from "
           f"the leave-one-out residuals of the {len(band.nearest)} nearest ({names})"
           + (", widened to every run's as they are few" if band.widened else "") + ":")
     for i, e in enumerate(evals, 1):

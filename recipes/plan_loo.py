@@ -1,10 +1,11 @@
 """``python -m recipes.plan_loo --write benchmarks/planner.md``: the planner against every public run, left out in turn.
 
 Loads ``benchmarks/planner_runs/*.toml`` (``planner.runs``), evaluates each run the planner can express, keeps
-the time terms and calibrated figures that lower the leave-one-out error (``planner.loo.select``), and writes
-the table (per run, per GPU family, overall; the selection steps; the runs kept out of the fit and why) between
-the ``<!-- loo:begin -->`` / ``<!-- loo:end -->`` markers of ``--write`` (stdout without it), and the residuals
-``recipes.plan`` puts its band with into ``--residuals`` (default ``benchmarks/planner_runs/loo.json``).
+the time terms and calibrated figures whose removal would not lower the leave-one-out error
+(``planner.loo.select``), and writes the table (per run, per GPU family and system, overall; the selection
+steps; the runs kept out of the fit and why) between the ``<!-- loo:begin -->`` / ``<!-- loo:end -->`` markers
+of ``--write`` (stdout without it), and the residuals ``recipes.plan`` puts its band with into ``--residuals``
+(default ``benchmarks/planner_runs/loo.json``).
 Deterministic: the same records and code give the same bytes.
 """
 

@@ -73,6 +73,20 @@ def test_system_errors_name_the_input(tmp_path):
         system_from_json(doc)
 
 
+def test_an_unmeasured_row_count_takes_the_largest_measured_one_below_it():
+    # the file's own figures are the reference: same N x K, the largest measured M not above the question's
+    s = load_system("B200")
+    g = s.shape_efficiency["grouped_gemm"]
+    for p in "fiw":
+        assert s.kernel_efficiency("grouped_gemm", "1024x4096x7168", p) == g["1024x4096x7168"][p]
+        assert s.kernel_efficiency("grouped_gemm", "8192x4096x7168", p) == g["1024x4096x7168"][p]  # above them all
+        assert s.kernel_efficiency("grouped_gemm", "700x7168x2048", p) == g["512x7168x2048"][p]
+        assert s.kernel_efficiency("grouped_gemm", "64x4096x7168", p) == g["128x4096x7168"][p]  # below them all
+        assert s.kernel_efficiency("grouped_gemm", "700x4096x7000", p) == s.efficiency["grouped_gemm"]  # no such N x K
+        assert s.kernel_efficiency("gemm", "8192x129280x7168", p) == s.shape_efficiency["gemm"]["4096x129280x7168"][p]
+    assert s.kernel_efficiency("grouped_gemm") == s.efficiency["grouped_gemm"]
+
+
 # ---- the time model ----------------------------------------------------------------------------
 
 def test_block_flops_match_activated_parameters():

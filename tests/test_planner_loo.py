@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.band import MIN_NEAREST, band_for, load_residuals
-from planner.loo import TERMS, Parts, fit_scales, loo_errors, select
+from planner.band import MIN_NEAREST, band_for, load_residuals, widened_range
+from planner.loo import STEP_OVERHEAD_GRID, TERMS, Parts, fit, fit_scales, loo_errors, select
 from planner.runs import RUNS_DIR, Run, load_run, load_runs, run_from_toml
 from planner.search import DEFAULT_TERMS, TIME_TERMS
 from recipes import plan, plan_loo
@@ -104,20 +104,59 @@ def _parts(name: str, gpu: str, measured: float, pipeline: float, group: str = "
     return Parts(run, dict.fromkeys(timer, q), 1.0)
 
 
-def test_loo_fits_the_family_scale_without_the_held_out_run_or_its_group():
+def test_loo_fits_the_compute_scale_without_the_held_out_run_or_its_group():
     # Hopper runs measured at 0.8 x pipeline + 1.5 s: every held-out one is predicted exactly from the others
     hop = [_parts(f"h{i}", "H100", 0.8 * p + 1.5, p) for i, p in enumerate((10.0, 20.0, 40.0))]
     terms = frozenset(TERMS) - {"ep_overlap"}
     assert all(abs(e) < 1e-12 for e in loo_errors(hop, terms).values())
-    assert math.isclose(fit_scales(hop, terms)["Hopper"], 0.8, rel_tol=1e-12)
+    assert all(math.isclose(fit_scales(hop, terms)[k], 0.8, rel_tol=1e-12) for k in ("H100", "Hopper", "*"))
     # without the scale: (p + 1.5) / (0.8 p + 1.5) - 1
-    for (name, e), p in zip(sorted(loo_errors(hop, terms - {"family_scale"}).items()), (10.0, 20.0, 40.0)):
+    for (name, e), p in zip(sorted(loo_errors(hop, terms - {"compute_scale"}).items()), (10.0, 20.0, 40.0)):
         assert math.isclose(e, (p + 1.5) / (0.8 * p + 1.5) - 1, rel_tol=1e-12), name
     # a twin in the same group is left out with its run: its 0.5x scale must not reach the held-out prediction
     twin = [_parts("a", "B200", 0.5 * 10 + 1.5, 10.0, "g"), _parts("b", "B200", 0.5 * 10 + 1.5, 10.0, "g"),
             _parts("c", "B200", 0.9 * 10 + 1.5, 10.0)]
     err = loo_errors(twin, terms)
     assert math.isclose(err["a"], (0.9 * 10 + 1.5) / (0.5 * 10 + 1.5) - 1, rel_tol=1e-12)
+
+
+def test_the_scale_is_the_systems_where_the_fit_has_one_else_the_familys_else_every_runs():
+    terms = frozenset(TERMS) - {"ep_overlap"}
+    runs = [*(_parts(f"b{i}", "B200", 0.5 * p + 1.5, p) for i, p in enumerate((4.0, 6.0, 9.0))),
+            _parts("g1", "GB200", 0.8 * 20 + 1.5, 20.0), _parts("g2", "GB200", 0.8 * 30 + 1.5, 30.0),
+            _parts("u1", "GB300", 0.7 * 10 + 1.5, 10.0), _parts("u2", "B300", 0.6 * 10 + 1.5, 10.0),
+            _parts("h", "H100", 0.9 * 10 + 1.5, 10.0)]
+    err = loo_errors(runs, terms)
+    # GB200: the other GB200 run's 0.8, not the Blackwell family's median (0.5, the three B200 runs)
+    assert abs(err["g1"]) < 1e-12 and abs(err["g2"]) < 1e-12
+    # no other GB300 / B300 run: the Blackwell Ultra family's, i.e. the other system's
+    assert math.isclose(err["u1"], (0.6 * 10 + 1.5) / (0.7 * 10 + 1.5) - 1, rel_tol=1e-12)
+    assert math.isclose(err["u2"], (0.7 * 10 + 1.5) / (0.6 * 10 + 1.5) - 1, rel_tol=1e-12)
+    # no Hopper run at all: the median of every other run (0.5, 0.5, 0.5, 0.6, 0.7, 0.8, 0.8) = 0.6
+    assert math.isclose(err["h"], (0.6 * 10 + 1.5) / (0.9 * 10 + 1.5) - 1, rel_tol=1e-12)
+
+
+def test_the_per_step_overhead_is_found_on_its_grid_with_the_scales_refitted():
+    # measured = 0.8 x pipeline + the 1.5 s per-step part + 50 ms: the grid point 50 ms and the scale 0.8 fit exactly
+    runs = [_parts(f"r{i}", "B200", 0.8 * p + 1.5 + 0.05, p) for i, p in enumerate((0.5, 1.0, 2.0, 4.0))]
+    terms = frozenset(TERMS) - {"ep_overlap"}
+    f = fit(runs, terms)
+    assert 0.05 in [pytest.approx(c) for c in STEP_OVERHEAD_GRID]
+    assert f.step_overhead_s == pytest.approx(0.05, abs=1e-12)
+    assert all(v == pytest.approx(0.8, rel=1e-12) for v in f.scales.values())
+    assert all(abs(e) < 1e-9 for e in loo_errors(runs, terms).values())
+    # without it the scale absorbs 50 ms, which weighs differently on each pipeline: held-out errors appear
+    assert max(abs(e) for e in loo_errors(runs, terms - {"step_overhead"}).values()) > 5e-3
+    assert fit(runs, terms - {"step_overhead"}).step_overhead_s == 0.0
+
+
+def test_widened_range_is_the_log_range_widened_by_n_plus_1_over_n_minus_1():
+    lo, hi = widened_range([0.9, 1.0, 1.1, 1.2])  # log range [log 0.9, log 1.2], widened 5/3 about its middle
+    mid, half = (math.log(0.9) + math.log(1.2)) / 2, (math.log(1.2) - math.log(0.9)) / 2 * 5 / 3
+    assert math.isclose(lo, math.exp(mid - half), rel_tol=1e-12)
+    assert math.isclose(hi, math.exp(mid + half), rel_tol=1e-12)
+    assert lo < 0.9 and hi > 1.2
+    assert widened_range([1.07]) == pytest.approx((1.07, 1.07), rel=1e-12)  # one run: no spread to widen
 
 
 def test_selection_drops_a_term_that_does_not_lower_the_loo_error():
@@ -139,10 +178,11 @@ def test_loo_table_and_residuals_regenerate_identically(tmp_path):
     assert json.dumps(res, indent=1, sort_keys=True) + "\n" == (RUNS_DIR / "loo.json").read_text()
     # the planner ships the time terms leave-one-out kept
     assert DEFAULT_TERMS == frozenset(res["terms"]) & frozenset(TIME_TERMS)
-    # the issue's target per family with >= 3 runs, and where it is missed the table names the runs: on Blackwell the
-    # two GB200 interleaved-1F1B runs (predicted ~35% slow on held-out data: the per-GPU compute, as under 1F1B)
-    assert re.search(r"\| Blackwell \| 14 \|.*\| no: megatron-bridge-perf-25.11-v3-256xgb200-bf16, "
-                     r"megatron-bridge-perf-25.11-v3-256xgb200-mxfp8 \|", text)
+    # the issue's target per family and system with >= 3 runs, nested; where it is missed the table names the runs
+    assert re.search(r"\| Blackwell \| 14 \|.*\| yes \|", text)
+    assert re.search(r"\| B200 \(Blackwell\) \| 12 \|.*\| yes \|", text)
+    assert re.search(r"\| Hopper \| 4 \|.*\| no: median \S+% \|", text)  # every Hopper run within 20%, nested
+    assert re.search(r"\| all \| 20 \|.*\| yes \|", text)
     copy = tmp_path / "planner.md"
     shutil.copy(ROOT / "benchmarks" / "planner.md", copy)
     copy.write_text(plan_loo.splice(copy.read_text(), text, "x"))
@@ -168,13 +208,16 @@ def test_plan_prints_each_answer_with_the_band_of_the_nearest_runs(capsys):
     rows = _band_rows(out)
     assert rows and "warning" not in out
     res = load_residuals()
+    assert f"compute scale {res['scales']['H100']:.3f} of H100, {1e3 * res['step_overhead_s']:.0f} ms per step" in out
     near = [r for r in res["runs"] if r["name"].startswith("megatron-bridge-moonlight")]
     assert len(near) == 3 and len(near) < MIN_NEAREST  # few: the band also spans every run's ratio
-    ratios = [r["ratio"] for r in res["runs"]]
+    logs = [math.log(r["ratio"]) for r in res["runs"]]  # every run (the three near among them), range widened
+    n, mid, half = len(logs), (max(logs) + min(logs)) / 2, (max(logs) - min(logs)) / 2
+    band_lo, band_hi = math.exp(mid - half * (n + 1) / (n - 1)), math.exp(mid + half * (n + 1) / (n - 1))
     table_ms = float(re.search(r"^\s+1 pp1 dp16 ep8 none mb2x32 rc=none bf16\s+(\S+)", out, re.M).group(1))
     step, lo, hi, tok, tok_lo, tok_hi = rows[0]
     assert step < table_ms / 1e3  # the Hopper compute scale (< 1) shortens the model's step
-    assert math.isclose(lo, step * min(ratios), rel_tol=2e-3) and math.isclose(hi, step * max(ratios), rel_tol=2e-3)
+    assert math.isclose(lo, step * band_lo, rel_tol=2e-3) and math.isclose(hi, step * band_hi, rel_tol=2e-3)
     assert math.isclose(tok, 1024 * 4096 / 16 / step, rel_tol=2e-3)
     assert tok_lo < tok < tok_hi
 
@@ -184,9 +227,22 @@ def test_plan_warns_when_the_question_lies_outside_every_run(capsys):
                 "--global-batch", "256", "--fix", "pp=1,ep=8,micro_batch=1,fp8=false,moments=bfloat16", "--top", "1")
     assert "warning: this question lies outside every public run the planner has seen: no public run on a " \
            "Ampere GPU" in out
+    assert "of every run, " in out  # no Ampere run: the scale over every run
     assert _band_rows(out)
     res = load_residuals()
     big = band_for(res, "B200", 8, 1e15)  # far beyond any run's size: the nearest three, and the warning
     assert "GFLOP per token) is beyond 3x" in big.outside and len(big.nearest) == 3
     ok = band_for(res, "B200", 8, next(r["flops_per_token"] for r in res["runs"] if r["gpu"] == "B200"))
     assert ok.outside == "" and not ok.widened and ok.low < 1 < ok.high
+
+
+def test_residuals_file_errors_name_the_file(tmp_path):
+    good = json.loads((RUNS_DIR / "loo.json").read_text())
+    for broken in ({k: v for k, v in good.items() if k != "step_overhead_s"}, {**good, "step_overhead_s": -0.1},
+                   {**good, "runs": []}):
+        path = tmp_path / "res.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=r"res\.json': not a residuals file of recipes\.plan_loo"):
+            load_residuals(path)
+    with pytest.raises(ValueError, match=r"nope\.json': no leave-one-out residuals; run python -m recipes\.plan_loo"):
+        load_residuals(tmp_path / "nope.json")
