@@ -21,7 +21,7 @@ DeepSeek-V4 trains its routed experts quantisation-aware in FP4 and releases the
   and k after the Hadamard rotation), straight-through. Same E2M1 grid and 32-blocks, but V4's scale rule, not
   OCP's: ``2^ceil(log2(amax / 6))`` with amax floored at ``6 x 2^-126``, so the block's largest value lands in
   (3, 6] and nothing saturates (OCP's ``2^(floor(log2 amax) - 2)`` clamps amax/scale in (6, 8) to 6). K must be a
-  multiple of 32.
+  multiple of 32. ``fp4_act_cast_counts(x)``: the FP8 health counts of that cast (the indexer's q and k).
 """
 
 from __future__ import annotations
@@ -226,3 +226,28 @@ def mxfp4_cast_counts(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 1)).sum().double(),
                         live.sum().double(), floored.sum().double(), (per_block * floored).sum().double(), log2.sum(),
                         log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
+
+
+def fp4_act_cast_counts(x: torch.Tensor) -> torch.Tensor:
+    """``mxfp4_cast_counts`` for V4's activation cast of ``x`` (``fp4_act_fake_quant``: the indexer's q and k after
+    the Hadamard rotation), the same nine float64 fields: nonzero values, those that became 0, those left on E2M1's
+    subnormal (0.5 x the block's scale), 32-blocks holding a nonzero value, blocks at the scale floor (amax below
+    ``FP4_ACT_FLOOR`` = 6 x 2^-126: the scale is the floor's 2^-126, not the amax's, so small values flush), the
+    zeros among those, and the blocks' log2 amax. K must be a multiple of 32 (the cast's own rule)."""
+    x = _check(x, "x")
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"x: the FP4 activation cast takes blocks of {MX_BLOCK} along the last dim, got a last dim "
+                         f"of {x.shape[-1]}")
+    blocks = x.float().reshape(-1, MX_BLOCK)
+    e = fp4_act_scale_exponents(blocks).float()  # [nb, 1]
+    magnitude = round_e2m1(torch.ldexp(blocks, -e).clamp(-E2M1_MAX, E2M1_MAX)).abs()
+    nonzero = blocks != 0
+    flushed = nonzero & (magnitude == 0)
+    amax = blocks.abs().amax(dim=-1).double()
+    live = amax > 0
+    floored = live & (amax < FP4_ACT_FLOOR)
+    log2 = torch.log2(amax[live])
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 0.5)).sum().double(),
+                        live.sum().double(), floored.sum().double(), (flushed.sum(-1) * floored).sum().double(),
+                        log2.sum(), log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
