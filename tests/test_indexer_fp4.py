@@ -35,6 +35,7 @@ from models.deepseek_v3.indexer import Indexer, hadamard, hadamard_fp4
 from models.deepseek_v4.args import ModelArgs as V4Args
 from models.deepseek_v4.model import Indexer as V4Indexer
 from models.deepseek_v4.model import Transformer as V4Transformer
+from recipes.train import main as train_main
 from training.config import load_config
 from training.metrics import fp8_health_metrics
 
@@ -414,3 +415,15 @@ def test_cli_trains_a_dsa_model_with_the_fp4_indexer(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and lines[-1].startswith("error: ") and "multiple of 32, got 16" in lines[-1]
     assert not (tmp_path / "bad").exists()
+
+
+def test_v4_dry_run_plans_the_fp4_indexer(capsys, monkeypatch):
+    """``--dry-run`` of the V4 demo with ``mxfp4_hadamard`` plans its memory: the planner measures each layer kind
+    with the indexer's format only where the kind has an indexer (a window-only or HCA kind has none, and the
+    format alone there is refused), and prints the plan, exit 0."""
+    monkeypatch.setattr("recipes.train.relaunch", lambda *a, **k: pytest.fail("a process started"))
+    argv = ["--config", "recipes/configs/v4_tiny_cpu.toml", "--dry-run", "--set", "model.overrides.index_head_dim=32",
+            "--set", 'model.indexer_qk_format="mxfp4_hadamard"']
+    assert train_main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "CSA layer" in out and "HCA layer" in out and "window layer" in out
