@@ -113,6 +113,28 @@ def test_fp4_act_cast_bit_equal_to_float64_rule(shape, dtype):
     assert (flat[2:4] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_act_cast_poisons_a_non_finite_block_only(dtype):
+    """A NaN or an infinity makes its 32-block NaN (an infinity must not clamp to a finite 6 x 2^e, nor a NaN
+    block's other values take a meaningless scale); every other block is the finite tensor's cast, bit for bit.
+    Through ``hadamard_fp4`` an infinity in q reaches every block of its head, so the scores see NaN. The health
+    counts leave those blocks out."""
+    x = _inputs((3, 128), seed=5, dtype=dtype)
+    bad = x.clone()
+    bad[1, 40], bad[2, 100], bad[2, 101] = float("nan"), float("inf"), -float("inf")
+    out = fp4_act_fake_quant(bad)
+    nan = torch.isnan(out)
+    assert nan[1, 32:64].all() and nan[2, 96:128].all() and int(nan.sum()) == 64
+    assert torch.equal(out[~nan], fp4_act_fake_quant(x)[~nan])
+    q = torch.randn(2, 64, dtype=dtype)
+    q[0, 5] = float("inf")
+    rotated = hadamard_fp4(q)
+    assert torch.isnan(rotated[0]).all() and torch.isfinite(rotated[1]).all()
+    clean = x.clone()
+    clean[1, 32:64], clean[2, 96:128] = 0.0, 0.0  # the poisoned blocks, gone
+    assert fp4_act_cast_counts(bad).tolist()[:6] == _counts64(clean)[:6]
+
+
 def test_fp4_act_cast_straight_through_and_errors():
     x = torch.randn(4, 64, requires_grad=True)
     g = torch.randn(4, 64)
