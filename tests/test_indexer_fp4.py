@@ -413,11 +413,13 @@ def _train(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(900)  # three short CLI runs: ~30-70 s here, far longer on a loaded 2-core machine
 def test_cli_trains_a_dsa_model_with_the_fp4_indexer(tmp_path):
-    """``recipes.train`` on the sparse DSA config with ``model.indexer_qk_format="mxfp4_hadamard"``: it trains (the
-    indexer KL logged and finite) and differs from the bf16 indexer's run from the same seed, where the FP4 scores
-    feed the KL; metrics.jsonl carries the FP8 health report of the FP4 casts (absent from the bf16 run); a head
-    dim FP4 cannot take is refused in one line, exit 2, before any run folder exists."""
-    head = ["model.overrides.index_head_dim=32", "logging.fp8_health_every=1"]
+    """``recipes.train`` on the sparse DSA config at V4's precision (Muon, MXFP4 QAT experts) with
+    ``model.indexer_qk_format="mxfp4_hadamard"``: it trains (the indexer KL logged and finite) and differs from the
+    bf16 indexer's run from the same seed, where the FP4 scores feed the KL; metrics.jsonl carries the FP8 health
+    report of the indexers' FP4 casts beside the experts' (the bf16 indexer's run: the experts' only); a head dim FP4
+    cannot take is refused in one line, exit 2, before any run folder exists."""
+    head = ["model.overrides.index_head_dim=32", "logging.fp8_health_every=1", 'optim.name="muon"',
+            'model.expert_weight_format="mxfp4_qat"']
     runs = {}
     for fmt in ("mxfp4_hadamard", "bf16"):
         proc = _train(tmp_path / fmt, head + [f'model.indexer_qk_format="{fmt}"'])
@@ -426,13 +428,14 @@ def test_cli_trains_a_dsa_model_with_the_fp4_indexer(tmp_path):
         runs[fmt] = [r for r in rows if "indexer_kl" in r]
     assert len(runs["mxfp4_hadamard"]) == 2 and all(math.isfinite(r["indexer_kl"]) for r in runs["mxfp4_hadamard"])
     assert runs["mxfp4_hadamard"][0]["indexer_kl"] != runs["bf16"][0]["indexer_kl"]
-    # the FP8 health report (every step here) covers the indexers' FP4 q and k casts; without the option: no report
+    # the FP8 health report (every step here) covers the indexers' FP4 q and k casts; without the option: none
+    experts = {"layers.1.ffn.experts.w13", "layers.1.ffn.experts.w2"}  # layer 0 is dense
     for r in runs["mxfp4_hadamard"]:
-        assert set(r["fp8_health"]) == {"layers.0.attn.indexer", "layers.1.attn.indexer"}, r["fp8_health"]
-        for casts in r["fp8_health"].values():
-            assert set(casts) == {"fwd.q", "fwd.k"} and all(0 < c["underflow"] < 1 for c in casts.values())
-        assert 0 < r["fp8_fwd_underflow_max"] < 1
-    assert not any("fp8_health" in r or "fp8_underflow_max" in r for r in runs["bf16"])
+        assert set(r["fp8_health"]) == {"layers.0.attn.indexer", "layers.1.attn.indexer"} | experts, r["fp8_health"]
+        for layer, casts in r["fp8_health"].items():
+            assert set(casts) == ({"fwd.w"} if layer in experts else {"fwd.q", "fwd.k"})
+            assert all(0 < c["underflow"] < 1 for c in casts.values())
+    assert all(set(r["fp8_health"]) == experts for r in runs["bf16"])
     bad = _train(tmp_path / "bad", ['model.indexer_qk_format="mxfp4_hadamard"'])  # the preset's head dim 16
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and lines[-1].startswith("error: ") and "multiple of 32, got 16" in lines[-1]
