@@ -18,6 +18,12 @@ Fractions are of the nonzero values (tiles: of the tiles holding a nonzero value
 cast of each layer, GEMM and operand (one micro-batch); the counts stay on the device until ``counts`` reads
 them all at once, so a reporting step costs four cheap passes per sampled cast and one host read, and any other
 step a Python attribute test per GEMM. ``merge_counts`` adds reports of several ranks.
+
+The FP4 casts are counted alike (``deep_gemm.mxfp4``: 32-blocks as tiles, the scale's exponent floor as the
+floor, E2M1's one subnormal as the subnormals): the MXFP4 QAT experts' weights (``observe_mxfp4``, keyed by the
+weight, operand ``w``) and the V3.2 / V4 lightning indexer's q and k after the Hadamard rotation
+(``indexer_qk_format = "mxfp4_hadamard"``; ``observe_fp4_act``, keyed by the indexer module, GEMM ``fwd``, operands
+``q`` and ``k``: the q . k scoring's inputs).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_gemm.mxfp4 import mxfp4_cast_counts
+from deep_gemm.mxfp4 import fp4_act_cast_counts, mxfp4_cast_counts
 from deep_gemm.reference import AMAX_FLOOR, ceil_to_ue8m0
 from deep_gemm.utils import FP8_MAX
 
@@ -97,8 +103,8 @@ class Fp8Health:
     """Cast statistics of every attached FP8 layer while ``active``; ``counts`` reads and resets them.
 
     ``attach(modules)`` hands the collector to each module with a ``health`` attribute and ``fp8`` on (the
-    FP8 Linear and the grouped experts) or MXFP4 QAT weights (``weight_format``), and names weights by their
-    parameter names."""
+    FP8 Linear and the grouped experts), MXFP4 QAT weights (``weight_format``) or FP4 q and k (an indexer's
+    ``qk_fp4``), and names weights by their parameter names, modules by their module names."""
 
     def __init__(self) -> None:
         self.active = False
@@ -111,8 +117,10 @@ class Fp8Health:
         for root in modules:
             for name, p in root.named_parameters():
                 self._names.setdefault(id(p), name.removesuffix(".weight"))
-            for m in root.modules():
-                quantised = getattr(m, "fp8", False) or getattr(m, "weight_format", "") == "mxfp4_qat"
+            for name, m in root.named_modules():
+                self._names.setdefault(id(m), name)
+                quantised = (getattr(m, "fp8", False) or getattr(m, "weight_format", "") == "mxfp4_qat"
+                             or getattr(m, "qk_fp4", False))
                 if hasattr(m, "health") and quantised:
                     m.health = self
                     n += 1
@@ -135,6 +143,15 @@ class Fp8Health:
         if key not in self._acc:
             with torch.no_grad():
                 self._acc[key] = mxfp4_cast_counts(x.detach())
+
+    def observe_fp4_act(self, module: nn.Module, gemm: str, operand: str, x: torch.Tensor) -> None:
+        """``observe`` for V4's FP4 activation cast of ``x`` (``deep_gemm.mxfp4.fp4_act_fake_quant``: power-of-two
+        scales per 32 with an amax floor of 6 x 2^-126) made by ``module`` (keyed by its name): the indexer's
+        rotated q and k."""
+        key = (self._names.get(id(module), f"unnamed {type(module).__name__}"), gemm, operand)
+        if key not in self._acc:
+            with torch.no_grad():
+                self._acc[key] = fp4_act_cast_counts(x.detach())
 
     def counts(self) -> dict[str, list[float]]:
         """The raw counts since the last call, keyed ``layer|gemm|operand`` (one host read), then reset."""

@@ -21,7 +21,8 @@ DeepSeek-V4 trains its routed experts quantisation-aware in FP4 and releases the
   and k after the Hadamard rotation), straight-through. Same E2M1 grid and 32-blocks, but V4's scale rule, not
   OCP's: ``2^ceil(log2(amax / 6))`` with amax floored at ``6 x 2^-126``, so the block's largest value lands in
   (3, 6] and nothing saturates (OCP's ``2^(floor(log2 amax) - 2)`` clamps amax/scale in (6, 8) to 6). K must be a
-  multiple of 32.
+  multiple of 32; a block holding a NaN or an infinity comes back NaN. ``fp4_act_cast_counts(x)``: the FP8 health
+  counts of that cast (the indexer's q and k).
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def _fp4_act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     e = fp4_act_scale_exponents(x).unsqueeze(-1).float()
     blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
     y = round_e2m1(torch.ldexp(blocks, -e).clamp(-E2M1_MAX, E2M1_MAX))  # exact: a power-of-two division
-    return torch.ldexp(y, e).flatten(-2).to(x.dtype)
+    # a block holding a NaN or an infinity is NaN whole (as MXFP4's NaN scale): the clamp would make an
+    # infinity +-6 x 2^e, finite, and the NaN block's exponent (frexp's 0) scales its other values wrongly
+    finite = torch.isfinite(blocks.abs().amax(dim=-1, keepdim=True))
+    return torch.where(finite, torch.ldexp(y, e), float("nan")).flatten(-2).to(x.dtype)
 
 
 @_fp4_act_fake_quant.register_fake
@@ -154,7 +158,8 @@ _fp4_act_fake_quant.register_autograd(_straight_through)
 
 def fp4_act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     """``x`` through DeepSeek-V4's FP4 activation cast (E2M1, a power-of-two scale per 32 along the last dim by V4's
-    rule, module docstring) and back, in ``x``'s dtype; gradient straight through. A NaN stays NaN."""
+    rule, module docstring) and back, in ``x``'s dtype; gradient straight through. A block holding a NaN or an
+    infinity comes back NaN (a non-finite value never turns finite), the others are unaffected."""
     x = _check(x, "x")
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"x: the FP4 activation cast takes blocks of {MX_BLOCK} along the last dim, got a last dim "
@@ -226,3 +231,30 @@ def mxfp4_cast_counts(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 1)).sum().double(),
                         live.sum().double(), floored.sum().double(), (per_block * floored).sum().double(), log2.sum(),
                         log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
+
+
+def fp4_act_cast_counts(x: torch.Tensor) -> torch.Tensor:
+    """``mxfp4_cast_counts`` for V4's activation cast of ``x`` (``fp4_act_fake_quant``: the indexer's q and k after
+    the Hadamard rotation), the same nine float64 fields: nonzero values, those that became 0, those left on E2M1's
+    subnormal (0.5 x the block's scale), 32-blocks holding a nonzero value, blocks at the scale floor (amax below
+    ``FP4_ACT_FLOOR`` = 6 x 2^-126: the scale is the floor's 2^-126, not the amax's, so small values flush), the
+    zeros among those, and the blocks' log2 amax. K must be a multiple of 32 (the cast's own rule). A block holding a
+    NaN or an infinity (NaN after the cast) is left out of every count."""
+    x = _check(x, "x")
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"x: the FP4 activation cast takes blocks of {MX_BLOCK} along the last dim, got a last dim "
+                         f"of {x.shape[-1]}")
+    blocks = x.float().reshape(-1, MX_BLOCK)
+    e = fp4_act_scale_exponents(blocks).float()  # [nb, 1]
+    magnitude = round_e2m1(torch.ldexp(blocks, -e).clamp(-E2M1_MAX, E2M1_MAX)).abs()
+    amax = blocks.abs().amax(dim=-1).double()
+    finite = torch.isfinite(amax)
+    nonzero = (blocks != 0) & finite.unsqueeze(-1)
+    flushed = nonzero & (magnitude == 0)
+    live = (amax > 0) & finite
+    floored = live & (amax < FP4_ACT_FLOOR)
+    log2 = torch.log2(amax[live])
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 0.5)).sum().double(),
+                        live.sum().double(), floored.sum().double(), (flushed.sum(-1) * floored).sum().double(),
+                        log2.sum(), log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])

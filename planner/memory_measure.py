@@ -617,10 +617,12 @@ def v4_block(args: V4Args, layer_id: int, micro_batch: int, seq: int, act: float
     recompute = args.recomputes("block", layer_id)
     # a representative layer of the same kind, every per-layer switch normalised (one cache entry per kind), with
     # only top-k routed experts on one rank (balanced routing gives each the same rows): its router and experts are
-    # then swapped for full-size ones, one EP rank's slots, measured alone
+    # then swapped for full-size ones, one EP rank's slots, measured alone; the indexer's q . k format only where
+    # the kind has an indexer (compress ratio 4)
     small = args.replace(n_hash_layers=0, recompute=(), recompute_layers=None, n_mtp_layers=1, fp8=False,
                          expert_weight_format="bf16", compress_ratios=(ratio,) * (args.n_layers + 1),
-                         n_routed_experts=args.n_activated_experts)
+                         n_routed_experts=args.n_activated_experts,
+                         indexer_qk_format=args.indexer_qk_format if ratio == 4 else "bf16")
     m = _v4_block(small, small.n_layers if mtp else 0, micro_batch, seq, act, accelerator, recompute)
     tokens = micro_batch * seq
     parts = [(experts(v4_expert_args(small), 0, tokens, small.n_routed_experts, act, accelerator),

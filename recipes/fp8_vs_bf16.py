@@ -38,7 +38,7 @@ import matplotlib
 
 from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_dir, positive_int
 from recipes.benchutil import context, run_training
-from training.config import ModelConfig, load_config
+from training.config import ModelConfig, TrainConfig, load_config
 from training.trainer import check_static
 
 matplotlib.use("Agg")
@@ -174,10 +174,22 @@ def verdict(gap: WindowGap, threshold: float) -> str:
     return "inconclusive"
 
 
-def verdict_line(recipe: str, gap: WindowGap, threshold: float, size: str) -> str:
-    """The one line a user reads."""
-    name = (f"{OTHER_VARIANTS[recipe]} vs AdamW + BF16 experts" if recipe in OTHER_VARIANTS
-            else f"FP8 ({recipe}) vs BF16")
+def baseline_name(cfg: TrainConfig, long: bool) -> str:
+    """What the baseline run is, from its config (``--set`` may change it): ``BF16`` (short, beside an FP8 recipe)
+    or ``AdamW + BF16 experts`` (long, beside Muon or MXFP4) for the default; e.g. ``AdamW + FP8 (blockwise)
+    experts`` with ``--set model.fp8=true``."""
+    precision = f"FP8 ({cfg.model.fp8_recipe})" if cfg.model.fp8 else "BF16"
+    fmt = cfg.model.expert_weight_format
+    if not long and cfg.optim.name == "adamw" and fmt == "bf16":
+        return precision
+    optimizer = {"adamw": "AdamW", "muon": "Muon"}.get(cfg.optim.name, cfg.optim.name)
+    return f"{optimizer} + {precision} {'experts' if fmt == 'bf16' else f'{fmt} experts'}"
+
+
+def verdict_line(recipe: str, gap: WindowGap, threshold: float, size: str, baseline: TrainConfig) -> str:
+    """The one line a user reads; ``baseline``: the baseline run's config (named by ``baseline_name``)."""
+    name = (f"{OTHER_VARIANTS[recipe]} vs {baseline_name(baseline, True)}" if recipe in OTHER_VARIANTS
+            else f"FP8 ({recipe}) vs {baseline_name(baseline, False)}")
     return (f"{name} at {size}: gap {gap.mean * 100:+.3f}% +- {gap.half_width * 100:.3f}% "
             f"(95% t-interval) over {gap.n} seeds, steps {gap.start}-{gap.end - 1}: "
             f"{verdict(gap, threshold)} {threshold * 100:g}%")
@@ -296,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     gaps = {name: window_gaps(curves[name], curves[BASELINE], ns.window) for name in ns.recipes}
     plot(curves, gaps, threshold, out / "fp8_vs_bf16.png")
     size = size_text(ns)
-    lines = [verdict_line(name, rows[-1], threshold, size) for name, rows in gaps.items()]
-    print(f"== {', '.join(ns.recipes)} vs BF16 + AdamW: relative training-loss gap per window, mean over seeds "
-          "+- 95% t-interval ==")
+    base = load_config(ns.config, variant(ns.nproc, ns.steps, ns.seed, BASELINE, ns.overrides, ns.config))
+    lines = [verdict_line(name, rows[-1], threshold, size, base) for name, rows in gaps.items()]
+    print(f"== {', '.join(ns.recipes)} vs {baseline_name(base, True)}: relative training-loss gap per window, mean "
+          "over seeds +- 95% t-interval ==")
     print(", ".join(f"{k}={v}" for k, v in context().items()))
     for name, rows in gaps.items():
         for g in rows:

@@ -102,6 +102,8 @@ def _compare(eager: Path, compiled: Path, world: int, fp8: bool) -> None:
     (["model.overrides.recompute=['block']"], "model.overrides.recompute=['block']: "),
     (["model.fp8=true"], "model.overrides.fp8_cache_activations=false"),
     (["model.fp8=true", "model.overrides.fp8_cache_activations=false"], "logging.fp8_health_every=10"),
+    (["model.fp8=false", 'model.preset="debug_dsa"', "model.overrides.index_head_dim=32",
+      'model.indexer_qk_format="mxfp4_hadamard"'], "FP8 / FP4 casts and logging.fp8_health_every=10"),
     (["run.compile_backend=tvm"], "run.compile_backend must be one of inductor, aot_eager, eager, got 'tvm'"),
 ])
 def test_compile_refuses_what_cannot_compile(sets, refused, capsys, monkeypatch):

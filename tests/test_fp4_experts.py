@@ -16,6 +16,7 @@ exact in float64, so the layer's error is its own arithmetic:
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +29,11 @@ from accel import registry
 from deep_gemm import grouped_linear, per_token_cast_to_fp8
 from deep_gemm.mxfp4 import mxfp4_fake_quant
 from deep_gemm.reference import dequantize
+from models.deepseek_v3 import ModelArgs
+from recipes.train import main as train_main
 from tests.test_combinations import FP8_LOSS_ATOL, LOSS_ATOL
+from tests.test_muon_dist import LOSS_ATOL as MUON_LOSS_ATOL
+from tests.test_muon_dist import STEP1_ATOL
 from tests.test_opcheck import ALL_CHECKS, _schema_check_fp8
 from training.config import load_config
 
@@ -128,6 +133,25 @@ def test_opcheck_grouped_linear_with_blockwise_qat(fp8_cache):
     torch.library.opcheck(op, args, test_utils=ALL_CHECKS[1:])
 
 
+def test_fp4_experts_without_routed_experts_are_refused_in_one_line(capsys, monkeypatch):
+    """``mxfp4_qat`` (or ``fp8``) expert weights on a model whose every layer is dense would train in BF16 while the
+    config says FP4: refused by ``ModelArgs`` and by ``recipes.train`` (exit 2, one ``error:`` line, no process)."""
+    with pytest.raises(ValueError, match="expert_weight_format='mxfp4_qat' is the routed experts' weight format, "
+                                         "and this model has none") as err:
+        ModelArgs.preset("debug", n_layers=2, n_dense_layers=2, n_mtp_layers=0, expert_weight_format="mxfp4_qat")
+    assert "\n" not in str(err.value)
+    ModelArgs.preset("debug", n_layers=2, n_dense_layers=2, n_mtp_layers=1, expert_weight_format="mxfp4_qat")  # MTP
+    monkeypatch.setattr("recipes.train.relaunch", lambda *a, **k: pytest.fail("a process started"))
+    argv = ["--config", "recipes/configs/tiny_cpu.toml", "--dry-run", "--nproc", "1"]
+    for item in ("model.fp8=false", 'model.expert_weight_format="mxfp4_qat"', "model.overrides.n_layers=3",
+                 "model.overrides.n_dense_layers=3", "model.overrides.n_mtp_layers=0", "parallel.pp=1",
+                 "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="none"'):
+        argv += ["--set", item]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "this model has none" in err and len(err.splitlines()) == 1, err
+
+
 def test_config_takes_mxfp4_qat_with_blockwise_fp8():
     cfg = load_config(None, ['model.expert_weight_format="mxfp4_qat"', "model.fp8=true"])
     assert (cfg.model.fp8_recipe, cfg.model.expert_weight_format) == ("blockwise", "mxfp4_qat")
@@ -177,3 +201,73 @@ def test_blockwise_qat_dualpipev_ep_equals_one_process(tmp_path):
     assert all(abs(four[s] - one[s]) <= FP8_LOSS_ATOL for s in (2, 3)), (four, one)
     plain = _train(tmp_path / "plain", ONE, ['optim.name="adamw"'])
     assert abs(plain[1] - one[1]) > LOSS_ATOL, (plain, one)
+
+
+V4_CONFIG = "recipes/configs/v4_tiny_cpu.toml"
+# DeepSeek-V4's training precision, as a user switches it on: Muon, MXFP4 QAT experts, the FP4 indexer (its head dim
+# a multiple of 32); FP8 health every step so the report is in each record
+V4_KEYS = ['optim.name="muon"', "optim.muon_lr=3e-3", 'model.expert_weight_format="mxfp4_qat"',
+           'model.indexer_qk_format="mxfp4_hadamard"', "model.overrides.index_head_dim=32",
+           "logging.fp8_health_every=1"]
+V4_QUICK = ["run.steps=3", "run.sample_tokens=0", "data.seq_len=64", "data.global_batch=16", "data.micro_batch=2",
+            "logging.progress=false", "logging.eval_batches=0", "logging.wandb=disabled", "run.threads=1",
+            "optim.warmup_steps=2", "checkpoint.interval=0", "checkpoint.final=false"]
+
+
+def _train_v4(run_dir: Path, nproc: int, extra: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "recipes.train", "--config", V4_CONFIG, "--nproc", str(nproc), "--run-dir",
+           str(run_dir)]
+    for o in V4_QUICK + V4_KEYS + extra:
+        cmd += ["--set", o]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def _v4_health_covers_every_fp4_cast(rows: list[dict]) -> None:
+    """Each record's FP8 health report holds every routed expert weight's MXFP4 cast (four layers and the MTP
+    block, ``fwd.w``) and both CSA indexers' q and k casts (``fwd.q``, ``fwd.k``)."""
+    experts = {f"{b}.ffn.experts.{w}" for b in ("layers.0", "layers.1", "layers.2", "layers.3", "mtp.0")
+               for w in ("w13", "w2")}
+    for r in rows:
+        health = r["fp8_health"]
+        assert set(health) == experts | {"layers.1.attn.indexer", "layers.3.attn.indexer"}, sorted(health)
+        assert all(set(health[k]) == {"fwd.w"} for k in experts)
+        assert all(set(health[f"layers.{i}.attn.indexer"]) == {"fwd.q", "fwd.k"} for i in (1, 3))
+        assert 0 < r["fp8_fwd_underflow_max"] < 1
+
+
+V4_SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_v4_trains_with_muon_and_fp4_from_the_cli(tmp_path):
+    """A DeepSeek-V4 run switched to V4's precision by its keys (Muon, MXFP4 QAT experts, the FP4 indexer) trains in
+    one process from a fresh model's ln 256, and its FP8 health report covers every FP4 cast."""
+    rows = _train_v4(tmp_path / "one", 1, V4_SINGLE)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["loss"] == pytest.approx(math.log(256), abs=0.15) and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    _v4_health_covers_every_fp4_cast(rows)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not os.environ.get("DSV3_V4_MUON_FP4"), reason="~1-2 min on 2 cores: set DSV3_V4_MUON_FP4=1")
+def test_v4_demo_layout_with_muon_and_fp4_equals_one_process(tmp_path):
+    """The V4 demo layout (DualPipeV x EP2 x ZeRO-1, 4 gloo ranks) with Muon, MXFP4 QAT experts and the FP4 indexer
+    against one process (opt-in: ``DSV3_V4_MUON_FP4=1``). Tolerance (test_muon_dist's derivation): the ranks sum in
+    another order (~1e-7 relative), which leaves step 1's loss within its reordering bound STEP1_ATOL; each update
+    after it may flip a bf16 rounding in Newton-Schulz or an FP4 rounding of a weight (~1e-4 of the loss per
+    update, LOSS_ATOL), so step s is held to (s - 1) x LOSS_ATOL. The health report covers every cast on both."""
+    four = _train_v4(tmp_path / "four", 4, [])
+    one = _train_v4(tmp_path / "one", 1, V4_SINGLE)
+    assert [r["step"] for r in four] == [r["step"] for r in one] == [1, 2, 3]
+    for a, b in zip(four, one):
+        step = a["step"]
+        assert abs(a["loss"] - b["loss"]) <= (STEP1_ATOL if step == 1 else (step - 1) * MUON_LOSS_ATOL), (four, one)
+    _v4_health_covers_every_fp4_cast(four)

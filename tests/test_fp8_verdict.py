@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.fp8_vs_bf16 import WindowGap, parse_recipes, t_quantile, verdict, window_gaps
+from recipes.fp8_vs_bf16 import WindowGap, parse_recipes, t_quantile, variant, verdict, verdict_line, window_gaps
+from training.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,6 +81,22 @@ def test_recipes_option_names_the_bad_recipe():
 
 
 @pytest.mark.slow
+def test_verdict_line_names_the_baseline_the_runs_had():
+    """The baseline's label follows its config: BF16 / AdamW + BF16 experts by default, the FP8 recipe when
+    ``--set model.fp8=true`` turns FP8 on in every run (the 2026-12-07 22:37 study's baseline, printed as BF16)."""
+    gap = WindowGap(41, 61, -0.001, 0.01, [0.0, -0.002])
+
+    def line(recipe: str, overrides: list[str]) -> str:
+        cfg = load_config(None, variant(1, 60, 1234, "bf16", overrides))
+        return verdict_line(recipe, gap, 0.0025, "a size", cfg)
+
+    assert line("blockwise", []).startswith("FP8 (blockwise) vs BF16 at a size: ")
+    assert line("mxfp4_qat", []).startswith("MXFP4 QAT experts vs AdamW + BF16 experts at a size: ")
+    assert line("mxfp4_qat", ["model.fp8=true"]).startswith(
+        "MXFP4 QAT experts vs AdamW + FP8 (blockwise) experts at a size: ")
+    assert line("muon", ['optim.name="muon"']).startswith("Muon vs Muon + BF16 experts")
+
+
 def test_one_command_prints_the_verdict_line(tmp_path):
     """The user's view: one command, the verdict line, the plot and the JSON; a second call reads the runs back."""
     cmd = [sys.executable, "-m", "recipes.fp8_vs_bf16", "--steps", "3", "--seeds", "2", "--window", "3",

@@ -8,6 +8,7 @@ tolerance is zero: the results must be the same bits. Grouped expert weights ``[
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.deepseek_v3 import ModelArgs, Transformer
 from models.deepseek_v4 import ModelArgs as V4ModelArgs
 from models.deepseek_v4 import Transformer as V4Transformer
+from planner import Request, load_system
 from planner.costs import muon_flops_per_param, newton_schulz_flops
 from planner.memory import estimate
+from planner.search import Layout, optimizer_seconds, to_config
 from recipes import fp8_vs_bf16
 from training.config import load_config, validate
 from training.optim import (
@@ -261,3 +264,35 @@ def test_zero1_ownership_balances_newton_schulz_flops():
     by_elements = owners_by_cost([float(r * c) for r, c in shapes], 2)
     assert by_elements[0] == by_elements[2]  # both square matrices on one rank
     assert owners_by_cost(costs, 2)[0] != owners_by_cost(costs, 2)[2]
+
+
+@pytest.mark.parametrize("zero1", [True, False])
+def test_planner_gives_muon_adamws_collectives_and_its_newton_schulz(zero1, monkeypatch):
+    """The planner's optimizer phase (``planner.search.optimizer_seconds``) on one stage over 2 data-parallel ranks:
+    Muon's DP communication equals AdamW's, as the runtime's does (both all-reduce the gradients; under ZeRO-1 each
+    parameter is then broadcast once by its owner: ZeroRedundancyOptimizer's rank for AdamW, ``MatrixOwners``' for
+    Muon); its step adds the Newton-Schulz GEMMs of the rank's share (half the model's under ZeRO-1, all of it
+    without) at the BF16 GEMM rate, counted here matrix by matrix on the real model."""
+    base = load_config(ROOT / "recipes/configs/tiny_cpu.toml", ["model.fp8=false"])
+    req = Request(base, load_system("H100"), 2, base.data.seq_len, 8)
+    lay = Layout(pp=1, dp=2, ep=1, schedule="none", micro_batch=1, microbatches=4, fp8=False, zero1=zero1)
+    times = {}
+    for name in ("adamw", "muon"):
+        cfg = to_config(req, lay)
+        cfg.optim.name = name
+        times[name] = optimizer_seconds(req, lay, cfg, estimate(cfg).ranks, model_args(cfg))
+    assert times["muon"][0] == times["adamw"][0] > 0
+    cfg = to_config(req, lay)
+    cfg.optim.name = "muon"
+    # (the module: ``planner.search`` as an attribute path is the package's ``search`` function)
+    monkeypatch.setattr(sys.modules["planner.search"], "muon_flops_per_param", lambda *a, **k: (0.0, 0.0))
+    traffic_only = optimizer_seconds(req, lay, cfg, estimate(cfg).ranks, model_args(cfg))[1]
+    model = Transformer(model_args(cfg))
+    total = 0.0
+    for name, p in model.named_parameters():
+        if uses_muon(name, p):
+            count, rows, cols = muon_matrices(name, p)
+            total += count * newton_schulz_flops(rows, cols, cfg.optim.muon_ns_steps)
+    s = req.system
+    expected = total / (2 if zero1 else 1) / (s.bf16_tflops * 1e12 * s.kernel_efficiency("gemm"))
+    assert times["muon"][1] - traffic_only == pytest.approx(expected, rel=1e-9)

@@ -41,7 +41,7 @@ from models.deepseek_v3.mtp import MTPModule
 
 def check_compile(args: ModelArgs, fp8_health_every: int, inject_fp8_scale_error: bool) -> None:
     """ValueError naming the keys when ``run.compile = true`` cannot compile this model as configured.
-    ``fp8_health_every``: ``logging.fp8_health_every`` where the run has low-precision GEMMs, else 0."""
+    ``fp8_health_every``: ``logging.fp8_health_every`` where the run has FP8 / FP4 casts, else 0."""
     if args.recompute_kinds:
         raise ValueError(f"run.compile=true with model.overrides.recompute={list(args.recompute)}: recompute runs "
                          "under eager saved-tensor hooks (torch.utils.checkpoint, the memory policy), which hand a "
@@ -53,8 +53,8 @@ def check_compile(args: ModelArgs, fp8_health_every: int, inject_fp8_scale_error
                          "cast is an eager saved-tensor hook; set model.overrides.fp8_cache_activations=false or "
                          "run.compile=false")
     if fp8_health_every:
-        raise ValueError(f"run.compile=true with FP8 / MXFP4 GEMMs and logging.fp8_health_every={fp8_health_every}: "
-                         "the FP8 health report observes the GEMMs' casts from Python; set logging.fp8_health_every=0 "
+        raise ValueError(f"run.compile=true with FP8 / FP4 casts and logging.fp8_health_every={fp8_health_every}: "
+                         "the FP8 health report observes the casts from Python; set logging.fp8_health_every=0 "
                          "or run.compile=false")
     if inject_fp8_scale_error:
         raise ValueError("run.compile=true with fault.inject_fp8_scale_error_at_step: the fault is a forward hook "

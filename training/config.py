@@ -204,9 +204,10 @@ class LoggingConfig:
     eval_every: int = 0  # 0 = only at the end
     eval_batches: int = 4  # held-out batches of the validation loss (0 = none)
     plot: bool = True
-    # FP8 health (deep_gemm.health, with model.fp8): every N steps each FP8 GEMM's e4m3 underflow, subnormals and
-    # tile amax range go to metrics.jsonl (per layer) and wandb (maxima); 0 = off. A warning names the layer and
-    # GEMM whose share of nonzero values rounding to 0 exceeds fp8_underflow_warn.
+    # FP8 health (deep_gemm.health, with model.fp8, MXFP4 QAT experts or the indexer's mxfp4_hadamard): every N
+    # steps each FP8 GEMM's e4m3 (each FP4 cast's E2M1) underflow, subnormals and tile amax range go to
+    # metrics.jsonl (per layer) and wandb (maxima); 0 = off. A warning names the layer and GEMM whose share of
+    # nonzero values rounding to 0 exceeds fp8_underflow_warn.
     fp8_health_every: int = 10
     fp8_underflow_warn: float = 0.01
 

@@ -235,7 +235,7 @@ def fp8_health_metrics(counts: dict[str, list[float]], step: int, warn: float,
         if r.underflow > warn and r.underflow >= 2 * warned.get(key, 0.0):
             warned[key] = r.underflow
             warnings.append(f"FP8 health at step {step}: {key}: {r.underflow:.2%} of nonzero values round to 0 in "
-                            f"e4m3 ({r.hidden:.2%} in tiles under the amax floor 1e-4), {r.subnormal:.2%} subnormal; "
+                            f"the cast ({r.hidden:.2%} in tiles at the scale floor), {r.subnormal:.2%} subnormal; "
                             f"threshold {warn:.2%} (logging.fp8_underflow_warn)")
     return out, warnings
 

@@ -165,8 +165,7 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         raise ValueError(f"run.compile=true with parallel.cp={par.cp}: the latent all-gather runs inside MLA, which "
                          "would then be a compiled region; set run.compile=false or parallel.cp=1")
     if cfg.run.compile:
-        low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"
-        check_compile(args, cfg.logging.fp8_health_every if low_precision else 0,
+        check_compile(args, cfg.logging.fp8_health_every if low_precision_casts(cfg) else 0,
                       bool(cfg.fault.inject_fp8_scale_error_at_step))
     init_missing = cfg.model.init_from and not Path(cfg.model.init_from).exists()
     if cfg.model.init_from and not (allow_missing_init and init_missing) \
@@ -185,6 +184,13 @@ def check_layout(cfg: TrainConfig, world: int | None = None, *, allow_missing_in
         raise ValueError("model.init_from with eplb.enabled=true: an HF checkpoint loads into the logical expert "
                          "layout only; set eplb.enabled=false")
     return args
+
+
+def low_precision_casts(cfg: TrainConfig) -> bool:
+    """Whether the run makes the casts the FP8 health report counts: FP8 GEMMs, MXFP4 QAT experts, or the
+    indexer's FP4 q and k (``model.indexer_qk_format = "mxfp4_hadamard"``)."""
+    return bool(cfg.model.fp8) or cfg.model.expert_weight_format == "mxfp4_qat" \
+        or cfg.model.indexer_qk_format == "mxfp4_hadamard"
 
 
 def check_static(cfg: TrainConfig, world: int | None = None, *, allow_missing_data: bool = False
@@ -276,8 +282,7 @@ class Trainer:
         self._nan_injected = False  # fault.inject_nan_at_step fires once per process
         # FP8 health (logging.fp8_health_every) and the BF16 shadow (fault.fp8_shadow_every): owned here, handed
         # to the FP8 layers; the shadow's fallback switches blocks to BF16 for the rest of the run
-        low_precision = cfg.model.fp8 or cfg.model.expert_weight_format == "mxfp4_qat"  # FP8 GEMMs or FP4 experts
-        self.fp8_health = Fp8Health() if low_precision and cfg.logging.fp8_health_every else None
+        self.fp8_health = Fp8Health() if low_precision_casts(cfg) and cfg.logging.fp8_health_every else None
         if self.fp8_health is not None:
             self.fp8_health.attach(self.stages)
         f = cfg.fault

@@ -134,6 +134,10 @@ class ModelArgs:
             if self.n_expert_groups > 1 and self.score_func == "sigmoid" and self.experts_per_group < 2:
                 raise ValueError("ModelArgs: group scores sum each group's top-2 experts, so n_routed_experts / "
                                  f"n_expert_groups must be >= 2, got {self.experts_per_group}")
+        if self.expert_weight_format != "bf16" and not self.has_moe:
+            raise ValueError(f"ModelArgs.expert_weight_format={self.expert_weight_format!r} is the routed experts' "
+                             f"weight format, and this model has none (n_dense_layers = n_layers = {self.n_layers}, "
+                             "no MTP layer); set expert_weight_format='bf16' or make a layer MoE")
         if self.rope_factor < 1.0:
             raise ValueError(f"ModelArgs.rope_factor must be >= 1 (1 = no YaRN), got {self.rope_factor}")
         if self.fp8_cache_activations and not self.fp8:

@@ -12,6 +12,7 @@ over ``index_n_heads`` heads ``j`` of width ``index_head_dim``:
 With ``indexer_qk_format = "mxfp4_hadamard"`` (DeepSeek-V4's QAT of the indexer, ``hadamard_fp4``) q_I and k_I are
 rotated by the orthonormal Hadamard matrix of the head dim and cast to FP4 and back; the selection and the loss
 both score those values, and the gradient passes the cast straight through (and the rotation as its transpose).
+The FP8 health report counts those casts (``deep_gemm.health``: the collector it is handed, ``health``).
 
 Each query attends to its ``index_topk`` highest-scoring causal keys. The indexer learns from the main
 attention: ``KL(p || softmax(I))`` with ``p`` the main attention's probabilities summed over heads and
@@ -31,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import deep_gemm
+from deep_gemm.health import Fp8Health
 from deep_gemm.mxfp4 import fp4_act_fake_quant
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.layers import Linear
@@ -81,6 +83,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.dim, self.n_heads)
         self.stats = IndexerStats()
         self.qk_fp4 = args.indexer_qk == "mxfp4_hadamard"  # V4's QAT of q and k (``hadamard_fp4``)
+        self.health: Fp8Health | None = None  # deep_gemm.health.Fp8Health, set by its attach (with qk_fp4)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -89,12 +92,12 @@ class Indexer(nn.Module):
     def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``q_I [b, s, heads, head_dim]`` from the MLA query residual ``[b, s, q_lora_rank]`` (after q_norm)."""
         q = self._rope(self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
-        return hadamard_fp4(q) if self.qk_fp4 else q
+        return hadamard_fp4(q, self.health, self, "q") if self.qk_fp4 else q
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``k_I [b, s, head_dim]`` from the attention input ``x [b, s, dim]``."""
         k = self._rope(self.k_norm(self.wk(x)).unsqueeze(2), cos, sin).squeeze(2)
-        return hadamard_fp4(k) if self.qk_fp4 else k
+        return hadamard_fp4(k, self.health, self, "k") if self.qk_fp4 else k
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """``w [b, s, heads]`` in fp32, with both scales folded in (``heads^-0.5 * head_dim^-0.5``)."""
@@ -147,13 +150,18 @@ def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
     return h / d ** 0.5
 
 
-def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
+def hadamard_fp4(x: torch.Tensor, health: Fp8Health | None = None, module: nn.Module | None = None,
+                 operand: str = "x") -> torch.Tensor:
     """DeepSeek-V4's indexer QAT step on q or k ``[..., D]``: ``x @ H`` (H the orthonormal ``[D, D]`` Hadamard
     matrix, entries +-D^-0.5, as V4's ``rotate_activation``) then FP4 with a power-of-two scale per 32 dims
     (``deep_gemm.mxfp4.fp4_act_fake_quant``), in x's dtype. Rotating both q and k leaves q . k unchanged in exact
     math while spreading an outlier dim over all D before the cast. Gradient: straight through the cast, H^T = H
-    through the rotation."""
-    return fp4_act_fake_quant(x @ hadamard(x.shape[-1], x.device).to(x.dtype))
+    through the rotation. ``health`` (while active) is told the cast of the rotated ``x`` as ``module``'s
+    ``fwd`` ``operand``."""
+    rotated = x @ hadamard(x.shape[-1], x.device).to(x.dtype)
+    if health is not None and health.active:
+        health.observe_fp4_act(module, "fwd", operand, rotated)
+    return fp4_act_fake_quant(rotated)
 
 
 def select_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, fp8: bool = False,

@@ -23,6 +23,7 @@ from torch import nn
 import deep_gemm
 import flash_mla
 import fused_ops
+from deep_gemm.health import Fp8Health
 from models.deepseek_v3.balancing import BalanceConfig, ExpertBalancer, attach_aux_loss
 from models.deepseek_v3.expert_parallel import SendPlan, arrived
 from models.deepseek_v3.indexer import IndexerStats, hadamard_fp4
@@ -130,6 +131,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim)
         self.qk_fp4 = args.indexer_qk_format == "mxfp4_hadamard"  # V4's QAT of q and k (``hadamard_fp4``)
+        self.health: Fp8Health | None = None  # deep_gemm.health.Fp8Health, set by its attach (with qk_fp4)
         self.stats = IndexerStats()  # the training loss and top-k recall, for the metrics stream
 
     def parts(self, x: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor
@@ -139,7 +141,7 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         k = self.compressor(x, angles)
         if self.qk_fp4:
-            q, k = hadamard_fp4(q), hadamard_fp4(k)
+            q, k = hadamard_fp4(q, self.health, self, "q"), hadamard_fp4(k, self.health, self, "k")
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return q, k, w
 
