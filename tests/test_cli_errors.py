@@ -207,6 +207,7 @@ SUBPROCESS_CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_reported_cases_through_the_cli(tmp_path):
     """The commands start together (each pays a torch import; on two cores this halves the wall time)."""
     _inputs(tmp_path)

@@ -160,6 +160,7 @@ def _run_case(folder: Path, argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_reported_bad_input_is_one_line_status_2_and_writes_nothing(tmp_path):
     folders = []
@@ -359,6 +360,7 @@ def _workers(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the workers through /proc")
 @pytest.mark.timeout(300)
 def test_sigkill_of_the_verifier_kills_its_worker_in_candidate_and_suite_mode(tmp_path):

@@ -38,6 +38,7 @@ def _loss_and_grads(model: Transformer, fn, tokens: torch.Tensor):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["debug", "debug_dsa"])
 def test_model_compiles_whole_and_matches_eager(preset):
     torch.manual_seed(0)

@@ -121,6 +121,7 @@ def test_compile_key_is_a_bool(capsys):
     assert "config key 'run.compile': expected true or false, got 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_process_compiled_equals_eager(tmp_path):
     """MoE + dense layers, MLA, MTP: compiled per block equals eager."""
     _train(tmp_path / "eager", ONE)

@@ -137,6 +137,7 @@ def _agree_then_stall_worker(rank, world, root):
     return agreed, "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_ranks_agree_on_a_fault_seen_by_one_and_a_stalled_rank_times_out(tmp_path):

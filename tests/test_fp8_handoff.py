@@ -139,9 +139,8 @@ def _counted(monkeypatch, module, name: str) -> list[int]:
 FP8_FUSED_TOL = fp8_calc_diff_bound(casts=3, reduction=64, samples=64)
 
 
-@pytest.mark.parametrize("recompute", [("swiglu",), pytest.param(("v3",), marks=pytest.mark.slow),
-                                       pytest.param(("block",), marks=pytest.mark.slow)],
-                         ids=["swiglu", "v3", "block"])  # ~11 s each on the 2-core box
+@pytest.mark.slow  # ~11 s per case on the 2-core box
+@pytest.mark.parametrize("recompute", [("swiglu",), ("v3",), ("block",)], ids=["swiglu", "v3", "block"])
 def test_model_hands_the_fused_permutes_cast_to_the_fp8_gemms(recompute, only_fused_kernels, act_casts,
                                                                monkeypatch):
     """FP8 with caching: the one-rank MoE moves its rows once, cast to e4m3 on the way, and ``w13`` reads them (no

@@ -411,6 +411,7 @@ def _train(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # three short CLI runs: ~30-70 s here, far longer on a loaded 2-core machine
 def test_cli_trains_a_dsa_model_with_the_fp4_indexer(tmp_path):
     """``recipes.train`` on the sparse DSA config at V4's precision (Muon, MXFP4 QAT experts) with

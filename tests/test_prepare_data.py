@@ -249,6 +249,7 @@ def test_megatron_indexed_dataset(tmp_path):
         load_corpus(cfg, min_windows=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_jsonl_to_prepare_data_to_recipes_train(tmp_path):
     """One command from raw JSONL to shards, one to a training run on them (one process, 3 steps)."""

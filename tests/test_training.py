@@ -83,6 +83,7 @@ def test_pp_ep_dp_run_matches_one_process(tmp_path):
     assert a[-1] < a[0] - 0.3
 
 
+@pytest.mark.slow
 def test_671b_dry_run_reports_params_and_memory(capsys):
     """The 671B config passes the launch's checks (the dry run runs check_static; its data files are
     cluster paths, reported absent) and reports V3's published sizes."""

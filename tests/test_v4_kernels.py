@@ -193,6 +193,7 @@ def test_bad_inputs_name_the_argument(call, match):
 
 
 # ------------------------------------------------------------------------------------------------ the model
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_v4_model_with_the_kernels_equals_the_references():
     """The debug V4 model (CSA with its indexer, HCA, a window-only MTP block; 4 mHC streams, 3 Sinkhorn
