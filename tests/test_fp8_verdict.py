@@ -97,6 +97,7 @@ def test_verdict_line_names_the_baseline_the_runs_had():
     assert line("muon", ['optim.name="muon"']).startswith("Muon vs Muon + BF16 experts")
 
 
+@pytest.mark.slow
 def test_one_command_prints_the_verdict_line(tmp_path):
     """The user's view: one command, the verdict line, the plot and the JSON; a second call reads the runs back."""
     cmd = [sys.executable, "-m", "recipes.fp8_vs_bf16", "--steps", "3", "--seeds", "2", "--window", "3",

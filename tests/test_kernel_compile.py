@@ -79,9 +79,9 @@ KNOWN_FAILURES: dict[tuple[int, str, str, str], str] = {}
 LEAN_LOOP = {"registers": 200, "loop_instructions": 240, "loop_global_loads": 16}
 
 
-# sm_100a (~40 s of compiles on 2 cores) is in `make test`, not `make test-fast`
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=[pytest.mark.slow] if c == 100 else [])
-                                        for c in CAPABILITIES], ids=[f"sm_{c}a" for c in CAPABILITIES])
+# both targets' compiles (tens of seconds on 2 cores) are in `make test`, not `make test-fast`
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=[pytest.mark.slow]) for c in CAPABILITIES],
+                ids=[f"sm_{c}a" for c in CAPABILITIES])
 def table(request, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compile") / "rows.json"
     # The recipe clears TRITON_INTERPRET before importing the kernels: run it in its own process.

@@ -115,6 +115,7 @@ def test_opcheck_reference(name):
             _opcheck(kernel, *_with_grad(kernel, case.args, case.kwargs), ALL_CHECKS if i == 0 else ALL_CHECKS[:3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _OPS)
 def test_opcheck_triton_interpreted(name):
     kernel = registry.get(name)

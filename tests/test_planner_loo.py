@@ -169,6 +169,7 @@ def test_selection_drops_a_term_that_does_not_lower_the_loo_error():
 
 # ---- reproducibility: the table and the residuals regenerate byte for byte ----------------------
 
+@pytest.mark.slow
 def test_loo_table_and_residuals_regenerate_identically(tmp_path):
     text, res = plan_loo.build(RUNS_DIR)
     doc = (ROOT / "benchmarks" / "planner.md").read_text()

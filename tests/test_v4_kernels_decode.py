@@ -111,6 +111,7 @@ def _model(head_dim: int) -> Transformer:
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plain_cache_generation_equals_recomputing_the_prefix():
     """Greedy tokens equal; the cached decode's logits equal the whole-sequence forward's (fp32: the same math in
@@ -127,6 +128,7 @@ def test_plain_cache_generation_equals_recomputing_the_prefix():
     assert ((steps - full).norm() / full.norm()).item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fp8_cache_generation_equals_the_plain_cache_with_fp8_rounded_rows(monkeypatch):
     """The FP8 cache's decode (V4's 512-wide head in FlashMLA's layout) against the plain cache whose rows are

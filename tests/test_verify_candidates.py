@@ -221,6 +221,7 @@ def test_fast_p_and_suite_summary():
 # ----------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_json(tmp_path, capsys):
     out = tmp_path / "v.json"
     argv = ["--candidate", str(HACKS / "hack_noop_launch.py"), "--reference", str(AXPY), "--json", str(out)]
