@@ -313,8 +313,27 @@ def body(op: Any) -> Callable[..., Any] | None:
     return _BODIES.get(op.name()) if getattr(op, "namespace", None) == NAMESPACE else None
 
 
+def recompute_autograd(grads: Callable[..., Any]) -> tuple[Callable, Callable]:
+    """``(backward, setup_context)`` for a one-output op whose backward keeps only its tensor inputs and recomputes
+    the rest: ``grads(output's gradient made contiguous, *the op's inputs)`` returns the tensor inputs' gradients
+    in order (one tensor for one input); the other inputs (sizes, flags, scales) get None."""
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.tensor_at = [isinstance(x, torch.Tensor) for x in inputs]
+        ctx.others = [x for x in inputs if not isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(*(x for x in inputs if isinstance(x, torch.Tensor)))
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        saved, others = iter(ctx.saved_tensors), iter(ctx.others)
+        out = grads(grad.contiguous(), *(next(saved) if t else next(others) for t in ctx.tensor_at))
+        out = iter(out if isinstance(out, tuple) else (out,))
+        return tuple(next(out) if t else None for t in ctx.tensor_at)
+
+    return backward, setup_context
+
+
 def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Callable | None = None,
-             setup_context: Callable | None = None, fake: Callable | None = None,
+             setup_context: Callable | None = None, recompute: Callable | None = None, fake: Callable | None = None,
              opaque: bool = False) -> Callable[[Callable], Any]:
     """Decorate ``fn``, the op's body (the kernel op called with flat, type-annotated arguments), into the custom
     op ``torch.ops.dsv3.<kernel's last name part>`` and record it as ``kernel.custom_op``.
@@ -325,11 +344,17 @@ def torch_op(kernel: KernelOp, *, mutates_args: Sequence[str] = (), backward: Ca
     and devices are the kernel's (the verifier checks that), and the Triton interpreter cannot run on fake
     tensors. On ``meta`` tensors (the memory measurement) it is the body as chosen: the Triton path's own
     allocations, its launch a no-op there. ``backward`` / ``setup_context``: its ``register_autograd`` (then
-    ``kernel.differentiable``). ``fake``: the fake implementation instead, and ``opaque``: a ``custom_op``
+    ``kernel.differentiable``); ``recompute``: instead of those two, the ``grads`` of ``recompute_autograd`` (the
+    backward keeps the tensor inputs only). ``fake``: the fake implementation instead, and ``opaque``: a ``custom_op``
     despite a Triton implementation, for an op whose reference reads its inputs' values on the host (a group
     layout, sequence lengths): fake tensors and ``torch.compile`` cannot trace that body, so the op stays one
     opaque node with that fake.
     """
+
+    if recompute is not None:
+        if backward is not None or setup_context is not None:
+            raise ValueError(f"torch_op({kernel.name!r}): give recompute or backward / setup_context, not both")
+        backward, setup_context = recompute_autograd(recompute)
 
     def wrap(fn: Callable) -> Any:
         name = f"{NAMESPACE}::{kernel.name.rsplit('.', 1)[-1]}"

@@ -122,19 +122,15 @@ def _gated_pool_backward_torch_op(grad: torch.Tensor, kv: torch.Tensor, score: t
     return dkv.contiguous(), ds.contiguous()
 
 
-def _setup(ctx, inputs, output) -> None:
-    kv, score, ape, ctx.ratio, ctx.overlap = inputs
-    ctx.save_for_backward(kv, score, ape)  # the weights are recomputed, never kept
+def _grads(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int,
+           overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d kv, d score, d ape) from the inputs: the weights are recomputed, never kept."""
+    dkv, ds = _gated_pool_backward_torch_op(grad, kv, score, ape, ratio, overlap)
+    dape = ds.float().unflatten(1, (-1, ratio)).sum(dim=(0, 1)).to(ape.dtype)  # ape is added to every window
+    return dkv, ds, dape
 
 
-def _backward(ctx, grad: torch.Tensor):
-    kv, score, ape = ctx.saved_tensors
-    dkv, ds = _gated_pool_backward_torch_op(grad.contiguous(), kv, score, ape, ctx.ratio, ctx.overlap)
-    dape = ds.float().unflatten(1, (-1, ctx.ratio)).sum(dim=(0, 1)).to(ape.dtype)  # ape is added to every window
-    return dkv, ds, dape, None, None
-
-
-@registry.torch_op(gated_pool_op, backward=_backward, setup_context=_setup)
+@registry.torch_op(gated_pool_op, recompute=_grads)
 def _gated_pool_torch_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int,
                          overlap: bool) -> torch.Tensor:
     return gated_pool_op(kv, score, ape, ratio, overlap)

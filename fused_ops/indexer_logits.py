@@ -103,18 +103,8 @@ def _indexer_logits_backward_torch_op(grad: torch.Tensor, q: torch.Tensor, k: to
     return dq.contiguous(), dk.contiguous(), dw.contiguous()
 
 
-def _setup(ctx, inputs, output) -> None:
-    q, k, weights, ctx.ratio, ctx.scale = inputs
-    ctx.save_for_backward(q, k, weights)  # the [b, s, h, n] logits are recomputed, never kept
-
-
-def _backward(ctx, grad: torch.Tensor):
-    q, k, weights = ctx.saved_tensors
-    dq, dk, dw = _indexer_logits_backward_torch_op(grad.contiguous(), q, k, weights, ctx.ratio, ctx.scale)
-    return dq, dk, dw, None, None
-
-
-@registry.torch_op(indexer_logits_op, backward=_backward, setup_context=_setup)
+# the backward recomputes the [b, s, h, n] logits from q, k and weights, never kept
+@registry.torch_op(indexer_logits_op, recompute=_indexer_logits_backward_torch_op)
 def _indexer_logits_torch_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int,
                              scale: float) -> torch.Tensor:
     return indexer_logits_op(q, k, weights, ratio, scale)

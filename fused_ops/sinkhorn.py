@@ -97,17 +97,8 @@ def _sinkhorn_backward_torch_op(grad: torch.Tensor, logits: torch.Tensor, eps: f
     return sinkhorn_backward_op(grad, logits, eps, iters)
 
 
-def _setup(ctx, inputs, output) -> None:
-    logits, ctx.eps, ctx.iters = inputs
-    ctx.save_for_backward(logits)  # the states are recomputed, never kept
-
-
-def _backward(ctx, grad: torch.Tensor):
-    (logits,) = ctx.saved_tensors
-    return _sinkhorn_backward_torch_op(grad.contiguous(), logits, ctx.eps, ctx.iters), None, None
-
-
-@registry.torch_op(sinkhorn_op, backward=_backward, setup_context=_setup)
+# the backward recomputes the states from the logits, never kept
+@registry.torch_op(sinkhorn_op, recompute=_sinkhorn_backward_torch_op)
 def _sinkhorn_torch_op(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     return sinkhorn_op(logits, eps, iters)
 

@@ -348,8 +348,7 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
         return layers[key]
 
     accelerator = p.attention == "flash"
-    saved, work = [], []
-    detail: dict[str, int] = {}
+    stages = []
     for s, (lo, hi) in enumerate(split_layers(args, num)):
         pieces = [("MoE layer" if args.is_moe_layer(i) else "dense layer", layer(i)) for i in range(lo, hi)]
         if s == num - 1:
@@ -357,11 +356,8 @@ def stage_activation_bytes(args: ModelArgs, cfg: TrainConfig, p: Precision) -> t
             pieces.append(("loss head", measure.head(args, recompute_norm, mb, seq, p.act, accelerator)))
             pieces += [(f"MTP depth {k + 1} (module + head)", _mtp(args, k, mb, seq, p, slots, cp))
                        for k in range(args.n_mtp_layers)]
-        saved.append(sum(m.saved for _, m in pieces))
-        work.append(max((m.transient for _, m in pieces), default=0))
-        for kind, m in pieces:
-            detail[kind] = max(detail.get(kind, 0), m.saved)
-    return saved, work, detail
+        stages.append(pieces)
+    return measure.stage_totals(stages)
 
 
 def _live_activation_peak(cfg: TrainConfig, per_stage: list[int]) -> tuple[list[int], list[int]]:

@@ -304,6 +304,20 @@ class Measured:
         return Measured(self.saved + other.saved, max(self.transient, other.transient))
 
 
+def stage_totals(stages: list[list[tuple[str, Measured]]]) -> tuple[list[int], list[int], dict[str, int]]:
+    """Per-stage activation totals from each stage's ``(kind, Measured)`` pieces, as the memory model uses them
+    (V3's and V4's alike): the bytes one micro-batch keeps on each stage (the pieces' saved bytes summed), the
+    most bytes alive on top of those while one of its pieces runs (the largest transient; 0 for a stage without
+    pieces), and per kind of piece the largest bytes one micro-batch keeps in it, over all stages."""
+    saved, work, detail = [], [], {}
+    for pieces in stages:
+        saved.append(sum(m.saved for _, m in pieces))
+        work.append(max((m.transient for _, m in pieces), default=0))
+        for kind, m in pieces:
+            detail[kind] = max(detail.get(kind, 0), m.saved)
+    return saved, work, detail
+
+
 def measure(piece: Callable[..., object], inputs: list[torch.Tensor], accelerator: bool,
             params: list[torch.Tensor] = (), own_inputs: bool = True) -> Measured:
     """Run ``piece(*copies)`` forward, then backward from gradients of its floating outputs, inside

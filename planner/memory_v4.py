@@ -49,7 +49,7 @@ def stage_activation_bytes(args: V4Args, cfg, p) -> tuple[list[int], list[int], 
     def block(i: int) -> Measured:
         return measure.v4_block(args, i, mb, seq, p.act, accelerator, slots)
 
-    saved, work, detail = [], [], {}
+    stages = []
     for s, (lo, hi) in enumerate(split_layers(args, num)):
         pieces = [(layer_kind(args, i), block(i)) for i in range(lo, hi)]
         if s == num - 1:
@@ -57,11 +57,8 @@ def stage_activation_bytes(args: V4Args, cfg, p) -> tuple[list[int], list[int], 
             pieces += [(f"MTP depth {k + 1} (block + head)",
                         block(args.n_layers + k).then(measure.v4_head(args, mb, seq, p.act, accelerator)))
                        for k in range(args.n_mtp_layers)]
-        saved.append(sum(m.saved for _, m in pieces))
-        work.append(max((m.transient for _, m in pieces), default=0))
-        for kind, m in pieces:
-            detail[kind] = max(detail.get(kind, 0), m.saved)
-    return saved, work, detail
+        stages.append(pieces)
+    return measure.stage_totals(stages)
 
 
 def pieces(args: V4Args, micro_batch: int, seq: int, act: float, accelerator: bool, slots: int

@@ -11,12 +11,18 @@ The all-pairs design (``all_pairs``) is generated greedily and deterministically
 nothing, repeatedly take the first runnable combination (in product order) that covers the most
 value pairs not yet covered, until every pair that some runnable combination contains is covered.
 Pairs that only impossible combinations contain are covered by refusal checks instead.
+
+``train_cli`` is the other way to train in a test: a whole ``python -m recipes.train`` launch of a config,
+read back from its ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,7 @@ BASE = ["model.preset=debug_tiny", "model.overrides.n_dense_layers=1",
         "logging.progress=false", "logging.wandb=disabled", "logging.plot=false", "run.threads=1",
         "checkpoint.final=false", "checkpoint.interval=0", "run.sample_tokens=0", "run.timeout_s=120"]
 CONFIG = "recipes/configs/tiny_cpu.toml"
+ROOT = Path(__file__).resolve().parent.parent
 
 Combo = dict[str, Any]
 
@@ -127,6 +134,19 @@ def name(c: Combo) -> str:
 
 
 # ---- running ---------------------------------------------------------------------------------
+
+def train_cli(config: str, quick: list[str], run_dir: Path, nproc: int, overrides: list[str]) -> list[dict]:
+    """Train ``config`` with ``quick + overrides`` as ``--set`` items through ``python -m recipes.train`` on
+    ``nproc`` processes (the CLI a user runs, PyTorch reference kernels) into ``run_dir``; its per-step rows of
+    ``metrics.jsonl``. A failed run fails the test with the end of its output."""
+    cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    for o in quick + overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
 
 def train(cfg, ps, run_dir: Path, keep_initial: bool = False) -> dict[str, Any]:
     """Train ``cfg`` for ``run.steps`` steps in process groups ``ps``; per-step losses (main and MTP)

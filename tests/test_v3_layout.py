@@ -4,17 +4,11 @@ on 8 gloo processes through ``recipes.train`` and equals one process training th
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.matrix import train_cli
 from tests.test_combinations import FP8_LOSS_ATOL, FP8_RTOL, LOSS_ATOL
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "recipes/configs/v3_layout_cpu.toml"
 # Three steps with a checkpoint after the second (async save while step 3 runs); AdamW in its smooth
 # regime (eps 1 above every |g|, as in tests/matrix.py) so that test_combinations' FP8 tolerances
@@ -27,22 +21,12 @@ QUICK = ["run.steps=3", "checkpoint.interval=2", "checkpoint.final=false", "opti
 SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none"]
 
 
-def _train(run_dir: Path, nproc: int, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "recipes.train", "--config", CONFIG, "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    for o in QUICK + overrides:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_v3_layout_on_8_processes_matches_one_process(tmp_path):
-    eight = _train(tmp_path / "eight", 8, [])
-    one = _train(tmp_path / "one", 1, SINGLE)
+    eight = train_cli(CONFIG, QUICK, tmp_path / "eight", 8, [])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, SINGLE)
     assert [r["step"] for r in eight] == [1, 2, 3]
     for key in ("loss", "mtp_loss"):
         a, b = [r[key] for r in eight], [r[key] for r in one]

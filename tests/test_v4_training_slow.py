@@ -12,20 +12,15 @@ FP8_LOSS_ATOL for later losses)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from models.deepseek_v4 import ModelArgs, Transformer, save_hf_checkpoint
+from tests.matrix import train_cli
 from tests.test_combinations import FP8_LOSS_ATOL, FP8_RTOL
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "recipes/configs/v4_tiny_cpu.toml"
 QUICK = ["run.steps=3", "run.sample_tokens=4", "data.seq_len=64", "data.global_batch=16", "data.micro_batch=2",
          "logging.progress=false", "logging.eval_batches=1", "logging.wandb=disabled", "run.threads=1",
@@ -34,17 +29,6 @@ SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=
 # the two-process schedules: 2 steps (step 2's loss sees step 1's update) of 4 micro-batches of 2 sequences
 SHORT = ["run.steps=2", "data.global_batch=8"]
 REL = 1024 * 2.0**-24
-
-
-def _train(tmp_path: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "recipes.train", "--config", CONFIG, "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    for o in QUICK + overrides:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _equal(got: list[dict], want: list[dict], keys: tuple[str, ...]) -> None:
@@ -60,9 +44,9 @@ def test_v4_1f1b_matches_one_process(tmp_path):
     """PP=2 1F1B (one stage per rank: the streams and token ids cross ranks once each way); MTP needs the embedding
     beside the head, which 1F1B does not give, so both runs have none."""
     common = SHORT + ["model.overrides.n_mtp_layers=0"]
-    one = _train(tmp_path, "one", 1, common + SINGLE)
-    two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
-                                               "parallel.schedule=1f1b"])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, common + SINGLE)
+    two = train_cli(CONFIG, QUICK, tmp_path / "two", 2,
+                    common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=1f1b"])
     _equal(two, one, ("loss", "grad_norm", "indexer_kl"))
 
 
@@ -72,9 +56,10 @@ def test_v4_1f1b_matches_one_process(tmp_path):
 def test_v4_zbv_with_mtp_and_block_recompute_matches_one_process(tmp_path):
     """PP=2 ZB-V (4 stages in a V, weight gradients deferred), MTP on the rank holding the embedding, whole-block
     recompute, against one process without recompute."""
-    one = _train(tmp_path, "one", 1, SHORT + SINGLE)
-    two = _train(tmp_path, "two", 2, SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
-                                              "parallel.schedule=zbv", 'model.overrides.recompute=["block"]'])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, SHORT + SINGLE)
+    two = train_cli(CONFIG, QUICK, tmp_path / "two", 2,
+                    SHORT + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=zbv",
+                             'model.overrides.recompute=["block"]'])
     _equal(two, one, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
 
 
@@ -85,8 +70,8 @@ def test_v4_demo_dualpipev_ep_fp8_mtp_matches_one_process(tmp_path):
     """The demo layout (``v4_tiny_cpu.toml``: PP=2 DualPipeV, EP=2 over DP=2, the per-layer plan's overlapped F&B
     with the hash-routed and scored MoE layers' all-to-alls in it) with FP8 experts and MTP, against one process
     with FP8; both runs' losses fall from a fresh model's ln 256."""
-    one = _train(tmp_path, "one", 1, SINGLE + ["model.fp8=true"])
-    four = _train(tmp_path, "four", 4, ["model.fp8=true"])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, SINGLE + ["model.fp8=true"])
+    four = train_cli(CONFIG, QUICK, tmp_path / "four", 4, ["model.fp8=true"])
     for runs in (one, four):
         assert runs[0]["loss"] == pytest.approx(math.log(256), abs=0.15)
         assert runs[-1]["loss"] < runs[0]["loss"] - 0.2, [r["loss"] for r in runs]
@@ -114,9 +99,9 @@ def test_v4_init_from_one_process_and_expert_parallel_match(tmp_path):
                 p.normal_(0, 0.05)
     save_hf_checkpoint(model, tmp_path / "v4", layout="release", quantize=True)
     start = [f"model.init_from={tmp_path / 'v4'}"]
-    one = _train(tmp_path, "one", 1, SHORT + SINGLE + start)
-    two = _train(tmp_path, "two", 2, SHORT + start + ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2",
-                                                      "parallel.schedule=none"])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, SHORT + SINGLE + start)
+    two = train_cli(CONFIG, QUICK, tmp_path / "two", 2,
+                    SHORT + start + ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=none"])
     _equal(two, one, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
     assert abs(one[0]["loss"] - math.log(256)) > 0.05, one[0]["loss"]
 
@@ -129,9 +114,9 @@ def test_v4_eplb_changes_placement_not_math(tmp_path):
     the scored layers' experts move and replicate by their measured loads, and the losses and gradient norms are
     the run's without EPLB (replicas are exact copies whose gradients are summed; fp32 summation order only)."""
     layout = SHORT + ["run.steps=3", "parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=none"]
-    off = _train(tmp_path, "off", 2, layout)
-    on = _train(tmp_path, "on", 2, layout + ["eplb.enabled=true", "eplb.redundant_experts=2", "eplb.interval=1",
-                                             "eplb.ema_decay=0.5"])
+    off = train_cli(CONFIG, QUICK, tmp_path / "off", 2, layout)
+    on = train_cli(CONFIG, QUICK, tmp_path / "on", 2,
+                   layout + ["eplb.enabled=true", "eplb.redundant_experts=2", "eplb.interval=1", "eplb.ema_decay=0.5"])
     _equal(on, off, ("loss", "mtp_loss", "grad_norm", "indexer_kl"))
     assert sum(r.get("eplb_moved_slots", 0) for r in on) > 0, on
 
@@ -145,8 +130,8 @@ def test_v4_indexer_warmup_1f1b_matches_one_process(tmp_path):
     the top-k recall the metrics stream reports."""
     common = SHORT + ["run.steps=3", "model.overrides.n_mtp_layers=0", "model.overrides.dsa_warmup=true",
                       "optim.lr=1e-2", "optim.warmup_steps=1"]
-    one = _train(tmp_path, "one", 1, common + SINGLE)
-    two = _train(tmp_path, "two", 2, common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1",
-                                               "parallel.schedule=1f1b"])
+    one = train_cli(CONFIG, QUICK, tmp_path / "one", 1, common + SINGLE)
+    two = train_cli(CONFIG, QUICK, tmp_path / "two", 2,
+                    common + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=1f1b"])
     _equal(two, one, ("loss", "grad_norm", "indexer_kl", "indexer_recall"))
     assert all(0.0 <= r["indexer_recall"] <= 1.0 for r in one)
