@@ -1,4 +1,5 @@
-"""Shared output for benchmark recipes: a side-by-side terminal table, a JSON dump, the run's context.
+"""What recipes share: a side-by-side terminal table, a JSON dump, the run's context; a config file given as
+a recipe's own option; training and export runs through the real CLI (``recipes.train``, ``recipes.export_hf``).
 
 The table formatter and the context live in ``verifier.report`` (the verification harness prints
 through them too); they are re-exported here so recipes keep importing ``recipes.benchutil``.
@@ -21,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from accel.cli import ArgumentParser, check_output_file
+from accel.cli import BAD_INPUT, ArgumentParser, check_output_file
+from training.config import TrainConfig, load_config
 from verifier.report import CPU_TIMING_NOTE, context, format_table
 
 __all__ = ["context", "format_table", "kernel_bench_parser", "print_report", "row_sink", "spawn_gloo"]
@@ -101,11 +103,31 @@ def _json_path(text: str) -> str:
     return text
 
 
+def load_option(option: str, path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """``load_config`` of a config file a recipe takes as ``option``: its errors name that option, not
+    ``--config``."""
+    try:
+        return load_config(path, list(overrides))
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(option + text[len("--config"):] if text.startswith("--config") else text) from None
+
+
+class TrainingRefused(SystemExit):
+    """``recipes.train`` refused a run (status 2): ``line`` is its ``error:`` line without the prefix. A recipe
+    that catches it reports the line as its own bad input; uncaught, it ends the recipe as a failed run does."""
+
+    def __init__(self, run: str, line: str):
+        super().__init__(f"training run {run} refused: {line}")
+        self.line = line
+
+
 def run_training(config: str, nproc: int, overrides: list[str], run_dir: Path) -> list[dict]:
     """Run ``recipes.train`` in a subprocess with ``--set`` overrides; return its metrics.jsonl records.
 
     Comparisons (overlap on/off, FP8 vs BF16) train each variant in a fresh process so that one run's
-    state cannot leak into the other.
+    state cannot leak into the other. A refusal (status 2) raises ``TrainingRefused``; another failure exits
+    naming the run, with its output's tail.
     """
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(run_dir)]
@@ -113,6 +135,19 @@ def run_training(config: str, nproc: int, overrides: list[str], run_dir: Path) -
         cmd += ["--set", o]
     proc = subprocess.run(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True,
                           text=True)
+    if proc.returncode == BAD_INPUT:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+        raise TrainingRefused(Path(run_dir).name, lines[-1][len("error: "):] if lines else proc.stderr.strip()[-300:])
     if proc.returncode:
-        raise SystemExit(f"training run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise SystemExit(f"training run {Path(run_dir).name} failed (status {proc.returncode}):\n"
+                         f"{(proc.stdout + proc.stderr)[-3000:]}")
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def export_hf(run_dir: Path, out: Path) -> Path:
+    """``recipes.export_hf`` of the run's newest checkpoint into ``out``."""
+    cmd = [sys.executable, "-m", "recipes.export_hf", str(run_dir / "checkpoints"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"export of {run_dir.name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return out

@@ -20,27 +20,17 @@ apply to every run (``--set parallel.pp=2`` ...: the configs' layout keys).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_dir, positive_int
-from recipes.benchutil import print_report, run_training
+from recipes.benchutil import export_hf, load_option, print_report, run_training
 from training.config import load_config
 from training.trainer import check_static
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "recipes" / "configs"
 QUIET = ["logging.progress=false", "logging.wandb=disabled", "run.sample_tokens=0"]
-
-
-def export(run_dir: Path, out: Path) -> Path:
-    """``recipes.export_hf`` of the run's newest checkpoint into ``out``."""
-    cmd = [sys.executable, "-m", "recipes.export_hf", str(run_dir / "checkpoints"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"export failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return out
 
 
 def valid_loss(run_dir: Path) -> float:
@@ -51,15 +41,6 @@ def valid_loss(run_dir: Path) -> float:
 def mean(records: list[dict], key: str, part: slice) -> float:
     values = [m[key] for m in records if key in m][part]
     return sum(values) / len(values)
-
-
-def load_option(option: str, path: str, overrides: list[str] = ()):
-    """``load_config`` of the config file given as ``option``; its errors name that option, not ``--config``."""
-    try:
-        return load_config(path, list(overrides))
-    except ValueError as exc:
-        text = str(exc)
-        raise ValueError(option + text[len("--config"):] if text.startswith("--config") else text) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     v3 = Path(ns.v3).absolute() if ns.v3 else None
     if v3 is None:
         train(ns.base_config, "v3", [f"run.steps={ns.base_steps}"])
-        v3 = export(out / "v3", out / "v3_hf")
+        v3 = export_hf(out / "v3", out / "v3_hf")
     warm = train(ns.warmup_config, "warmup", [f"run.steps={ns.warmup_steps}", f"model.init_from={v3}"])
-    warm_hf = export(out / "warmup", out / "warmup_hf")
+    warm_hf = export_hf(out / "warmup", out / "warmup_hf")
     sparse = train(ns.sparse_config, "sparse", [f"run.steps={ns.sparse_steps}", f"model.init_from={warm_hf}"])
     dense = train(ns.base_config, "dense", [*dense_sets[len(sets):], f"model.init_from={v3}"])
 

@@ -32,9 +32,7 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,8 +41,8 @@ import torch.nn.functional as F
 
 from accel.cli import BAD_INPUT, OK, ArgumentParser, check_output_dir, positive_int
 from models.deepseek_v3 import ModelArgs, Transformer, load_hf_checkpoint
-from recipes.benchutil import print_report
-from training.config import TrainConfig, load_config
+from recipes.benchutil import TrainingRefused, export_hf, load_option, print_report, run_training
+from training.config import TrainConfig
 from training.data import BUNDLED_CORPUS
 from training.trainer import check_static
 
@@ -135,33 +133,6 @@ def load_model(folder: Path, **changes) -> Transformer:
     return load_hf_checkpoint(args, folder)
 
 
-def train(config: str, sets: list[str], run_dir: Path) -> list[dict]:
-    """``python -m recipes.train`` of ``config`` with ``sets`` into ``run_dir``; its metrics records. A refusal
-    (status 2) is re-raised as a ValueError carrying the trainer's own error line; another failure exits 1."""
-    nproc = load_config(config, sets).run.nproc
-    cmd = [sys.executable, "-m", "recipes.train", "--config", config, "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    for item in sets:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True,
-                          text=True)
-    if proc.returncode == BAD_INPUT:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-        raise ValueError(lines[-1][len("error: "):] if lines else proc.stderr.strip()[-300:])
-    if proc.returncode:
-        raise SystemExit(f"training run {run_dir.name} failed (status {proc.returncode}):\n"
-                         f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def export(run_dir: Path, out: Path) -> Path:
-    """``recipes.export_hf`` of the run's newest checkpoint into ``out``."""
-    cmd = [sys.executable, "-m", "recipes.export_hf", str(run_dir / "checkpoints"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"export of {run_dir.name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return out
-
-
 def docs_needed(cfg: TrainConfig) -> int:
     """Documents for ``cfg``'s run: one window per sequence of every step, plus the held-out tail, plus one
     global batch of slack."""
@@ -174,11 +145,7 @@ def stage_config(option: str, path: str, sets: list[str]) -> TrainConfig:
     name ``option``."""
     if not Path(path).is_file():
         raise ValueError(f"{option} {path!r}: no such file; expected a TOML config")
-    try:
-        cfg = load_config(path, sets)
-    except ValueError as exc:
-        text = str(exc)
-        raise ValueError(option + text[len("--config"):] if text.startswith("--config") else text) from None
+    cfg = load_option(option, path, sets)
     check_static(cfg, cfg.run.nproc, allow_missing_data=True)
     return cfg
 
@@ -275,15 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     write_corpus(out / "extend_corpus.txt", train_text, long_len, docs_needed(extend_cfg), ns.seed + 1, ns.key_digits)
     try:
         print(f"== short: {short_cfg.run.steps} steps at {short_len} tokens, plain RoPE", flush=True)
-        short_log = train(ns.short_config, short_sets, out / "short")
-        export(out / "short", out / "short_hf")
+        short_log = run_training(ns.short_config, short_cfg.run.nproc, short_sets, out / "short")
+        export_hf(out / "short", out / "short_hf")
         print(f"== extend: {extend_cfg.run.steps} steps at {long_len} tokens, YaRN x{factor:g}, cp {ns.cp}",
               flush=True)
-        extend_log = train(ns.extend_config, extend_sets, out / "extend")
-    except ValueError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        extend_log = run_training(ns.extend_config, extend_cfg.run.nproc, extend_sets, out / "extend")
+    except TrainingRefused as exc:
+        print(f"error: {' '.join(exc.line.split())}", file=sys.stderr)
         return BAD_INPUT
-    export(out / "extend", out / "extend_hf")
+    export_hf(out / "extend", out / "extend_hf")
 
     extended = ModelArgs.from_hf_config(out / "extend_hf")  # the RoPE the extension trained with
     yarn = {f: getattr(extended, f) for f in ("rope_factor", "original_seq_len", "max_seq_len", "beta_fast",

@@ -50,6 +50,7 @@ from planner.search import (
     tokens_per_step,
 )
 from planner.system import System, known_systems, load_system
+from recipes.benchutil import load_option
 from training.config import TrainConfig, load_config
 from training.trainer import model_args
 
@@ -114,10 +115,7 @@ def base_config(model: str, overrides: list[str]) -> TrainConfig:
         raise ValueError(f"--model {model!r}: expected a preset name, a Hugging Face config.json (or its folder) "
                          "or a training .toml")
     if path.suffix == ".toml":
-        try:
-            return load_config(path, overrides)
-        except ValueError as exc:  # the file is --model here, not --config
-            raise ValueError(str(exc).replace("--config", "--model", 1)) from None
+        return load_option("--model", path, overrides)  # the file is --model here, not --config
     if (path.suffix == ".json" or path.is_dir()) and _model_type(path) == "deepseek_v4":
         return _v4_base(path, overrides)
     if path.suffix == ".json" or path.is_dir():

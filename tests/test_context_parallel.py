@@ -37,6 +37,9 @@ CLI = ["run.steps=3", "model.fp8=false", "checkpoint.final=false", "checkpoint.i
        "logging.eval_batches=1", "logging.eval_every=1", "logging.wandb=disabled", "run.threads=1", "parallel.pp=1",
        "parallel.schedule=none", "parallel.dp=1", "balance.strategy=aux_free+seq_aux", "balance.alpha=0.01",
        "checkpoint.async_save=false"]
+# the CLI runs of CP, each several trainings (in-process tests check CP = 2 and 4 at every push)
+CP_CLI = pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
+                            reason="opt-in (DSV3_CP_CLI=1): CLI trainings under CP, ~1.5-2 min each on 2 cores")
 
 
 def test_chunks_cover_the_sequence_once_with_equal_causal_work():
@@ -151,8 +154,7 @@ def _assert_exchanges_inside_compute(events: list[dict], steps: int) -> None:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
-                    reason="opt-in (DSV3_CP_CLI=1): test_cp_layouts_equal_one_process checks CP = 4 in-process")
+@CP_CLI
 @pytest.mark.timeout(600)
 def test_cp4_equals_one_process_through_the_cli(tmp_path):
     """CP = 4 (chunks of 4 tokens: MTP's roll crosses a chunk border on every rank)."""
@@ -165,8 +167,7 @@ def test_cp4_equals_one_process_through_the_cli(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
-                    reason="opt-in (DSV3_CP_CLI=1): four CLI trainings, ~1.5-2 min on 2 cores")
+@CP_CLI
 def test_resume_across_a_change_of_cp_size(tmp_path):
     """A checkpoint written at CP = 2 resumes at CP = 1, and one written at CP = 1 resumes at CP = 2: the resumed
     step equals the uninterrupted one-process run's (checkpoints are CP-agnostic: CP ranks hold replicas)."""
@@ -184,8 +185,7 @@ def test_resume_across_a_change_of_cp_size(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DSV3_CP_CLI") != "1",
-                    reason="opt-in (DSV3_CP_CLI=1): four CLI trainings, two on 4 processes")
+@CP_CLI
 @pytest.mark.timeout(1800)
 def test_pipelines_with_cp2_equal_one_process_through_the_cli(tmp_path):
     """DualPipeV x CP = 2 x EP = 2 (over the CP ranks) x FP8, and ZB-V x CP = 2, through ``recipes.train`` on 4
