@@ -105,8 +105,9 @@ def gemm_cases(capability: int = 90) -> list[Case]:
                         "d_ptr": "*bf16", "m_indices_ptr": "*i32"}
             cases.append(Case(f"deep_gemm.gemm[fp8 x mxfp4 m-grouped contiguous{label}]",
                               _cfg_label(tile, warps, stages), fp8_fp4.fp8_fp4_contiguous_kernel, pointers,
-                              {"INTERPRETED": False, "A_FP32": a_fp32, **tile}, tuple(pointers) + ("N", "K"), warps,
-                              stages, mma_rows=64, default=(i == 0)))
+                              {"INTERPRETED": False, "A_FP32": a_fp32,
+                               "A_UNSCALED": fp8_fp4.lhs_unscaled(capability, a_fp32), **tile},
+                              tuple(pointers) + ("N", "K"), warps, stages, mma_rows=64, default=(i == 0)))
     from deep_gemm.kernels import cast
 
     for tile in ((1, 128), (128, 1), (128, 128)):

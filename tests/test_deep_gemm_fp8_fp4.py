@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from accel import registry
 from deep_gemm import m_grouped_fp8_fp4_gemm_nt_contiguous, per_token_cast_to_fp8
 from deep_gemm.fp8_fp4 import _dequant_rows, cast_mxfp8_rows
 from deep_gemm.grouped import contiguous_layout
+from deep_gemm.kernels import fp8_fp4
 from deep_gemm.mxfp4 import pack_mxfp4, unpack_mxfp4
 from deep_gemm.utils import dot_scaled_interpreter_gap
 
@@ -63,6 +65,27 @@ def test_equals_float64_product_of_the_dequantised_operands(impl, sizes, n, k, r
     bound = 2.0**-8 * ref.abs() + (k + 1) * 2.0**-24 * mag
     assert ((d[rows].double() - ref[rows]).abs() <= bound[rows]).all()
     assert torch.isnan(d[~rows]).all()  # padding rows untouched (poisoned before)
+
+
+def test_unscaled_lhs_equals_the_unit_scale_tensor(monkeypatch):
+    """Where a Triton cannot compile sm_100a's unit-scale tensor (``fp8_fp4.lhs_unscaled``) the fp32-rows kernel
+    passes no lhs scale: the same unit scale, so both forms give the same bits (run here in the interpreter)."""
+    if dot_scaled_interpreter_gap():
+        pytest.skip(dot_scaled_interpreter_gap())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (x, sa), (w, sb), m_indices = _case([100, 0, 37], 40, 256, seed=3, rows_fp32=True)
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    outs = []
+    for unscaled in (False, True):
+        d = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        grid = (triton.cdiv(m, 128), triton.cdiv(n, 32))
+        fp8_fp4.fp8_fp4_contiguous_kernel[grid](x, sa, w.view(torch.uint8), sb.view(torch.uint8), d, m_indices, m, n,
+                                                k, INTERPRETED=True, A_FP32=True, BLOCK_M=128, BLOCK_N=32,
+                                                BLOCK_K=fp8_fp4.BLOCK_K, A_UNSCALED=unscaled)
+        outs.append(d)
+    rows = m_indices >= 0
+    assert not torch.isnan(outs[0][rows]).any()
+    assert torch.equal(outs[0][rows], outs[1][rows])
 
 
 def test_bad_operands_are_one_line_errors():

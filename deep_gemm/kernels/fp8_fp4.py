@@ -27,27 +27,43 @@ TILES = {90: [(128, 8, 3)], 100: [(128, 8, 3), (256, 8, 3)]}
 # fp32 row scales (A_FP32): the per-step promotion reads the accumulator out of tensor memory, and the 128 x 256
 # tile then spills 392 B on sm_100a too
 TILES_ROWS_FP32 = {90: [(128, 8, 3)], 100: [(128, 8, 3)]}
+# Triton before 3.9 cannot compile that sm_100a kernel (3.6's pass manager fails on the constant unit-scale tensor
+# beside the per-step accumulator read-out): there the MMA takes no lhs scale (``A_UNSCALED``), which Triton lowers
+# as a tcgen05 MMA on upcast operands, not the block-scaled one; its 128-wide tile spills, the 64-wide one does not
+TILES_ROWS_FP32_UNSCALED = [(64, 8, 3)]
+UNIT_SCALE_COMPILES = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
 def tiles_for(capability: tuple[int, int] | int | None, rows_fp32: bool = False) -> list[tuple[int, int, int]]:
     """The autotune tiles for a CUDA capability: Blackwell's from sm_100 up, else Hopper's (``rows_fp32``: for rows
     with 1x128 fp32 scales)."""
+    if lhs_unscaled(capability, rows_fp32):
+        return TILES_ROWS_FP32_UNSCALED
     return autotune.for_capability(TILES_ROWS_FP32 if rows_fp32 else TILES, capability)
+
+
+def lhs_unscaled(capability: tuple[int, int] | int | None, rows_fp32: bool) -> bool:
+    """Whether the fp32-rows MMA passes no lhs scale (``None``: the same unit scale) instead of a constant E8M0 1.0
+    tensor: on sm_100a with a Triton that cannot compile the tensor form (``TILES_ROWS_FP32_UNSCALED``). On sm_90a
+    the tensor form is the one that does not spill."""
+    cap = autotune.capability_number(capability)
+    return rows_fp32 and cap is not None and cap >= 100 and not UNIT_SCALE_COMPILES
 
 
 def _configs(rows_fp32: bool = False) -> list[triton.Config]:
     if accel.triton_interpreted():
-        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 32, "A_UNSCALED": False}, num_warps=4, num_stages=1)]
     capability = accel.device_capability() if accel.backend() == "cuda" else None
     stages = (lambda s: 1) if accel.backend() == "musa" else (lambda s: s)
-    return [triton.Config({"BLOCK_M": 128, "BLOCK_N": bn}, num_warps=w, num_stages=stages(s))
-            for bn, w, s in tiles_for(capability, rows_fp32)]
+    unscaled = lhs_unscaled(capability, rows_fp32)
+    return [triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "A_UNSCALED": unscaled}, num_warps=w,
+                          num_stages=stages(s)) for bn, w, s in tiles_for(capability, rows_fp32)]
 
 
 @triton.jit
 def fp8_fp4_contiguous_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, m_indices_ptr, M, N, K,
                               INTERPRETED: tl.constexpr, A_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_UNSCALED: tl.constexpr):
     """``d[r] = (a[r] * 2^sa[r]) @ (e2m1(b[g]) * 2^sb[g])^T`` for the rows of group g = ``m_indices[r]`` (-1: row
     left untouched). ``a`` e4m3 ``[M, K]``, ``sa`` uint8 ``[M, K/32]`` (``A_FP32``: fp32 ``[M, K/128]``, DeepSeek-V3's
     1x128 activation scales, applied to each 128-wide step's fp32 product: the MMA takes a unit scale), ``b`` uint8
@@ -78,7 +94,10 @@ def fp8_fp4_contiguous_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, m_indices_ptr
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         if A_FP32:
-            part = tl.dot_scaled(a, unit, "e4m3", b, tl.load(sb_ptrs), "e2m1")
+            if A_UNSCALED:  # the same unit scale, as sm_100a's compiler takes it (lhs_unscaled)
+                part = tl.dot_scaled(a, None, "e4m3", b, tl.load(sb_ptrs), "e2m1")
+            else:
+                part = tl.dot_scaled(a, unit, "e4m3", b, tl.load(sb_ptrs), "e2m1")
             acc += part * tl.load(sa_ptrs)[:, None]
             sa_ptrs += 1
         else:
