@@ -143,7 +143,7 @@ def train_cli(config: str, quick: list[str], run_dir: Path, nproc: int, override
     for o in quick + overrides:
         cmd += ["--set", o]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1000)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

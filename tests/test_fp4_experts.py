@@ -15,11 +15,8 @@ exact in float64, so the layer's error is its own arithmetic:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,13 +28,13 @@ from deep_gemm.mxfp4 import mxfp4_fake_quant
 from deep_gemm.reference import dequantize
 from models.deepseek_v3 import ModelArgs
 from recipes.train import main as train_main
+from tests.matrix import train_cli
 from tests.test_combinations import FP8_LOSS_ATOL, LOSS_ATOL
 from tests.test_muon_dist import LOSS_ATOL as MUON_LOSS_ATOL
 from tests.test_muon_dist import STEP1_ATOL
 from tests.test_opcheck import ALL_CHECKS, _schema_check_fp8
 from training.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
 U = 2.0**-24
 OP = "deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous"
 
@@ -170,15 +167,7 @@ def _train(run_dir: Path, layout: list[str], extra: list[str]) -> dict[int, floa
     for kv in layout:
         if kv.split("=")[0] in ("parallel.pp", "parallel.dp"):
             nproc *= int(kv.split("=")[1])
-    cmd = [sys.executable, "-m", "recipes.train", "--config", "recipes/configs/tiny_cpu.toml", "--nproc", str(nproc),
-           "--run-dir", str(run_dir)]
-    for o in COMMON + extra + layout:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_cli("recipes/configs/tiny_cpu.toml", COMMON, run_dir, nproc, extra + layout)
     return {int(r["step"]): r["loss"] for r in rows if "loss" in r}
 
 
@@ -215,15 +204,7 @@ V4_QUICK = ["run.steps=3", "run.sample_tokens=0", "data.seq_len=64", "data.globa
 
 
 def _train_v4(run_dir: Path, nproc: int, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "recipes.train", "--config", V4_CONFIG, "--nproc", str(nproc), "--run-dir",
-           str(run_dir)]
-    for o in V4_QUICK + V4_KEYS + extra:
-        cmd += ["--set", o]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "DSV3_KERNEL_IMPL": "reference",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1000)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    return [r for r in train_cli(V4_CONFIG, V4_QUICK, run_dir, nproc, V4_KEYS + extra) if "loss" in r]
 
 
 def _v4_health_covers_every_fp4_cast(rows: list[dict]) -> None:
