@@ -195,6 +195,7 @@ def test_failed_export_leaves_the_folder_as_it_was(run_dir, tmp_path, capsys, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and _tree(out) == {"config.json": b"old"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_export_into_the_checkpoint_is_refused_by_the_real_cli(run_dir):
     import os

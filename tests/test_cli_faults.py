@@ -181,6 +181,7 @@ def test_every_reported_bad_input_is_one_line_status_2_and_writes_nothing(tmp_pa
         assert _tree(folder) == before, f"{name}: a refused command wrote {set(_tree(folder)) - set(before)}"
 
 
+@pytest.mark.slow
 def test_invalid_utf8_jsonl_lines_are_counted_skipped_and_reported(tmp_path):
     """Without --strict a line that is not UTF-8 is a bad line like any other: skipped, counted in the manifest,
     named in the summary's warning; the dataset holds the good lines only."""
@@ -291,6 +292,7 @@ def test_read_only_checkpoints_folder_after_a_commit_stops_with_one_line_and_sta
             root.chmod(0o755)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_export_overwrite_into_a_full_disk_keeps_the_earlier_export(tmp_path):
     """``export_hf --overwrite`` whose shard write fails (EFBIG past the file-size limit: safetensors reports it as
@@ -331,6 +333,7 @@ def _problem(folder: Path, candidate: str) -> tuple[Path, Path]:
     return folder / "candidate.py", folder / "reference.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_candidates_print_never_lands_above_the_verdict(tmp_path):
     """A candidate that prints a passing verdict and exits 0 fails (exit 1); what it printed is on stderr, after

@@ -312,6 +312,7 @@ def _failures(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(90)
 def test_stalled_or_disagreeing_neighbour_raises_instead_of_hanging():

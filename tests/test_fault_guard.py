@@ -87,6 +87,7 @@ def test_nonfinite_or_absurd_hyperparameters_are_refused_with_one_line(key, valu
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
 
 
+@pytest.mark.slow
 def test_cli_refuses_lr_inf_before_starting(tmp_path):
     """The real entry point: ``--set optim.lr=inf`` is refused in one line with status 2 and nothing is created."""
     proc = subprocess.run([sys.executable, "-m", "recipes.train", "--config", DEMO, "--run-dir", str(tmp_path / "r"),

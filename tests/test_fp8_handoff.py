@@ -218,6 +218,7 @@ def _moe_float64(moe: MoE, x: torch.Tensor, indices: torch.Tensor) -> torch.Tens
     return y
 
 
+@pytest.mark.slow
 def test_one_rank_moe_with_an_idle_expert_reads_no_unwritten_memory(only_fused_kernels, nan_uninitialized):
     """The one-rank FP8 MoE with fused permutes (``w13`` reading the permute's cast, no bf16 rows) over 7 tokens (odd:
     each expert's block is 7 rows and 121 padding rows) and 3 experts, one of which no token chooses (selection bias

@@ -149,6 +149,7 @@ def _compile_for_sm90() -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_offline():
     pytest.importorskip("triton.backends.nvidia")
     # @triton.jit chose interpreter or compiler at import: compile in a process without TRITON_INTERPRET

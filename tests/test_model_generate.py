@@ -182,6 +182,7 @@ def test_generate_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, cas
     assert re.match(r"^(python -m recipes.generate: )?error: ", err[0]) and expect.format(ck=ck) in err[0], err[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_generate_corrupt_shard_through_the_real_cli(hf_dir, tmp_path):
     import os

@@ -247,6 +247,7 @@ def test_search_ranks_fitting_layouts_by_time_and_marks_dominated():
     assert all(e.layout.recompute == "none" for e in ok)
 
 
+@pytest.mark.slow
 def test_nothing_fits_lists_the_nearest_misses(capsys):
     code = plan.main(["--model", "recipes/configs/tiny_cpu.toml", "--gpu", "MTT-S4000", "--gpus", "8",
                       "--global-batch", "32", "--set", "model.overrides.dim=16384", "--set",

@@ -78,6 +78,7 @@ def test_bad_records_are_refused_in_one_line_naming_file_and_key(mutate, message
     assert "\n" not in str(info.value) and str(info.value).startswith("runs/x.toml: ")
 
 
+@pytest.mark.slow
 def test_bad_toml_and_the_cli_refuse_in_one_line_and_write_nothing(tmp_path):
     bad = tmp_path / "broken.toml"
     bad.write_text("[source\nrepository = 1\n")

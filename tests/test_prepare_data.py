@@ -53,6 +53,7 @@ def _documents(out: Path) -> list[list[int]]:
     return docs
 
 
+@pytest.mark.slow
 def test_jsonl_and_text_to_shuffled_shards_with_eod_and_index(tmp_path):
     texts = _corpus(tmp_path / "in")
     assert _run([tmp_path / "in"], tmp_path / "out", "byte", "--workers", "2") == 0
@@ -158,6 +159,7 @@ def _word_tokenizer(path: Path, extra_words: int = 0) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_hf_tokenizer_json_dtype_eod_and_hash_check(tmp_path):
     pytest.importorskip("tokenizers")
     texts = _corpus(tmp_path / "in", docs=60)
@@ -301,6 +303,7 @@ def _texts_of(out: Path, tok: Path) -> list[list[str]]:
     return [[ref.id_to_token(i) for i in doc[:-1]] for doc in _documents(out)]
 
 
+@pytest.mark.slow
 def test_fim_psm_spm_rate_and_reproducible_over_workers(tmp_path):
     """--fim-rate 0.1: about 10% of documents (binomial over 401: 40 +- 6; [16, 64] is 4 sigma) become
     begin prefix hole suffix end middle, whose parts put back in order are the document; the rest are

@@ -137,6 +137,7 @@ def runs(tmp_path_factory):
     return run_distributed(_rank_main, 2, str(tmp_path_factory.mktemp("eplb")), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_eplb_changes_placement_not_math(runs):
@@ -256,6 +257,7 @@ def _zero1_rank(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_eplb_with_zero1_sharded_expert_states_matches_eplb_off(tmp_path):

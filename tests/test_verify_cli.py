@@ -83,6 +83,7 @@ def test_package_errors_only_matter_to_matching_globs():
     assert not verify_kernels._concerns("deep_gemm", ["toy.*", "flash_mla.*"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_cli_as_a_fresh_process(tmp_path):
     """No TRITON_INTERPRET in the environment: the CLI itself must switch the interpreter on (cpu)."""
@@ -101,6 +102,7 @@ def test_cli_as_a_fresh_process(tmp_path):
     assert {(r["op"], r["result"]) for r in doc["rows"]} == {("toy.axpby", "PASS"), ("toy.unwritten_output", "FAIL")}
 
 
+@pytest.mark.slow
 def test_bench_kernels_dispatches(monkeypatch, capsys):
     seen = []
     fake = types.ModuleType("recipes.bench_deep_gemm")
