@@ -38,7 +38,7 @@ from torch import nn
 
 from deep_gemm.mxfp4 import fp4_act_cast_counts, mxfp4_cast_counts
 from deep_gemm.reference import AMAX_FLOOR, ceil_to_ue8m0
-from deep_gemm.utils import FP8_MAX
+from deep_gemm.utils import FP8_MAX, cast_count_row
 
 E4M3_MIN_NORMAL = 2.0 ** -6
 _E4M3_FIRST_NORMAL_BITS = 0b0000_1000  # exponent field 1, mantissa 0: 2^-6
@@ -91,12 +91,8 @@ def cast_counts(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     floor = torch.where(ue8m0, ceil_to_ue8m0(torch.tensor(AMAX_FLOOR / FP8_MAX)).to(q.device) * FP8_MAX,
                         torch.tensor(AMAX_FLOOR, device=q.device))
     floored = live & (amax <= floor * (1 + 1e-6))  # up to the scale's fp32 rounding
-    log2 = torch.log2(amax[live].double())
-    big = torch.tensor(math.inf, dtype=torch.float64, device=q.device)
-    return torch.stack([
-        tile_nz.sum().double(), tile_under.sum().double(), subnormal.double(), live.sum().double(),
-        floored.sum().double(), (tile_under * floored).sum().double(), log2.sum(),
-        log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
+    return cast_count_row(tile_nz.sum(), tile_under.sum(), subnormal, live.sum(), floored.sum(),
+                          (tile_under * floored).sum(), torch.log2(amax[live].double()))
 
 
 class Fp8Health:

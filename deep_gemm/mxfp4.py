@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from accel import registry
-from deep_gemm.utils import MX_BLOCK
+from deep_gemm.utils import MX_BLOCK, cast_count_row
 
 E2M1_MAX = 6.0
 E2M1_EMAX = 2  # exponent of E2M1's largest normal, 1.5 x 2^2
@@ -226,11 +226,8 @@ def mxfp4_cast_counts(x: torch.Tensor) -> torch.Tensor:
     floored = live & (torch.frexp(amax)[1] - 1 - E2M1_EMAX < E8M0_MIN)
     pad = blocks.shape[-1] * blocks.shape[-2] - x.shape[-1]
     per_block = torch.nn.functional.pad(flushed.reshape(*x.shape), (0, pad)).reshape(-1, MX_BLOCK).sum(-1)
-    log2 = torch.log2(amax[live])
-    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
-    return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 1)).sum().double(),
-                        live.sum().double(), floored.sum().double(), (per_block * floored).sum().double(), log2.sum(),
-                        log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
+    return cast_count_row(nonzero.sum(), flushed.sum(), (nonzero & (magnitude == 1)).sum(), live.sum(),
+                          floored.sum(), (per_block * floored).sum(), torch.log2(amax[live]))
 
 
 def fp4_act_cast_counts(x: torch.Tensor) -> torch.Tensor:
@@ -253,8 +250,5 @@ def fp4_act_cast_counts(x: torch.Tensor) -> torch.Tensor:
     flushed = nonzero & (magnitude == 0)
     live = (amax > 0) & finite
     floored = live & (amax < FP4_ACT_FLOOR)
-    log2 = torch.log2(amax[live])
-    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
-    return torch.stack([nonzero.sum().double(), flushed.sum().double(), (nonzero & (magnitude == 0.5)).sum().double(),
-                        live.sum().double(), floored.sum().double(), (flushed.sum(-1) * floored).sum().double(),
-                        log2.sum(), log2.min() if log2.numel() else big, log2.max() if log2.numel() else -big])
+    return cast_count_row(nonzero.sum(), flushed.sum(), (nonzero & (magnitude == 0.5)).sum(), live.sum(),
+                          floored.sum(), (flushed.sum(-1) * floored).sum(), torch.log2(amax[live]))

@@ -27,6 +27,18 @@ _num_sms: int | None = None
 _scale_values_unchecked = 0  # > 0 inside unchecked_scale_values()
 
 
+def cast_count_row(values: torch.Tensor, underflow: torch.Tensor, subnormal: torch.Tensor, tiles: torch.Tensor,
+                   floored: torch.Tensor, hidden: torch.Tensor, log2_amax: torch.Tensor) -> torch.Tensor:
+    """The FP8 health report's float64 row ``[values, underflow, subnormal, tiles, floored, hidden, sum log2 amax,
+    min, max]`` (``deep_gemm.health.cast_counts``, and the FP4 casts' ``deep_gemm.mxfp4`` counts) from a cast's
+    counts and the log2 amax of its tiles holding a nonzero value (min / max +-inf when there is none)."""
+    log2 = log2_amax.double()
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=log2.device)
+    return torch.stack([values.double(), underflow.double(), subnormal.double(), tiles.double(), floored.double(),
+                        hidden.double(), log2.sum(), log2.min() if log2.numel() else big,
+                        log2.max() if log2.numel() else -big])
+
+
 def ceil_div(x: int, y: int) -> int:
     return (x + y - 1) // y
 
