@@ -57,10 +57,15 @@ class Band:
         return per / cal, per / hi, per / lo
 
 
+def scale_key(scales: dict[str, float], gpu: str) -> str:
+    """Whose compute scale a question on ``gpu`` takes: its system's (GPU model's), else its GPU family's, else
+    every run's (``"*"``; ``planner.loo.fit_scales``)."""
+    return gpu if gpu in scales else family(gpu) if family(gpu) in scales else "*"
+
+
 def scale_for(scales: dict[str, float], gpu: str) -> float:
-    """The compute scale of a question on ``gpu``: its system's (GPU model's), else its GPU family's, else every
-    run's (``planner.loo.fit_scales``)."""
-    return scales.get(gpu, scales.get(family(gpu), scales["*"]))
+    """The compute scale of a question on ``gpu`` (``scale_key``)."""
+    return scales[scale_key(scales, gpu)]
 
 
 def load_residuals(path: Path = RESIDUALS) -> dict:
@@ -98,8 +103,8 @@ def band_for(residuals: dict, gpu: str, gpus: int, flops_per_token: float) -> Ba
     pool = near if len(near) >= MIN_NEAREST else near + [r for r in runs if r not in near]
     low, high = widened_range([r["ratio"] for r in pool])
     scales = residuals["scales"]
-    scale_of = gpu if gpu in scales else fam if fam in scales else "every run"
-    return Band(scale_for(scales, gpu), scale_of, residuals["step_overhead_s"], low, high,
+    key = scale_key(scales, gpu)
+    return Band(scales[key], "every run" if key == "*" else key, residuals["step_overhead_s"], low, high,
                 tuple(r["name"] for r in near), "; ".join(why), len(near) < MIN_NEAREST)
 
 
